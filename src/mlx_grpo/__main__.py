@@ -1,0 +1,3 @@
+from mlx_grpo.cli import main
+
+raise SystemExit(main())
