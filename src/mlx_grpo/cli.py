@@ -1,0 +1,126 @@
+"""The `mlx-grpo` command line: argument parsing only; each subcommand calls one public function.
+
+Every config field of a command is a flag (`--field-name VALUE`), equivalent to `--set field_name=VALUE`;
+its help and default come from config.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mlx_grpo import __version__
+from mlx_grpo.config import (
+    COMMAND_OPTIONS,
+    FIELDS,
+    FLAG_ALIASES,
+    Option,
+    build_config,
+    command_default,
+    fields_for,
+    parse_set,
+)
+from mlx_grpo.errors import UserError
+
+DESCRIPTIONS = {
+    "convert": "Convert a Hugging Face model or a GGUF file to an MLX model directory.",
+    "generate": "Generate text from a prompt (or a file of prompts) with a model.",
+    "chat": "Chat with a model in the terminal (also works from a pipe).",
+    "train": "Fine-tune a model with GRPO.",
+    "eval": "Measure exact-match accuracy (or pass@k) of a model on a data set.",
+}
+
+
+def _add_option(parser: argparse.ArgumentParser, opt: Option) -> None:
+    dest = opt.flags[0].lstrip("-").replace("-", "_")
+    if opt.kind == "flag":
+        parser.add_argument(*opt.flags, dest=dest, action="store_true", help=opt.help)
+    elif opt.kind == "optional":
+        parser.add_argument(*opt.flags, dest=dest, nargs="?", const="latest", default=None, help=opt.help)
+    elif opt.kind == "choice":
+        parser.add_argument(*opt.flags, dest=dest, choices=opt.choices, default=opt.default,
+                            help=opt.help + (f" (default: {opt.default})" if opt.default else ""))
+    else:
+        parser.add_argument(*opt.flags, dest=dest, type=int if opt.kind == "int" else str,
+                            default=opt.default,
+                            help=opt.help + (f" (default: {opt.default})" if opt.default is not None else ""))
+
+
+def _add_config_fields(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flat or under "
+                        "[mlx_grpo]); a missing file is an error.")
+    parser.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
+                        help="Override a config key; repeatable; wins over --config and flags.")
+    group = parser.add_argument_group("config fields (also settable in --config or with --set)")
+    for name in fields_for(command):
+        flags = [f"--{name.replace('_', '-')}"] + FLAG_ALIASES.get(name, [])
+        default = command_default(command, name)
+        group.add_argument(*flags, dest=f"field__{name}", default=None, metavar="VALUE",
+                           help=f"{FIELDS[name].metadata['help']} (default: {default!r})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-grpo", description="GRPO fine-tuning on MLX.")
+    parser.add_argument("--version", action="version", version=f"mlx-grpo {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command, description in DESCRIPTIONS.items():
+        sub = subparsers.add_parser(command, help=description, description=description)
+        for opt in COMMAND_OPTIONS.get(command, []):
+            _add_option(sub, opt)
+        if fields_for(command):
+            _add_config_fields(sub, command)
+    return parser
+
+
+def _config_from_args(command: str, args: argparse.Namespace):
+    overrides = [(key[len("field__"):], value) for key, value in vars(args).items()
+                 if key.startswith("field__") and value is not None]
+    overrides += parse_set(args.set_items)
+    return build_config(command, args.config, overrides)
+
+
+def _dispatch(args: argparse.Namespace) -> None:
+    command = args.command
+    if command == "convert":
+        from mlx_grpo.models.convert import run_convert
+
+        out = run_convert(hf_path=args.hf_path, gguf=args.gguf, output_dir=args.output_dir,
+                          quantize=args.quantize, bits=int(args.bits), group_size=args.group_size,
+                          dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        print(f"wrote MLX model to {out}")
+        return
+    cfg = _config_from_args(command, args)
+    if command == "generate":
+        from mlx_grpo.inference import run_generate
+
+        run_generate(cfg, prompt=args.prompt, prompts_file=args.prompts_file, output=args.output,
+                     batch_size=args.batch_size, stream=args.stream, raw=args.raw, verbose=args.verbose)
+    elif command == "chat":
+        from mlx_grpo.inference import run_chat
+
+        run_chat(cfg, verbose=args.verbose)
+    elif command == "train":
+        from mlx_grpo.trainer import train
+
+        train(cfg, resume=args.resume)
+    elif command == "eval":
+        from mlx_grpo.evaluate import run_eval
+
+        run_eval(cfg, split=args.split, output=args.output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _dispatch(args)
+    except UserError as exc:
+        print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mlx-grpo {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

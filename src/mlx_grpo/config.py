@@ -1,0 +1,407 @@
+"""The one home of every setting: defaults, help texts, parsing (TOML + --set), validation.
+
+Sources, in increasing precedence: field defaults < per-command defaults < TOML file (`--config`)
+< command-line flags and `--set key=value`. Every field names the commands it applies to; a key that
+exists but does not apply to the running command is rejected, so no setting is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_grpo.errors import UserError
+
+SYSTEM_PROMPT = (
+    "\nRespond in the following format:\n\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n"
+)
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BUILTIN_REWARD_NAMES = ["correctness", "int", "strict_format", "soft_format", "xmlcount"]
+
+INFER = frozenset({"generate", "chat"})
+MODEL_CMDS = frozenset({"generate", "chat", "train", "eval"})
+SAMPLING = frozenset({"generate", "chat", "train", "eval"})
+TRAIN = frozenset({"train"})
+DATA = frozenset({"train", "eval"})
+COMMANDS = ("convert", "generate", "chat", "train", "eval")
+
+
+def _f(default: Any, help: str, commands: frozenset[str]) -> Any:
+    """A config field: its default, its help text and the commands it applies to."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, "commands": commands})
+    return field(default=default, metadata={"help": help, "commands": commands})
+
+
+@dataclass
+class Config:
+    # --- model ---
+    model_name: str = _f(DEFAULT_MODEL, "Model: 'smollm2-135m-instruct' (embedded default, offline), an MLX "
+                         "model directory, a checkpoint directory, or a Hugging Face hub id.", MODEL_CMDS)
+    system_prompt: str = _f(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
+                            "empty means none.", MODEL_CMDS)
+    # --- sampling (rollouts, generate, chat) ---
+    max_new_tokens: int = _f(256, "Maximum number of tokens generated per completion.", SAMPLING)
+    temperature: float = _f(1.0, "Sampling temperature; 0 is greedy. Training log-probs use the same "
+                            "temperature as the sampler.", SAMPLING)
+    top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this total probability "
+                      "(1.0 = off).", SAMPLING)
+    top_k: int = _f(0, "Sample only among the k most likely tokens (0 = off).", SAMPLING)
+    min_p: float = _f(0.0, "Drop tokens whose probability is below min_p times the top token's (0 = off).",
+                      SAMPLING)
+    repetition_penalty: float = _f(1.0, "Penalty for tokens in the last 20 tokens (1.0 = off).", INFER)
+    seed: int = _f(42, "Random seed for sampling, data order and initialisation.", SAMPLING)
+    # --- data ---
+    dataset: str = _f("arith", "Data set: 'arith' (built-in, offline arithmetic word problems) or 'gsm8k' "
+                      "(openai/gsm8k from the Hugging Face hub). Ignored where a *_dataset_path is set.", DATA)
+    dataset_path: str = _f("", "Local JSONL/Parquet training file (GSM8K form or prompt/answer); overrides "
+                           "`dataset` for training.", TRAIN)
+    eval_dataset_path: str = _f("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA)
+    max_train_samples: int = _f(0, "Use only the first N training examples after shuffling (0 = all).", TRAIN)
+    max_prompt_length: int = _f(512, "Prompts longer than this many tokens are cut from the left, keeping "
+                                "the generation prompt; cuts are counted in the logs.", DATA)
+    prefill: str = _f("", "Text appended after the generation prompt (e.g. '<reasoning>'); rewards see "
+                      "prefill + completion.", DATA)
+    # --- rewards ---
+    reward_funcs: list[str] = _f(BUILTIN_REWARD_NAMES, "Reward functions: built-in names "
+                                 f"({', '.join(BUILTIN_REWARD_NAMES)}) or 'file.py:function'.", TRAIN)
+    reward_weights: list[float] = _f([], "One weight per reward function (empty = all 1.0).", TRAIN)
+    stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one.",
+                         TRAIN)
+    # --- run ---
+    output_dir: str = _f("runs", "Directory that holds run directories.", TRAIN)
+    run_name: str = _f("grpo", "Run directory name under output_dir.", TRAIN)
+    num_epochs: int = _f(1, "Passes over the training data.", TRAIN)
+    batch_size: int = _f(4, "Prompts per batch step (B).", TRAIN)
+    num_generations: int = _f(8, "Completions sampled per prompt (G); advantages are normalised within "
+                              "each group of G.", TRAIN)
+    gradient_accumulation_steps: int = _f(1, "Batch steps per optimizer update.", TRAIN)
+    micro_batch_size: int = _f(16, "Sequences per forward/backward chunk in log-prob and training passes; "
+                               "bounds memory, does not change results.", TRAIN)
+    max_completion_length: int = _f(0, "Alias of max_new_tokens kept for older configs; must equal it when "
+                                    "set (0 = unset).", TRAIN)
+    # --- optimisation ---
+    learning_rate: float = _f(1e-6, "Peak AdamW learning rate.", TRAIN)
+    lr_scheduler_type: str = _f("cosine", "Learning-rate schedule after warmup: cosine, linear or constant.",
+                                TRAIN)
+    warmup_ratio: float = _f(0.1, "Fraction of the run's updates spent in linear warmup.", TRAIN)
+    adam_beta1: float = _f(0.9, "AdamW beta1.", TRAIN)
+    adam_beta2: float = _f(0.99, "AdamW beta2.", TRAIN)
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", TRAIN)
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 = no clipping).", TRAIN)
+    clip_eps: float = _f(0.2, "PPO clipping range for the probability ratio.", TRAIN)
+    kl_coeff: float = _f(0.04, "Weight of the KL penalty to the reference model (0 = no reference model).",
+                         TRAIN)
+    num_iterations: int = _f(1, "Optimizer passes over each rollout batch.", TRAIN)
+    update_every: int = _f(1, "Refresh the sampling (old) policy from the trained model every N updates.",
+                           TRAIN)
+    quantize_for_rollouts: bool = _f(False, "Sample from a 4-bit (group 64) copy of the old policy, "
+                                     "re-quantized at each refresh.", TRAIN)
+    use_compile: bool = _f(False, "Compile the loss/gradient step with mx.compile.", TRAIN)
+    max_consecutive_skips: int = _f(5, "Abort after this many consecutive updates skipped for a non-finite "
+                                    "loss or gradient.", TRAIN)
+    # --- logging, checkpoints, eval ---
+    logging_steps: int = _f(1, "Print a metrics line every N updates.", TRAIN)
+    log_jsonl: bool = _f(True, "Write metrics.jsonl and completions.jsonl in the run directory.", TRAIN)
+    log_completions_steps: int = _f(10, "Log every completion of one batch step to completions.jsonl every "
+                                    "N updates (0 = never).", TRAIN)
+    save_steps: int = _f(50, "Save a checkpoint every N updates (0 = only at the end).", TRAIN)
+    eval_every_updates: int = _f(0, "Evaluate greedy accuracy every N updates (0 = off).", TRAIN)
+    eval_subset_size: int = _f(50, "Examples in the fixed, seeded eval subset.", DATA)
+    eval_max_new_tokens: int = _f(256, "Maximum new tokens per eval answer.", DATA)
+    eval_steps: int = _f(0, "Legacy: also evaluate every N batch steps (0 = off).", TRAIN)
+    eval_samples: int = _f(0, "Legacy: examples for eval_steps evaluations (0 = eval_subset_size).", TRAIN)
+    eval_num_samples: int = _f(1, "Samples per eval question; >1 reports pass@k at `temperature`.",
+                               frozenset({"eval"}))
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Config)}
+
+# Where a command's natural default differs from training's (interactive use is greedy, no XML prompt).
+COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "generate": {"temperature": 0.0, "system_prompt": ""},
+    "chat": {"temperature": 0.0, "system_prompt": ""},
+    "eval": {"temperature": 0.0},
+}
+
+# Short flags for the most used fields, besides the automatic --field-name form.
+FLAG_ALIASES: dict[str, list[str]] = {
+    "model_name": ["--model"],
+    "max_new_tokens": ["--max-tokens"],
+    "system_prompt": ["--system"],
+    "eval_subset_size": ["--samples"],
+    "eval_num_samples": ["--num-samples"],
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """A per-invocation command-line option that is not a config field (what to do, not how)."""
+
+    flags: tuple[str, ...]
+    help: str
+    kind: str = "str"  # str | int | flag | choice
+    default: Any = None
+    choices: tuple[str, ...] = ()
+
+
+COMMAND_OPTIONS: dict[str, list[Option]] = {
+    "convert": [
+        Option(("--hf-path",), "Hugging Face model to convert: a hub id or a local directory."),
+        Option(("--gguf",), "GGUF file to convert (llama-family architectures)."),
+        Option(("--output-dir",), "Directory to write the MLX model into (must not exist)."),
+        Option(("--quantize", "-q"), "Quantize the weights.", kind="flag", default=False),
+        Option(("--bits",), "Bits per weight when quantizing.", kind="choice", default="4",
+               choices=("2", "3", "4", "6", "8")),
+        Option(("--group-size",), "Quantization group size.", kind="int", default=64),
+        Option(("--dtype",), "Dtype of the unquantized weights (default: the source's, bfloat16 for GGUF).",
+               kind="choice", choices=("float16", "bfloat16", "float32")),
+        Option(("--trust-remote-code",), "Allow custom code from the hub repository.", kind="flag",
+               default=False),
+    ],
+    "generate": [
+        Option(("--prompt", "-p"), "Prompt text (use - to read it from stdin)."),
+        Option(("--prompts-file",), "File of prompts: one per line, or JSONL with a 'prompt' field; "
+               "generated in batches."),
+        Option(("--output", "-o"), "JSONL file for --prompts-file results (default: stdout)."),
+        Option(("--batch-size",), "Prompts per batch with --prompts-file.", kind="int", default=32),
+        Option(("--stream",), "Print tokens as they are generated.", kind="flag", default=False),
+        Option(("--raw",), "Send the prompt as raw text, without the chat template.", kind="flag",
+               default=False),
+        Option(("--verbose", "-v"), "Print prompt/generation tokens per second and peak memory.",
+               kind="flag", default=False),
+    ],
+    "chat": [
+        Option(("--verbose", "-v"), "Print tokens per second and peak memory after each answer.",
+               kind="flag", default=False),
+    ],
+    "train": [
+        Option(("--resume",), "Resume from the latest checkpoint of the run directory, or from the "
+               "checkpoint directory given.", kind="optional"),
+    ],
+    "eval": [
+        Option(("--split",), "Data split to evaluate.", default="test"),
+        Option(("--output", "-o"), "JSONL file of per-example results (default: <model>/eval-<split>.jsonl)."),
+    ],
+}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _type_name(tp: Any) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean (true/false)",
+            list[str]: "a list of strings", list[float]: "a list of numbers"}.get(tp, str(tp))
+
+
+def _field_type(name: str) -> Any:
+    return typing.get_type_hints(Config)[name]
+
+
+def _parse_scalar(tp: Any, value: Any) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, int):
+            return value
+        number = float(value) if isinstance(value, (str, float)) else None
+        if number is None or not math.isfinite(number) or number != int(number):
+            raise ValueError
+        if isinstance(value, str) and not any(c in value.lower() for c in ".e"):
+            return int(value)
+        return int(number)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError
+        return number
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    raise TypeError(tp)
+
+
+def parse_value(name: str, value: Any) -> Any:
+    """Convert a TOML value or a --set string to the field's type, or raise UserError saying why."""
+    tp = _field_type(name)
+    try:
+        if typing.get_origin(tp) is list:
+            (item_tp,) = typing.get_args(tp)
+            if isinstance(value, str):
+                text = value.strip()
+                if text.startswith("["):
+                    value = json.loads(text)
+                else:
+                    value = [part.strip() for part in text.split(",") if part.strip()]
+            if not isinstance(value, list):
+                raise ValueError
+            return [_parse_scalar(item_tp, v) for v in value]
+        return _parse_scalar(tp, value)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise UserError(f"config key '{name}' expects {_type_name(tp)}, got {value!r}") from None
+
+
+def _nearest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.4)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(candidates))}"
+
+
+def check_key(name: str, command: str, source: str) -> None:
+    if name not in FIELDS:
+        raise UserError(f"unknown config key '{name}' in {source}{_nearest(name, list(FIELDS))}")
+    if command not in FIELDS[name].metadata["commands"]:
+        users = ", ".join(sorted(FIELDS[name].metadata["commands"]))
+        raise UserError(f"config key '{name}' ({source}) does not apply to '{command}' (used by: {users})")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Flat keys, or the same keys under a [mlx_grpo] table."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    if "mlx_grpo" in data:
+        if set(data) != {"mlx_grpo"} or not isinstance(data["mlx_grpo"], dict):
+            raise UserError(f"config file {path}: put every key inside the [mlx_grpo] table or none")
+        data = data["mlx_grpo"]
+    return data
+
+
+def parse_set(items: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set expects key=value, got {item!r}")
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def build_config(command: str, toml_path: str | None = None,
+                 overrides: list[tuple[str, Any]] | None = None) -> Config:
+    """Resolve defaults < command defaults < TOML < overrides (flags, --set), then validate."""
+    values: dict[str, Any] = dict(COMMAND_DEFAULTS.get(command, {}))
+    if toml_path is not None:
+        for key, value in read_toml(toml_path).items():
+            check_key(key, command, f"config file {toml_path}")
+            values[key] = parse_value(key, value)
+    for key, value in overrides or []:
+        check_key(key, command, "--set" if isinstance(value, str) else "command line")
+        values[key] = parse_value(key, value)
+    config = Config(**values)
+    validate(config, command)
+    return config
+
+
+def command_default(command: str, name: str) -> Any:
+    if name in COMMAND_DEFAULTS.get(command, {}):
+        return COMMAND_DEFAULTS[command][name]
+    f = FIELDS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def fields_for(command: str) -> list[str]:
+    return [name for name, f in FIELDS.items() if command in f.metadata["commands"]]
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+def validate(c: Config, command: str) -> None:
+    """Cross-field and range rules, each with a message saying what to change."""
+    _require(c.max_new_tokens > 0, "max_new_tokens must be > 0")
+    _require(c.temperature >= 0, "temperature must be >= 0 (0 = greedy)")
+    _require(0 < c.top_p <= 1, "top_p must be in (0, 1]; use 1.0 to turn it off")
+    _require(c.top_k >= 0, "top_k must be >= 0 (0 = off)")
+    _require(0 <= c.min_p < 1, "min_p must be in [0, 1)")
+    _require(c.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 = off)")
+    if command not in DATA:
+        return
+    _require(c.dataset in ("arith", "gsm8k"), f"dataset must be 'arith' or 'gsm8k', got {c.dataset!r}; "
+             "for a local file set dataset_path / eval_dataset_path")
+    _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
+    _require(c.eval_subset_size > 0, "eval_subset_size must be > 0")
+    _require(c.eval_max_new_tokens > 0, "eval_max_new_tokens must be > 0")
+    _require(c.eval_num_samples >= 1, "eval_num_samples must be >= 1")
+    _require(c.eval_num_samples == 1 or c.temperature > 0,
+             "eval_num_samples > 1 (pass@k) needs temperature > 0; set temperature=1.0")
+    if command == "train":
+        _validate_train(c)
+
+
+def _validate_train(c: Config) -> None:
+    for name in ("num_epochs", "batch_size", "gradient_accumulation_steps", "micro_batch_size",
+                 "num_iterations", "update_every", "max_consecutive_skips", "logging_steps"):
+        _require(getattr(c, name) >= 1, f"{name} must be >= 1")
+    for name in ("max_train_samples", "save_steps", "eval_every_updates", "eval_steps", "eval_samples",
+                 "log_completions_steps", "weight_decay", "kl_coeff", "max_grad_norm"):
+        _require(getattr(c, name) >= 0, f"{name} must be >= 0")
+    _require(c.num_generations >= 2, "num_generations must be >= 2: group-relative advantages need at "
+             "least two completions per prompt")
+    _require(c.temperature > 0, "training samples its rollouts: temperature must be > 0")
+    _require(c.learning_rate > 0, "learning_rate must be > 0")
+    _require(0 <= c.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
+    _require(0 < c.clip_eps < 1, "clip_eps must be in (0, 1)")
+    _require(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+    _require(c.lr_scheduler_type in ("cosine", "linear", "constant"),
+             f"lr_scheduler_type must be cosine, linear or constant, got {c.lr_scheduler_type!r}")
+    _require(c.max_completion_length in (0, c.max_new_tokens),
+             f"max_completion_length ({c.max_completion_length}) must equal max_new_tokens "
+             f"({c.max_new_tokens}): set both to the same value, or drop max_completion_length")
+    _require(c.run_name.strip() != "" and "/" not in c.run_name, "run_name must be a non-empty name without '/'")
+    _require(not c.reward_weights or len(c.reward_weights) == len(c.reward_funcs),
+             f"reward_weights has {len(c.reward_weights)} entries but reward_funcs has {len(c.reward_funcs)}: "
+             "give one weight per function, or none")
+    _require(len(c.reward_funcs) > 0, "reward_funcs must name at least one reward function")
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def save_json(config: Config, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    """Write the resolved config (plus per-invocation options) as JSON."""
+    data = to_dict(config)
+    if extra:
+        data = {**data, "command_options": extra}
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def from_json(path: str | Path, command: str = "train") -> Config:
+    """Load a resolved config saved by save_json (checkpoints), re-validated."""
+    data = json.loads(Path(path).read_text())
+    data.pop("command_options", None)
+    for key in data:
+        if key not in FIELDS:
+            raise UserError(f"unknown config key '{key}' in {path}{_nearest(key, list(FIELDS))}")
+    config = Config(**{key: parse_value(key, value) for key, value in data.items()})
+    validate(config, command)
+    return config

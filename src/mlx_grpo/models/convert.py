@@ -1,0 +1,62 @@
+"""`mlx-grpo convert`: Hugging Face (through mlx_lm.convert) or GGUF checkpoints to MLX model directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from mlx_grpo.errors import UserError
+
+
+def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, group_size: int,
+               dtype: str | None, trust_remote_code: bool) -> None:
+    """Convert with mlx-lm into a temporary sibling directory, then rename (never a half model)."""
+    from mlx_lm.convert import convert
+
+    parent = output_dir.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=parent, prefix=".tmp-convert-"))
+    try:
+        work = staging / "model"  # mlx_lm.convert refuses an existing directory
+        convert(hf_path, str(work), quantize=quantize, q_bits=bits if quantize else None,
+                q_group_size=group_size if quantize else None, dtype=dtype,
+                trust_remote_code=trust_remote_code)
+        os.rename(work, output_dir)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"could not convert {hf_path!r}: {type(exc).__name__}: {exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir: str | None = None,
+                quantize: bool = False, bits: int = 4, group_size: int = 64, dtype: str | None = None,
+                trust_remote_code: bool = False) -> Path:
+    """Validate the flags, convert, and record the options in the output directory."""
+    if (hf_path is None) == (gguf is None):
+        raise UserError("give exactly one of --hf-path or --gguf")
+    if not output_dir:
+        raise UserError("--output-dir is required")
+    if group_size < 1:
+        raise UserError("--group-size must be >= 1")
+    out = Path(output_dir)
+    if out.exists():
+        raise UserError(f"output directory {out} already exists; choose another --output-dir or delete it")
+    if gguf is not None:
+        if trust_remote_code:
+            raise UserError("--trust-remote-code applies to --hf-path only: a GGUF file carries no code")
+        from mlx_grpo.models.gguf import convert_gguf
+
+        convert_gguf(gguf, out, dtype=dtype or "bfloat16", quantize=quantize, q_bits=bits,
+                     q_group_size=group_size)
+    else:
+        convert_hf(hf_path, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
+                   trust_remote_code=trust_remote_code)
+    options = {"hf_path": hf_path, "gguf": gguf, "quantize": quantize, "bits": bits,
+               "group_size": group_size, "dtype": dtype, "trust_remote_code": trust_remote_code}
+    (out / "mlx_grpo_convert.json").write_text(json.dumps(options, indent=2) + "\n")
+    return out

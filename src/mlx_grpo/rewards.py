@@ -1,0 +1,308 @@
+"""Reward functions: the answer/format parsers, the built-in GSM8K-style rewards,
+loading of user reward files (``path/file.py:function``) and ``RewardSet``, which
+calls every reward on a batch of completions, validates what comes back and
+combines the results into one weighted score per completion.
+
+Every reward has the TRL-like signature
+``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``;
+``None`` means "not applicable to this completion".
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_grpo.errors import UserError
+
+SYSTEM_PROMPT = (
+    "\nRespond in the following format:\n\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n"
+)
+
+RewardFn = Callable[..., Sequence[float | None]]
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)")
+_INTEGER = re.compile(r"-?\d+")
+_STRICT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?$", re.DOTALL)
+_SOFT = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
+_XML_TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
+# Keyword names the reward call itself uses; a data column may not reuse them.
+RESERVED_ARGS = frozenset({"prompts", "completions", "completion_ids"})
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def extract_answer(text: str) -> str | None:
+    """The stripped text inside the last ``<answer>...</answer>``; None if there is none."""
+    end = text.rfind("</answer>")
+    if end < 0:
+        return None
+    # The last opening tag before the last closing tag, so nested/repeated tags resolve to the innermost tail.
+    start = text.rfind("<answer>", 0, end)
+    if start < 0:
+        return None
+    return text[start + len("<answer>") : end].strip()
+
+
+def _normalize_number(text: str) -> str:
+    """Drop the decorations models add to numbers: thousands commas, ``$`` and surrounding spaces."""
+    return re.sub(r"[,$]", "", text).strip()
+
+
+def answers_match(pred: str | None, gold: str | None) -> bool:
+    """Numbers compare by value ("1,000" == "1000", "$5" == "5.0"); anything else as stripped text."""
+    if pred is None or gold is None:
+        return False
+    p, g = _normalize_number(str(pred)), _normalize_number(str(gold))
+    if _NUMBER.fullmatch(p) and _NUMBER.fullmatch(g):
+        # Exact rational comparison: no float rounding on long integers or decimals.
+        return Fraction(p) == Fraction(g)
+    return str(pred).strip() == str(gold).strip()
+
+
+def _text(completion: Any) -> str:
+    """Completions are texts; tolerate TRL's conversational form (a list of messages) by taking the last one."""
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+# ---------------------------------------------------------------- built-in rewards
+
+
+def correctness(prompts, completions, completion_ids, answer=None, **columns) -> list[float]:
+    """2.0 when the extracted answer equals the gold ``answer`` column, else 0.0."""
+    if answer is None:
+        raise ValueError("needs an 'answer' column with the gold answers")
+    return [2.0 if answers_match(extract_answer(_text(c)), a) else 0.0 for c, a in zip(completions, answer)]
+
+
+def int_reward(prompts, completions, completion_ids, **columns) -> list[float]:
+    """0.5 when the extracted answer is an integer ("-12", "1,000", "$5"), else 0.0."""
+    out = []
+    for c in completions:
+        pred = extract_answer(_text(c))
+        out.append(0.5 if pred is not None and _INTEGER.fullmatch(_normalize_number(pred)) else 0.0)
+    return out
+
+
+def strict_format(prompts, completions, completion_ids, **columns) -> list[float]:
+    """0.5 when the whole completion is exactly the reasoning/answer layout, newlines included."""
+    return [0.5 if _STRICT.match(_text(c)) else 0.0 for c in completions]
+
+
+def soft_format(prompts, completions, completion_ids, **columns) -> list[float]:
+    """0.5 when a reasoning block followed by an answer block appears anywhere."""
+    return [0.5 if _SOFT.search(_text(c)) else 0.0 for c in completions]
+
+
+def xmlcount_score(text: str) -> float:
+    """0.125 per tag present exactly once, minus 0.001 per character after the last ``</answer>``.
+
+    Not clamped: a long tail after the answer can push the score below zero, which is the point
+    (it discourages rambling after the answer).
+    """
+    score = sum(0.125 for tag in _XML_TAGS if text.count(tag) == 1)
+    end = text.rfind("</answer>")
+    if end >= 0:
+        score -= 0.001 * len(text[end + len("</answer>") :])
+    return score
+
+
+def xmlcount(prompts, completions, completion_ids, **columns) -> list[float]:
+    """Partial credit for the format tags; see ``xmlcount_score``."""
+    return [xmlcount_score(_text(c)) for c in completions]
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "correctness": correctness,
+    "int": int_reward,
+    "strict_format": strict_format,
+    "soft_format": soft_format,
+    "xmlcount": xmlcount,
+}
+
+
+# ---------------------------------------------------------------- custom rewards
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _import_file(path: Path) -> Any:
+    """Execute a user's Python file as a fresh module; its own folder is importable while it loads."""
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    name = f"mlx_grpo_user_reward_{path.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"reward file {path} cannot be imported as Python (expected a .py file)")
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses and pickling look the module up in sys.modules while it executes.
+    sys.modules[name] = module
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise UserError(f"reward file {path} failed to import: {type(e).__name__}: {_one_line(e)}") from e
+    finally:
+        if str(path.parent) in sys.path:
+            sys.path.remove(str(path.parent))
+    return module
+
+
+def _callables_in(module: Any) -> list[str]:
+    """Public callables defined in the module itself (not the ones it imported)."""
+    names = []
+    for attr, value in vars(module).items():
+        if attr.startswith("_") or not callable(value):
+            continue
+        if getattr(value, "__module__", None) == module.__name__:
+            names.append(attr)
+    return sorted(names)
+
+
+def load_reward_function(spec: str, base_dir: Path | None = None) -> RewardFn:
+    """Load ``"path/to/file.py:function_name"``; a relative path is taken from base_dir (default: cwd)."""
+    file_part, sep, func_name = spec.rpartition(":")
+    if not sep or not file_part or not func_name:
+        raise UserError(f"custom reward '{spec}' must look like path/to/file.py:function_name")
+    path = Path(file_part).expanduser()
+    if not path.is_absolute():
+        path = (base_dir if base_dir is not None else Path.cwd()) / path
+    if not path.is_file():
+        raise UserError(f"reward file not found: {path} (from reward '{spec}')")
+    module = _import_file(path.resolve())
+    if not hasattr(module, func_name):
+        found = ", ".join(_callables_in(module)) or "none"
+        raise UserError(f"reward file {path} has no function '{func_name}' (callables found: {found})")
+    fn = getattr(module, func_name)
+    if not callable(fn):
+        raise UserError(f"reward '{spec}': {func_name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+# ---------------------------------------------------------------- reward set
+
+
+@dataclass
+class RewardScores:
+    """Scores of one batch: ``per_func[name]`` is float32 [N] with NaN where the function gave None."""
+
+    names: list[str]
+    per_func: dict[str, np.ndarray]
+    total: np.ndarray
+
+
+def _unknown_reward(name: str) -> UserError:
+    close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.0)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    valid = ", ".join(BUILTIN_REWARDS)
+    return UserError(
+        f"unknown reward function '{name}' ({hint}built-ins: {valid}; custom: path/to/file.py:function)"
+    )
+
+
+def _resolve(name: str, base_dir: Path | None) -> tuple[str, RewardFn]:
+    """A name with ':' is a custom file spec (keyed by its function name); anything else is a built-in."""
+    if ":" in name:
+        return name.rpartition(":")[2], load_reward_function(name, base_dir)
+    if name not in BUILTIN_REWARDS:
+        raise _unknown_reward(name)
+    return name, BUILTIN_REWARDS[name]
+
+
+class RewardSet:
+    """The reward functions of a run with their weights.
+
+    ``total`` is the weighted sum with None (NaN) counted as 0: a function that does not apply to a
+    completion neither rewards nor penalises it (the same as TRL's nansum), and one bad function
+    cannot turn every advantage into NaN.
+    """
+
+    def __init__(self, names: list[str], weights: list[float] | None = None, base_dir: Path | None = None):
+        """Resolve names (built-in, or 'file.py:function' relative to base_dir); weights default to 1.0."""
+        if not names:
+            raise UserError("no reward functions given (e.g. rewards: [correctness, xmlcount])")
+        resolved = [_resolve(n, base_dir) for n in names]
+        self.names = [key for key, _ in resolved]
+        dupes = sorted({n for n in self.names if self.names.count(n) > 1})
+        if dupes:
+            raise UserError(f"reward function listed twice: {', '.join(dupes)}")
+        self.functions = dict(resolved)
+        if not weights:  # None or [] (the config default) both mean "all 1.0"
+            weights = [1.0] * len(names)
+        if len(weights) != len(names):
+            raise UserError(
+                f"reward_weights has {len(weights)} values but there are {len(names)} reward functions "
+                f"({', '.join(self.names)})"
+            )
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
+            raise UserError(f"reward_weights must be finite numbers, got {list(weights)}")
+        self.weights = [float(w) for w in weights]
+
+    def score(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[str],
+        completion_ids: Sequence[Sequence[int]],
+        columns: dict[str, list],
+    ) -> RewardScores:
+        """Run every function on the N completions; columns hold one value per completion."""
+        n = len(completions)
+        clash = sorted(RESERVED_ARGS & set(columns))
+        if clash:
+            raise UserError(f"data column '{clash[0]}' clashes with a reward-function argument; rename it")
+        per_func = {}
+        for name, fn in self.functions.items():
+            try:
+                values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            except Exception as e:
+                raise UserError(f"reward function {name} failed: {type(e).__name__}: {_one_line(e)}") from e
+            per_func[name] = _check_values(name, values, n)
+        total = np.zeros(n, dtype=np.float32)
+        for name, w in zip(self.names, self.weights):
+            total += w * np.nan_to_num(per_func[name], nan=0.0)
+        return RewardScores(names=list(self.names), per_func=per_func, total=total)
+
+
+def _check_values(name: str, values: Any, n: int) -> np.ndarray:
+    """Turn one function's output into float32 [n] with NaN for None, or say exactly what is wrong."""
+    try:
+        got = len(values)
+    except TypeError:
+        raise UserError(
+            f"reward function {name} returned {type(values).__name__}, expected a list of {n} floats"
+        ) from None
+    if got != n:
+        raise UserError(f"reward function {name} returned {got} values, expected {n} (one per completion)")
+    out = np.empty(n, dtype=np.float32)
+    for i, v in enumerate(values):
+        if v is None:
+            out[i] = np.nan
+            continue
+        try:
+            if isinstance(v, (str, bytes)):
+                raise TypeError
+            x = float(v)
+        except (TypeError, ValueError):
+            raise UserError(
+                f"reward function {name} returned a non-numeric value at index {i}: {v!r} (expected float or None)"
+            ) from None
+        if not math.isfinite(x):
+            raise UserError(f"reward function {name} returned {x} at index {i}; use None for 'not applicable'")
+        out[i] = x
+    return out

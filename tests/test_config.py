@@ -1,0 +1,137 @@
+"""Config resolution: precedence, strict keys and types, cross-field rules, help output."""
+
+import json
+
+import pytest
+
+from mlx_grpo.cli import build_parser, main
+from mlx_grpo.config import SYSTEM_PROMPT, build_config, fields_for, from_json, parse_set, save_json
+from mlx_grpo.errors import UserError
+
+
+def test_precedence_defaults_toml_set(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('learning_rate = 2e-6\nbatch_size = 3\nrun_name = "from-toml"\n')
+    cfg = build_config("train", str(toml), parse_set(["batch_size=5"]))
+    assert cfg.learning_rate == 2e-6  # TOML beats the default
+    assert cfg.batch_size == 5  # --set beats TOML
+    assert cfg.run_name == "from-toml"
+    assert cfg.num_generations == 8  # untouched default
+    assert cfg.system_prompt == SYSTEM_PROMPT
+
+
+def test_table_form_and_command_defaults(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[mlx_grpo]\nkl_coeff = 0.0\n')
+    assert build_config("train", str(toml)).kl_coeff == 0.0
+    # interactive commands default to greedy and no system prompt; training samples at 1.0
+    assert build_config("generate").temperature == 0.0
+    assert build_config("generate").system_prompt == ""
+    assert build_config("train").temperature == 1.0
+
+
+def test_mixed_table_and_flat_keys_rejected(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('seed = 1\n[mlx_grpo]\nkl_coeff = 0.0\n')
+    with pytest.raises(UserError, match="mlx_grpo"):
+        build_config("train", str(toml))
+
+
+@pytest.mark.parametrize("key,nearest", [("learning_rat", "learning_rate"), ("temprature", "temperature"),
+                                         ("num_generation", "num_generations")])
+def test_unknown_key_names_nearest(key, nearest, tmp_path):
+    with pytest.raises(UserError, match=f"unknown config key '{key}'.*did you mean '{nearest}'"):
+        build_config("train", overrides=parse_set([f"{key}=1"]))
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"{key} = 1\n")
+    with pytest.raises(UserError, match=f"in config file .*did you mean '{nearest}'"):
+        build_config("train", str(toml))
+
+
+@pytest.mark.parametrize("item,message", [
+    ("batch_size=abc", "'batch_size' expects an integer, got 'abc'"),
+    ("batch_size=1.5", "'batch_size' expects an integer"),
+    ("learning_rate=fast", "'learning_rate' expects a number"),
+    ("use_compile=maybe", "'use_compile' expects a boolean"),
+    ("use_compile=2", "'use_compile' expects a boolean"),
+])
+def test_bad_values_name_field_type_and_value(item, message):
+    with pytest.raises(UserError, match=message):
+        build_config("train", overrides=parse_set([item]))
+
+
+@pytest.mark.parametrize("text,value", [("true", True), ("1", True), ("yes", True), ("on", True),
+                                        ("false", False), ("0", False), ("no", False), ("OFF", False)])
+def test_bool_spellings(text, value):
+    assert build_config("train", overrides=parse_set([f"use_compile={text}"])).use_compile is value
+
+
+def test_int_accepts_exact_scientific():
+    assert build_config("train", overrides=parse_set(["save_steps=1e3"])).save_steps == 1000
+    with pytest.raises(UserError):
+        build_config("train", overrides=parse_set(["save_steps=1.5e0"]))
+
+
+def test_lists_from_set_and_toml(tmp_path):
+    cfg = build_config("train", overrides=parse_set(["reward_funcs=correctness,xmlcount",
+                                                      "reward_weights=[2, 0.5]"]))
+    assert cfg.reward_funcs == ["correctness", "xmlcount"] and cfg.reward_weights == [2.0, 0.5]
+
+
+def test_missing_config_file_is_error(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        build_config("train", str(tmp_path / "nope.toml"))
+
+
+def test_key_for_other_command_rejected():
+    with pytest.raises(UserError, match="does not apply to 'generate'"):
+        build_config("generate", overrides=parse_set(["learning_rate=1"]))
+
+
+@pytest.mark.parametrize("items,message", [
+    (["max_completion_length=100"], "max_completion_length .* must equal max_new_tokens"),
+    (["num_generations=1"], "num_generations must be >= 2"),
+    (["reward_weights=1,2"], "reward_weights has 2 entries but reward_funcs has 5"),
+    (["top_p=0"], "top_p must be in"),
+    (["temperature=0"], "temperature must be > 0"),
+    (["lr_scheduler_type=step"], "lr_scheduler_type must be"),
+])
+def test_cross_field_rules(items, message):
+    with pytest.raises(UserError, match=message):
+        build_config("train", overrides=parse_set(items))
+
+
+def test_set_requires_key_value():
+    with pytest.raises(UserError, match="key=value"):
+        parse_set(["oops"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = build_config("train", overrides=parse_set(["batch_size=7", "stop=</answer>"]))
+    save_json(cfg, tmp_path / "c.json")
+    assert from_json(tmp_path / "c.json") == cfg
+    assert json.loads((tmp_path / "c.json").read_text())["batch_size"] == 7
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "train", "eval"])
+def test_help_lists_every_field_with_default(command, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name in fields_for(command):
+        assert f"--{name.replace('_', '-')}" in out
+    assert "(default: " in out
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(capsys):
+    assert main(["generate", "--prompt", "hi", "--set", "temprature=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean 'temperature'" in err and "Traceback" not in err
+
+
+def test_cli_flag_equals_set():
+    from mlx_grpo.cli import _config_from_args
+
+    args = build_parser().parse_args(["generate", "--temperature", "0.5", "--max-tokens", "9"])
+    cfg = _config_from_args("generate", args)
+    assert cfg.temperature == 0.5 and cfg.max_new_tokens == 9
