@@ -39,12 +39,10 @@ def reward_columns(examples: Sequence[Example]) -> dict[str, list]:
     return cols
 
 
-# ---------------------------------------------------------------- rows -> examples
-
 
 def parse_gsm8k_answer(answer: str) -> str:
     """The final answer after the last ``####`` of a GSM8K solution, commas removed."""
-    head, sep, tail = answer.rpartition("####")
+    _, sep, tail = answer.rpartition("####")
     if not sep:
         raise ValueError("GSM8K answer has no '#### <final answer>' line")
     gold = tail.replace(",", "").strip()
@@ -96,8 +94,6 @@ def _row_to_example(row: Any, loc: str) -> Example:
         raise UserError(f"{loc}: column '{clash[0]}' clashes with a reward-function argument; rename it")
     return Example(prompt=prompt, answer=answer, columns=columns)
 
-
-# ---------------------------------------------------------------- files and hub
 
 
 def _json_rows(path: Path) -> list[tuple[str, Any]]:
@@ -154,22 +150,16 @@ def load_gsm8k_hub(split: str) -> list[Example]:
     try:
         import datasets
     except ImportError:
-        raise UserError(
-            "dataset=gsm8k needs the 'datasets' package: pip install 'mlx-grpo[data]' "
-            "(or pass dataset_path=/path/to/train.jsonl)"
-        ) from None
+        raise UserError("dataset=gsm8k needs the 'datasets' package: pip install 'mlx-grpo[data]' "
+                        "(or pass dataset_path=/path/to/train.jsonl)") from None
     try:
         ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
     except Exception as e:
         reason = " ".join(f"{type(e).__name__}: {e}".split())
-        raise UserError(
-            f"could not load openai/gsm8k split '{split}' from the hub ({reason}); "
-            "without network, pass dataset_path=/path/to/train.jsonl"
-        ) from None
+        raise UserError(f"could not load openai/gsm8k split '{split}' from the hub ({reason}); "
+                        "without network, pass dataset_path=/path/to/train.jsonl") from None
     return [_row_to_example(row, f"openai/gsm8k[{split}] row {i}") for i, row in enumerate(ds, 1)]
 
-
-# ---------------------------------------------------------------- arith generator
 
 # (name, he, him, his); tuples so the tables stay immutable.
 _HE, _SHE = ("he", "him", "his"), ("she", "her", "her")
@@ -184,21 +174,18 @@ _MAKERS = (("A baker", "bakes", "muffins"), ("A toy maker", "builds", "toys"), (
 
 def _story(rng: random.Random) -> tuple[str, str, int]:
     """A running count changed 2-4 times by +, -, *, or an exact division."""
-    name, he, him, his = rng.choice(_PEOPLE)
-    obj = rng.choice(_OBJECTS)
-    value = rng.randint(5, 40)
-    expr, text = str(value), [f"{name} has {value} {obj}."]
+    (name, he, him, his), obj, value = rng.choice(_PEOPLE), rng.choice(_OBJECTS), rng.randint(5, 40)
+    He, expr, text = he.capitalize(), str(value), [f"{name} has {value} {obj}."]
     for _ in range(rng.randint(2, 4)):
         divisors = [d for d in range(2, 7) if value % d == 0 and value > d]
-        ops = ["+"] + ["-"] * (value >= 2) + ["*"] * (value * 2 <= 600) + ["/"] * bool(divisors)
-        op = rng.choice(ops)
+        op = rng.choice(["+"] + ["-"] * (value >= 2) + ["*"] * (value * 2 <= 600) + ["/"] * bool(divisors))
         if op == "+":
             k = rng.randint(2, 30)
-            text.append(rng.choice([f"{he.capitalize()} buys {k} more.", f"A friend gives {him} {k} more."]))
+            text.append(rng.choice([f"{He} buys {k} more.", f"A friend gives {him} {k} more."]))
             expr, value = f"({expr} + {k})", value + k
         elif op == "-":
             k = rng.randint(1, value - 1)
-            text.append(rng.choice([f"{he.capitalize()} gives away {k}.", f"{he.capitalize()} loses {k}."]))
+            text.append(rng.choice([f"{He} gives away {k}.", f"{He} loses {k}."]))
             expr, value = f"({expr} - {k})", value - k
         elif op == "*":
             k = rng.choice([m for m in (2, 3, 4) if value * m <= 600])
@@ -207,14 +194,14 @@ def _story(rng: random.Random) -> tuple[str, str, int]:
             expr, value = f"({expr} * {k})", value * k
         else:
             k = rng.choice(divisors)
-            text.append(f"{he.capitalize()} splits {his} {obj} equally into {k} boxes and keeps one box.")
+            text.append(f"{He} splits {his} {obj} equally into {k} boxes and keeps one box.")
             expr, value = f"({expr} // {k})", value // k
     text.append(f"How many {obj} does {name} have now?")
     return " ".join(text), expr, value
 
 
 def _shopping(rng: random.Random) -> tuple[str, str, int]:
-    name, he, _, _ = rng.choice(_PEOPLE)
+    name, he = rng.choice(_PEOPLE)[:2]
     (s1, p1), (s2, p2) = rng.sample(_ITEMS, 2)
     a, c1, b, c2 = rng.randint(2, 6), rng.randint(1, 9), rng.randint(1, 5), rng.randint(1, 9)
     cost = a * c1 + b * c2
@@ -230,7 +217,8 @@ def _teams(rng: random.Random) -> tuple[str, str, int]:
     # Absent = remainder + whole teams: keeps (a*b - c) divisible by d, positive, and c >= 1.
     c = r + d * rng.randint(0 if r else 1, min(3, (a * b - r - 1) // d))
     q = (f"A school has {a} classes with {b} students in each class. {c} students are absent today. "
-         f"The students who are present are split equally into {d} teams. How many students are in each team?")
+         f"The students who are present are split equally into {d} teams. "
+         "How many students are in each team?")
     return q, f"((({a} * {b}) - {c}) // {d})", (a * b - c) // d
 
 
@@ -265,8 +253,7 @@ def make_arith(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list
     Questions in ``exclude`` are skipped (how the test split avoids the train split). Each example
     carries its fully parenthesised ``expression`` column (Python syntax) for checking.
     """
-    rng = random.Random(seed)
-    seen, out = set(exclude), []
+    rng, seen, out = random.Random(seed), set(exclude), []
     for _ in range(100 * n + 100):  # bound the loop; the problem space is far larger than n
         if len(out) == n:
             break
@@ -279,8 +266,6 @@ def make_arith(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list
         raise UserError(f"arith generator produced only {len(out)} distinct problems of the {n} asked for")
     return out
 
-
-# ---------------------------------------------------------------- selection
 
 
 def load_examples(dataset: str, split: str, path: str | None, seed: int, arith_size: int = 1000) -> list[Example]:
@@ -336,9 +321,10 @@ class EpochSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         while self.epoch < self.num_epochs:
-            order, b = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_examples), self.batch_size
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_examples)
             while self.position < self.batches_per_epoch:
-                batch = order[self.position * b : (self.position + 1) * b].tolist()
+                start = self.position * self.batch_size
+                batch = order[start : start + self.batch_size].tolist()
                 self.position += 1
                 yield batch
             self.epoch, self.position = self.epoch + 1, 0
@@ -351,7 +337,8 @@ class EpochSampler:
         """Resume; the data set size, batch size and seed must match (num_epochs may grow)."""
         for key in ("seed", "num_examples", "batch_size"):
             if key in state and state[key] != getattr(self, key):
-                raise UserError(f"checkpoint data cursor has {key}={state[key]}, this run has {getattr(self, key)}")
+                raise UserError(f"checkpoint data cursor has {key}={state[key]}, "
+                                f"this run has {getattr(self, key)}")
         epoch, position = int(state["epoch"]), int(state["position"])
         if position == self.batches_per_epoch:  # saved right after an epoch's last batch: next epoch
             epoch, position = epoch + 1, 0

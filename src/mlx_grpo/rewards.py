@@ -24,11 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from mlx_grpo.config import SYSTEM_PROMPT  # noqa: F401  (re-exported: the prompt the format rewards expect)
 from mlx_grpo.errors import UserError
-
-SYSTEM_PROMPT = (
-    "\nRespond in the following format:\n\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n"
-)
 
 RewardFn = Callable[..., Sequence[float | None]]
 

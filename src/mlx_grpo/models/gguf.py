@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.gguf_tokenizer import write_tokenizer_files
+from mlx_grpo.models.gguf_tokenizer import build_tokenizer, write_tokenizer_files
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _GGUF_GROUP_SIZE = 32  # Q4_0/Q4_1/Q8_0 blocks hold 32 weights; MLX keeps that as its group size
@@ -61,32 +61,50 @@ def convert_gguf(
     if not gguf_path.is_file():
         raise UserError(f"GGUF file not found: {gguf_path}")
     if output_dir.exists():
-        raise UserError(f"output directory already exists: {output_dir} (delete it or pick another)")
+        raise _exists_error(output_dir)
 
     tensors, metadata = _read_gguf(gguf_path)
     config = build_config(metadata, tensors, gguf_path, dtype)
+    tokenizer = build_tokenizer(metadata)  # before the slow part, so an unsupported vocab fails fast
     weights = convert_weights(tensors, config, _DTYPES[dtype])
-    del tensors
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=".tmp-"))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the result is an ordinary model directory
         _save_model(tmp, weights, config, quantize, q_bits, q_group_size)
-        write_tokenizer_files(metadata, tmp, config)
-        os.rename(tmp, output_dir)
+        write_tokenizer_files(tokenizer, metadata, tmp, config)
+        _publish(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output_dir
 
 
+def _publish(tmp: Path, output_dir: Path) -> None:
+    """Rename the finished directory into place; losing a race to another writer is a UserError."""
+    if output_dir.exists():  # rename would silently replace an empty directory
+        raise _exists_error(output_dir)
+    try:
+        os.rename(tmp, output_dir)
+    except OSError as e:
+        if output_dir.exists():
+            raise _exists_error(output_dir) from e
+        raise
+
+
+def _exists_error(output_dir: Path) -> UserError:
+    return UserError(f"output directory already exists: {output_dir} (delete it or pick another)")
+
+
 def _read_gguf(path: Path) -> tuple[dict, dict]:
     try:
         return mx.load(str(path), return_metadata=True)
     except (ValueError, RuntimeError, OSError) as e:
-        # MLX reads F32/F16/BF16/Q4_0/Q4_1/Q8_0; K-quants and other types fail here
-        raise UserError(f"cannot read GGUF file {path}: {e}") from e
+        raise UserError(
+            f"cannot read GGUF file {path}: {e} (MLX reads F32, F16, BF16, Q4_0, Q4_1 and Q8_0 "
+            "tensors; K-quants and other types must be re-quantized or taken from another file)"
+        ) from e
 
 
 def _meta(metadata: dict, key: str, default=None):
@@ -127,7 +145,7 @@ def build_config(metadata: dict, tensors: dict, path: Path, dtype: str) -> dict:
         "num_key_value_heads": _meta(metadata, "llama.attention.head_count_kv", n_heads),
         "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
         "rope_theta": float(_meta(metadata, "llama.rope.freq_base", 10000.0)),
-        "vocab_size": int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else need("vocab_size"),
+        "vocab_size": _vocab_size(tensors) or need("vocab_size"),
         "max_position_embeddings": _meta(metadata, "llama.context_length", 2048),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
@@ -148,6 +166,12 @@ def build_config(metadata: dict, tensors: dict, path: Path, dtype: str) -> dict:
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
+
+
+def _vocab_size(tensors: dict) -> int | None:
+    """Rows of the embedding (it can exceed the tokenizer's vocabulary when padded)."""
+    embedding = tensors.get("token_embd.weight")
+    return int(embedding.shape[0]) if embedding is not None else None
 
 
 def _rope_scaling(metadata: dict, tensors: dict, config: dict, path: Path) -> dict | None:
@@ -255,6 +279,8 @@ def _dequantized(tensors: dict, name: str) -> mx.array:
     biases = tensors[f"{stem}.biases"]
     in_features = scales.shape[-1] * _GGUF_GROUP_SIZE
     bits = w.shape[-1] * 32 // in_features
+    # dequantize in float32 so the only rounding is the final cast to the target dtype
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     return mx.dequantize(w, scales, biases, group_size=_GGUF_GROUP_SIZE, bits=bits)
 
 

@@ -112,9 +112,8 @@ def _special_ids(metadata: dict) -> dict[str, int]:
     return {k: int(v) for k, v in ids.items() if v is not None and 0 <= v < n}
 
 
-def write_tokenizer_files(metadata: dict, out_dir: Path, config: dict) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`."""
-    tok = build_tokenizer(metadata)
+def write_tokenizer_files(tok: Tokenizer, metadata: dict, out_dir: Path, config: dict) -> None:
+    """Write tokenizer.json (from `build_tokenizer`), tokenizer_config.json and special_tokens_map.json."""
     tok.save(str(out_dir / "tokenizer.json"))
     tokens = metadata["tokenizer.ggml.tokens"]
     ids = _special_ids(metadata)

@@ -1,0 +1,135 @@
+"""The GRPO objective as pure array functions: advantages, token log-probs, the clipped loss with KL.
+
+Notation: N = B*G sequences (B prompts, G completions each), T completion tokens, V vocabulary.
+Log-probs are taken under logits / temperature, the distribution the sampler drew from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ADV_EPS = 1e-4
+
+
+def group_advantages(rewards: mx.array, group_size: int) -> mx.array:
+    """A = (r - mean_group) / (std_group + 1e-4); a group whose rewards are all equal gets A = 0.
+
+    std is the sample standard deviation (ddof=1), as in TRL and DeepSeekMath's reference code.
+    """
+    grouped = rewards.astype(mx.float32).reshape(-1, group_size)  # [B, G]
+    mean = grouped.mean(axis=1, keepdims=True)  # [B, 1]
+    std = mx.sqrt(((grouped - mean) ** 2).sum(axis=1, keepdims=True) / (group_size - 1))  # [B, 1]
+    flat = grouped.max(axis=1, keepdims=True) == grouped.min(axis=1, keepdims=True)  # [B, 1]
+    adv = mx.where(flat, 0.0, (grouped - mean) / (std + ADV_EPS))  # [B, G]
+    return adv.reshape(-1)  # [N]
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx.array:
+    """log softmax(logits / temperature)[token], in float32. logits [..., V], tokens [...] -> [...]."""
+    scaled = logits.astype(mx.float32) / temperature  # [..., V]
+    picked = mx.take_along_axis(scaled, tokens[..., None], axis=-1).squeeze(-1)  # [...]
+    return picked - mx.logsumexp(scaled, axis=-1)  # [...]
+
+
+@dataclass
+class LossTerms:
+    """Per-token pieces of the objective, for the loss and for logging. All [N, T]."""
+
+    loss: mx.array
+    kl: mx.array
+    clipped: mx.array
+
+
+def grpo_token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, advantages: mx.array,
+                     clip_eps: float, kl_coeff: float) -> LossTerms:
+    """rho = exp(logp - old); pg = min(rho*A, clip(rho)*A); kl = exp(ref - logp) - (ref - logp) - 1;
+    loss_t = -(pg - kl_coeff * kl). logp/old_logp/ref_logp [N, T], advantages [N]."""
+    adv = advantages[:, None]  # [N, 1]
+    ratio = mx.exp(logp - old_logp)  # [N, T]
+    unclipped = ratio * adv
+    clipped = mx.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    pg = mx.minimum(unclipped, clipped)  # [N, T]
+    if ref_logp is None:
+        kl = mx.zeros_like(logp)
+    else:
+        delta = ref_logp - logp
+        kl = mx.exp(delta) - delta - 1  # [N, T], k3 estimator, >= 0
+    return LossTerms(loss=-(pg - kl_coeff * kl), kl=kl, clipped=(clipped < unclipped).astype(mx.float32))
+
+
+def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
+    """Each sequence's mean over its masked tokens. values, mask [N, T] -> [N]."""
+    return (values * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
+
+
+def grpo_loss_sum(logp, old_logp, ref_logp, advantages, mask, clip_eps: float, kl_coeff: float):
+    """Sum over sequences of each sequence's masked mean loss (divide by N for the batch loss).
+
+    Returning a sum lets micro-batches and accumulation steps add up to exactly the full-batch mean.
+    Also returns summed per-sequence KL and clip fraction for logging.
+    """
+    terms = grpo_token_terms(logp, old_logp, ref_logp, advantages, clip_eps, kl_coeff)
+    loss = masked_sequence_mean(terms.loss, mask).sum()
+    kl = masked_sequence_mean(terms.kl, mask).sum()
+    clip = masked_sequence_mean(terms.clipped, mask).sum()
+    return loss, (kl, clip)
+
+
+# ----------------------------------------------------------------------------- model passes
+
+@dataclass
+class PackedBatch:
+    """Prompt + completion rows, right-padded, with where each completion token's logit sits.
+
+    inputs [n, L] token ids; positions [n, T] index of the logit that predicts completion token t;
+    targets [n, T] the sampled completion ids; mask [n, T] 1 for real completion tokens.
+    """
+
+    inputs: mx.array
+    positions: mx.array
+    targets: mx.array
+    mask: mx.array
+
+
+def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id: int) -> PackedBatch:
+    """Right-pad each prompt+completion row; padding sits after every real token, so a causal model
+    gives the real tokens exactly the logits they would get unpadded. prompts: one per row."""
+    n, T = completions.shape
+    lengths = [len(p) for p in prompts]
+    width = max(lengths) + T
+    rows = []
+    comp = completions.tolist()
+    for prompt, completion in zip(prompts, comp):
+        row = prompt + completion
+        rows.append(row + [pad_id] * (width - len(row)))
+    inputs = mx.array(rows, dtype=mx.int32)  # [n, L]
+    positions = mx.array(lengths, dtype=mx.int32)[:, None] - 1 + mx.arange(T, dtype=mx.int32)[None]  # [n, T]
+    return PackedBatch(inputs, positions, completions.astype(mx.int32), mask.astype(mx.float32))
+
+
+# Architectures whose logits are exactly head(model.model(x)): no soft-capping or logit scaling after it.
+PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def _project(model: nn.Module, hidden: mx.array) -> mx.array:
+    """The model's output head on hidden states [..., D] -> logits [..., V]."""
+    if hasattr(model, "lm_head"):
+        return model.lm_head(hidden)
+    return model.model.embed_tokens.as_linear(hidden)
+
+
+def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float) -> mx.array:
+    """Log-probs [n, T] of the completion tokens. Only the T completion positions go through the
+    output head, so [n, L, V] logits never exist (mlx-lm models expose .model and the head)."""
+    if getattr(model, "model_type", None) in PLAIN_HEAD_TYPES:
+        hidden = model.model(batch.inputs)  # [n, L, D]
+        idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
+        picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
+        logits = _project(model, picked)  # [n, T, V]
+    else:
+        full = model(batch.inputs)  # [n, L, V]
+        logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
+    return token_logprobs(logits, batch.targets, temperature)  # [n, T]

@@ -1,0 +1,176 @@
+"""Rollouts: B prompts x G sampled completions in one batched KV-cache decode, as a typed record.
+
+Each prompt is prefilled once; its cache is then repeated for its G samples. Sampling draws from
+softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with keys passed in, so the
+same key gives the same rollout. The record keeps the exact sampled ids: the loss never re-encodes text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Rollout:
+    """One batch step's samples. N = B*G rows; row r belongs to prompt r // G."""
+
+    prompt_ids: list[list[int]]  # B prompts, as fed to the model
+    completion_ids: mx.array  # [N, T] int32 sampled ids; pad_id after each completion's end
+    mask: mx.array  # [N, T] float32: 1 for sampled completion tokens (incl. the ending EOS)
+    sampler_logprobs: mx.array  # [N, T] float32 log-prob of each sampled id under the sampler's logits/T
+    truncated: np.ndarray  # [N] bool: hit max_new_tokens without EOS or stop string
+    texts: list[str]  # N texts: prefill + decoded completion (without the ending EOS token)
+    group_size: int
+
+    @property
+    def row_prompts(self) -> list[list[int]]:
+        """The prompt of each of the N rows."""
+        return [p for p in self.prompt_ids for _ in range(self.group_size)]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array(self.mask.sum(axis=1).tolist(), dtype=np.int64)
+
+
+def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, prefill: str,
+                       max_prompt_length: int) -> tuple[list[int], bool]:
+    """Template the prompt (system + user, or given messages), append the prefill, and keep at most
+    max_prompt_length tokens from the right (the generation prompt and prefill survive). -> (ids, cut)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    if getattr(tokenizer, "chat_template", None) is not None:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text + prefill, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode("\n\n".join(m["content"] for m in messages) + "\n" + prefill)
+    ids = list(ids)
+    if len(ids) > max_prompt_length:
+        return ids[-max_prompt_length:], True
+    return ids, False
+
+
+def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """Draw one token per row. logits [N, V] -> (tokens [N], logprobs [N] under logits/temperature)."""
+    logprobs = nn.log_softmax(logits.astype(mx.float32) / params.temperature, axis=-1)  # [N, V]
+    filtered = logprobs
+    if params.top_k > 0 and params.top_k < logprobs.shape[-1]:
+        filtered = apply_top_k(filtered, params.top_k)
+    if 0 < params.top_p < 1:
+        filtered = apply_top_p(filtered, params.top_p)
+    if params.min_p > 0:
+        filtered = apply_min_p(filtered, params.min_p)
+    tokens = mx.random.categorical(filtered, key=key)  # [N]
+    return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1)
+
+
+def _prefill(model: nn.Module, prompts: list[list[int]], pad_id: int) -> tuple[mx.array, list]:
+    """Left-pad the B prompts and run them once; -> (last logits [B, V], per-layer caches)."""
+    width = max(len(p) for p in prompts)
+    padding = [width - len(p) for p in prompts]
+    tokens = mx.array([[pad_id] * pad + p for pad, p in zip(padding, prompts)], dtype=mx.int32)  # [B, Lp]
+    caches = [BatchKVCache(padding) for _ in model.layers]
+    logits = model(tokens, cache=caches)[:, -1, :]  # [B, V]
+    return logits, caches
+
+
+def _repeat_caches(caches: list, group_size: int) -> None:
+    """Share each prompt's prefilled cache with its G samples: [B, ...] -> [B*G, ...] in place."""
+    for cache in caches:
+        cache.keys = mx.repeat(cache.keys, group_size, axis=0)
+        cache.values = mx.repeat(cache.values, group_size, axis=0)
+        cache.offset = mx.repeat(cache.offset, group_size, axis=0)
+        cache.left_padding = mx.repeat(cache.left_padding, group_size, axis=0)
+
+
+def _stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
+    """Number of tokens up to and including the one that completes the first stop string, if any."""
+    if not stops or not any(s in tokenizer.decode(ids) for s in stops):
+        return None
+    lo, hi = 1, len(ids)  # the shortest prefix whose text contains a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in tokenizer.decode(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
+                     params: SamplingParams, key: mx.array, prefill_text: str = "",
+                     sync_every: int = 8) -> Rollout:
+    """Sample G completions for each of the B prompts; decoding stops once every row has ended."""
+    eos_ids = sorted(tokenizer.eos_token_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    eos = mx.array(eos_ids, dtype=mx.int32)
+    logits, caches = _prefill(model, prompts, pad_id)
+    _repeat_caches(caches, group_size)
+    logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
+    n = logits.shape[0]
+    keys = mx.random.split(key, params.max_new_tokens)
+    tokens, logprobs = [], []
+    ended = mx.zeros((n,), dtype=mx.bool_)
+    for step in range(params.max_new_tokens):
+        token, logprob = sample(logits, keys[step], params)  # [N], [N]
+        tokens.append(token)
+        logprobs.append(logprob)
+        ended = ended | (token[:, None] == eos[None]).any(axis=1)
+        if step + 1 == params.max_new_tokens:
+            break
+        logits = model(token[:, None], cache=caches)[:, -1, :]
+        if (step + 1) % sync_every == 0:
+            mx.eval(ended, logits)
+            if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop)):
+                break
+        else:
+            mx.async_eval(token, logits)
+    ids = mx.stack(tokens, axis=1)  # [N, T]
+    lps = mx.stack(logprobs, axis=1)  # [N, T]
+    mx.eval(ids, lps)
+    return _finish(tokenizer, prompts, ids, lps, eos_ids, pad_id, params, group_size, prefill_text)
+
+
+def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...]) -> bool:
+    ids = mx.stack(tokens, axis=1).tolist()
+    return all(done or _stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
+
+
+def _finish(tokenizer, prompts, ids: mx.array, lps: mx.array, eos_ids: list[int], pad_id: int,
+            params: SamplingParams, group_size: int, prefill_text: str) -> Rollout:
+    """Cut each row after its EOS (or stop string), build the mask and the texts."""
+    rows = ids.tolist()
+    eos_set = set(eos_ids)
+    T = len(rows[0])
+    lengths, texts, truncated = [], [], []
+    for row in rows:
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_set), None)
+        cut = _stop_cut(tokenizer, row[:end] if end else row, params.stop)
+        if cut is not None:
+            end = cut
+        truncated.append(end is None)
+        length = end if end is not None else T
+        lengths.append(length)
+        body = row[:length - 1] if length and row[length - 1] in eos_set else row[:length]
+        texts.append(prefill_text + tokenizer.decode(body))
+    mask = (mx.arange(T)[None, :] < mx.array(lengths)[:, None]).astype(mx.float32)  # [N, T]
+    completion_ids = mx.where(mask > 0, ids, pad_id).astype(mx.int32)
+    return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=completion_ids, mask=mask,
+                   sampler_logprobs=lps * mask, truncated=np.array(truncated), texts=texts,
+                   group_size=group_size)

@@ -1,0 +1,248 @@
+"""Tests of mlx_grpo.rewards: parsers, each built-in reward (as tables), RewardSet and custom reward files."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_grpo.errors import UserError
+from mlx_grpo.rewards import (
+    BUILTIN_REWARDS,
+    SYSTEM_PROMPT,
+    RewardSet,
+    answers_match,
+    extract_answer,
+    load_reward_function,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GOOD = "<reasoning>\n2 + 3 = 5\n</reasoning>\n<answer>\n5\n</answer>\n"
+
+
+def call(name: str, completions: list[str], answers: list[str] | None = None) -> list[float]:
+    """Call a built-in the way RewardSet does (keywords only, 'answer' as a column)."""
+    n = len(completions)
+    columns = {"answer": answers if answers is not None else ["5"] * n}
+    return BUILTIN_REWARDS[name](prompts=["q"] * n, completions=completions, completion_ids=[[1]] * n, **columns)
+
+
+def test_system_prompt_is_exact():
+    assert SYSTEM_PROMPT == "\nRespond in the following format:\n\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n"
+
+
+def test_builtin_names_in_order():
+    assert list(BUILTIN_REWARDS) == ["correctness", "int", "strict_format", "soft_format", "xmlcount"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    (GOOD, "5"),
+    ("<answer> 42 </answer>", "42"),
+    ("<answer>1</answer> then <answer>\n2\n</answer> tail", "2"),  # the last one wins
+    ("<answer>a <answer>b</answer>", "b"),  # innermost before the last closing tag
+    ("<answer>7", None),
+    ("no tags at all", None),
+    ("</answer><answer>", None),
+    ("<answer></answer>", ""),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("1,000", "1000", True),
+    ("$5", "5", True),
+    (" $ 5 ", "5", True),
+    ("5.0", "5", True),
+    ("-3", "-3.00", True),
+    ("0.1", ".1", True),
+    ("12345678901234567890", "12345678901234567891", False),  # no float rounding
+    ("6", "5", False),
+    ("Paris", " Paris ", True),
+    ("paris", "Paris", False),
+    ("5 apples", "5", False),
+    ("1 2", "12", False),  # only surrounding spaces are dropped
+    (None, "5", False),
+])
+def test_answers_match(pred, gold, expected):
+    assert answers_match(pred, gold) is expected
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    (GOOD, "5", 2.0),
+    ("<answer>1,000</answer>", "1000", 2.0),
+    ("<answer>$72</answer>", "72", 2.0),
+    ("<answer>6</answer>", "5", 0.0),
+    ("The answer is 5.", "5", 0.0),  # no answer tag
+    ("<answer>5</answer><answer>4</answer>", "5", 0.0),  # only the last answer counts
+])
+def test_correctness(completion, gold, expected):
+    assert call("correctness", [completion], [gold]) == [expected]
+
+
+def test_correctness_without_answer_column_fails_clearly():
+    with pytest.raises(ValueError, match="answer"):
+        BUILTIN_REWARDS["correctness"](prompts=["q"], completions=[GOOD], completion_ids=[[1]])
+
+
+@pytest.mark.parametrize("completion, expected", [
+    (GOOD, 0.5),
+    ("<answer>-12</answer>", 0.5),
+    ("<answer>1,000</answer>", 0.5),
+    ("<answer>$5</answer>", 0.5),
+    ("<answer>5.5</answer>", 0.0),
+    ("<answer>five</answer>", 0.0),
+    ("<answer></answer>", 0.0),
+    ("5", 0.0),
+])
+def test_int(completion, expected):
+    assert call("int", [completion]) == [expected]
+
+
+@pytest.mark.parametrize("completion, strict, soft", [
+    (GOOD, 0.5, 0.5),
+    (GOOD.rstrip("\n"), 0.5, 0.5),  # the final newline is optional
+    ("<reasoning>\nmulti\nline\n</reasoning>\n<answer>\n5\n</answer>", 0.5, 0.5),
+    ("<reasoning>2+3</reasoning><answer>5</answer>", 0.0, 0.5),  # no newlines: soft only
+    ("<reasoning>\nx\n</reasoning>\n\n<answer>\n5\n</answer>\n", 0.0, 0.5),  # blank line between blocks
+    ("Sure! " + GOOD, 0.0, 0.5),  # preamble
+    (GOOD + "extra", 0.0, 0.5),  # trailing text
+    ("<answer>\n5\n</answer>\n<reasoning>\nx\n</reasoning>", 0.0, 0.0),  # wrong order
+    ("<reasoning>\nx\n</reasoning>\n", 0.0, 0.0),  # no answer
+    ("", 0.0, 0.0),
+])
+def test_strict_and_soft_format(completion, strict, soft):
+    assert call("strict_format", [completion]) == [strict]
+    assert call("soft_format", [completion]) == [soft]
+
+
+@pytest.mark.parametrize("completion, expected", [
+    (GOOD, 0.5 - 0.001 * 1),  # the trailing "\n" counts
+    (GOOD.rstrip("\n"), 0.5),
+    (GOOD.rstrip("\n") + " and more", 0.5 - 0.001 * len(" and more")),
+    ("<reasoning>x</reasoning>", 0.25),
+    ("<answer>5</answer>", 0.25),
+    ("<reasoning>a</reasoning><reasoning>b</reasoning><answer>5</answer>", 0.25),  # duplicates earn nothing
+    ("<answer>1</answer><answer>2</answer>tail", -0.004),  # no tag once; tail still costs
+    ("nothing", 0.0),
+    ("<answer>5" + "x" * 50, 0.125),  # no </answer>: no tail penalty
+])
+def test_xmlcount(completion, expected):
+    assert call("xmlcount", [completion]) == [pytest.approx(expected)]
+
+
+def test_builtins_accept_conversational_completions():
+    completion = [{"role": "assistant", "content": GOOD}]
+    assert call("correctness", [completion]) == [2.0]
+
+
+def test_reward_set_weights_total_and_per_func():
+    rs = RewardSet(["correctness", "xmlcount"], [1.0, 2.0])
+    completions = [GOOD.rstrip("\n"), "<answer>4</answer>"]
+    scores = rs.score(["q1", "q2"], completions, [[1], [2]], {"answer": ["5", "5"]})
+    assert scores.names == ["correctness", "xmlcount"]
+    np.testing.assert_allclose(scores.per_func["correctness"], [2.0, 0.0])
+    np.testing.assert_allclose(scores.per_func["xmlcount"], [0.5, 0.25])
+    np.testing.assert_allclose(scores.total, [2.0 + 1.0, 0.5])
+    assert scores.total.dtype == np.float32 and scores.per_func["xmlcount"].dtype == np.float32
+
+
+@pytest.mark.parametrize("weights", [None, []])
+def test_reward_set_default_weights_are_one(weights):
+    rs = RewardSet(["int", "soft_format"], weights)
+    assert rs.weights == [1.0, 1.0]
+    np.testing.assert_allclose(rs.score(["q"], [GOOD], [[1]], {"answer": ["5"]}).total, [1.0])
+
+
+def test_reward_set_none_is_nan_per_func_and_zero_in_total():
+    rs = RewardSet(["int", "custom_reward.py:difficulty_bonus"], [1.0, 3.0], base_dir=FIXTURES)
+    scores = rs.score(["a", "b", "c"], [GOOD, GOOD, "x"], [[1]] * 3,
+                      {"answer": ["5"] * 3, "difficulty": ["hard", None, "hard"]})
+    bonus = scores.per_func["difficulty_bonus"]
+    assert bonus[0] == 1.0 and np.isnan(bonus[1]) and bonus[2] == 1.0
+    np.testing.assert_allclose(scores.total, [0.5 + 3.0, 0.5, 3.0])
+
+
+def test_reward_set_passes_columns_and_token_ids():
+    rs = RewardSet(["custom_reward.py:length_penalty"], base_dir=FIXTURES)
+    scores = rs.score(["q", "q"], ["a", "b"], [[1, 2, 3], [4]], {"answer": ["1", "2"]})
+    np.testing.assert_allclose(scores.total, [-0.03, -0.01], rtol=1e-6)
+
+
+def test_unknown_builtin_names_nearest():
+    with pytest.raises(UserError, match="unknown reward function 'corectness'.*did you mean 'correctness'"):
+        RewardSet(["corectness"])
+
+
+def test_weight_count_mismatch():
+    with pytest.raises(UserError, match="reward_weights has 1 values but there are 2 reward functions"):
+        RewardSet(["int", "xmlcount"], [1.0])
+
+
+def test_duplicate_and_empty_reward_lists():
+    with pytest.raises(UserError, match="listed twice: int"):
+        RewardSet(["int", "int"])
+    with pytest.raises(UserError, match="no reward functions"):
+        RewardSet([])
+
+
+@pytest.mark.parametrize("func, message", [
+    ("crashes", "reward function crashes failed: RuntimeError: boom"),
+    ("too_short", "reward function too_short returned 1 values, expected 2"),
+    ("gives_nan", "reward function gives_nan returned nan at index 0"),
+    ("gives_text", "reward function gives_text returned a non-numeric value at index 0: 'high'"),
+    ("gives_scalar", "reward function gives_scalar returned float, expected a list of 2 floats"),
+])
+def test_bad_reward_outputs(func, message):
+    rs = RewardSet([f"custom_reward.py:{func}"], base_dir=FIXTURES)
+    with pytest.raises(UserError) as info:
+        rs.score(["q", "q"], ["a", "b"], [[1], [2]], {"answer": ["1", "2"]})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_column_clashing_with_reward_argument():
+    with pytest.raises(UserError, match="column 'completions' clashes"):
+        RewardSet(["int"]).score(["q"], ["a"], [[1]], {"answer": ["1"], "completions": ["x"]})
+
+
+def test_load_custom_reward_relative_to_base_dir_and_cwd(monkeypatch):
+    fn = load_reward_function("custom_reward.py:length_penalty", base_dir=FIXTURES)
+    assert fn([], ["a"], [[1, 2]]) == [pytest.approx(-0.02)]
+    monkeypatch.chdir(FIXTURES.parent)
+    assert load_reward_function("fixtures/custom_reward.py:crashes").__name__ == "crashes"
+
+
+def test_custom_reward_missing_file():
+    with pytest.raises(UserError, match=r"reward file not found: .*nope\.py"):
+        load_reward_function("nope.py:f", base_dir=FIXTURES)
+
+
+def test_custom_reward_bad_spec():
+    with pytest.raises(UserError, match="path/to/file.py:function_name"):
+        load_reward_function("custom_reward.py", base_dir=FIXTURES)
+
+
+def test_custom_reward_missing_function_lists_callables():
+    with pytest.raises(UserError) as info:
+        load_reward_function("custom_reward.py:lenght_penalty", base_dir=FIXTURES)
+    msg = str(info.value)
+    assert "no function 'lenght_penalty'" in msg and "length_penalty" in msg and "difficulty_bonus" in msg
+    assert "NOT_A_FUNCTION" not in msg
+
+
+def test_custom_reward_not_callable():
+    with pytest.raises(UserError, match="NOT_A_FUNCTION is a int, not a function"):
+        load_reward_function("custom_reward.py:NOT_A_FUNCTION", base_dir=FIXTURES)
+
+
+def test_custom_reward_syntax_error(tmp_path):
+    (tmp_path / "broken.py").write_text("def f(:\n    pass\n")
+    with pytest.raises(UserError) as info:
+        load_reward_function("broken.py:f", base_dir=tmp_path)
+    msg = str(info.value)
+    assert "broken.py failed to import: SyntaxError:" in msg and "\n" not in msg
+
+
+def test_custom_reward_import_error(tmp_path):
+    (tmp_path / "needs.py").write_text("import surely_not_installed_pkg\n")
+    with pytest.raises(UserError, match="needs.py failed to import: ModuleNotFoundError: .*surely_not_installed_pkg"):
+        load_reward_function("needs.py:f", base_dir=tmp_path)
