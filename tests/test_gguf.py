@@ -115,16 +115,16 @@ def _gguf_tensor(name: str, w: np.ndarray, qtype):
         gname = f"blk.{layer}.{_BLOCK[sub]}.{kind}"
     else:
         gname = f"{_GLOBAL[stem]}.{kind}"
-    if sub_is(name, "q_proj"):
+    if _is_proj(name, "q_proj"):
         w = _llama_cpp_permute(w, N_HEADS)
-    elif sub_is(name, "k_proj"):
+    elif _is_proj(name, "k_proj"):
         w = _llama_cpp_permute(w, N_KV)
     if qtype is None or w.ndim == 1:  # llama.cpp keeps 1-D tensors (norms) in F32
         return gname, w, None
     return gname, gguf.quants.quantize(w, qtype), qtype
 
 
-def sub_is(name: str, proj: str) -> bool:
+def _is_proj(name: str, proj: str) -> bool:
     return f".{proj}." in name
 
 

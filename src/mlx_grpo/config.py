@@ -45,6 +45,8 @@ class Config:
     # --- model ---
     model_name: str = _f(DEFAULT_MODEL, "Model: 'smollm2-135m-instruct' (embedded default, offline), an MLX "
                          "model directory, a checkpoint directory, or a Hugging Face hub id.", MODEL_CMDS)
+    model_dtype: str = _f("auto", "Dtype of the model's float weights after loading: auto (as stored), float32, "
+                          "bfloat16 or float16.", MODEL_CMDS)
     system_prompt: str = _f(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
                             "empty means none.", MODEL_CMDS)
     # --- sampling (rollouts, generate, chat) ---
@@ -188,7 +190,7 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
     ],
     "eval": [
         Option(("--split",), "Data split to evaluate.", default="test"),
-        Option(("--output", "-o"), "JSONL file of per-example results (default: <model>/eval-<split>.jsonl)."),
+        Option(("--output", "-o"), "JSONL file of per-example results (default: ./eval-<model>-<split>.jsonl)."),
     ],
 }
 
@@ -342,6 +344,8 @@ def validate(c: Config, command: str) -> None:
     _require(0 < c.top_p <= 1, "top_p must be in (0, 1]; use 1.0 to turn it off")
     _require(c.top_k >= 0, "top_k must be >= 0 (0 = off)")
     _require(0 <= c.min_p < 1, "min_p must be in [0, 1)")
+    _require(c.model_dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"model_dtype must be auto, float32, bfloat16 or float16, got {c.model_dtype!r}")
     _require(c.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 = off)")
     if command not in DATA:
         return

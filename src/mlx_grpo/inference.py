@@ -132,7 +132,7 @@ def run_generate(cfg: Config, prompt: str | None = None, prompts_file: str | Non
     prompts = read_prompts_file(prompts_file) if prompts_file else None
     if prompt == "-":
         prompt = sys.stdin.read()
-    model, tokenizer = load_model(cfg.model_name)
+    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
     if prompts is None:
         ids = encode_prompt(tokenizer, prompt, cfg.system_prompt, raw)
         on_text = (lambda t: (out.write(t), out.flush())) if stream else None
@@ -166,7 +166,7 @@ def run_chat(cfg: Config, verbose: bool = False, lines: Iterable[str] | None = N
     from mlx_grpo.models import load_model
 
     out = out or sys.stdout
-    model, tokenizer = load_model(cfg.model_name)
+    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
     interactive = lines is None and sys.stdin.isatty()
     source = iter(lines) if lines is not None else sys.stdin
     history: list[dict] = []

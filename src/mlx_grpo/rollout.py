@@ -67,7 +67,12 @@ def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, 
 
 
 def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
-    """Draw one token per row. logits [N, V] -> (tokens [N], logprobs [N] under logits/temperature)."""
+    """Draw one token per row. logits [N, V] -> (tokens [N], logprobs [N] under logits/temperature).
+    temperature 0 is greedy (argmax), with log-probs of the plain logits."""
+    if params.temperature == 0:
+        logprobs = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+        tokens = mx.argmax(logprobs, axis=-1)
+        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1)
     logprobs = nn.log_softmax(logits.astype(mx.float32) / params.temperature, axis=-1)  # [N, V]
     filtered = logprobs
     if params.top_k > 0 and params.top_k < logprobs.shape[-1]:

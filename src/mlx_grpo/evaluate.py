@@ -1,0 +1,86 @@
+"""Evaluation: exact-match accuracy (greedy) or pass@k (sampled) of a model on a data set.
+
+An answer counts when the text inside the last <answer> tags equals the gold answer (the
+`correctness` reward); `lenient` also accepts the last number in the text, which is how untrained
+models that ignore the tag format are usually scored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_grpo.config import Config, save_json
+from mlx_grpo.data import Example, load_examples, subset
+from mlx_grpo.rewards import answers_match, extract_answer
+from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
+
+_LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+EVAL_BATCH = 32
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    lenient_accuracy: float
+    format_rate: float
+    records: list[dict]
+
+
+def _lenient(text: str, gold: str) -> bool:
+    tagged = extract_answer(text)
+    if tagged is not None and answers_match(tagged, gold):
+        return True
+    numbers = _LAST_NUMBER.findall(text)
+    return bool(numbers) and answers_match(numbers[-1], gold)
+
+
+def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
+                   num_samples: int = 1, temperature: float = 0.0) -> EvalResult:
+    """Answer every example (greedy when num_samples == 1); an example passes if any sample is right."""
+    params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
+                            cfg.min_p)
+    records = []
+    key = mx.random.key(cfg.seed)
+    for start in range(0, len(examples), EVAL_BATCH):
+        chunk = examples[start:start + EVAL_BATCH]
+        prompts = [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
+                                      cfg.max_prompt_length)[0] for e in chunk]
+        key, sub = mx.random.split(key)
+        rollout = generate_rollout(model, tokenizer, prompts, num_samples, params, sub, cfg.prefill)
+        for i, example in enumerate(chunk):
+            texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
+            correct = [answers_match(extract_answer(t), example.answer) for t in texts]
+            records.append({"prompt": example.prompt, "answer": example.answer, "completions": texts,
+                            "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in texts),
+                            "formatted": extract_answer(texts[0]) is not None})
+    n = max(len(records), 1)
+    return EvalResult(sum(r["correct"] for r in records) / n, sum(r["lenient"] for r in records) / n,
+                      sum(r["formatted"] for r in records) / n, records)
+
+
+def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
+    """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written."""
+    from mlx_grpo.models.loading import load_model
+
+    examples = subset(load_examples(cfg.dataset, split, cfg.eval_dataset_path or None, cfg.seed),
+                      cfg.eval_subset_size, cfg.seed)
+    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    result = evaluate_model(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
+                            num_samples=cfg.eval_num_samples, temperature=cfg.temperature)
+    if output is None:
+        output = f"eval-{Path(cfg.model_name).name}-{split}.jsonl"
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
+    save_json(cfg, f"{output}.config.json", {"split": split})
+    metric = "accuracy" if cfg.eval_num_samples == 1 else f"pass@{cfg.eval_num_samples}"
+    print(f"{metric}: {result.accuracy:.4f} ({sum(r['correct'] for r in result.records)}/{len(result.records)})"
+          f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}")
+    print(f"wrote {len(result.records)} records to {out}", file=sys.stderr)
+    return result

@@ -1,0 +1,87 @@
+"""Run logs: metrics.jsonl (one record per update), completions.jsonl, eval.jsonl, console lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+def update_record(trainer, stats: list[dict], result: dict) -> dict:
+    """The metrics of one optimizer update, from its batch steps' stats and the update's result."""
+    c = trainer.counters
+    rewards = np.concatenate([s["rewards"] for s in stats])
+    lengths = np.concatenate([s["lengths"] for s in stats])
+    truncated = np.concatenate([s["truncated"] for s in stats])
+    names = list(stats[0]["per_func"])
+    t_rollout = sum(s["t_rollout"] for s in stats)
+    tokens = sum(s["tokens"] for s in stats)
+    record = {
+        "update_step": c.update_step, "batch_step": c.batch_step, "epoch": trainer.sampler.epoch,
+        "lr": result["lr"], "loss": result["loss"], "grad_norm": result["grad_norm"],
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        **{f"reward/{n}": float(np.nanmean(np.concatenate([s["per_func"][n] for s in stats])))
+           if not np.all(np.isnan(np.concatenate([s["per_func"][n] for s in stats]))) else None
+           for n in names},
+        "kl": result["kl"], "clip_fraction": result["clip_fraction"],
+        "completion_length_mean": float(lengths.mean()), "completion_length_max": int(lengths.max()),
+        "truncated_fraction": float(truncated.mean()),
+        "zero_std_fraction": float(np.mean([s["zero_std"] for s in stats])),
+        "prompts_cut": c.prompts_cut, "skipped": result["skipped"], "skipped_total": c.skipped_updates,
+        "rollout_tokens_per_s": tokens / t_rollout if t_rollout > 0 else 0.0,
+        "train_tokens_per_s": result["train_tokens_per_s"],
+        "time_rollout_s": t_rollout, "time_reward_s": sum(s["t_reward"] for s in stats),
+        "time_logprob_s": sum(s["t_logprob"] for s in stats), "time_train_s": result["t_train"],
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+    }
+    return record
+
+
+class RunLogger:
+    """Appends JSON lines in the run directory; disabled files are simply not written."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir = run_dir
+        self.enabled = enabled
+
+    def _append(self, name: str, record: dict) -> None:
+        if self.enabled:
+            with open(self.run_dir / name, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def log_metrics(self, record: dict) -> None:
+        self._append("metrics.jsonl", record)
+
+    def log_eval(self, record: dict) -> None:
+        self._append("eval.jsonl", record)
+        print(f"[mlx-grpo] eval at update {record['update_step']}: accuracy {record['accuracy']:.3f} "
+              f"(lenient {record['accuracy_lenient']:.3f}, format {record['format_rate']:.3f}) "
+              f"on {record['num_examples']} examples", flush=True)
+
+    def log_completions(self, update_step: int, stats: dict) -> None:
+        """Every completion of one batch step with its rewards and advantage."""
+        G = len(stats["texts"]) // len(stats["examples"])
+        for row, text in enumerate(stats["texts"]):
+            example = stats["examples"][row // G]
+            rewards = {n: (None if np.isnan(v[row]) else float(v[row])) for n, v in stats["per_func"].items()}
+            self._append("completions.jsonl", {
+                "update_step": update_step, "prompt": example.prompt, "answer": example.answer,
+                "completion": text, "rewards": rewards, "reward": float(stats["rewards"][row]),
+                "advantage": float(stats["advantages"][row])})
+
+    def truncate_after(self, update_step: int) -> None:
+        """On resume, drop records of updates after the checkpoint (they will be redone)."""
+        for name in ("metrics.jsonl", "completions.jsonl", "eval.jsonl"):
+            path = self.run_dir / name
+            if path.is_file():
+                keep = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line).get("update_step", 0) <= update_step]
+                path.write_text("".join(line + "\n" for line in keep))
+
+    @staticmethod
+    def print_line(record: dict) -> None:
+        print(f"[mlx-grpo] update {record['update_step']}: reward {record['reward_mean']:.3f} "
+              f"loss {record['loss']:.4f} kl {record['kl']:.4f} len {record['completion_length_mean']:.0f} "
+              f"lr {record['lr']:.2e}", flush=True)

@@ -1,0 +1,144 @@
+"""The three policies of GRPO and the passes over them.
+
+`model` is trained; the old (behaviour) policy samples and gives old log-probs; the reference policy
+(frozen initial weights) anchors the KL term. With update_every = 1, num_iterations = 1 and no rollout
+quantization, the old policy *is* `model` and no copy exists. Log-prob and gradient passes run in
+length-sorted micro-batches so full [N, L, V] logits never exist at once.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from mlx_grpo.config import Config
+from mlx_grpo.loss import PackedBatch, completion_logprobs, grpo_loss_sum, pack
+from mlx_grpo.rollout import Rollout
+
+ROLLOUT_QUANT_BITS = 4
+ROLLOUT_QUANT_GROUP = 64
+
+
+@dataclass
+class StepData:
+    """One batch step's rollout with everything the loss needs."""
+
+    rollout: Rollout
+    advantages: mx.array  # [N]
+    old_logprobs: mx.array | None  # [N, T]; None: the sampler is the current model (ratio 1 at start)
+    ref_logprobs: mx.array | None  # [N, T]; None when kl_coeff = 0
+
+
+class Policies:
+    """Owns `model`, the old (sampling) policy and the frozen reference."""
+
+    def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None):
+        self.cfg = cfg
+        self.model = model
+        self.reference = reference
+        if reference is not None:
+            reference.freeze()
+        # A separate old policy exists only when it can differ from `model` while sampling.
+        self.separate_old = cfg.update_every > 1 or cfg.quantize_for_rollouts
+        self.old_params = None
+        self.sampler: nn.Module = model
+        if self.separate_old:
+            self.refresh()
+
+    def refresh(self, old_params: dict | None = None) -> None:
+        """Point the old policy at the current weights (arrays are shared, not copied: the optimizer
+        replaces `model`'s arrays, so the old ones stay as they were). Re-quantize if asked."""
+        self.old_params = old_params if old_params is not None else self.model.parameters()
+        sampler = copy.deepcopy(self.model)
+        sampler.update(self.old_params)
+        if self.cfg.quantize_for_rollouts:
+            nn.quantize(sampler, group_size=ROLLOUT_QUANT_GROUP, bits=ROLLOUT_QUANT_BITS)
+        sampler.freeze()
+        self.sampler = sampler
+
+    @property
+    def needs_old_pass(self) -> bool:
+        """Old log-probs must be computed (not taken as stop_gradient of the current ones)."""
+        return self.separate_old or self.cfg.num_iterations > 1
+
+
+def row_chunks(rollout: Rollout, size: int) -> list[mx.array]:
+    """Row indices in micro-batches, longest completions first so an out-of-memory shows at once."""
+    order = sorted(range(len(rollout.texts)), key=lambda r: -int(rollout.lengths[r]))
+    return [mx.array(order[i:i + size]) for i in range(0, len(order), size)]
+
+
+def _chunk_batch(rollout: Rollout, rows: mx.array, pad_id: int):
+    width = max(int(rollout.lengths[r]) for r in rows.tolist()) or 1
+    prompts = rollout.row_prompts
+    return pack([prompts[r] for r in rows.tolist()], rollout.completion_ids[rows, :width],
+                rollout.mask[rows, :width], pad_id), width
+
+
+def logprob_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_batch: int,
+                 pad_id: int) -> mx.array:
+    """Log-probs [N, T] of the sampled tokens under `model`, without gradients."""
+    N, T = rollout.completion_ids.shape
+    out = mx.zeros((N, T), dtype=mx.float32)
+    for rows in row_chunks(rollout, micro_batch):
+        batch, width = _chunk_batch(rollout, rows, pad_id)
+        lp = mx.stop_gradient(completion_logprobs(model, batch, temperature)) * batch.mask
+        out[rows, :width] = lp
+        mx.eval(out)
+    return out
+
+
+def make_grad_fn(cfg: Config, model: nn.Module):
+    """value_and_grad of the scaled loss sum of one micro-batch; compiled when use_compile is set."""
+
+    def loss_fn(batch_arrays, old, ref, adv, scale):
+        inputs, positions, targets, mask = batch_arrays
+        lp = completion_logprobs(model, PackedBatch(inputs, positions, targets, mask), cfg.temperature)
+        old_lp = mx.stop_gradient(lp) if old is None else old
+        loss, (kl, clip) = grpo_loss_sum(lp, old_lp, ref, adv, mask, cfg.clip_eps, cfg.kl_coeff)
+        return loss * scale, (kl, clip)
+
+    def wrapped(_model, *args):
+        return loss_fn(*args)
+
+    grad_fn = nn.value_and_grad(model, wrapped)
+
+    def step(batch_arrays, old, ref, adv, scale):
+        return grad_fn(model, batch_arrays, old, ref, adv, scale)
+
+    if cfg.use_compile:
+        return mx.compile(step, inputs=model.state, outputs=model.state)
+    return step
+
+
+def accumulate_gradients(step_fn, steps: list[StepData], micro_batch: int, pad_id: int):
+    """Sum gradients of every micro-batch of every step; the scale makes the total the mean over all
+    B*G*accum sequences of each sequence's token mean. -> (grads, loss, kl_mean, clip_mean)."""
+    total_rows = sum(len(s.rollout.texts) for s in steps)
+    scale = mx.array(1.0 / total_rows, dtype=mx.float32)
+    grads, loss, kl, clip = None, mx.array(0.0), mx.array(0.0), mx.array(0.0)
+    for s in steps:
+        for rows in row_chunks(s.rollout, micro_batch):
+            batch, width = _chunk_batch(s.rollout, rows, pad_id)
+            old = None if s.old_logprobs is None else s.old_logprobs[rows, :width]
+            ref = None if s.ref_logprobs is None else s.ref_logprobs[rows, :width]
+            arrays = (batch.inputs, batch.positions, batch.targets, batch.mask)
+            (value, (kl_sum, clip_sum)), g = step_fn(arrays, old, ref, s.advantages[rows], scale)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            loss, kl, clip = loss + value, kl + kl_sum * scale, clip + clip_sum * scale
+            mx.eval(grads, loss, kl, clip)  # one boundary per micro-batch bounds memory
+    return grads, loss, kl, clip
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """-> (grads, global norm before clipping); max_norm 0 means no clipping."""
+    norm = mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for _, g in tree_flatten(grads)))
+    if max_norm <= 0:
+        return grads, norm
+    factor = mx.minimum(1.0, max_norm / (norm + 1e-6))
+    return tree_map(lambda g: (g * factor).astype(g.dtype), grads), norm
+

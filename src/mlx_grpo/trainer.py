@@ -1,0 +1,273 @@
+"""`mlx-grpo train`: the GRPO loop — rollouts, rewards, advantages, clipped updates, logs, checkpoints.
+
+One optimizer update consumes `gradient_accumulation_steps` batch steps of B prompts x G completions,
+`num_iterations` times. Rollout keys derive from (seed, batch step), so a run and its resumption
+sample the same tokens; checkpoints are written only between rollout groups, where that holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from mlx_grpo import checkpoint as ckpt
+from mlx_grpo.config import Config, save_json
+from mlx_grpo.evaluate import evaluate_model
+from mlx_grpo.logs import RunLogger, update_record
+from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
+from mlx_grpo.errors import UserError
+from mlx_grpo.loss import group_advantages
+from mlx_grpo.models.loading import load_model, resolve_model_path
+from mlx_grpo.policy import Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, make_grad_fn
+from mlx_grpo.rewards import RewardSet
+from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
+
+
+def learning_rate_at(update: int, total: int, cfg: Config) -> float:
+    """Linear warmup then cosine/linear/constant; update is 1-based so the first lr is non-zero."""
+    warmup = int(math.ceil(cfg.warmup_ratio * total))
+    if update <= warmup:
+        return cfg.learning_rate * update / warmup
+    if cfg.lr_scheduler_type == "constant" or total <= warmup:
+        return cfg.learning_rate
+    progress = (update - warmup) / (total - warmup)
+    if cfg.lr_scheduler_type == "linear":
+        return cfg.learning_rate * max(0.0, 1.0 - progress)
+    return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def rollout_key(seed: int, batch_step: int) -> mx.array:
+    return mx.random.split(mx.random.key(seed), batch_step + 1)[batch_step]
+
+
+@dataclass
+class Counters:
+    update_step: int = 0
+    batch_step: int = 0
+    skipped_updates: int = 0
+    consecutive_skips: int = 0
+    prompts_cut: int = 0
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    model: object
+    tokenizer: object
+    policies: Policies
+    rewards: RewardSet
+    train_examples: list[Example]
+    run_dir: Path
+    source_dir: Path
+    eval_examples: list[Example] | None = None
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.sampler = EpochSampler(len(self.train_examples), cfg.batch_size, cfg.num_epochs, cfg.seed)
+        groups = self.sampler.num_batches_total // cfg.gradient_accumulation_steps
+        if groups == 0:
+            raise UserError(f"{len(self.train_examples)} training examples give {self.sampler.num_batches_total} "
+                            f"batch steps, fewer than gradient_accumulation_steps="
+                            f"{cfg.gradient_accumulation_steps}: add data or lower batch_size/accumulation")
+        self.total_updates = groups * cfg.num_iterations
+        self.optimizer = optim.AdamW(learning_rate=learning_rate_at(1, self.total_updates, cfg),
+                                     betas=[cfg.adam_beta1, cfg.adam_beta2], weight_decay=cfg.weight_decay,
+                                     bias_correction=True)
+        self.grad_fn = make_grad_fn(cfg, self.model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else sorted(self.tokenizer.eos_token_ids)[0]
+        self.params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
+                                     tuple(cfg.stop))
+        self._batches = iter(self.sampler)
+
+    # ------------------------------------------------------------------ one batch step
+    def batch_step(self, examples: list[Example]) -> tuple[StepData, dict]:
+        cfg, G = self.cfg, self.cfg.num_generations
+        encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
+                                      cfg.max_prompt_length) for e in examples]
+        self.counters.prompts_cut += sum(cut for _, cut in encoded)
+        t0 = time.perf_counter()
+        rollout = generate_rollout(self.policies.sampler, self.tokenizer, [ids for ids, _ in encoded], G,
+                                   self.params, rollout_key(cfg.seed, self.counters.batch_step), cfg.prefill)
+        t1 = time.perf_counter()
+        columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
+        prompts = [e.prompt for e in examples for _ in range(G)]
+        scores = self.rewards.score(prompts, rollout.texts, rollout.completion_ids.tolist(), columns)
+        advantages = group_advantages(mx.array(scores.total), G)  # [N]
+        t2 = time.perf_counter()
+        old = ref = None
+        if self.policies.needs_old_pass:
+            old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size, self.pad_id)
+        if self.policies.reference is not None:
+            ref = logprob_pass(self.policies.reference, rollout, cfg.temperature, cfg.micro_batch_size,
+                               self.pad_id)
+        mx.eval(advantages)
+        t3 = time.perf_counter()
+        self.counters.batch_step += 1
+        rewards = scores.total.reshape(-1, G)
+        stats = {"rewards": scores.total, "per_func": scores.per_func, "lengths": rollout.lengths,
+                 "truncated": rollout.truncated, "zero_std": float(np.mean(rewards.max(1) == rewards.min(1))),
+                 "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_logprob": t3 - t2,
+                 "tokens": int(rollout.lengths.sum()), "examples": examples, "texts": rollout.texts,
+                 "advantages": np.array(advantages.tolist())}
+        return StepData(rollout, advantages, old, ref), stats
+
+    # ------------------------------------------------------------------ one update
+    def update(self, steps: list[StepData]) -> dict:
+        cfg = self.cfg
+        self.counters.update_step += 1
+        lr = learning_rate_at(self.counters.update_step, self.total_updates, cfg)
+        self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
+        t0 = time.perf_counter()
+        grads, loss, kl, clip = accumulate_gradients(self.grad_fn, steps, cfg.micro_batch_size, self.pad_id)
+        grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
+        mx.eval(grads, norm)
+        finite = math.isfinite(loss.item()) and math.isfinite(norm.item())
+        if finite:
+            self.optimizer.update(self.model, grads)
+            mx.eval(self.model.parameters(), self.optimizer.state)
+            self.counters.consecutive_skips = 0
+        else:
+            self.counters.skipped_updates += 1
+            self.counters.consecutive_skips += 1
+            print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
+                  f"(loss={loss.item()}, grad_norm={norm.item()}); update skipped", flush=True)
+            if self.counters.consecutive_skips >= cfg.max_consecutive_skips:
+                raise UserError(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
+                                "gradient; stopping (try a lower learning_rate or max_grad_norm). The weights "
+                                "of the last finite update are in the latest checkpoint.")
+        if self.policies.separate_old and self.counters.update_step % cfg.update_every == 0:
+            self.policies.refresh()
+        train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
+        dt = time.perf_counter() - t0
+        return {"lr": lr, "loss": loss.item(), "grad_norm": norm.item(), "kl": kl.item(),
+                "clip_fraction": clip.item(), "skipped": not finite, "t_train": dt,
+                "train_tokens_per_s": train_tokens / dt if dt > 0 else 0.0}
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict:
+        return {"counters": vars(self.counters).copy(), "data_cursor": self.sampler.state(),
+                "seed": self.cfg.seed, "rng": {"kind": "derived", "seed": self.cfg.seed,
+                                               "next_batch_step": self.counters.batch_step},
+                "total_updates": self.total_updates}
+
+    def restore(self, path: Path) -> None:
+        weights, opt_state, state, old = ckpt.load_checkpoint(path)
+        self.model.load_weights(list(weights.items()))
+        self.optimizer.state = opt_state
+        self.counters = Counters(**state["counters"])
+        self.sampler.load_state(state["data_cursor"])
+        self._batches = iter(self.sampler)
+        if self.policies.separate_old:
+            self.policies.refresh(old)
+        mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def save(self) -> Path:
+        config_json = json.loads((self.source_dir / "config.json").read_text())
+        old = self.policies.old_params if self.policies.separate_old else None
+        return ckpt.save_checkpoint(self.run_dir, self.counters.update_step, model=self.model,
+                                    optimizer=self.optimizer, trainer_state=self.state(), config=self.cfg,
+                                    source_dir=self.source_dir, model_config=config_json, old_params=old)
+
+    def next_examples(self) -> list[Example] | None:
+        indices = next(self._batches, None)
+        return None if indices is None else [self.train_examples[i] for i in indices]
+
+
+def build_trainer(cfg: Config) -> Trainer:
+    """Load data, rewards and the models for a run (no side effects on disk)."""
+    train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
+    if cfg.max_train_samples:
+        train = subset(train, cfg.max_train_samples, cfg.seed)
+    rewards = RewardSet(cfg.reward_funcs, cfg.reward_weights or None, base_dir=Path.cwd())
+    source_dir = Path(resolve_model_path(cfg.model_name))
+    if not source_dir.is_dir():  # a hub id: mlx-lm downloads it; find its local snapshot
+        from mlx_lm.utils import hf_repo_to_path
+
+        source_dir = Path(hf_repo_to_path(cfg.model_name))
+    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    if any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters())):
+        raise UserError(f"model {cfg.model_name!r} is quantized; full fine-tuning needs float weights: "
+                        "convert it without --quantize")
+    reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 else None
+    policies = Policies(cfg, model, reference)
+    evals = None
+    if cfg.eval_every_updates or cfg.eval_steps:
+        evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed)
+    return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
+                   source_dir, evals)
+
+
+def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trigger: str) -> None:
+    cfg = trainer.cfg
+    result = evaluate_model(trainer.model, trainer.tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens)
+    logger.log_eval({"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
+                     "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
+                     "format_rate": result.format_rate, "num_examples": len(examples)})
+
+
+def train(cfg: Config, resume: str | None = None) -> Path:
+    """Run GRPO as configured (or continue a checkpoint); returns the run directory."""
+    trainer = build_trainer(cfg)
+    run_dir = trainer.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume is None and ckpt.list_checkpoints(run_dir):
+        raise UserError(f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, "
+                        "or choose another run_name")
+    logger = RunLogger(run_dir, cfg.log_jsonl)
+    if resume is not None:
+        path = ckpt.resolve_resume(run_dir, resume)
+        trainer.restore(path)
+        logger.truncate_after(trainer.counters.update_step)
+        print(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}", flush=True)
+    save_json(cfg, run_dir / "config.resolved.json")
+    evals = trainer.eval_examples
+    eval_subset = subset(evals, cfg.eval_subset_size, cfg.seed) if evals else None
+    legacy_subset = subset(evals, cfg.eval_samples or cfg.eval_subset_size, cfg.seed) if evals else None
+    c = trainer.counters
+    bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="grpo", unit="update", disable=None)
+    last_saved = c.update_step if resume is not None else -1
+    while c.update_step < trainer.total_updates:
+        steps, stats = [], []
+        for _ in range(cfg.gradient_accumulation_steps):
+            step, st = trainer.batch_step(trainer.next_examples())
+            steps.append(step)
+            stats.append(st)
+            if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
+                _evaluate(trainer, logger, legacy_subset, "eval_steps")
+        save_due = False
+        for _ in range(cfg.num_iterations):
+            result = trainer.update(steps)
+            record = update_record(trainer, stats, result)
+            logger.log_metrics(record)
+            if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}",
+                                kl=f"{record['kl']:.4f}", refresh=False)
+                if bar.disable:
+                    logger.print_line(record)
+            if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
+                logger.log_completions(c.update_step, stats[-1])
+            if cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
+                _evaluate(trainer, logger, eval_subset, "eval_every_updates")
+            save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
+            bar.update(1)
+        if save_due:  # only between rollout groups, where resume reproduces the run exactly
+            trainer.save()
+            last_saved = c.update_step
+    bar.close()
+    if last_saved != c.update_step:
+        trainer.save()
+    if c.skipped_updates:
+        print(f"[mlx-grpo] {c.skipped_updates} update(s) skipped for non-finite values", flush=True)
+    print(f"[mlx-grpo] done: {c.update_step} updates; run directory {run_dir}", flush=True)
+    return run_dir
