@@ -56,7 +56,10 @@ class Policies:
         sampler = copy.deepcopy(self.model)
         sampler.update(self.old_params)
         if self.cfg.quantize_for_rollouts:
-            nn.quantize(sampler, group_size=ROLLOUT_QUANT_GROUP, bits=ROLLOUT_QUANT_BITS)
+            # Layers whose input width is not a multiple of the group size stay in float.
+            nn.quantize(sampler, group_size=ROLLOUT_QUANT_GROUP, bits=ROLLOUT_QUANT_BITS,
+                        class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                        and m.weight.shape[-1] % ROLLOUT_QUANT_GROUP == 0)
         sampler.freeze()
         self.sampler = sampler
 

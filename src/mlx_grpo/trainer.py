@@ -33,13 +33,14 @@ from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollou
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
-    """Linear warmup then cosine/linear/constant; update is 1-based so the first lr is non-zero."""
+    """Linear warmup then cosine/linear/constant decay towards 0. update is 1-based; the decay
+    starts from the peak at the first update after warmup, so no update has a zero rate."""
     warmup = int(math.ceil(cfg.warmup_ratio * total))
     if update <= warmup:
         return cfg.learning_rate * update / warmup
     if cfg.lr_scheduler_type == "constant" or total <= warmup:
         return cfg.learning_rate
-    progress = (update - warmup) / (total - warmup)
+    progress = (update - warmup - 1) / (total - warmup)
     if cfg.lr_scheduler_type == "linear":
         return cfg.learning_rate * max(0.0, 1.0 - progress)
     return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
