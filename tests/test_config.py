@@ -135,3 +135,12 @@ def test_cli_flag_equals_set():
     args = build_parser().parse_args(["generate", "--temperature", "0.5", "--max-tokens", "9"])
     cfg = _config_from_args("generate", args)
     assert cfg.temperature == 0.5 and cfg.max_new_tokens == 9
+
+
+def test_preset_serves_train_and_eval(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('learning_rate = 2e-6\neval_subset_size = 7\n')
+    assert build_config("eval", str(toml)).eval_subset_size == 7  # train-only key skipped for eval
+    toml.write_text('learning_rate = "fast"\n')
+    with pytest.raises(UserError, match="'learning_rate' expects a number"):
+        build_config("eval", str(toml))  # but still type-checked

@@ -1,8 +1,9 @@
 """The one home of every setting: defaults, help texts, parsing (TOML + --set), validation.
 
 Sources, in increasing precedence: field defaults < per-command defaults < TOML file (`--config`)
-< command-line flags and `--set key=value`. Every field names the commands it applies to; a key that
-exists but does not apply to the running command is rejected, so no setting is silently ignored.
+< command-line flags and `--set key=value`. Every field names the commands it applies to. A preset
+file serves several commands (`train` and `eval` read the same TOML), so its keys for other commands
+are type-checked and skipped; on the command line such a key is an error.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class Config:
     model_name: str = _f(DEFAULT_MODEL, "Model: 'smollm2-135m-instruct' (embedded default, offline), an MLX "
                          "model directory, a checkpoint directory, or a Hugging Face hub id.", MODEL_CMDS)
     model_dtype: str = _f("auto", "Dtype of the model's float weights after loading: auto (as stored), float32, "
-                          "bfloat16 or float16.", MODEL_CMDS)
+                          "bfloat16 or float16. Train in float32: small AdamW steps round away in half "
+                          "precision.", MODEL_CMDS)
     system_prompt: str = _f(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
                             "empty means none.", MODEL_CMDS)
     # --- sampling (rollouts, generate, chat) ---
@@ -309,6 +311,9 @@ def build_config(command: str, toml_path: str | None = None,
     values: dict[str, Any] = dict(COMMAND_DEFAULTS.get(command, {}))
     if toml_path is not None:
         for key, value in read_toml(toml_path).items():
+            if key in FIELDS and command not in FIELDS[key].metadata["commands"]:
+                parse_value(key, value)  # still type-checked; a preset serves several commands
+                continue
             check_key(key, command, f"config file {toml_path}")
             values[key] = parse_value(key, value)
     for key, value in overrides or []:

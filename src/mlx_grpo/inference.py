@@ -138,6 +138,7 @@ def run_generate(cfg: Config, prompt: str | None = None, prompts_file: str | Non
         on_text = (lambda t: (out.write(t), out.flush())) if stream else None
         result = generate(model, tokenizer, ids, cfg, on_text)
         out.write(("" if stream else result.text) + "\n")
+        out.flush()
         if verbose:
             print(_verbose_line(result), file=sys.stderr)
         return

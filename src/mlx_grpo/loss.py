@@ -71,6 +71,12 @@ def grpo_loss_sum(logp, old_logp, ref_logp, advantages, mask, clip_eps: float, k
     Returning a sum lets micro-batches and accumulation steps add up to exactly the full-batch mean.
     Also returns summed per-sequence KL and clip fraction for logging.
     """
+    # Zero the padded positions before the exponentials: exp(garbage) there could overflow to inf,
+    # and inf * 0 = NaN would poison the loss and every gradient.
+    keep = mask > 0
+    logp = mx.where(keep, logp, 0.0)
+    old_logp = mx.where(keep, old_logp, 0.0)
+    ref_logp = None if ref_logp is None else mx.where(keep, ref_logp, 0.0)
     terms = grpo_token_terms(logp, old_logp, ref_logp, advantages, clip_eps, kl_coeff)
     loss = masked_sequence_mean(terms.loss, mask).sum()
     kl = masked_sequence_mean(terms.kl, mask).sum()

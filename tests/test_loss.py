@@ -1,0 +1,385 @@
+"""The GRPO objective against naive float64 references written from the spec.
+
+Advantages, token log-probs, the clipped loss with KL and clip fraction, padding invariance, the packed
+model pass (right padding must not change log-probs) and the gradient w.r.t. the policy log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from mlx_grpo.loss import (completion_logprobs, grpo_loss_sum, grpo_token_terms, group_advantages,
+                           pack, token_logprobs)
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+# ----------------------------------------------------------------------------- naive references
+
+def naive_advantages(rewards, group_size):
+    r = [float(x) for x in rewards]
+    out = []
+    for start in range(0, len(r), group_size):
+        group = r[start:start + group_size]
+        mean = sum(group) / len(group)
+        if all(x == group[0] for x in group):
+            out.extend([0.0] * len(group))
+            continue
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        out.extend([(x - mean) / (std + 1e-4) for x in group])
+    return np.array(out, dtype=np.float64)
+
+
+def naive_token_logprobs(logits, tokens, temperature):
+    logits = np.asarray(logits, dtype=np.float64)
+    tokens = np.asarray(tokens)
+    N, T, V = logits.shape
+    out = np.zeros((N, T))
+    for n in range(N):
+        for t in range(T):
+            row = logits[n, t] / temperature
+            m = row.max()
+            lse = m + math.log(sum(math.exp(v - m) for v in row))
+            out[n, t] = row[tokens[n, t]] - lse
+    return out
+
+
+def naive_token_terms(logp, old, ref, adv, clip_eps, kl_coeff):
+    """Per-token loss, kl, clipped flag as float64 [N, T] from plain loops."""
+    N, T = logp.shape
+    loss, kl, clipped = np.zeros((N, T)), np.zeros((N, T)), np.zeros((N, T))
+    for n in range(N):
+        a = float(adv[n])
+        for t in range(T):
+            lp = float(logp[n, t])
+            rho = math.exp(lp - float(old[n, t]))
+            unclipped_term = rho * a
+            clipped_term = min(max(rho, 1 - clip_eps), 1 + clip_eps) * a
+            pg = min(unclipped_term, clipped_term)
+            if ref is None:
+                k = 0.0
+            else:
+                d = float(ref[n, t]) - lp
+                k = math.exp(d) - d - 1
+            loss[n, t] = -(pg - kl_coeff * k)
+            kl[n, t] = k
+            clipped[n, t] = 1.0 if clipped_term < unclipped_term else 0.0
+    return loss, kl, clipped
+
+
+def naive_loss_sum(logp, old, ref, adv, mask, clip_eps, kl_coeff):
+    loss, kl, clipped = naive_token_terms(logp, old, ref, adv, clip_eps, kl_coeff)
+    totals = [0.0, 0.0, 0.0]
+    for n in range(logp.shape[0]):
+        idx = [t for t in range(logp.shape[1]) if mask[n, t] > 0]
+        for i, values in enumerate((loss, kl, clipped)):
+            totals[i] += sum(values[n, t] for t in idx) / len(idx)
+    return totals
+
+
+def np_(x):
+    return np.array(x.astype(mx.float32).tolist(), dtype=np.float64)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def test_group_advantages_random_groups_match_naive():
+    rng = np.random.default_rng(0)
+    for group_size, groups in ((4, 5), (8, 3), (2, 6), (3, 1)):
+        rewards = rng.normal(size=groups * group_size).astype(np.float32) * 2.0
+        got = group_advantages(mx.array(rewards), group_size)
+        assert got.shape == (groups * group_size,)
+        assert got.dtype == mx.float32
+        np.testing.assert_allclose(np_(got), naive_advantages(rewards, group_size), rtol=RTOL, atol=ATOL)
+
+
+def test_group_advantages_binary_rewards_match_naive():
+    rng = np.random.default_rng(1)
+    rewards = rng.integers(0, 2, size=6 * 4).astype(np.float32)  # typical 0/1 correctness rewards
+    got = group_advantages(mx.array(rewards), 4)
+    np.testing.assert_allclose(np_(got), naive_advantages(rewards, 4), rtol=RTOL, atol=ATOL)
+
+
+def test_group_advantages_flat_groups_are_exactly_zero():
+    rewards = np.array([0, 0, 0, 0,  2.5, 2.5, 2.5, 2.5,  1, 0, 0, 1,  -1.25, -1.25, -1.25, -1.25],
+                       dtype=np.float32)
+    got = np_(group_advantages(mx.array(rewards), 4))
+    assert got.shape == (16,)
+    assert np.all(got[0:4] == 0.0) and np.all(got[4:8] == 0.0) and np.all(got[12:16] == 0.0)
+    assert not np.any(np.isnan(got))
+    np.testing.assert_allclose(got[8:12], naive_advantages(rewards[8:12], 4), rtol=RTOL, atol=ATOL)
+    # 0/1 rewards with half right: mean 0.5, sample std sqrt(1/3)
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    np.testing.assert_allclose(got[8:12], [expected, -expected, -expected, expected], rtol=RTOL)
+
+
+def test_group_advantages_group_of_two():
+    rewards = np.array([1.0, 0.0, 3.0, 3.0, -2.0, 5.0], dtype=np.float32)
+    got = np_(group_advantages(mx.array(rewards), 2))
+    # G=2: sample std = |r1 - r2| / sqrt(2), so A = +-(d/2) / (|d|/sqrt(2) + 1e-4)
+    np.testing.assert_allclose(got, naive_advantages(rewards, 2), rtol=RTOL, atol=ATOL)
+    assert got[2] == 0.0 and got[3] == 0.0
+    np.testing.assert_allclose(got[0], 0.5 / (1 / math.sqrt(2) + 1e-4), rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------- token log-probs
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_token_logprobs_match_naive(temperature):
+    rng = np.random.default_rng(2)
+    N, T, V = 3, 5, 17
+    logits = (rng.normal(size=(N, T, V)) * 3.0).astype(np.float32)
+    tokens = rng.integers(0, V, size=(N, T)).astype(np.int32)
+    got = token_logprobs(mx.array(logits), mx.array(tokens), temperature)
+    assert got.shape == (N, T) and got.dtype == mx.float32
+    np.testing.assert_allclose(np_(got), naive_token_logprobs(logits, tokens, temperature), rtol=RTOL, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------- loss
+
+def _loss_case(seed=3, N=6, T=7):
+    """Random log-probs whose ratios cover both clip sides and the unclipped middle, with
+    advantages of both signs (and one zero), and masks of different lengths incl. a 1-token row."""
+    rng = np.random.default_rng(seed)
+    old = rng.uniform(-4.0, -0.2, size=(N, T))
+    log_ratio = rng.choice([-0.6, -0.35, -0.05, 0.0, 0.04, 0.3, 0.7], size=(N, T))
+    log_ratio += rng.uniform(-0.02, 0.02, size=(N, T))  # stay away from the exact clip edges
+    logp = old + log_ratio
+    ref = logp + rng.normal(scale=0.3, size=(N, T))
+    adv = np.array([1.3, -0.8, 0.6, -1.7, 0.0, 2.1])[:N]
+    lengths = [7, 4, 1, 6, 3, 5][:N]
+    mask = np.zeros((N, T))
+    for n, length in enumerate(lengths):
+        mask[n, :length] = 1.0
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    return f32(logp), f32(old), f32(ref), f32(adv), f32(mask)
+
+
+def test_loss_case_covers_both_clip_sides():
+    logp, old, _, adv, mask = _loss_case()
+    rho = np.exp(logp.astype(np.float64) - old)
+    eps = 0.2
+    real = mask > 0
+    a = np.broadcast_to(adv[:, None], rho.shape)
+    assert np.any(real & (rho > 1 + eps) & (a > 0))
+    assert np.any(real & (rho < 1 - eps) & (a < 0))
+    assert np.any(real & (rho > 1 - eps) & (rho < 1 + eps) & (a != 0))
+    assert np.any(real & (rho > 1 + eps) & (a < 0))  # outside the range but the unclipped term is active
+
+
+@pytest.mark.parametrize("kl_coeff", [0.0, 0.04])
+@pytest.mark.parametrize("with_ref", [True, False])
+def test_grpo_token_terms_match_naive(kl_coeff, with_ref):
+    logp, old, ref, adv, _ = _loss_case()
+    ref = ref if with_ref else None
+    terms = grpo_token_terms(mx.array(logp), mx.array(old), None if ref is None else mx.array(ref),
+                             mx.array(adv), 0.2, kl_coeff)
+    loss, kl, clipped = naive_token_terms(logp, old, ref, adv, 0.2, kl_coeff)
+    np.testing.assert_allclose(np_(terms.loss), loss, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np_(terms.kl), kl, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(np_(terms.clipped), clipped)
+    if ref is None:
+        assert np.all(np_(terms.kl) == 0.0)
+
+
+@pytest.mark.parametrize("kl_coeff", [0.0, 0.04])
+@pytest.mark.parametrize("with_ref", [True, False])
+@pytest.mark.parametrize("clip_eps", [0.2, 0.28])
+def test_grpo_loss_sum_matches_naive(kl_coeff, with_ref, clip_eps):
+    logp, old, ref, adv, mask = _loss_case()
+    ref = ref if with_ref else None
+    loss, (kl, clip) = grpo_loss_sum(mx.array(logp), mx.array(old), None if ref is None else mx.array(ref),
+                                     mx.array(adv), mx.array(mask), clip_eps, kl_coeff)
+    e_loss, e_kl, e_clip = naive_loss_sum(logp, old, ref, adv, mask, clip_eps, kl_coeff)
+    assert loss.shape == () and kl.shape == () and clip.shape == ()
+    np.testing.assert_allclose(loss.item(), e_loss, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(kl.item(), e_kl, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(clip.item(), e_clip, rtol=RTOL, atol=ATOL)
+    assert e_clip > 0  # the case does clip some tokens
+    if ref is None:
+        assert kl.item() == 0.0
+    if kl_coeff == 0.0 and with_ref:  # kl is still reported, but does not enter the loss
+        assert e_kl > 0
+        no_ref, _ = grpo_loss_sum(mx.array(logp), mx.array(old), None, mx.array(adv), mx.array(mask),
+                                  clip_eps, 0.0)
+        np.testing.assert_allclose(loss.item(), no_ref.item(), rtol=RTOL, atol=ATOL)
+
+
+def test_grpo_loss_sum_is_sum_of_per_sequence_means():
+    """Splitting the rows into micro-batches adds up to the whole sum (the batch loss is sum / N)."""
+    logp, old, ref, adv, mask = _loss_case()
+    args = lambda rows: (mx.array(logp[rows]), mx.array(old[rows]), mx.array(ref[rows]),  # noqa: E731
+                         mx.array(adv[rows]), mx.array(mask[rows]), 0.2, 0.04)
+    whole, (kl, clip) = grpo_loss_sum(*args(slice(None)))
+    parts = [grpo_loss_sum(*args(rows)) for rows in (slice(0, 2), slice(2, 5), slice(5, 6))]
+    np.testing.assert_allclose(whole.item(), sum(p[0].item() for p in parts), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(kl.item(), sum(p[1][0].item() for p in parts), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(clip.item(), sum(p[1][1].item() for p in parts), rtol=RTOL, atol=ATOL)
+
+
+def test_first_step_ratio_one_gives_minus_mean_advantage():
+    """old = logp (first iteration): rho = 1, nothing clipped, loss per sequence = -A (+ kl term)."""
+    logp, _, _, adv, mask = _loss_case()
+    loss, (kl, clip) = grpo_loss_sum(mx.array(logp), mx.array(logp), None, mx.array(adv), mx.array(mask),
+                                     0.2, 0.04)
+    np.testing.assert_allclose(loss.item(), -float(adv.astype(np.float64).sum()), rtol=RTOL, atol=ATOL)
+    assert clip.item() == 0.0 and kl.item() == 0.0
+
+
+def _pad(logp, old, ref, mask, extra, rng, low, high):
+    N = logp.shape[0]
+    garbage = lambda: rng.uniform(low, high, size=(N, extra)).astype(np.float32)  # noqa: E731
+    cat = lambda a, b: np.concatenate([a, b], axis=1)  # noqa: E731
+    return (cat(logp, garbage()), cat(old, garbage()), cat(ref, garbage()),
+            cat(mask, np.zeros((N, extra), dtype=np.float32)))
+
+
+@pytest.mark.parametrize("kl_coeff", [0.0, 0.04])
+def test_padding_with_garbage_does_not_change_loss(kl_coeff):
+    logp, old, ref, adv, mask = _loss_case()
+    base = grpo_loss_sum(mx.array(logp), mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask),
+                         0.2, kl_coeff)
+    rng = np.random.default_rng(4)
+    # Also garbage in the masked-out tail of the existing rows (beyond each row's length).
+    for extra in (1, 5):
+        p_logp, p_old, p_ref, p_mask = _pad(logp, old, ref, mask, extra, rng, -30.0, 5.0)
+        tail = p_mask == 0
+        p_logp = np.where(tail, rng.uniform(-30, 5, size=p_logp.shape), p_logp).astype(np.float32)
+        padded = grpo_loss_sum(mx.array(p_logp), mx.array(p_old), mx.array(p_ref), mx.array(adv),
+                               mx.array(p_mask), 0.2, kl_coeff)
+        for a, b in zip((base[0], *base[1]), (padded[0], *padded[1])):
+            np.testing.assert_allclose(b.item(), a.item(), rtol=RTOL, atol=ATOL)
+
+
+def test_padding_where_model_gives_the_pad_token_a_tiny_logprob():
+    """In training, padded positions carry old = ref = 0 (logprob_pass multiplies by the mask) while
+    logp there is the model's log-prob of the pad id, which can be below -88.7 for a confident model.
+    exp(ref - logp) then overflows float32 to inf, and inf * mask 0 = nan: the masked-out tokens
+    must still not change the loss (nor make its gradient nan)."""
+    logp, old, ref, adv, mask = _loss_case()
+    base, _ = grpo_loss_sum(mx.array(logp), mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask),
+                            0.2, 0.04)
+    N, T = logp.shape
+    p_logp = np.concatenate([logp, np.full((N, 2), -100.0, np.float32)], axis=1)
+    zeros = np.zeros((N, 2), np.float32)
+    p_old, p_ref, p_mask = (np.concatenate([a, zeros], axis=1) for a in (old, ref, mask))
+    args = (mx.array(p_old), mx.array(p_ref), mx.array(adv), mx.array(p_mask), 0.2, 0.04)
+    padded, (kl, _) = grpo_loss_sum(mx.array(p_logp), *args)
+    grad = mx.grad(lambda lp: grpo_loss_sum(lp, *args)[0])(mx.array(p_logp))
+    assert math.isfinite(padded.item()) and math.isfinite(kl.item()), (
+        f"masked-out padding with logp=-100, ref=0 turns the loss into {padded.item()}, kl {kl.item()}")
+    np.testing.assert_allclose(padded.item(), base.item(), rtol=RTOL, atol=ATOL)
+    assert np.all(np.isfinite(np_(grad))), "gradient is not finite at masked-out padding"
+
+
+# ----------------------------------------------------------------------------- gradient
+
+def naive_grad_wrt_logp(logp, old, ref, adv, mask, clip_eps, kl_coeff):
+    """d(loss sum)/d logp: only tokens where the unclipped term is active carry the pg gradient
+    -rho*A; the k3 KL gives kl_coeff * (1 - exp(ref - logp)); each scaled by mask / row length."""
+    N, T = logp.shape
+    g = np.zeros((N, T))
+    for n in range(N):
+        length = sum(mask[n])
+        for t in range(T):
+            if mask[n, t] == 0:
+                continue
+            lp = float(logp[n, t])
+            rho = math.exp(lp - float(old[n, t]))
+            a = float(adv[n])
+            unclipped_active = rho * a <= min(max(rho, 1 - clip_eps), 1 + clip_eps) * a
+            d = -rho * a if unclipped_active else 0.0
+            if ref is not None:
+                d += kl_coeff * (1 - math.exp(float(ref[n, t]) - lp))
+            g[n, t] = d / length
+    return g
+
+
+@pytest.mark.parametrize("with_ref", [True, False])
+def test_gradient_wrt_logp_matches_analytic_and_finite_difference(with_ref):
+    logp, old, ref, adv, mask = _loss_case()
+    ref = ref if with_ref else None
+    args = (mx.array(old), None if ref is None else mx.array(ref), mx.array(adv), mx.array(mask), 0.2, 0.04)
+    grad = np_(mx.grad(lambda lp: grpo_loss_sum(lp, *args)[0])(mx.array(logp)))
+    expected = naive_grad_wrt_logp(logp, old, ref, adv, mask, 0.2, 0.04)
+    np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6)
+    # Central finite differences of the float64 naive loss on a few entries (incl. a masked one).
+    h = 1e-5
+    for n, t in [(0, 0), (0, 3), (1, 2), (2, 0), (3, 5), (5, 4), (2, 3)]:
+        plus, minus = logp.astype(np.float64), logp.astype(np.float64)
+        plus[n, t] += h
+        minus[n, t] -= h
+        fd = (naive_loss_sum(plus, old, ref, adv, mask, 0.2, 0.04)[0]
+              - naive_loss_sum(minus, old, ref, adv, mask, 0.2, 0.04)[0]) / (2 * h)
+        np.testing.assert_allclose(grad[n, t], fd, rtol=1e-3, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- packed model pass
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def _naive_completion_logprobs(model, prompt, completion, temperature):
+    """Run the model on the unpadded prompt+completion alone; log softmax(logits/T) in float64."""
+    x = mx.array([prompt + completion], dtype=mx.int32)
+    logits = np.array(model(x)[0].astype(mx.float32).tolist(), dtype=np.float64)  # [L, V]
+    out = []
+    for t, token in enumerate(completion):
+        row = logits[len(prompt) - 1 + t] / temperature
+        m = row.max()
+        out.append(row[token] - (m + math.log(np.exp(row - m).sum())))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completion_logprobs_packed_equal_unpadded(tiny, temperature):
+    model, tok = tiny
+    pad_id = tok.pad_token_id
+    rng = np.random.default_rng(5)
+    V = model.args.vocab_size
+    prompt_lengths = [3, 9, 1, 6]
+    comp_lengths = [5, 2, 7, 1]
+    T = max(comp_lengths)
+    prompts = [rng.integers(3, V, size=k).tolist() for k in prompt_lengths]
+    comps = [rng.integers(0, V, size=k).tolist() for k in comp_lengths]
+    ids = np.full((len(prompts), T), pad_id, dtype=np.int32)
+    mask = np.zeros((len(prompts), T), dtype=np.float32)
+    for r, c in enumerate(comps):
+        ids[r, :len(c)] = c
+        mask[r, :len(c)] = 1
+    batch = pack(prompts, mx.array(ids), mx.array(mask), pad_id)
+    assert batch.inputs.shape == (4, max(prompt_lengths) + T)
+    got = np_(completion_logprobs(model, batch, temperature))
+    assert got.shape == (4, T)
+    for r in range(len(prompts)):
+        expected = _naive_completion_logprobs(model, prompts[r], comps[r], temperature)
+        np.testing.assert_allclose(got[r, :len(comps[r])], expected, rtol=RTOL, atol=1e-5)
+
+
+def test_completion_logprobs_generic_path_equals_head_path(tiny):
+    """Models outside PLAIN_HEAD_TYPES take the full-logits path; both must agree."""
+    model, tok = tiny
+
+    class Wrapped:  # no model_type: forces the model(x) path
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 200, size=k).tolist() for k in (4, 2)]
+    ids = mx.array(rng.integers(3, 200, size=(2, 5)).astype(np.int32))
+    mask = mx.array(np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.float32))
+    batch = pack(prompts, ids, mask, tok.pad_token_id)
+    a = np_(completion_logprobs(model, batch, 0.9))
+    b = np_(completion_logprobs(Wrapped(model), batch, 0.9))
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-5)
