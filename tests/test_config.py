@@ -95,6 +95,7 @@ def test_key_for_other_command_rejected():
     (["top_p=0"], "top_p must be in"),
     (["temperature=0"], "temperature must be > 0"),
     (["lr_scheduler_type=step"], "lr_scheduler_type must be"),
+    (["eval_samples=20"], "eval_samples only sizes the eval_steps evaluations"),
 ])
 def test_cross_field_rules(items, message):
     with pytest.raises(UserError, match=message):

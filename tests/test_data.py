@@ -67,7 +67,7 @@ def test_reward_columns_unions_extra_columns():
 
 
 def test_load_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [{"question": "q1", "answer": "x\n#### 3"}, {"question": "q2", "answer": "#### 4"}]
@@ -84,7 +84,6 @@ def test_parquet_without_pyarrow(tmp_path, monkeypatch):
 
 
 def test_corrupt_parquet(tmp_path):
-    pytest.importorskip("pyarrow")
     (tmp_path / "d.parquet").write_bytes(b"not parquet")
     with pytest.raises(UserError, match=r"d\.parquet: not a readable Parquet file"):
         load_file(tmp_path / "d.parquet")

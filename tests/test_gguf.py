@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-gguf = pytest.importorskip("gguf")
-mlx_lm = pytest.importorskip("mlx_lm")
-from mlx_lm.models.llama import Model, ModelArgs  # noqa: E402
+import gguf
+import mlx_lm
+from mlx_lm.models.llama import Model, ModelArgs
 
 from mlx_grpo.errors import UserError  # noqa: E402
 from mlx_grpo.models import gguf as conv  # noqa: E402

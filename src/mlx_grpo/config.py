@@ -389,6 +389,8 @@ def _validate_train(c: Config) -> None:
     _require(not c.reward_weights or len(c.reward_weights) == len(c.reward_funcs),
              f"reward_weights has {len(c.reward_weights)} entries but reward_funcs has {len(c.reward_funcs)}: "
              "give one weight per function, or none")
+    _require(c.eval_samples == 0 or c.eval_steps > 0,
+             "eval_samples only sizes the eval_steps evaluations: set eval_steps > 0, or drop eval_samples")
     _require(len(c.reward_funcs) > 0, "reward_funcs must name at least one reward function")
 
 
