@@ -9,6 +9,11 @@ import mlx.core as mx
 import numpy as np
 
 
+def _nan_mean(values: np.ndarray) -> float | None:
+    """Mean over the completions a reward applied to (None marks 'not applicable'); None if none."""
+    return None if np.all(np.isnan(values)) else float(np.nanmean(values))
+
+
 def update_record(trainer, stats: list[dict], result: dict) -> dict:
     """The metrics of one optimizer update, from its batch steps' stats and the update's result."""
     c = trainer.counters
@@ -22,9 +27,7 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "update_step": c.update_step, "batch_step": c.batch_step, "epoch": trainer.sampler.epoch,
         "lr": result["lr"], "loss": result["loss"], "grad_norm": result["grad_norm"],
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-        **{f"reward/{n}": float(np.nanmean(np.concatenate([s["per_func"][n] for s in stats])))
-           if not np.all(np.isnan(np.concatenate([s["per_func"][n] for s in stats]))) else None
-           for n in names},
+        **{f"reward/{n}": _nan_mean(np.concatenate([s["per_func"][n] for s in stats])) for n in names},
         "kl": result["kl"], "clip_fraction": result["clip_fraction"],
         "completion_length_mean": float(lengths.mean()), "completion_length_max": int(lengths.max()),
         "truncated_fraction": float(truncated.mean()),

@@ -98,22 +98,20 @@ def logprob_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_b
 def make_grad_fn(cfg: Config, model: nn.Module):
     """value_and_grad of the scaled loss sum of one micro-batch; compiled when use_compile is set."""
 
-    def loss_fn(batch_arrays, old, ref, adv, scale):
-        inputs, positions, targets, mask = batch_arrays
-        lp = completion_logprobs(model, PackedBatch(inputs, positions, targets, mask), cfg.temperature)
+    def loss_fn(_model, batch_arrays, old, ref, adv, scale):
+        lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.temperature)
         old_lp = mx.stop_gradient(lp) if old is None else old
-        loss, (kl, clip) = grpo_loss_sum(lp, old_lp, ref, adv, mask, cfg.clip_eps, cfg.kl_coeff)
+        loss, (kl, clip) = grpo_loss_sum(lp, old_lp, ref, adv, batch_arrays[3], cfg.clip_eps, cfg.kl_coeff)
         return loss * scale, (kl, clip)
 
-    def wrapped(_model, *args):
-        return loss_fn(*args)
-
-    grad_fn = nn.value_and_grad(model, wrapped)
+    grad_fn = nn.value_and_grad(model, loss_fn)
 
     def step(batch_arrays, old, ref, adv, scale):
         return grad_fn(model, batch_arrays, old, ref, adv, scale)
 
     if cfg.use_compile:
+        # nn.value_and_grad swaps traced arrays into the model while tracing: declare the state as output
+        # too, or the model keeps placeholder arrays after the compiled call.
         return mx.compile(step, inputs=model.state, outputs=model.state)
     return step
 
