@@ -63,8 +63,8 @@ def _split_rollout(r: Rollout, prompt: int) -> Rollout:
                    r.truncated[rows], r.texts[rows], G)
 
 
-@pytest.mark.parametrize("micro", [1, 3, 64])
-def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro):
+@pytest.mark.parametrize("micro,max_tokens", [(1, 0), (3, 0), (64, 0), (64, 40)])
+def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens):
     from mlx_lm import load
 
     model, tok = load(str(tiny_model_dir))
@@ -76,12 +76,34 @@ def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro):
     one = [StepData(big, adv, None, None)]
     eight = [StepData(_split_rollout(big, p), adv[p * 4:(p + 1) * 4], None, None) for p in range(8)]
     step = make_grad_fn(cfg, model)
-    g1, loss1, _, _ = accumulate_gradients(step, one, micro, 0)
-    g8, loss8, _, _ = accumulate_gradients(step, eight, micro, 0)
+    g1, loss1, _, _ = accumulate_gradients(step, one, micro, 0, max_tokens)
+    g8, loss8, _, _ = accumulate_gradients(step, eight, micro, 0, max_tokens)
     assert loss1.item() == pytest.approx(loss8.item(), rel=1e-5, abs=1e-7)
     for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g8)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-7, err_msg=k)
     assert any(float(mx.abs(a).max()) > 0 for _, a in tree_flatten(g1))  # not a vacuous comparison
+
+
+def test_micro_batches_respect_row_and_token_limits(tiny_model_dir):
+    """Every row lands in exactly one micro-batch; each holds at most `size` rows and, when it has more
+    than one row, at most max_tokens padded tokens as pack() lays them out; longest completions first."""
+    from mlx_lm import load
+
+    from mlx_grpo.policy import row_chunks
+
+    model, tok = load(str(tiny_model_dir))
+    prompts = [tok.encode(f"q{i}" + "?" * (3 * i)) for i in range(6)]
+    r = generate_rollout(model, tok, prompts, 3, SamplingParams(10, 1.0), mx.random.key(1))
+    for size, max_tokens in [(4, 0), (18, 60), (18, 1)]:
+        chunks = [c.tolist() for c in row_chunks(r, size, max_tokens)]
+        assert sorted(sum(chunks, [])) == list(range(18))
+        order = sum(chunks, [])
+        assert [int(r.lengths[i]) for i in order] == sorted(r.lengths.tolist(), reverse=True)
+        for c in chunks:
+            assert len(c) <= size
+            padded = len(c) * (max(len(r.row_prompts[i]) for i in c) + max(max(int(r.lengths[i]), 1) for i in c))
+            assert len(c) == 1 or not max_tokens or padded <= max_tokens
+    assert len(row_chunks(r, 18, 1)) == 18  # a row is never split, even past the budget
 
 
 def test_one_update_changes_weights_loss_finite(tiny_model_dir, tmp_path):

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from mlx_grpo import __version__
+from mlx_grpo.blas import use_optimized_blas
 from mlx_grpo.config import (
     COMMAND_OPTIONS,
     FIELDS,
@@ -112,6 +113,8 @@ def _dispatch(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        # Before any subcommand imports mlx.core: this module and config.py must not import it at the top.
+        use_optimized_blas()
         _dispatch(args)
     except UserError as exc:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)

@@ -89,6 +89,9 @@ class Config:
     gradient_accumulation_steps: int = _f(1, "Batch steps per optimizer update.", TRAIN)
     micro_batch_size: int = _f(16, "Sequences per forward/backward chunk in log-prob and training passes; "
                                "bounds memory, does not change results.", TRAIN)
+    micro_batch_tokens: int = _f(8192, "Most padded prompt+completion tokens per forward/backward chunk "
+                                 "(0 = no limit): bounds memory whatever the batch size; does not change "
+                                 "results.", TRAIN)
     max_completion_length: int = _f(0, "Alias of max_new_tokens kept for older configs; must equal it when "
                                     "set (0 = unset).", TRAIN)
     # --- optimisation ---
@@ -371,7 +374,7 @@ def _validate_train(c: Config) -> None:
                  "num_iterations", "update_every", "max_consecutive_skips", "logging_steps"):
         _require(getattr(c, name) >= 1, f"{name} must be >= 1")
     for name in ("max_train_samples", "save_steps", "eval_every_updates", "eval_steps", "eval_samples",
-                 "log_completions_steps", "weight_decay", "kl_coeff", "max_grad_norm"):
+                 "log_completions_steps", "weight_decay", "kl_coeff", "max_grad_norm", "micro_batch_tokens"):
         _require(getattr(c, name) >= 0, f"{name} must be >= 0")
     _require(c.num_generations >= 2, "num_generations must be >= 2: group-relative advantages need at "
              "least two completions per prompt")

@@ -120,22 +120,48 @@ def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id
 PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
-def _project(model: nn.Module, hidden: mx.array) -> mx.array:
-    """The model's output head on hidden states [..., D] -> logits [..., V]."""
+# Tokens per output-head chunk are chosen so one chunk's float32 logits stay near this many elements
+# (2^27 floats = 512 MB): memory for log-probs is then bounded whatever the batch or vocabulary size.
+LOGIT_CHUNK_ELEMENTS = 2 ** 27
+
+
+def _head(model: nn.Module) -> tuple[nn.Module, callable]:
+    """The output head as (module owning its weights, function hidden [..., D] -> logits [..., V])."""
     if hasattr(model, "lm_head"):
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
+        return model.lm_head, model.lm_head
+    embed = model.model.embed_tokens
+    return embed, embed.as_linear
 
 
-def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float) -> mx.array:
+def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, temperature: float,
+                  chunk_tokens: int | None = None) -> mx.array:
+    """Log-probs of targets under the head applied to hidden, in token chunks. hidden [n, T, D],
+    targets [n, T] -> [n, T]. Each chunk is checkpointed: its logits are recomputed in the backward
+    pass instead of being kept, so training memory is bounded by one chunk too."""
+    n, T, D = hidden.shape
+    module, project = _head(model)
+    vocab = module.weight.shape[0]
+    chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    flat_h, flat_t = hidden.reshape(n * T, D), targets.reshape(n * T)  # [n*T, D], [n*T]
+    if n * T <= chunk:
+        return token_logprobs(project(flat_h), flat_t, temperature).reshape(n, T)
+
+    def chunk_fn(targets_chunk):  # targets are closed over: a checkpoint differentiates all its inputs
+        return nn.utils.checkpoint(module, lambda h: token_logprobs(project(h), targets_chunk, temperature))
+
+    parts = [chunk_fn(flat_t[i:i + chunk])(flat_h[i:i + chunk]) for i in range(0, n * T, chunk)]
+    return mx.concatenate(parts).reshape(n, T)
+
+
+def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float,
+                        chunk_tokens: int | None = None) -> mx.array:
     """Log-probs [n, T] of the completion tokens. Only the T completion positions go through the
-    output head, so [n, L, V] logits never exist (mlx-lm models expose .model and the head)."""
+    output head, in chunks, so [n, L, V] logits never exist (mlx-lm models expose .model and the head)."""
     if getattr(model, "model_type", None) in PLAIN_HEAD_TYPES:
         hidden = model.model(batch.inputs)  # [n, L, D]
         idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
         picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
-        logits = _project(model, picked)  # [n, T, V]
-    else:
-        full = model(batch.inputs)  # [n, L, V]
-        logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
+        return head_logprobs(model, picked, batch.targets, temperature, chunk_tokens)  # [n, T]
+    full = model(batch.inputs)  # [n, L, V]
+    logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
     return token_logprobs(logits, batch.targets, temperature)  # [n, T]

@@ -69,10 +69,25 @@ class Policies:
         return self.separate_old or self.cfg.num_iterations > 1
 
 
-def row_chunks(rollout: Rollout, size: int) -> list[mx.array]:
-    """Row indices in micro-batches, longest completions first so an out-of-memory shows at once."""
-    order = sorted(range(len(rollout.texts)), key=lambda r: -int(rollout.lengths[r]))
-    return [mx.array(order[i:i + size]) for i in range(0, len(order), size)]
+def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0) -> list[mx.array]:
+    """Row indices in micro-batches of at most `size` rows and (if max_tokens) at most max_tokens padded
+    tokens (rows x (longest prompt + longest completion), as pack() lays them out); longest
+    completions first, so an out-of-memory shows at once. A single row is never split."""
+    completion = [max(int(n), 1) for n in rollout.lengths]
+    prompt = [len(p) for p in rollout.row_prompts]
+    order = sorted(range(len(completion)), key=lambda r: -completion[r])
+    chunks, current, widest_prompt = [], [], 0
+    for r in order:
+        longest = completion[current[0]] if current else completion[r]  # rows come longest first
+        padded = (len(current) + 1) * (max(widest_prompt, prompt[r]) + longest)
+        if current and (len(current) == size or (max_tokens and padded > max_tokens)):
+            chunks.append(current)
+            current, widest_prompt = [], 0
+        current.append(r)
+        widest_prompt = max(widest_prompt, prompt[r])
+    if current:
+        chunks.append(current)
+    return [mx.array(c) for c in chunks]
 
 
 def _chunk_batch(rollout: Rollout, rows: mx.array, pad_id: int):
@@ -83,11 +98,11 @@ def _chunk_batch(rollout: Rollout, rows: mx.array, pad_id: int):
 
 
 def logprob_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_batch: int,
-                 pad_id: int) -> mx.array:
+                 pad_id: int, max_tokens: int = 0) -> mx.array:
     """Log-probs [N, T] of the sampled tokens under `model`, without gradients."""
     N, T = rollout.completion_ids.shape
     out = mx.zeros((N, T), dtype=mx.float32)
-    for rows in row_chunks(rollout, micro_batch):
+    for rows in row_chunks(rollout, micro_batch, max_tokens):
         batch, width = _chunk_batch(rollout, rows, pad_id)
         lp = mx.stop_gradient(completion_logprobs(model, batch, temperature)) * batch.mask
         out[rows, :width] = lp
@@ -116,14 +131,14 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     return step
 
 
-def accumulate_gradients(step_fn, steps: list[StepData], micro_batch: int, pad_id: int):
+def accumulate_gradients(step_fn, steps: list[StepData], micro_batch: int, pad_id: int, max_tokens: int = 0):
     """Sum gradients of every micro-batch of every step; the scale makes the total the mean over all
     B*G*accum sequences of each sequence's token mean. -> (grads, loss, kl_mean, clip_mean)."""
     total_rows = sum(len(s.rollout.texts) for s in steps)
     scale = mx.array(1.0 / total_rows, dtype=mx.float32)
     grads, loss, kl, clip = None, mx.array(0.0), mx.array(0.0), mx.array(0.0)
     for s in steps:
-        for rows in row_chunks(s.rollout, micro_batch):
+        for rows in row_chunks(s.rollout, micro_batch, max_tokens):
             batch, width = _chunk_batch(s.rollout, rows, pad_id)
             old = None if s.old_logprobs is None else s.old_logprobs[rows, :width]
             ref = None if s.ref_logprobs is None else s.ref_logprobs[rows, :width]

@@ -3,6 +3,11 @@
 Each prompt is prefilled once; its cache is then repeated for its G samples. Sampling draws from
 softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with keys passed in, so the
 same key gives the same rollout. The record keeps the exact sampled ids: the loss never re-encodes text.
+
+Decoding runs on a fixed-capacity KV cache (StaticBatchCache) so every step has the same shapes and
+the whole step (model + sampling + EOS bookkeeping) is one mx.compile'd function: per-step launch
+overhead, not FLOPs, dominates small-model decoding on a GPU. Models whose caches are not plain
+KV caches (sliding windows, SSMs) decode on mlx-lm's growing BatchKVCache instead.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 
@@ -118,38 +123,120 @@ def _stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
     return lo
 
 
+class StaticBatchCache:
+    """One layer's KV cache with a fixed capacity: buffers [N, H, S, D] written at position `idx`.
+
+    Row r holds `left_padding[r]` pad positions, then its prompt, then its completion; positions at or
+    after idx are empty and masked out, so attending over the whole buffer equals attending over the
+    filled part. Implements the cache interface mlx-lm's attention layers use.
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, idx: mx.array, left_padding: mx.array):
+        self.keys, self.values = keys, values  # [N, H, S, D]
+        self.idx = idx  # int32 scalar: next position to write
+        self.left_padding = left_padding  # [N]
+
+    @property
+    def offset(self) -> mx.array:
+        """RoPE position of the next token, per row: [N]."""
+        return self.idx - self.left_padding
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start = mx.stack([self.idx])
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs) -> mx.array:
+        positions = mx.arange(self.keys.shape[2])  # [S]
+        queries = self.idx + mx.arange(N)  # [N_q]
+        visible = positions[None, :] <= queries[:, None]  # [N_q, S] causal, hides the empty tail
+        return visible[None, None] & (positions >= self.left_padding[:, None, None, None])  # [N, 1, N_q, S]
+
+
+def supports_static_cache(model: nn.Module) -> bool:
+    """True when every layer uses a plain KV cache (no sliding window or recurrent state)."""
+    if not hasattr(model, "make_cache"):
+        return True
+    return all(type(c) is KVCache for c in model.make_cache())
+
+
+def _static_caches(caches: list, group_size: int, capacity: int) -> tuple[list, list, mx.array]:
+    """Copy the B prefilled caches into [B*G, H, capacity, D] buffers. -> (keys, values, left_padding)."""
+    keys, values = [], []
+    for cache in caches:
+        k, v = cache.keys[..., :cache._idx, :], cache.values[..., :cache._idx, :]  # [B, H, Lp, D]
+        tail = [(0, 0), (0, 0), (0, capacity - k.shape[2]), (0, 0)]
+        keys.append(mx.repeat(mx.pad(k, tail), group_size, axis=0))
+        values.append(mx.repeat(mx.pad(v, tail), group_size, axis=0))
+    return keys, values, mx.repeat(caches[0].left_padding, group_size, axis=0)
+
+
+def make_decode_step(model: nn.Module, params: SamplingParams, eos: mx.array):
+    """One compiled decode step: feed the last token, sample the next, update `ended`.
+    Compiled per rollout, so the sampler's current weights are the graph's constants."""
+
+    def step(token, key, ended, idx, left_padding, keys, values):
+        caches = [StaticBatchCache(k, v, idx, left_padding) for k, v in zip(keys, values)]
+        logits = model(token[:, None], cache=caches)[:, -1, :]  # [N, V]
+        nxt, logprob = sample(logits, key, params)  # [N], [N]
+        ended = ended | (nxt[:, None] == eos[None]).any(axis=1)
+        return nxt, logprob, ended, idx + 1, [c.keys for c in caches], [c.values for c in caches]
+
+    return mx.compile(step)
+
+
 def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
-                     sync_every: int = 8) -> Rollout:
-    """Sample G completions for each of the B prompts; decoding stops once every row has ended."""
+                     sync_every: int = 8, compiled: bool = True) -> Rollout:
+    """Sample G completions for each of the B prompts; decoding stops once every row has ended.
+    compiled=False (or a model without plain KV caches) decodes step by step on mlx-lm's BatchKVCache."""
     eos_ids = sorted(tokenizer.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     eos = mx.array(eos_ids, dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
-    _repeat_caches(caches, group_size)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
-    n = logits.shape[0]
     keys = mx.random.split(key, params.max_new_tokens)
-    tokens, logprobs = [], []
-    ended = mx.zeros((n,), dtype=mx.bool_)
-    for step in range(params.max_new_tokens):
-        token, logprob = sample(logits, keys[step], params)  # [N], [N]
-        tokens.append(token)
-        logprobs.append(logprob)
-        ended = ended | (token[:, None] == eos[None]).any(axis=1)
-        if step + 1 == params.max_new_tokens:
-            break
-        logits = model(token[:, None], cache=caches)[:, -1, :]
-        if (step + 1) % sync_every == 0:
-            mx.eval(ended, logits)
+    token, logprob = sample(logits, keys[0], params)  # [N], [N]
+    tokens, logprobs = [token], [logprob]
+    ended = (token[:, None] == eos[None]).any(axis=1)  # [N]
+    if compiled and supports_static_cache(model):
+        advance = _static_decoder(model, caches, group_size, params, eos)
+    else:
+        _repeat_caches(caches, group_size)
+
+        def advance(token, key, ended):
+            logits = model(token[:, None], cache=caches)[:, -1, :]
+            nxt, lp = sample(logits, key, params)
+            return nxt, lp, ended | (nxt[:, None] == eos[None]).any(axis=1)
+    for step in range(1, params.max_new_tokens):
+        if step % sync_every == 0:
+            mx.eval(ended)
             if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop)):
                 break
-        else:
-            mx.async_eval(token, logits)
+        token, logprob, ended = advance(token, keys[step], ended)
+        tokens.append(token)
+        logprobs.append(logprob)
+        mx.async_eval(token, logprob, ended)
     ids = mx.stack(tokens, axis=1)  # [N, T]
     lps = mx.stack(logprobs, axis=1)  # [N, T]
     mx.eval(ids, lps)
     return _finish(tokenizer, prompts, ids, lps, eos_ids, pad_id, params, group_size, prefill_text)
+
+
+def _static_decoder(model: nn.Module, caches: list, group_size: int, params: SamplingParams, eos: mx.array):
+    """-> advance(token, key, ended) running the compiled step on fixed-capacity caches it owns."""
+    capacity = caches[0]._idx + params.max_new_tokens
+    state = dict(zip(("keys", "values", "left_padding"), _static_caches(caches, group_size, capacity)))
+    state["idx"] = mx.array(caches[0]._idx, dtype=mx.int32)
+    step_fn = make_decode_step(model, params, eos)
+
+    def advance(token, key, ended):
+        nxt, lp, ended, state["idx"], state["keys"], state["values"] = step_fn(
+            token, key, ended, state["idx"], state["left_padding"], state["keys"], state["values"])
+        return nxt, lp, ended
+
+    return advance
 
 
 def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...]) -> bool:

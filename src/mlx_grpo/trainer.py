@@ -108,10 +108,11 @@ class Trainer:
         t2 = time.perf_counter()
         old = ref = None
         if self.policies.needs_old_pass:
-            old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size, self.pad_id)
+            old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size, self.pad_id,
+                               cfg.micro_batch_tokens)
         if self.policies.reference is not None:
             ref = logprob_pass(self.policies.reference, rollout, cfg.temperature, cfg.micro_batch_size,
-                               self.pad_id)
+                               self.pad_id, cfg.micro_batch_tokens)
         mx.eval(advantages)
         t3 = time.perf_counter()
         self.counters.batch_step += 1
@@ -130,7 +131,8 @@ class Trainer:
         lr = learning_rate_at(self.counters.update_step, self.total_updates, cfg)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         t0 = time.perf_counter()
-        grads, loss, kl, clip = accumulate_gradients(self.grad_fn, steps, cfg.micro_batch_size, self.pad_id)
+        grads, loss, kl, clip = accumulate_gradients(self.grad_fn, steps, cfg.micro_batch_size, self.pad_id,
+                                                     cfg.micro_batch_tokens)
         grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
         mx.eval(grads, norm)
         finite = math.isfinite(loss.item()) and math.isfinite(norm.item())
