@@ -29,6 +29,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # decode all max_new_tokens (equal lengths: benchmarks)
 
 
 @dataclass
@@ -193,7 +194,9 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     compiled=False (or a model without plain KV caches) decodes step by step on mlx-lm's BatchKVCache."""
     eos_ids = sorted(tokenizer.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    eos = mx.array(eos_ids, dtype=mx.int32)
+    if params.ignore_eos:
+        eos_ids = []
+    eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
     keys = mx.random.split(key, params.max_new_tokens)

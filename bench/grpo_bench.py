@@ -1,0 +1,409 @@
+"""GRPO throughput and memory benchmark for mlx-grpo, each figure next to a plain baseline run in the
+same process on the same model, device and batch.
+
+Sections (all by default; pick with --sections):
+  rollout  generated tokens/s of B x G sampled completions: our rollout (compiled fixed-capacity decode,
+           and the step-by-step BatchKVCache decode it replaced) against a plain mlx-lm KV-cache loop
+           with categorical sampling; with EOS stopping (real lengths) and without (equal lengths)
+  logprob  tokens/s and peak memory of the no-gradient log-prob pass
+  train    tokens/s of forward+backward+AdamW update against a plain nn.value_and_grad + AdamW loop
+  memory   peak memory of the log-prob and training passes on a large synthetic batch (default
+           256 rows x 512 completion tokens), against model + optimizer + 4 GB
+  step     one full GRPO step of the trainer with its split and peak memory
+
+Standard workload (the defaults): the embedded SmolLM2-135M-Instruct in bf16, GSM8K prompts with the
+XML system prompt, B=16, G=16, max_new_tokens=256, temperature 1.0:
+
+    python bench/grpo_bench.py --data ../shared/data/gsm8k/train.jsonl --out bench-results
+
+Prints a markdown table, then the ratios against the baselines; writes the JSON record to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_grpo.config import build_config, parse_set
+from mlx_grpo.data import load_examples
+from mlx_grpo.loss import group_advantages, pack
+from mlx_grpo.models.loading import load_model
+from mlx_grpo.policy import StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, make_grad_fn
+from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
+
+GB = 1024 ** 3
+SECTIONS = ("rollout", "logprob", "train", "memory", "step")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """Median wall time of `repeats` calls after one warm-up call (compilation, kernel JIT)."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def peak_during(fn) -> tuple[float, float, object]:
+    """-> (peak bytes above what was allocated before, seconds, result)."""
+    mx.eval(mx.zeros(1))
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    return mx.get_peak_memory() - base, seconds, result
+
+
+def nbytes(tree) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(tree))
+
+
+def device_name() -> str:
+    if mx.default_device() == mx.gpu:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+        return f"{platform.machine()} GPU (Metal)" if sys.platform == "darwin" else "GPU"
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def versions() -> dict:
+    import mlx_lm
+
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version()}
+
+
+# ----------------------------------------------------------------------------- baselines
+
+def plain_decode(model, rows: list[list[int]], max_new_tokens: int, temperature: float, pad_id: int) -> int:
+    """The baseline: every row prefilled on its own (left-padded, no mask), then the model called step
+    by step on an mlx-lm KV cache with categorical sampling and no stopping. -> tokens generated."""
+    width = max(len(r) for r in rows)
+    tokens = mx.array([[pad_id] * (width - len(r)) + r for r in rows], dtype=mx.int32)
+    cache = make_prompt_cache(model)
+    logits = model(tokens, cache=cache)[:, -1, :]
+    y = mx.random.categorical(logits * (1 / temperature))
+    out = [y]
+    for _ in range(max_new_tokens - 1):
+        logits = model(y[:, None], cache=cache)[:, -1, :]
+        y = mx.random.categorical(logits * (1 / temperature))
+        mx.async_eval(y)
+        out.append(y)
+    mx.eval(out)
+    return len(rows) * max_new_tokens
+
+
+def plain_train_step(model, optimizer, batches, advantages: list[mx.array], temperature: float, n_rows: int):
+    """The baseline: nn.value_and_grad of the token-level GRPO loss (ratio 1, no KL) on full logits of
+    each micro-batch as given, summed, then one AdamW update."""
+
+    def loss_fn(m, inputs, positions, targets, mask, adv):
+        logits = m(inputs).astype(mx.float32) / temperature  # [n, L, V]
+        logp = nn.log_softmax(logits, axis=-1)
+        picked = mx.take_along_axis(logp, positions[..., None], axis=1)  # [n, T, V]
+        lp = mx.take_along_axis(picked, targets[..., None], axis=-1).squeeze(-1)  # [n, T]
+        per_token = -mx.exp(lp - mx.stop_gradient(lp)) * adv[:, None]
+        return ((per_token * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1)).sum() / n_rows
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    grads = None
+    for b, adv in zip(batches, advantages):
+        _, g = grad_fn(model, b.inputs, b.positions, b.targets, b.mask, adv)
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        mx.eval(grads)
+    optimizer.update(model, grads)
+    mx.eval(model.parameters(), optimizer.state)
+
+
+# ----------------------------------------------------------------------------- workloads
+
+def encode_prompts(tokenizer, examples, cfg) -> list[list[int]]:
+    return [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)[0]
+            for e in examples]
+
+
+def synthetic_rollout(prompts: list[list[int]], group_size: int, length: int, vocab: int, seed: int) -> Rollout:
+    """Every row a full-length completion of random ids: the worst case for the log-prob/train passes."""
+    n = len(prompts) * group_size
+    ids = mx.array(np.random.default_rng(seed).integers(3, vocab, size=(n, length)).astype(np.int32))
+    mask = mx.ones((n, length), dtype=mx.float32)
+    return Rollout(prompt_ids=prompts, completion_ids=ids, mask=mask, sampler_logprobs=mx.zeros((n, length)),
+                   truncated=np.ones(n, dtype=bool), texts=[""] * n, group_size=group_size)
+
+
+def step_data(rollout: Rollout, seed: int) -> StepData:
+    rewards = mx.array(np.random.default_rng(seed).normal(size=len(rollout.texts)).astype(np.float32))
+    return StepData(rollout, group_advantages(rewards, rollout.group_size), None, None)
+
+
+def our_train_step(model, optimizer, grad_fn, steps: list[StepData], cfg, pad_id: int) -> None:
+    grads, loss, _, _ = accumulate_gradients(grad_fn, steps, cfg.micro_batch_size, pad_id, cfg.micro_batch_tokens)
+    grads, _ = clip_by_global_norm(grads, cfg.max_grad_norm)
+    optimizer.update(model, grads)
+    mx.eval(model.parameters(), optimizer.state, loss)
+
+
+# ----------------------------------------------------------------------------- sections
+
+def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> list[dict]:
+    out = []
+    for b, g in sizes:
+        batch = (prompts * (b // len(prompts) + 1))[:b]
+        row = {"B": b, "G": g, "N": b * g}
+        for eos in (True, False):
+            params = SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=not eos)
+            for name, compiled in (("ours", True), ("ours_uncompiled", False)):
+                key = mx.random.key(cfg.seed)
+                sec, r = timed(lambda: generate_rollout(model, tokenizer, batch, g, params, key,
+                                                        compiled=compiled), repeats)
+                tag = f"{name}_{'eos' if eos else 'noeos'}"
+                row[f"{tag}_tokens"] = int(r.lengths.sum())
+                row[f"{tag}_steps"] = int(r.completion_ids.shape[1])
+                row[f"{tag}_s"] = sec
+                row[f"{tag}_tok_s"] = r.lengths.sum() / sec
+        rows = [p for p in batch for _ in range(g)]
+        sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.max_new_tokens, cfg.temperature, pad_id), repeats)
+        row["plain_s"], row["plain_tok_s"] = sec, n_tokens / sec
+        row["ratio_vs_plain"] = row["ours_noeos_tok_s"] / row["plain_tok_s"]
+        row["ratio_uncompiled_vs_plain"] = row["ours_uncompiled_noeos_tok_s"] / row["plain_tok_s"]
+        print(f"rollout {b}x{g}: ours {row['ours_noeos_tok_s']:.0f} tok/s (eos: {row['ours_eos_tok_s']:.0f}), "
+              f"uncompiled {row['ours_uncompiled_noeos_tok_s']:.0f}, plain loop {row['plain_tok_s']:.0f}", flush=True)
+        out.append(row)
+    return out
+
+
+def bench_logprob(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
+    tokens = int(rollout.lengths.sum())
+    sec, _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
+                                                cfg.micro_batch_tokens)), repeats)
+    peak, _, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, cfg.temperature, cfg.micro_batch_size,
+                                                          pad_id, cfg.micro_batch_tokens)))
+    print(f"logprob pass: {tokens / sec:.0f} tok/s, peak +{peak / GB:.2f} GB", flush=True)
+    return {"tokens": tokens, "s": sec, "tok_s": tokens / sec, "peak_gb": peak / GB}
+
+
+def bench_train(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
+    steps = [step_data(rollout, cfg.seed)]
+    tokens = int(rollout.lengths.sum())
+    opt = optim.AdamW(learning_rate=1e-6)
+    grad_fn = make_grad_fn(cfg, model)
+    sec, _ = timed(lambda: our_train_step(model, opt, grad_fn, steps, cfg, pad_id), repeats)
+    # The baseline: the same rows in the same row micro-batches, unsorted, full logits, no token budget.
+    n = len(rollout.texts)
+    prompts = rollout.row_prompts
+    chunks = [list(range(i, min(n, i + cfg.micro_batch_size))) for i in range(0, n, cfg.micro_batch_size)]
+    batches = [pack([prompts[r] for r in c], rollout.completion_ids[mx.array(c)], rollout.mask[mx.array(c)], pad_id)
+               for c in chunks]
+    advs = [steps[0].advantages[mx.array(c)] for c in chunks]
+    plain_opt = optim.AdamW(learning_rate=1e-6)
+    plain_sec, _ = timed(lambda: plain_train_step(model, plain_opt, batches, advs, cfg.temperature, n), repeats)
+    row = {"tokens": tokens, "s": sec, "tok_s": tokens / sec, "plain_s": plain_sec,
+           "plain_tok_s": tokens / plain_sec, "ratio_vs_plain": plain_sec / sec}
+    print(f"train step: {row['tok_s']:.0f} tok/s, plain value_and_grad loop {row['plain_tok_s']:.0f} tok/s", flush=True)
+    return row
+
+
+def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id) -> dict:
+    """Peak memory of both passes on rows x length full completions; the budget is model + optimizer + 4 GB."""
+    group = cfg.num_generations
+    batch_prompts = (prompts * (rows // group // len(prompts) + 1))[:max(1, rows // group)]
+    rollout = synthetic_rollout(batch_prompts, group, length, model.args.vocab_size, cfg.seed)
+    weights = nbytes(model.parameters())
+    opt = optim.AdamW(learning_rate=1e-6)
+    opt.init(model.trainable_parameters())
+    mx.eval(opt.state)
+    optimizer_bytes = nbytes(opt.state)
+    full_logits = rollout.completion_ids.size * model.args.vocab_size * 4
+    lp_peak, lp_s, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, cfg.temperature, cfg.micro_batch_size,
+                                                                pad_id, cfg.micro_batch_tokens)))
+    grad_fn = make_grad_fn(cfg, model)
+    steps = [step_data(rollout, cfg.seed)]
+    tr_peak, tr_s, _ = peak_during(lambda: our_train_step(model, opt, grad_fn, steps, cfg, pad_id))
+    row = {"rows": rows, "length": length, "full_logits_gb": full_logits / GB, "model_gb": weights / GB,
+           "optimizer_gb": optimizer_bytes / GB, "logprob_peak_above_model_gb": lp_peak / GB,
+           "train_peak_above_model_and_optimizer_gb": tr_peak / GB, "logprob_s": lp_s, "train_s": tr_s,
+           "budget_gb": 4.0}
+    print(f"memory {rows}x{length}: full logits would be {full_logits / GB:.1f} GB; log-prob pass peak "
+          f"+{lp_peak / GB:.2f} GB, train pass peak +{tr_peak / GB:.2f} GB above model + optimizer", flush=True)
+    return row
+
+
+def bench_step(cfg, repeats: int) -> dict:
+    """Full GRPO steps through the trainer itself: rollout, rewards, old/ref log-probs, update."""
+    from mlx_grpo.trainer import build_trainer
+
+    trainer = build_trainer(cfg)
+    records = []
+    mx.reset_peak_memory()
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        step, stats = trainer.batch_step(trainer.next_examples())
+        result = trainer.update([step])
+        total = time.perf_counter() - t0
+        rec = {"total_s": total, "rollout_s": stats["t_rollout"], "reward_s": stats["t_reward"],
+               "logprob_s": stats["t_logprob"], "train_s": result["t_train"], "tokens": stats["tokens"],
+               "reward_mean": float(np.mean(stats["rewards"])), "truncated": float(np.mean(stats["truncated"]))}
+        print(f"grpo step {i}{' (warm-up)' if i == 0 else ''}: {total:.2f} s = rollout {rec['rollout_s']:.2f} + "
+              f"reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train {rec['train_s']:.2f}; "
+              f"{rec['tokens']} tokens", flush=True)
+        records.append(rec)
+    measured = records[1:] or records
+    summary = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+    summary["peak_memory_gb"] = mx.get_peak_memory() / GB
+    summary["steps"] = records
+    return summary
+
+
+# ----------------------------------------------------------------------------- report
+
+def markdown(result: dict) -> str:
+    lines = ["| measurement | ours | baseline | ratio |", "| --- | ---: | ---: | ---: |"]
+    for r in result.get("rollout", []):
+        lines.append(f"| rollout {r['B']}x{r['G']} tok/s, no EOS (equal lengths) | {r['ours_noeos_tok_s']:,.0f} | "
+                     f"{r['plain_tok_s']:,.0f} (plain loop) | {r['ratio_vs_plain']:.2f}x |")
+        lines.append(f"| rollout {r['B']}x{r['G']} tok/s, no EOS, uncompiled BatchKVCache decode | "
+                     f"{r['ours_uncompiled_noeos_tok_s']:,.0f} | {r['plain_tok_s']:,.0f} (plain loop) | "
+                     f"{r['ratio_uncompiled_vs_plain']:.2f}x |")
+        lines.append(f"| rollout {r['B']}x{r['G']} tok/s, EOS stopping (real lengths, {r['ours_eos_tokens']} tokens "
+                     f"in {r['ours_eos_steps']} steps) | {r['ours_eos_tok_s']:,.0f} | | |")
+    if "logprob" in result:
+        r = result["logprob"]
+        lines.append(f"| log-prob pass tok/s (peak +{r['peak_gb']:.2f} GB) | {r['tok_s']:,.0f} | | |")
+    if "train" in result:
+        r = result["train"]
+        lines.append(f"| train step tok/s (fwd+bwd+AdamW) | {r['tok_s']:,.0f} | {r['plain_tok_s']:,.0f} "
+                     f"(plain value_and_grad) | {r['ratio_vs_plain']:.2f}x |")
+    if "memory" in result:
+        r = result["memory"]
+        lines.append(f"| log-prob pass peak above model, {r['rows']}x{r['length']} tokens (full logits: "
+                     f"{r['full_logits_gb']:.1f} GB) | {r['logprob_peak_above_model_gb']:.2f} GB | "
+                     f"{r['budget_gb']:.0f} GB budget | |")
+        lines.append(f"| train pass peak above model + optimizer ({r['model_gb']:.2f} + {r['optimizer_gb']:.2f} GB), "
+                     f"{r['rows']}x{r['length']} | {r['train_peak_above_model_and_optimizer_gb']:.2f} GB | "
+                     f"{r['budget_gb']:.0f} GB budget | |")
+    if "step" in result:
+        r = result["step"]
+        lines.append(f"| full GRPO step s: rollout {r['rollout_s']:.2f} + reward {r['reward_s']:.2f} + log-probs "
+                     f"{r['logprob_s']:.2f} + train {r['train_s']:.2f}; peak {r['peak_memory_gb']:.1f} GB "
+                     f"| {r['total_s']:.2f} | | |")
+    return "\n".join(lines)
+
+
+def ratios(result: dict) -> list[str]:
+    out = [f"rollout {r['B']}x{r['G']} vs plain decode loop: {r['ratio_vs_plain']:.2f}x" for r in result.get("rollout", [])]
+    if "train" in result:
+        out.append(f"train step vs plain value_and_grad + AdamW: {result['train']['ratio_vs_plain']:.2f}x")
+    if "memory" in result:
+        m = result["memory"]
+        out.append(f"train pass peak above model + optimizer: {m['train_peak_above_model_and_optimizer_gb']:.2f} GB "
+                   f"(budget 4 GB); log-prob pass: {m['logprob_peak_above_model_gb']:.2f} GB")
+    return out
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or MLX directory")
+    ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--data", default="", help="GSM8K-style JSONL/Parquet file (default: --dataset)")
+    ap.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "arith"],
+                    help="used when --data is not given (gsm8k downloads from the hub)")
+    ap.add_argument("--batch", type=int, default=16, help="B prompts per step")
+    ap.add_argument("--group", type=int, default=16, help="G completions per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--sizes", default="4x16,16x16,32x16,64x16", help="rollout sizes BxG, comma-separated")
+    ap.add_argument("--memory-shape", default="256x512", help="rows x completion tokens for the memory section")
+    ap.add_argument("--repeats", type=int, default=2, help="timed repeats after one warm-up")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="trainer config overrides (e.g. micro_batch_tokens=4096)")
+    ap.add_argument("--out", default="bench-results", help="directory for the JSON record")
+    args = ap.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+
+    overrides = [f"model_name={args.model}", f"model_dtype={args.dtype}", f"batch_size={args.batch}",
+                 f"num_generations={args.group}", f"max_new_tokens={args.max_new_tokens}",
+                 f"temperature={args.temperature}", "save_steps=0", "num_epochs=1000", "output_dir=" + str(Path(args.out) / "runs"),
+                 f"run_name=bench-{dt.datetime.now():%Y%m%d-%H%M%S}"] + args.set
+    if args.data:
+        overrides.append(f"dataset_path={args.data}")
+    else:
+        overrides.append(f"dataset={args.dataset}")
+    cfg = build_config("train", overrides=parse_set(overrides))
+    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
+    examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
+    n_prompts = max(b for b, _ in parse_sizes(args.sizes) + [(args.batch, 0)])
+    prompts = encode_prompts(tokenizer, examples[:n_prompts], cfg)
+
+    result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
+              "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
+              "workload": {"model": cfg.model_name, "dtype": cfg.model_dtype, "B": args.batch, "G": args.group,
+                           "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+                           "micro_batch_size": cfg.micro_batch_size, "micro_batch_tokens": cfg.micro_batch_tokens,
+                           "data": args.data or args.dataset}}
+    print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}",
+          flush=True)
+    if "rollout" in sections:
+        result["rollout"] = bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg, args.repeats, pad_id)
+    if "logprob" in sections or "train" in sections:
+        full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,
+                                SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=True),
+                                mx.random.key(cfg.seed))
+        if "logprob" in sections:
+            result["logprob"] = bench_logprob(model, full, cfg, args.repeats, pad_id)
+        if "train" in sections:
+            result["train"] = bench_train(model, full, cfg, args.repeats, pad_id)
+    if "memory" in sections:
+        rows, length = (int(x) for x in args.memory_shape.lower().split("x"))
+        result["memory"] = bench_memory(model, prompts, rows, length, cfg, pad_id)
+    del model
+    if "step" in sections:
+        result["step"] = bench_step(cfg, args.repeats)
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"grpo_bench-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(result, indent=2, default=float))
+    print()
+    print(markdown(result))
+    print()
+    for line in ratios(result):
+        print(line)
+    print(f"\nJSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
