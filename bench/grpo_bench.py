@@ -2,9 +2,10 @@
 same process on the same model, device and batch.
 
 Sections (all by default; pick with --sections):
-  rollout  generated tokens/s of B x G sampled completions: our rollout (compiled fixed-capacity decode,
-           and the step-by-step BatchKVCache decode it replaced) against a plain mlx-lm KV-cache loop
-           with categorical sampling; with EOS stopping (real lengths) and without (equal lengths)
+  rollout  generated tokens/s of B x G sampled completions: our rollout (fixed-capacity cache with the
+           CUDA decode-attention kernel; the same cache with masked attention; mlx-lm's BatchKVCache)
+           against a plain mlx-lm KV-cache loop with categorical sampling; with EOS stopping (real
+           lengths) and without (equal lengths)
   logprob  tokens/s and peak memory of the no-gradient log-prob pass
   train    tokens/s of forward+backward+AdamW update against a plain nn.value_and_grad + AdamW loop
   memory   peak memory of the log-prob and training passes on a large synthetic batch (default
@@ -169,29 +170,60 @@ def our_train_step(model, optimizer, grad_fn, steps: list[StepData], cfg, pad_id
 
 # ----------------------------------------------------------------------------- sections
 
+ROLLOUT_VARIANTS = {  # name -> generate_rollout options; "ours" is what the trainer uses
+    "ours": {"static_cache": True, "attention_kernel": True},
+    "static_masked": {"static_cache": True, "attention_kernel": False},
+    "batchkv": {"static_cache": False},
+}
+
+
+def check_attention_kernel() -> dict:
+    """The CUDA decode kernel against MLX's masked attention on random left-padded rows."""
+    from mlx_grpo.decode_attention import kernel_available, left_padded_attention
+
+    if not kernel_available():
+        return {"kernel": False}
+    mx.random.seed(0)
+    N, Hq, Hkv, S, D, stop = 64, 9, 3, 300, 64, 211
+    q = mx.random.normal((N, Hq, 1, D)).astype(mx.bfloat16)
+    k = mx.random.normal((N, Hkv, S, D)).astype(mx.bfloat16)
+    v = mx.random.normal((N, Hkv, S, D)).astype(mx.bfloat16)
+    start = mx.random.randint(0, 150, (N,))
+    pos = mx.arange(S)
+    mask = ((pos >= start[:, None]) & (pos < stop))[:, None, None, :]
+    ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32),
+                                               scale=D ** -0.5, mask=mask)
+    got = left_padded_attention(q, k, v, D ** -0.5, start.astype(mx.int32), mx.array([stop], dtype=mx.int32))
+    got = got.astype(mx.float32)
+    err = mx.abs(got - ref).max().item()
+    print(f"decode attention kernel vs masked attention (float32): max abs error {err:.2e}", flush=True)
+    if not err < 2e-2:
+        raise SystemExit(f"decode attention kernel disagrees with masked attention: max abs error {err}")
+    return {"kernel": True, "max_abs_error": err}
+
+
 def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> list[dict]:
     out = []
     for b, g in sizes:
         batch = (prompts * (b // len(prompts) + 1))[:b]
         row = {"B": b, "G": g, "N": b * g}
-        for eos in (True, False):
+        runs = [(name, opts, False) for name, opts in ROLLOUT_VARIANTS.items()] + [("ours", ROLLOUT_VARIANTS["ours"], True)]
+        for name, opts, eos in runs:
             params = SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=not eos)
-            for name, compiled in (("ours", True), ("ours_uncompiled", False)):
-                key = mx.random.key(cfg.seed)
-                sec, r = timed(lambda: generate_rollout(model, tokenizer, batch, g, params, key,
-                                                        compiled=compiled), repeats)
-                tag = f"{name}_{'eos' if eos else 'noeos'}"
-                row[f"{tag}_tokens"] = int(r.lengths.sum())
-                row[f"{tag}_steps"] = int(r.completion_ids.shape[1])
-                row[f"{tag}_s"] = sec
-                row[f"{tag}_tok_s"] = r.lengths.sum() / sec
+            key = mx.random.key(cfg.seed)
+            sec, r = timed(lambda: generate_rollout(model, tokenizer, batch, g, params, key, **opts), repeats)
+            tag = f"{name}_{'eos' if eos else 'noeos'}"
+            row[f"{tag}_tokens"] = int(r.lengths.sum())
+            row[f"{tag}_steps"] = int(r.completion_ids.shape[1])
+            row[f"{tag}_s"] = sec
+            row[f"{tag}_tok_s"] = r.lengths.sum() / sec
         rows = [p for p in batch for _ in range(g)]
         sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.max_new_tokens, cfg.temperature, pad_id), repeats)
         row["plain_s"], row["plain_tok_s"] = sec, n_tokens / sec
-        row["ratio_vs_plain"] = row["ours_noeos_tok_s"] / row["plain_tok_s"]
-        row["ratio_uncompiled_vs_plain"] = row["ours_uncompiled_noeos_tok_s"] / row["plain_tok_s"]
-        print(f"rollout {b}x{g}: ours {row['ours_noeos_tok_s']:.0f} tok/s (eos: {row['ours_eos_tok_s']:.0f}), "
-              f"uncompiled {row['ours_uncompiled_noeos_tok_s']:.0f}, plain loop {row['plain_tok_s']:.0f}", flush=True)
+        for name in ROLLOUT_VARIANTS:
+            row[f"ratio_{name}_vs_plain"] = row[f"{name}_noeos_tok_s"] / row["plain_tok_s"]
+        print(f"rollout {b}x{g}: " + ", ".join(f"{name} {row[f'{name}_noeos_tok_s']:.0f}" for name in ROLLOUT_VARIANTS)
+              + f", plain loop {row['plain_tok_s']:.0f} tok/s; ours with EOS {row['ours_eos_tok_s']:.0f}", flush=True)
         out.append(row)
     return out
 
@@ -282,12 +314,12 @@ def bench_step(cfg, repeats: int) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["| measurement | ours | baseline | ratio |", "| --- | ---: | ---: | ---: |"]
+    labels = {"ours": "ours (static cache, decode kernel on CUDA)", "static_masked": "static cache, masked attention",
+              "batchkv": "mlx-lm BatchKVCache decode"}
     for r in result.get("rollout", []):
-        lines.append(f"| rollout {r['B']}x{r['G']} tok/s, no EOS (equal lengths) | {r['ours_noeos_tok_s']:,.0f} | "
-                     f"{r['plain_tok_s']:,.0f} (plain loop) | {r['ratio_vs_plain']:.2f}x |")
-        lines.append(f"| rollout {r['B']}x{r['G']} tok/s, no EOS, uncompiled BatchKVCache decode | "
-                     f"{r['ours_uncompiled_noeos_tok_s']:,.0f} | {r['plain_tok_s']:,.0f} (plain loop) | "
-                     f"{r['ratio_uncompiled_vs_plain']:.2f}x |")
+        for name, label in labels.items():
+            lines.append(f"| rollout {r['B']}x{r['G']} tok/s, no EOS: {label} | {r[f'{name}_noeos_tok_s']:,.0f} | "
+                         f"{r['plain_tok_s']:,.0f} (plain loop) | {r[f'ratio_{name}_vs_plain']:.2f}x |")
         lines.append(f"| rollout {r['B']}x{r['G']} tok/s, EOS stopping (real lengths, {r['ours_eos_tokens']} tokens "
                      f"in {r['ours_eos_steps']} steps) | {r['ours_eos_tok_s']:,.0f} | | |")
     if "logprob" in result:
@@ -314,7 +346,7 @@ def markdown(result: dict) -> str:
 
 
 def ratios(result: dict) -> list[str]:
-    out = [f"rollout {r['B']}x{r['G']} vs plain decode loop: {r['ratio_vs_plain']:.2f}x" for r in result.get("rollout", [])]
+    out = [f"rollout {r['B']}x{r['G']} vs plain decode loop: {r['ratio_ours_vs_plain']:.2f}x" for r in result.get("rollout", [])]
     if "train" in result:
         out.append(f"train step vs plain value_and_grad + AdamW: {result['train']['ratio_vs_plain']:.2f}x")
     if "memory" in result:
@@ -376,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}",
           flush=True)
     if "rollout" in sections:
+        result["attention_kernel"] = check_attention_kernel()
         result["rollout"] = bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg, args.repeats, pad_id)
     if "logprob" in sections or "train" in sections:
         full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,

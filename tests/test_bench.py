@@ -27,6 +27,6 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     assert set(record) >= {"rollout", "logprob", "train", "memory", "step", "device", "versions", "date"}
     rollout = record["rollout"][0]
     assert rollout["ours_noeos_tokens"] == 2 * 2 * 6  # no EOS: every row decodes max_new_tokens
-    assert rollout["ratio_vs_plain"] > 0 and record["train"]["ratio_vs_plain"] > 0
+    assert rollout["ratio_ours_vs_plain"] > 0 and record["train"]["ratio_vs_plain"] > 0
     assert record["step"]["tokens"] > 0 and len(record["step"]["steps"]) == 2
     assert "vs plain decode loop" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("JSON:")

@@ -415,3 +415,26 @@ def test_chunked_head_logprobs_and_gradients_equal_one_chunk(tiny, chunk):
     targets = mx.array(rng.integers(0, 200, size=(2, 4)).astype(np.int32))
     np.testing.assert_allclose(np_(head_logprobs(model, hidden, targets, 1.0, chunk)),
                                np_(head_logprobs(model, hidden, targets, 1.0)), rtol=RTOL, atol=1e-6)
+
+
+def test_checkpointed_layers_give_the_same_logprobs_and_gradients(tiny):
+    """grad_checkpoint recomputes each layer in the backward pass: values and gradients are unchanged."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    model, tok = tiny
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 200, size=k).tolist() for k in (5, 3)]
+    ids = mx.array(rng.integers(3, 200, size=(2, 4)).astype(np.int32))
+    mask = mx.array(np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.float32))
+    batch = pack(prompts, ids, mask, tok.pad_token_id)
+
+    def loss(_m, checkpoint_layers):
+        return (completion_logprobs(model, batch, 1.0, checkpoint_layers=checkpoint_layers) * mask).sum()
+
+    grad_fn = nn.value_and_grad(model, loss)
+    plain, g_plain = grad_fn(model, False)
+    ckpt, g_ckpt = grad_fn(model, True)
+    assert plain.item() == pytest.approx(ckpt.item(), rel=1e-6)
+    for (k, a), (_, b) in zip(tree_flatten(g_plain), tree_flatten(g_ckpt)):
+        np.testing.assert_allclose(np_(a), np_(b), rtol=1e-5, atol=1e-7, err_msg=k)

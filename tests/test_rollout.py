@@ -355,20 +355,20 @@ def test_encode_chat_prompt_without_template():
     assert "".join(map(chr, ids)) == "Q\nP" and cut
 
 
-# ----------------------------------------------------------------------------- compiled decode
+# ----------------------------------------------------------------------------- static-cache decode
 
 @pytest.mark.parametrize("params", [
     SamplingParams(max_new_tokens=20, temperature=1.0),
     SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, top_p=0.9),
     SamplingParams(max_new_tokens=9, temperature=0.0),
 ])
-def test_compiled_static_decode_equals_growing_cache_decode(tiny, params):
-    """The fixed-capacity compiled decode samples the same tokens with the same log-probs as the
+def test_static_cache_decode_equals_growing_cache_decode(tiny, params):
+    """The fixed-capacity in-place decode samples the same tokens with the same log-probs as the
     step-by-step decode on mlx-lm's BatchKVCache (left padding and G-fold cache sharing included)."""
     model, tok = tiny
     key = mx.random.key(5)
-    fast = generate_rollout(model, tok, _prompts(), 3, params, key, compiled=True)
-    slow = generate_rollout(model, tok, _prompts(), 3, params, key, compiled=False)
+    fast = generate_rollout(model, tok, _prompts(), 3, params, key, static_cache=True)
+    slow = generate_rollout(model, tok, _prompts(), 3, params, key, static_cache=False)
     assert fast.completion_ids.tolist() == slow.completion_ids.tolist()
     np.testing.assert_allclose(_np(fast.sampler_logprobs), _np(slow.sampler_logprobs), atol=1e-5)
     np.testing.assert_array_equal(fast.truncated, slow.truncated)

@@ -153,12 +153,30 @@ def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, tempera
     return mx.concatenate(parts).reshape(n, T)
 
 
+def _checkpointable(inner: nn.Module) -> bool:
+    """The inner model is embed -> layers(x, mask, cache) -> norm with full causal attention."""
+    return (all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm"))
+            and not any(getattr(layer, "use_sliding", False) for layer in inner.layers))
+
+
+def hidden_states(model: nn.Module, inputs: mx.array, checkpoint_layers: bool = False) -> mx.array:
+    """The final hidden states [n, L, D]. With checkpoint_layers each transformer layer is recomputed
+    in the backward pass, so training keeps only the layers' inputs, not their activations."""
+    inner = model.model
+    if not (checkpoint_layers and _checkpointable(inner)):
+        return inner(inputs)
+    h = inner.embed_tokens(inputs)  # [n, L, D]
+    for layer in inner.layers:
+        h = nn.utils.checkpoint(layer, lambda x, layer=layer: layer(x, "causal", None))(h)
+    return inner.norm(h)
+
+
 def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float,
-                        chunk_tokens: int | None = None) -> mx.array:
+                        chunk_tokens: int | None = None, checkpoint_layers: bool = False) -> mx.array:
     """Log-probs [n, T] of the completion tokens. Only the T completion positions go through the
     output head, in chunks, so [n, L, V] logits never exist (mlx-lm models expose .model and the head)."""
     if getattr(model, "model_type", None) in PLAIN_HEAD_TYPES:
-        hidden = model.model(batch.inputs)  # [n, L, D]
+        hidden = hidden_states(model, batch.inputs, checkpoint_layers)  # [n, L, D]
         idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
         picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
         return head_logprobs(model, picked, batch.targets, temperature, chunk_tokens)  # [n, T]

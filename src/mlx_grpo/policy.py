@@ -114,7 +114,8 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     """value_and_grad of the scaled loss sum of one micro-batch; compiled when use_compile is set."""
 
     def loss_fn(_model, batch_arrays, old, ref, adv, scale):
-        lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.temperature)
+        lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.temperature,
+                                 checkpoint_layers=cfg.grad_checkpoint)
         old_lp = mx.stop_gradient(lp) if old is None else old
         loss, (kl, clip) = grpo_loss_sum(lp, old_lp, ref, adv, batch_arrays[3], cfg.clip_eps, cfg.kl_coeff)
         return loss * scale, (kl, clip)

@@ -4,14 +4,16 @@ Each prompt is prefilled once; its cache is then repeated for its G samples. Sam
 softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with keys passed in, so the
 same key gives the same rollout. The record keeps the exact sampled ids: the loss never re-encodes text.
 
-Decoding runs on a fixed-capacity KV cache (StaticBatchCache) so every step has the same shapes and
-the whole step (model + sampling + EOS bookkeeping) is one mx.compile'd function: per-step launch
-overhead, not FLOPs, dominates small-model decoding on a GPU. Models whose caches are not plain
-KV caches (sliding windows, SSMs) decode on mlx-lm's growing BatchKVCache instead.
+Decoding runs on a fixed-capacity KV cache (StaticBatchCache) written in place. On NVIDIA GPUs its
+attention goes to a decode kernel that skips each row's left padding itself (decode_attention.py),
+since MLX's fused CUDA decode kernel takes no mask and the masked fallback costs ~6 extra ops per
+layer per step. Models whose caches are not plain KV caches (sliding windows, SSMs) decode on
+mlx-lm's growing BatchKVCache instead.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -19,6 +21,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from mlx_grpo.decode_attention import kernel_available, left_padded_attention, route_attention
 
 
 @dataclass
@@ -124,35 +128,65 @@ def _stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
     return lo
 
 
-class StaticBatchCache:
-    """One layer's KV cache with a fixed capacity: buffers [N, H, S, D] written at position `idx`.
+class StepArrays:
+    """Per-step arrays every layer's cache needs, built once per step instead of once per layer."""
 
-    Row r holds `left_padding[r]` pad positions, then its prompt, then its completion; positions at or
-    after idx are empty and masked out, so attending over the whole buffer equals attending over the
-    filled part. Implements the cache interface mlx-lm's attention layers use.
+    def __init__(self, left_padding: mx.array):
+        self.left_padding = left_padding.astype(mx.int32)  # [N]
+        self._idx = None
+        self.offset = self.stop = None
+
+    def at(self, idx: int) -> "StepArrays":
+        if idx != self._idx:
+            self._idx = idx
+            self.offset = idx - self.left_padding  # [N] RoPE position of the token written at idx
+            self.stop = mx.array([idx + 1], dtype=mx.int32)  # attend to slots < idx + 1
+        return self
+
+
+class StaticBatchCache:
+    """One layer's KV cache with a fixed capacity: buffers [N, H, S, D] written in place at `idx`.
+
+    Row r holds `left_padding[r]` pad slots, then its prompt, then its completion; slots before
+    left_padding[r] and from idx on are never attended. Implements the cache interface of mlx-lm's
+    attention layers, plus `attend` for decode_attention.route_attention.
     """
 
-    def __init__(self, keys: mx.array, values: mx.array, idx: mx.array, left_padding: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, step: StepArrays, idx: int, use_kernel: bool):
         self.keys, self.values = keys, values  # [N, H, S, D]
-        self.idx = idx  # int32 scalar: next position to write
-        self.left_padding = left_padding  # [N]
+        self.step = step  # shared by all layers
+        self.idx = idx  # next slot to write
+        self.use_kernel = use_kernel
+
+    @property
+    def left_padding(self) -> mx.array:
+        return self.step.left_padding
 
     @property
     def offset(self) -> mx.array:
         """RoPE position of the next token, per row: [N]."""
-        return self.idx - self.left_padding
+        return self.step.at(self.idx).offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        start = mx.stack([self.idx])
-        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
-        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
+        n = keys.shape[2]
+        self.keys[..., self.idx:self.idx + n, :] = keys
+        self.values[..., self.idx:self.idx + n, :] = values
+        self.idx += n
         return self.keys, self.values
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs) -> mx.array:
+    def make_mask(self, N: int, return_array: bool = False, **kwargs) -> mx.array | None:
+        if self.use_kernel and N == 1:
+            return None  # the kernel reads left_padding and idx itself
         positions = mx.arange(self.keys.shape[2])  # [S]
         queries = self.idx + mx.arange(N)  # [N_q]
-        visible = positions[None, :] <= queries[:, None]  # [N_q, S] causal, hides the empty tail
+        visible = positions[None, :] <= queries[:, None]  # [N_q, S]: causal, hides the empty tail
         return visible[None, None] & (positions >= self.left_padding[:, None, None, None])  # [N, 1, N_q, S]
+
+    def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
+        if self.use_kernel and queries.shape[2] == 1:
+            # update_and_fetch already advanced idx past the new token
+            return left_padded_attention(queries, keys, values, scale, self.left_padding, self.step.at(self.idx - 1).stop)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def supports_static_cache(model: nn.Module) -> bool:
@@ -162,36 +196,36 @@ def supports_static_cache(model: nn.Module) -> bool:
     return all(type(c) is KVCache for c in model.make_cache())
 
 
-def _static_caches(caches: list, group_size: int, capacity: int) -> tuple[list, list, mx.array]:
-    """Copy the B prefilled caches into [B*G, H, capacity, D] buffers. -> (keys, values, left_padding)."""
-    keys, values = [], []
+def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: bool) -> list[StaticBatchCache]:
+    """Copy the B prefilled caches into [B*G, H, capacity, D] buffers, one per layer."""
+    step = StepArrays(mx.repeat(caches[0].left_padding, group_size, axis=0))  # [N]
+    out = []
     for cache in caches:
         k, v = cache.keys[..., :cache._idx, :], cache.values[..., :cache._idx, :]  # [B, H, Lp, D]
         tail = [(0, 0), (0, 0), (0, capacity - k.shape[2]), (0, 0)]
-        keys.append(mx.repeat(mx.pad(k, tail), group_size, axis=0))
-        values.append(mx.repeat(mx.pad(v, tail), group_size, axis=0))
-    return keys, values, mx.repeat(caches[0].left_padding, group_size, axis=0)
+        out.append(StaticBatchCache(mx.repeat(mx.pad(k, tail), group_size, axis=0),
+                                    mx.repeat(mx.pad(v, tail), group_size, axis=0), step, cache._idx, use_kernel))
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
 
 
-def make_decode_step(model: nn.Module, params: SamplingParams, eos: mx.array):
-    """One compiled decode step: feed the last token, sample the next, update `ended`.
-    Compiled per rollout, so the sampler's current weights are the graph's constants."""
+def make_sampler(params: SamplingParams, eos: mx.array):
+    """(logits [N, V], key, ended [N]) -> (token [N], logprob [N], ended [N]), compiled: one fused graph
+    instead of ~10 separately dispatched ops per decode step."""
 
-    def step(token, key, ended, idx, left_padding, keys, values):
-        caches = [StaticBatchCache(k, v, idx, left_padding) for k, v in zip(keys, values)]
-        logits = model(token[:, None], cache=caches)[:, -1, :]  # [N, V]
-        nxt, logprob = sample(logits, key, params)  # [N], [N]
-        ended = ended | (nxt[:, None] == eos[None]).any(axis=1)
-        return nxt, logprob, ended, idx + 1, [c.keys for c in caches], [c.values for c in caches]
+    def step(logits, key, ended):
+        token, logprob = sample(logits, key, params)
+        return token, logprob, ended | (token[:, None] == eos[None]).any(axis=1)
 
     return mx.compile(step)
 
 
 def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
-                     sync_every: int = 8, compiled: bool = True) -> Rollout:
+                     sync_every: int = 8, static_cache: bool = True, attention_kernel: bool = True) -> Rollout:
     """Sample G completions for each of the B prompts; decoding stops once every row has ended.
-    compiled=False (or a model without plain KV caches) decodes step by step on mlx-lm's BatchKVCache."""
+    static_cache=False (or a model without plain KV caches) decodes on mlx-lm's growing BatchKVCache;
+    attention_kernel=False keeps mlx-lm's masked attention on the static cache (both: benchmarks)."""
     eos_ids = sorted(tokenizer.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     if params.ignore_eos:
@@ -199,47 +233,37 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
-    keys = mx.random.split(key, params.max_new_tokens)
-    token, logprob = sample(logits, keys[0], params)  # [N], [N]
-    tokens, logprobs = [token], [logprob]
-    ended = (token[:, None] == eos[None]).any(axis=1)  # [N]
-    if compiled and supports_static_cache(model):
-        advance = _static_decoder(model, caches, group_size, params, eos)
-    else:
-        _repeat_caches(caches, group_size)
+    static = static_cache and supports_static_cache(model)
+    use_kernel = static and attention_kernel and kernel_available()
+    with route_attention(model, StaticBatchCache) if use_kernel else nullcontext(False) as routed:
+        if static:
+            caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
+        else:
+            _repeat_caches(caches, group_size)
+        ids, lps = _decode(model, caches, logits, key, params, eos, tokenizer, sync_every)
+    return _finish(tokenizer, prompts, ids, lps, eos_ids, pad_id, params, group_size, prefill_text)
 
-        def advance(token, key, ended):
-            logits = model(token[:, None], cache=caches)[:, -1, :]
-            nxt, lp = sample(logits, key, params)
-            return nxt, lp, ended | (nxt[:, None] == eos[None]).any(axis=1)
+
+def _decode(model, caches, logits, key, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int):
+    """The sampling loop from the prefill logits [N, V]. -> (ids [N, T], log-probs [N, T])."""
+    keys = mx.random.split(key, params.max_new_tokens)
+    sampler = make_sampler(params, eos)
+    token, logprob, ended = sampler(logits, keys[0], mx.zeros((logits.shape[0],), dtype=mx.bool_))
+    tokens, logprobs = [token], [logprob]
     for step in range(1, params.max_new_tokens):
         if step % sync_every == 0:
             mx.eval(ended)
             if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop)):
                 break
-        token, logprob, ended = advance(token, keys[step], ended)
+        logits = model(token[:, None], cache=caches)[:, -1, :]
+        token, logprob, ended = sampler(logits, keys[step], ended)
         tokens.append(token)
         logprobs.append(logprob)
         mx.async_eval(token, logprob, ended)
     ids = mx.stack(tokens, axis=1)  # [N, T]
     lps = mx.stack(logprobs, axis=1)  # [N, T]
     mx.eval(ids, lps)
-    return _finish(tokenizer, prompts, ids, lps, eos_ids, pad_id, params, group_size, prefill_text)
-
-
-def _static_decoder(model: nn.Module, caches: list, group_size: int, params: SamplingParams, eos: mx.array):
-    """-> advance(token, key, ended) running the compiled step on fixed-capacity caches it owns."""
-    capacity = caches[0]._idx + params.max_new_tokens
-    state = dict(zip(("keys", "values", "left_padding"), _static_caches(caches, group_size, capacity)))
-    state["idx"] = mx.array(caches[0]._idx, dtype=mx.int32)
-    step_fn = make_decode_step(model, params, eos)
-
-    def advance(token, key, ended):
-        nxt, lp, ended, state["idx"], state["keys"], state["values"] = step_fn(
-            token, key, ended, state["idx"], state["left_padding"], state["keys"], state["values"])
-        return nxt, lp, ended
-
-    return advance
+    return ids, lps
 
 
 def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...]) -> bool:
