@@ -409,8 +409,8 @@ def test_chunked_head_logprobs_and_gradients_equal_one_chunk(tiny, chunk):
     whole, g_whole = grad_fn(model, 10_000)
     chunked, g_chunked = grad_fn(model, chunk)
     assert whole.item() == pytest.approx(chunked.item(), rel=1e-6)
-    for (k, a), (_, b) in zip(tree_flatten(g_whole), tree_flatten(g_chunked)):
-        np.testing.assert_allclose(np_(a), np_(b), rtol=1e-5, atol=1e-7, err_msg=k)
+    for (k, a), (_, b) in zip(tree_flatten(g_whole), tree_flatten(g_chunked)):  # float32 sums in another order
+        np.testing.assert_allclose(np_(a), np_(b), rtol=1e-4, atol=1e-6, err_msg=k)
     hidden = mx.random.normal((2, 4, model.args.hidden_size))
     targets = mx.array(rng.integers(0, 200, size=(2, 4)).astype(np.int32))
     np.testing.assert_allclose(np_(head_logprobs(model, hidden, targets, 1.0, chunk)),

@@ -4,7 +4,7 @@ A batch of prompts of different lengths is left-padded, so each row must ignore 
 `left_padding[r]` cache slots. mlx-lm expresses that as a boolean mask, and MLX 0.32's CUDA backend
 has no fused decode kernel that takes a mask array: it falls back to ~6 unfused ops per layer on a
 copied slice of the cache. This module supplies that missing kernel (one warp per row and query head,
-online softmax over slots [left_padding[r], stop) split across lanes) and routes mlx-lm's attention call to it while a
+online softmax over slots [left_padding[r], stop)) and routes mlx-lm's attention call to it while a
 rollout decodes on our StaticBatchCache; every other call goes to mlx-lm's own function unchanged.
 """
 
@@ -16,53 +16,67 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-MAX_HEAD_DIM = 128  # q and the accumulator live in registers: 2 * D floats per lane
+HEAD_DIMS = (32, 64, 128, 256)  # D / 16 lanes per slot must divide the warp's 32
 
 _SOURCE = """
-    // One warp per (row, query head). Lane l takes slots first+l, first+l+32, ... with a full-width
-    // dot product and its own online softmax; the 32 partial softmaxes are merged at the end. Spreading
-    // slots (not head dims) over lanes keeps ~S/32 dependent iterations per warp, so small batches
-    // are not latency-bound.
+    // One warp per (row, query head). The warp takes 32 / G slots per iteration; the G lanes of a slot
+    // split its head dims (16 each), reduce the dot product with log2(G) shuffles and run an online
+    // softmax. The per-slot-group softmaxes are merged at the end. Few dependent steps per warp keep
+    // small batches from being latency-bound; registers stay at ~2 x 16 floats per lane.
+    constexpr int PER = 16;
+    constexpr int G = D / PER;  // lanes per slot
+    constexpr int P = 32 / G;   // slots per iteration
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= ROWS * HQ) return;
+    const int sub = lane % G, slot = lane / G;
     const int row = warp / HQ;
     const int kv_head = (warp % HQ) / (HQ / HKV);
-    const T* kbase = keys + ((size_t)(row * HKV + kv_head) * S) * D;
-    const T* vbase = values + ((size_t)(row * HKV + kv_head) * S) * D;
+    const T* kbase = keys + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
+    const T* vbase = values + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
     const float sc = scale[0];
-    float q[D], acc[D];
+    float q[PER], acc[PER];
     #pragma unroll
-    for (int d = 0; d < D; ++d) {
-        q[d] = static_cast<float>(queries[(size_t)warp * D + d]) * sc;
-        acc[d] = 0.0f;
+    for (int i = 0; i < PER; ++i) {
+        q[i] = static_cast<float>(queries[(size_t)warp * D + sub * PER + i]) * sc;
+        acc[i] = 0.0f;
     }
     float m = -INFINITY, denom = 0.0f;
     const int last = stop[0];
-    for (int s = start[row] + lane; s < last; s += 32) {
-        const T* kr = kbase + (size_t)s * D;
-        const T* vr = vbase + (size_t)s * D;
+    for (int base = start[row]; base < last; base += P) {  // uniform trip count: shuffles need every lane
+        const int s = base + slot;
+        const bool valid = s < last;
         float dot = 0.0f;
+        if (valid) {
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) dot += q[i] * static_cast<float>(kbase[(size_t)s * D + i]);
+        }
         #pragma unroll
-        for (int d = 0; d < D; ++d) dot += q[d] * static_cast<float>(kr[d]);
-        const float new_m = fmaxf(m, dot);
-        const float correction = __expf(m - new_m);
-        const float p = __expf(dot - new_m);
-        denom = denom * correction + p;
-        #pragma unroll
-        for (int d = 0; d < D; ++d) acc[d] = acc[d] * correction + p * static_cast<float>(vr[d]);
-        m = new_m;
+        for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+        if (valid) {
+            const float new_m = fmaxf(m, dot);
+            const float correction = __expf(m - new_m);
+            const float p = __expf(dot - new_m);
+            denom = denom * correction + p;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i)
+                acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
+            m = new_m;
+        }
     }
     float global_m = m;
-    for (int off = 16; off > 0; off >>= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
-    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);  // lanes that saw no slot add 0
-    denom *= own;
-    for (int off = 16; off > 0; off >>= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
     #pragma unroll
-    for (int d = 0; d < D; ++d) {
-        float a = acc[d] * own;
-        for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-        if (d % 32 == lane) out[(size_t)warp * D + d] = static_cast<T>(a / denom);
+    for (int off = G; off < 32; off <<= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
+    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);  // slot groups that saw no slot add 0
+    denom *= own;
+    #pragma unroll
+    for (int off = G; off < 32; off <<= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        float a = acc[i] * own;
+        #pragma unroll
+        for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
+        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(a / denom);
     }
 """
 
@@ -90,7 +104,7 @@ def left_padded_attention(queries: mx.array, keys: mx.array, values: mx.array, s
     queries [N, Hq, 1, D]; keys, values [N, Hkv, S, D]; start [N] int32; stop [1] int32 -> [N, Hq, 1, D]."""
     N, Hq, L, D = queries.shape
     _, Hkv, S, _ = keys.shape
-    assert L == 1 and D <= MAX_HEAD_DIM and Hq % Hkv == 0, "decode attention: one query, head dim <= 128"
+    assert L == 1 and D in HEAD_DIMS and Hq % Hkv == 0, f"decode attention: one query, head dim in {HEAD_DIMS}"
     threads = N * Hq * 32
     return _kernel()(
         inputs=[queries, keys, values, start, stop, _scale_array(float(scale))],

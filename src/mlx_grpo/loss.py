@@ -121,8 +121,8 @@ PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 # Tokens per output-head chunk are chosen so one chunk's float32 logits stay near this many elements
-# (2^27 floats = 512 MB): memory for log-probs is then bounded whatever the batch or vocabulary size.
-LOGIT_CHUNK_ELEMENTS = 2 ** 27
+# (2^25 floats = 128 MB): memory for log-probs is then bounded whatever the batch or vocabulary size.
+LOGIT_CHUNK_ELEMENTS = 2 ** 25
 
 
 def _head(model: nn.Module) -> tuple[nn.Module, callable]:
@@ -133,11 +133,55 @@ def _head(model: nn.Module) -> tuple[nn.Module, callable]:
     return embed, embed.as_linear
 
 
+def linear_head_logprobs(hidden: mx.array, weight: mx.array, targets: mx.array, temperature: float,
+                         chunk: int) -> mx.array:
+    """log softmax(hidden @ weight.T / temperature)[targets], chunk by chunk, with a hand-written
+    backward pass. hidden [M, D], weight [V, D], targets [M] -> [M].
+
+    Each chunk's logits are recomputed in the backward pass and fully consumed (both gradients) before
+    the next chunk starts (mx.depends orders them), so at most one chunk of [chunk, V] logits exists,
+    forward or backward. Autograd over separate chunks would keep every chunk's probabilities alive
+    until the hidden-state gradient is assembled."""
+    M = hidden.shape[0]
+    bounds = [(i, min(M, i + chunk)) for i in range(0, M, chunk)]
+
+    def chunk_logits(h, w):
+        return (h @ w.T).astype(mx.float32) / temperature  # [C, V]
+
+    @mx.custom_function
+    def head(h, w):
+        parts, previous = [], None
+        for lo, hi in bounds:
+            h_i = h[lo:hi] if previous is None else mx.depends(h[lo:hi], previous)
+            z = chunk_logits(h_i, w)
+            picked = mx.take_along_axis(z, targets[lo:hi, None], axis=-1).squeeze(-1)
+            previous = picked - mx.logsumexp(z, axis=-1)  # [C]
+            parts.append(previous)
+        return mx.concatenate(parts)
+
+    @head.vjp
+    def head_vjp(primals, cotangent, output):
+        h, w = primals
+        d_h, d_w, previous = [], mx.zeros(w.shape, dtype=mx.float32), None
+        for lo, hi in bounds:
+            h_i = h[lo:hi] if previous is None else mx.depends(h[lo:hi], previous)
+            z = chunk_logits(h_i, w)
+            # d lp / d z = (onehot(target) - softmax(z)) / T, scaled by the cotangent of lp
+            probs = mx.softmax(z, axis=-1)  # [C, V]
+            onehot = mx.arange(z.shape[-1])[None, :] == targets[lo:hi, None]
+            g = ((onehot.astype(mx.float32) - probs) * (cotangent[lo:hi, None] / temperature)).astype(w.dtype)
+            d_h.append(g @ w)  # [C, D]
+            d_w = d_w + (g.T @ h_i).astype(mx.float32)  # [V, D]
+            previous = [d_h[-1], d_w]
+        return mx.concatenate(d_h).astype(h.dtype), d_w.astype(w.dtype)
+
+    return head(hidden, weight)
+
+
 def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, temperature: float,
                   chunk_tokens: int | None = None) -> mx.array:
-    """Log-probs of targets under the head applied to hidden, in token chunks. hidden [n, T, D],
-    targets [n, T] -> [n, T]. Each chunk is checkpointed: its logits are recomputed in the backward
-    pass instead of being kept, so training memory is bounded by one chunk too."""
+    """Log-probs of targets under the model's output head applied to hidden, in token chunks.
+    hidden [n, T, D], targets [n, T] -> [n, T]."""
     n, T, D = hidden.shape
     module, project = _head(model)
     vocab = module.weight.shape[0]
@@ -145,11 +189,11 @@ def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, tempera
     flat_h, flat_t = hidden.reshape(n * T, D), targets.reshape(n * T)  # [n*T, D], [n*T]
     if n * T <= chunk:
         return token_logprobs(project(flat_h), flat_t, temperature).reshape(n, T)
-
-    def chunk_fn(targets_chunk):  # targets are closed over: a checkpoint differentiates all its inputs
-        return nn.utils.checkpoint(module, lambda h: token_logprobs(project(h), targets_chunk, temperature))
-
-    parts = [chunk_fn(flat_t[i:i + chunk])(flat_h[i:i + chunk]) for i in range(0, n * T, chunk)]
+    if isinstance(module, (nn.Linear, nn.Embedding)) and "bias" not in module:
+        return linear_head_logprobs(flat_h, module.weight, flat_t, temperature, chunk).reshape(n, T)
+    # Other heads (quantized: sampling-side passes only, no gradients) are projected chunk by chunk.
+    parts = [token_logprobs(project(flat_h[i:i + chunk]), flat_t[i:i + chunk], temperature)
+             for i in range(0, n * T, chunk)]
     return mx.concatenate(parts).reshape(n, T)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_grpo.decode_attention import MAX_HEAD_DIM, kernel_available, left_padded_attention, route_attention
+from mlx_grpo.decode_attention import HEAD_DIMS, kernel_available, left_padded_attention, route_attention
 
 
 @dataclass
@@ -234,7 +234,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
     static = static_cache and supports_static_cache(model)
-    use_kernel = static and attention_kernel and kernel_available() and caches[0].keys.shape[-1] <= MAX_HEAD_DIM
+    use_kernel = static and attention_kernel and kernel_available() and caches[0].keys.shape[-1] in HEAD_DIMS
     with route_attention(model, StaticBatchCache) if use_kernel else nullcontext(False) as routed:
         if static:
             caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
