@@ -28,6 +28,7 @@ _SOURCE = """
     constexpr int P = 32 / G;   // slots per iteration
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
+    const int ROWS = sizes[0], S = sizes[1];  // run-time: a new capacity must not mean a new compile
     if (warp >= ROWS * HQ) return;
     const int sub = lane % G, slot = lane / G;
     const int row = warp / HQ;
@@ -84,7 +85,7 @@ _SOURCE = """
 @lru_cache(maxsize=1)
 def _kernel():
     return mx.fast.cuda_kernel(name="mlx_grpo_left_padded_decode_attention",
-                               input_names=["queries", "keys", "values", "start", "stop", "scale"],
+                               input_names=["queries", "keys", "values", "start", "stop", "scale", "sizes"],
                                output_names=["out"], source=_SOURCE)
 
 
@@ -99,16 +100,17 @@ def _scale_array(scale: float) -> mx.array:
 
 
 def left_padded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                          start: mx.array, stop: mx.array) -> mx.array:
+                          start: mx.array, stop: mx.array, sizes: mx.array | None = None) -> mx.array:
     """softmax(q k^T * scale) v over slots [start[r], stop[0]) of each row r.
-    queries [N, Hq, 1, D]; keys, values [N, Hkv, S, D]; start [N] int32; stop [1] int32 -> [N, Hq, 1, D]."""
+    queries [N, Hq, 1, D]; keys, values [N, Hkv, S, D]; start [N] int32; stop [1] int32; sizes [2] int32
+    = (N, S), passed in so a caller can build it once -> [N, Hq, 1, D]."""
     N, Hq, L, D = queries.shape
     _, Hkv, S, _ = keys.shape
     assert L == 1 and D in HEAD_DIMS and Hq % Hkv == 0, f"decode attention: one query, head dim in {HEAD_DIMS}"
     threads = N * Hq * 32
     return _kernel()(
-        inputs=[queries, keys, values, start, stop, _scale_array(float(scale))],
-        template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("S", S), ("ROWS", N)],
+        inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), sizes if sizes is not None else mx.array([N, S], dtype=mx.int32)],
+        template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv)],
         grid=(threads, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
 

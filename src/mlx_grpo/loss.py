@@ -100,12 +100,21 @@ class PackedBatch:
     mask: mx.array
 
 
+# Sequence lengths are rounded up to a multiple of this: the GPU backend builds (and caches) kernels and
+# attention plans per shape, and a new plan for every micro-batch costs more than the padding.
+SHAPE_BUCKET = 64
+
+
+def bucket(length: int) -> int:
+    return -(-length // SHAPE_BUCKET) * SHAPE_BUCKET
+
+
 def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id: int) -> PackedBatch:
     """Right-pad each prompt+completion row; padding sits after every real token, so a causal model
     gives the real tokens exactly the logits they would get unpadded. prompts: one per row."""
     n, T = completions.shape
     lengths = [len(p) for p in prompts]
-    width = max(lengths) + T
+    width = bucket(max(lengths) + T)
     rows = []
     comp = completions.tolist()
     for prompt, completion in zip(prompts, comp):

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import Config
-from mlx_grpo.loss import PackedBatch, completion_logprobs, grpo_loss_sum, pack
+from mlx_grpo.loss import PackedBatch, bucket, completion_logprobs, grpo_loss_sum, pack
 from mlx_grpo.rollout import Rollout
 
 ROLLOUT_QUANT_BITS = 4
@@ -91,7 +91,8 @@ def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0) -> list[mx.arra
 
 
 def _chunk_batch(rollout: Rollout, rows: mx.array, pad_id: int):
-    width = max(int(rollout.lengths[r]) for r in rows.tolist()) or 1
+    longest = max(int(rollout.lengths[r]) for r in rows.tolist()) or 1
+    width = min(bucket(longest), rollout.completion_ids.shape[1])  # fewer distinct shapes
     prompts = rollout.row_prompts
     return pack([prompts[r] for r in rows.tolist()], rollout.completion_ids[rows, :width],
                 rollout.mask[rows, :width], pad_id), width

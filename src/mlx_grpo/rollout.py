@@ -23,6 +23,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_grpo.decode_attention import HEAD_DIMS, kernel_available, left_padded_attention, route_attention
+from mlx_grpo.loss import bucket
 
 
 @dataclass
@@ -97,7 +98,7 @@ def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.
 
 def _prefill(model: nn.Module, prompts: list[list[int]], pad_id: int) -> tuple[mx.array, list]:
     """Left-pad the B prompts and run them once; -> (last logits [B, V], per-layer caches)."""
-    width = max(len(p) for p in prompts)
+    width = bucket(max(len(p) for p in prompts))  # extra left padding: fewer distinct shapes
     padding = [width - len(p) for p in prompts]
     tokens = mx.array([[pad_id] * pad + p for pad, p in zip(padding, prompts)], dtype=mx.int32)  # [B, Lp]
     caches = [BatchKVCache(padding) for _ in model.layers]
@@ -131,8 +132,9 @@ def _stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
 class StepArrays:
     """Per-step arrays every layer's cache needs, built once per step instead of once per layer."""
 
-    def __init__(self, left_padding: mx.array):
+    def __init__(self, left_padding: mx.array, capacity: int):
         self.left_padding = left_padding.astype(mx.int32)  # [N]
+        self.sizes = mx.array([left_padding.shape[0], capacity], dtype=mx.int32)  # rows, slots
         self._idx = None
         self.offset = self.stop = None
 
@@ -185,7 +187,8 @@ class StaticBatchCache:
     def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
         if self.use_kernel and queries.shape[2] == 1:
             # update_and_fetch already advanced idx past the new token
-            return left_padded_attention(queries, keys, values, scale, self.left_padding, self.step.at(self.idx - 1).stop)
+            return left_padded_attention(queries, keys, values, scale, self.left_padding,
+                                         self.step.at(self.idx - 1).stop, self.step.sizes)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -198,7 +201,7 @@ def supports_static_cache(model: nn.Module) -> bool:
 
 def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: bool) -> list[StaticBatchCache]:
     """Copy the B prefilled caches into [B*G, H, capacity, D] buffers, one per layer."""
-    step = StepArrays(mx.repeat(caches[0].left_padding, group_size, axis=0))  # [N]
+    step = StepArrays(mx.repeat(caches[0].left_padding, group_size, axis=0), capacity)  # [N]
     out = []
     for cache in caches:
         k, v = cache.keys[..., :cache._idx, :], cache.values[..., :cache._idx, :]  # [B, H, Lp, D]
