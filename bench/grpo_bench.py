@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+from dataclasses import replace
 import json
 import platform
 import statistics
@@ -259,8 +260,9 @@ def bench_train(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
     return row
 
 
-def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id) -> dict:
-    """Peak memory of both passes on rows x length full completions; the budget is model + optimizer + 4 GB."""
+def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: list[int]) -> list[dict]:
+    """Peak memory and speed of both passes on rows x length full completions, for each micro-batch
+    token budget; the target is model + optimizer + 4 GB."""
     group = cfg.num_generations
     batch_prompts = (prompts * (rows // group // len(prompts) + 1))[:max(1, rows // group)]
     rollout = synthetic_rollout(batch_prompts, group, length, model.args.vocab_size, cfg.seed)
@@ -270,18 +272,24 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id) -> dict:
     mx.eval(opt.state)
     optimizer_bytes = nbytes(opt.state)
     full_logits = rollout.completion_ids.size * model.args.vocab_size * 4
-    lp_peak, lp_s, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, cfg.temperature, cfg.micro_batch_size,
-                                                                pad_id, cfg.micro_batch_tokens)))
-    grad_fn = make_grad_fn(cfg, model)
-    steps = [step_data(rollout, cfg.seed)]
-    tr_peak, tr_s, _ = peak_during(lambda: our_train_step(model, opt, grad_fn, steps, cfg, pad_id))
-    row = {"rows": rows, "length": length, "full_logits_gb": full_logits / GB, "model_gb": weights / GB,
-           "optimizer_gb": optimizer_bytes / GB, "logprob_peak_above_model_gb": lp_peak / GB,
-           "train_peak_above_model_and_optimizer_gb": tr_peak / GB, "logprob_s": lp_s, "train_s": tr_s,
-           "budget_gb": 4.0}
-    print(f"memory {rows}x{length}: full logits would be {full_logits / GB:.1f} GB; log-prob pass peak "
-          f"+{lp_peak / GB:.2f} GB, train pass peak +{tr_peak / GB:.2f} GB above model + optimizer", flush=True)
-    return row
+    tokens = rollout.completion_ids.size
+    out = []
+    for budget in budgets:
+        c = replace(cfg, micro_batch_tokens=budget)
+        lp_peak, lp_s, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, c.temperature, c.micro_batch_size,
+                                                                    pad_id, c.micro_batch_tokens)))
+        grad_fn = make_grad_fn(c, model)
+        steps = [step_data(rollout, c.seed)]
+        tr_peak, tr_s, _ = peak_during(lambda: our_train_step(model, opt, grad_fn, steps, c, pad_id))
+        row = {"rows": rows, "length": length, "micro_batch_tokens": budget, "grad_checkpoint": c.grad_checkpoint,
+               "full_logits_gb": full_logits / GB, "model_gb": weights / GB, "optimizer_gb": optimizer_bytes / GB,
+               "logprob_peak_above_model_gb": lp_peak / GB, "train_peak_above_model_and_optimizer_gb": tr_peak / GB,
+               "logprob_s": lp_s, "train_s": tr_s, "train_tok_s": tokens / tr_s, "budget_gb": 4.0}
+        print(f"memory {rows}x{length}, micro_batch_tokens={budget}: full logits would be {full_logits / GB:.1f} GB; "
+              f"log-prob pass peak +{lp_peak / GB:.2f} GB, train pass peak +{tr_peak / GB:.2f} GB above model + "
+              f"optimizer, train {tokens / tr_s:.0f} tok/s", flush=True)
+        out.append(row)
+    return out
 
 
 def bench_step(cfg, repeats: int) -> dict:
@@ -329,14 +337,14 @@ def markdown(result: dict) -> str:
         r = result["train"]
         lines.append(f"| train step tok/s (fwd+bwd+AdamW) | {r['tok_s']:,.0f} | {r['plain_tok_s']:,.0f} "
                      f"(plain value_and_grad) | {r['ratio_vs_plain']:.2f}x |")
-    if "memory" in result:
-        r = result["memory"]
-        lines.append(f"| log-prob pass peak above model, {r['rows']}x{r['length']} tokens (full logits: "
+    for r in result.get("memory", []):
+        setting = f"micro_batch_tokens={r['micro_batch_tokens']}"
+        lines.append(f"| log-prob pass peak above model, {r['rows']}x{r['length']} tokens, {setting} (full logits: "
                      f"{r['full_logits_gb']:.1f} GB) | {r['logprob_peak_above_model_gb']:.2f} GB | "
                      f"{r['budget_gb']:.0f} GB budget | |")
         lines.append(f"| train pass peak above model + optimizer ({r['model_gb']:.2f} + {r['optimizer_gb']:.2f} GB), "
-                     f"{r['rows']}x{r['length']} | {r['train_peak_above_model_and_optimizer_gb']:.2f} GB | "
-                     f"{r['budget_gb']:.0f} GB budget | |")
+                     f"{r['rows']}x{r['length']}, {setting}; {r['train_tok_s']:,.0f} tok/s | "
+                     f"{r['train_peak_above_model_and_optimizer_gb']:.2f} GB | {r['budget_gb']:.0f} GB budget | |")
     if "step" in result:
         r = result["step"]
         lines.append(f"| full GRPO step s: rollout {r['rollout_s']:.2f} + reward {r['reward_s']:.2f} + log-probs "
@@ -349,10 +357,10 @@ def ratios(result: dict) -> list[str]:
     out = [f"rollout {r['B']}x{r['G']} vs plain decode loop: {r['ratio_ours_vs_plain']:.2f}x" for r in result.get("rollout", [])]
     if "train" in result:
         out.append(f"train step vs plain value_and_grad + AdamW: {result['train']['ratio_vs_plain']:.2f}x")
-    if "memory" in result:
-        m = result["memory"]
-        out.append(f"train pass peak above model + optimizer: {m['train_peak_above_model_and_optimizer_gb']:.2f} GB "
-                   f"(budget 4 GB); log-prob pass: {m['logprob_peak_above_model_gb']:.2f} GB")
+    for m in result.get("memory", []):
+        out.append(f"micro_batch_tokens={m['micro_batch_tokens']}: train pass peak above model + optimizer "
+                   f"{m['train_peak_above_model_and_optimizer_gb']:.2f} GB, log-prob pass "
+                   f"{m['logprob_peak_above_model_gb']:.2f} GB (budget 4 GB)")
     return out
 
 
@@ -373,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--sizes", default="4x16,16x16,32x16,64x16", help="rollout sizes BxG, comma-separated")
     ap.add_argument("--memory-shape", default="256x512", help="rows x completion tokens for the memory section")
+    ap.add_argument("--memory-budgets", default="",
+                    help="micro_batch_tokens values to measure in the memory section (default: the config's)")
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats after one warm-up")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -420,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             result["train"] = bench_train(model, full, cfg, args.repeats, pad_id)
     if "memory" in sections:
         rows, length = (int(x) for x in args.memory_shape.lower().split("x"))
-        result["memory"] = bench_memory(model, prompts, rows, length, cfg, pad_id)
+        budgets = [int(x) for x in args.memory_budgets.split(",") if x] or [cfg.micro_batch_tokens]
+        result["memory"] = bench_memory(model, prompts, rows, length, cfg, pad_id, budgets)
     del model
     if "step" in sections:
         result["step"] = bench_step(cfg, args.repeats)

@@ -20,7 +20,7 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--model", str(model),
                            "--dtype", "float32", "--data", str(data), "--batch", "2", "--group", "2",
-                           "--max-new-tokens", "6", "--sizes", "2x2", "--memory-shape", "4x6", "--repeats", "1",
+                           "--max-new-tokens", "6", "--sizes", "2x2", "--memory-shape", "4x6", "--memory-budgets", "0,16", "--repeats", "1",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
@@ -28,5 +28,6 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     rollout = record["rollout"][0]
     assert rollout["ours_noeos_tokens"] == 2 * 2 * 6  # no EOS: every row decodes max_new_tokens
     assert rollout["ratio_ours_vs_plain"] > 0 and record["train"]["ratio_vs_plain"] > 0
+    assert [m["micro_batch_tokens"] for m in record["memory"]] == [0, 16]
     assert record["step"]["tokens"] > 0 and len(record["step"]["steps"]) == 2
     assert "vs plain decode loop" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("JSON:")
