@@ -31,3 +31,34 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     assert [m["micro_batch_tokens"] for m in record["memory"]] == [0, 16]
     assert record["step"]["tokens"] > 0 and len(record["step"]["steps"]) == 2
     assert "vs plain decode loop" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("JSON:")
+
+
+def _load_trl_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_grpo", ROOT / "bench" / "trl_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # imports no torch/TRL at module level
+    return module
+
+
+def test_trl_comparison_uses_our_rewards_and_data(tmp_path):
+    """The TRL script (run on the GPU machine, where torch lives) scores with mlx-grpo's own reward code,
+    prefill included, and reads GSM8K rows as our loader does; its CLI parses without torch."""
+    from mlx_grpo.rewards import BUILTIN_REWARDS
+
+    trl = _load_trl_script()
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "2 + 2?", "answer": "Add them.\n#### 4"}) + "\n")
+    assert trl.load_gsm8k(str(data), 0) == [{"question": "2 + 2?", "answer": "4"}]
+    body = "2 plus 2\n</reasoning>\n<answer>\n4\n</answer>\n"
+    for prefill in ("", "<reasoning>\n"):
+        funcs = trl.reward_functions(["correctness", "strict_format"], prefill)
+        got = [f(prompts=["q"], completions=[body if prefill else "<reasoning>\n" + body], completion_ids=[[1]],
+                 answer=["4"]) for f in funcs]
+        want = [BUILTIN_REWARDS[n](prompts=["q"], completions=["<reasoning>\n" + body], completion_ids=[[1]],
+                                   answer=["4"]) for n in ("correctness", "strict_format")]
+        assert got == want and want[0] == [2.0]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trl_grpo.py"), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "--num-generations" in proc.stdout
