@@ -86,23 +86,25 @@ def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens
 
 def test_micro_batches_respect_row_and_token_limits(tiny_model_dir):
     """Every row lands in exactly one micro-batch; each holds at most `size` rows and, when it has more
-    than one row, at most max_tokens padded tokens as pack() lays them out; longest completions first."""
+    than one row, at most max_tokens tokens in the packed batch itself; longest completions first."""
     from mlx_lm import load
 
-    from mlx_grpo.policy import row_chunks
+    from mlx_grpo.policy import _chunk_batch, row_chunks
 
     model, tok = load(str(tiny_model_dir))
     prompts = [tok.encode(f"q{i}" + "?" * (3 * i)) for i in range(6)]
     r = generate_rollout(model, tok, prompts, 3, SamplingParams(10, 1.0), mx.random.key(1))
-    for size, max_tokens in [(4, 0), (18, 60), (18, 1)]:
-        chunks = [c.tolist() for c in row_chunks(r, size, max_tokens)]
-        assert sorted(sum(chunks, [])) == list(range(18))
-        order = sum(chunks, [])
+    for size, max_tokens in [(4, 0), (18, 200), (18, 400), (18, 1)]:
+        chunks = row_chunks(r, size, max_tokens)
+        order = sum((c.tolist() for c in chunks), [])
+        assert sorted(order) == list(range(18))
         assert [int(r.lengths[i]) for i in order] == sorted(r.lengths.tolist(), reverse=True)
         for c in chunks:
-            assert len(c) <= size
-            padded = len(c) * (max(len(r.row_prompts[i]) for i in c) + max(max(int(r.lengths[i]), 1) for i in c))
-            assert len(c) == 1 or not max_tokens or padded <= max_tokens
+            packed = _chunk_batch(r, c, 0)[0].inputs  # what the model actually gets
+            assert c.size <= size
+            assert c.size == 1 or not max_tokens or packed.size <= max_tokens
+        if max_tokens == 400:
+            assert 1 < max(c.size for c in chunks) < 18  # the budget binds without being vacuous
     assert len(row_chunks(r, 18, 1)) == 18  # a row is never split, even past the budget
 
 

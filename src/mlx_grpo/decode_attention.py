@@ -16,7 +16,10 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-HEAD_DIMS = (32, 64, 128, 256)  # D / 16 lanes per slot must divide the warp's 32
+HEAD_DIMS = (64, 128)  # D / 16 lanes per slot must divide the warp's 32; D = 64 is the one run on a GPU
+# Model families whose every layer attends through mlx-lm's module-level scaled_dot_product_attention
+# (others, e.g. block-sparse phi3small, compute attention themselves and must not get a maskless cache).
+KERNEL_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 _SOURCE = """
     // One warp per (row, query head). The warp takes 32 / G slots per iteration; the G lanes of a slot
@@ -94,6 +97,11 @@ def kernel_available() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
+def kernel_serves(model, head_dim: int) -> bool:
+    """The kernel can replace this model's decode attention."""
+    return kernel_available() and getattr(model, "model_type", None) in KERNEL_MODEL_TYPES and head_dim in HEAD_DIMS
+
+
 @lru_cache(maxsize=8)
 def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
@@ -106,7 +114,8 @@ def left_padded_attention(queries: mx.array, keys: mx.array, values: mx.array, s
     = (N, S), passed in so a caller can build it once -> [N, Hq, 1, D]."""
     N, Hq, L, D = queries.shape
     _, Hkv, S, _ = keys.shape
-    assert L == 1 and D in HEAD_DIMS and Hq % Hkv == 0, f"decode attention: one query, head dim in {HEAD_DIMS}"
+    assert L == 1 and D in HEAD_DIMS and values.shape[-1] == D and Hq % Hkv == 0, \
+        f"decode attention: one query, equal key/value head dims in {HEAD_DIMS}"
     threads = N * Hq * 32
     return _kernel()(
         inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), sizes if sizes is not None else mx.array([N, S], dtype=mx.int32)],
@@ -131,7 +140,7 @@ def route_attention(model, cache_type: type):
         return
 
     def dispatch(queries, keys, values, cache, scale, mask, **kwargs):
-        if isinstance(cache, cache_type) and not kwargs.get("sinks"):
+        if isinstance(cache, cache_type) and kwargs.get("sinks") is None:
             return cache.attend(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
 

@@ -71,15 +71,16 @@ class Policies:
 
 def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0) -> list[mx.array]:
     """Row indices in micro-batches of at most `size` rows and (if max_tokens) at most max_tokens padded
-    tokens (rows x (longest prompt + longest completion), as pack() lays them out); longest
+    tokens, counted exactly as _chunk_batch/pack() lay them out (bucketed widths); longest
     completions first, so an out-of-memory shows at once. A single row is never split."""
+    T = rollout.completion_ids.shape[1]
     completion = [max(int(n), 1) for n in rollout.lengths]
     prompt = [len(p) for p in rollout.row_prompts]
     order = sorted(range(len(completion)), key=lambda r: -completion[r])
     chunks, current, widest_prompt = [], [], 0
     for r in order:
         longest = completion[current[0]] if current else completion[r]  # rows come longest first
-        padded = (len(current) + 1) * (max(widest_prompt, prompt[r]) + longest)
+        padded = (len(current) + 1) * bucket(max(widest_prompt, prompt[r]) + min(bucket(longest), T))
         if current and (len(current) == size or (max_tokens and padded > max_tokens)):
             chunks.append(current)
             current, widest_prompt = [], 0

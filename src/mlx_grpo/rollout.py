@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_grpo.decode_attention import HEAD_DIMS, kernel_available, left_padded_attention, route_attention
+from mlx_grpo.decode_attention import kernel_serves, left_padded_attention, route_attention
 from mlx_grpo.loss import bucket
 
 
@@ -154,6 +154,8 @@ class StaticBatchCache:
     attention layers, plus `attend` for decode_attention.route_attention.
     """
 
+    # use_kernel must only be set while decode_attention.route_attention is active: make_mask then
+    # returns None and only `attend` knows which slots to skip.
     def __init__(self, keys: mx.array, values: mx.array, step: StepArrays, idx: int, use_kernel: bool):
         self.keys, self.values = keys, values  # [N, H, S, D]
         self.step = step  # shared by all layers
@@ -214,7 +216,7 @@ def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: boo
 
 def make_sampler(params: SamplingParams, eos: mx.array):
     """(logits [N, V], key, ended [N]) -> (token [N], logprob [N], ended [N]), compiled: one fused graph
-    instead of ~10 separately dispatched ops per decode step."""
+    instead of ~10 separately dispatched ops per decode step. Built (and traced) once per rollout."""
 
     def step(logits, key, ended):
         token, logprob = sample(logits, key, params)
@@ -225,10 +227,13 @@ def make_sampler(params: SamplingParams, eos: mx.array):
 
 def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
-                     sync_every: int = 8, static_cache: bool = True, attention_kernel: bool = True) -> Rollout:
+                     sync_every: int = 8, static_cache: bool | None = None,
+                     attention_kernel: bool = True) -> Rollout:
     """Sample G completions for each of the B prompts; decoding stops once every row has ended.
-    static_cache=False (or a model without plain KV caches) decodes on mlx-lm's growing BatchKVCache;
-    attention_kernel=False keeps mlx-lm's masked attention on the static cache (both: benchmarks)."""
+
+    By default (static_cache=None) rows decode on the fixed-capacity cache with our CUDA kernel where it
+    serves the model, else on mlx-lm's growing BatchKVCache (faster than masked attention over a fixed
+    buffer). static_cache=True/False and attention_kernel=False force a path (tests, benchmarks)."""
     eos_ids = sorted(tokenizer.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     if params.ignore_eos:
@@ -236,8 +241,9 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
-    static = static_cache and supports_static_cache(model)
-    use_kernel = static and attention_kernel and kernel_available() and caches[0].keys.shape[-1] in HEAD_DIMS
+    kernel = attention_kernel and kernel_serves(model, caches[0].keys.shape[-1]) and supports_static_cache(model)
+    static = kernel if static_cache is None else static_cache and supports_static_cache(model)
+    use_kernel = static and kernel
     with route_attention(model, StaticBatchCache) if use_kernel else nullcontext(False) as routed:
         if static:
             caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
