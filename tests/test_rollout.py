@@ -389,3 +389,51 @@ def test_static_cache_falls_back_for_sliding_window_models(tiny):
             return [RotatingKVCache(max_size=8) for _ in self.layers]
 
     assert not supports_static_cache(Windowed())
+
+
+def _masked_reference(queries, keys, values, scale, start, stop, sizes=None):
+    """What the CUDA kernel computes, in plain MLX: attention over slots [start[r], stop[0]) of row r."""
+    positions = mx.arange(keys.shape[2])
+    mask = ((positions[None] >= start[:, None]) & (positions[None] < stop[0]))[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def test_kernel_routing_decodes_like_the_growing_cache(tiny, monkeypatch):
+    """The CUDA path minus the CUDA source: with the kernel stood in for by its masked reference, the
+    routed decode (maskless static cache, per-step start/stop arrays, swapped attention call) samples
+    what mlx-lm's BatchKVCache decode samples, and mlx-lm's attention function is restored after."""
+    import mlx_lm.models.llama as llama_module
+
+    from mlx_grpo import rollout as rollout_mod
+
+    model, tok = tiny
+    original = llama_module.scaled_dot_product_attention
+    calls = []
+
+    def reference(*args, **kwargs):
+        calls.append(1)
+        return _masked_reference(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_mod, "left_padded_attention", reference)
+    monkeypatch.setattr(rollout_mod, "kernel_serves", lambda m, head_dim: True)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    routed = generate_rollout(model, tok, _prompts(), 3, params, mx.random.key(9))
+    assert calls and llama_module.scaled_dot_product_attention is original
+    plain = generate_rollout(model, tok, _prompts(), 3, params, mx.random.key(9), static_cache=False)
+    assert routed.completion_ids.tolist() == plain.completion_ids.tolist()
+    np.testing.assert_allclose(_np(routed.sampler_logprobs), _np(plain.sampler_logprobs), atol=1e-5)
+
+
+def test_attention_routing_is_restored_after_an_error(tiny):
+    import mlx_lm.models.llama as llama_module
+
+    from mlx_grpo.decode_attention import route_attention
+    from mlx_grpo.rollout import StaticBatchCache
+
+    model, _ = tiny
+    original = llama_module.scaled_dot_product_attention
+    with pytest.raises(RuntimeError):
+        with route_attention(model, StaticBatchCache) as routed:
+            assert routed and llama_module.scaled_dot_product_attention is not original
+            raise RuntimeError("decode failed")
+    assert llama_module.scaled_dot_product_attention is original
