@@ -117,8 +117,10 @@ def left_padded_attention(queries: mx.array, keys: mx.array, values: mx.array, s
     assert L == 1 and D in HEAD_DIMS and values.shape[-1] == D and Hq % Hkv == 0, \
         f"decode attention: one query, equal key/value head dims in {HEAD_DIMS}"
     threads = N * Hq * 32
+    if sizes is None:
+        sizes = mx.array([N, S], dtype=mx.int32)
     return _kernel()(
-        inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), sizes if sizes is not None else mx.array([N, S], dtype=mx.int32)],
+        inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), sizes],
         template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv)],
         grid=(threads, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]

@@ -109,12 +109,17 @@ def bucket(length: int) -> int:
     return -(-length // SHAPE_BUCKET) * SHAPE_BUCKET
 
 
+def packed_width(widest_prompt: int, completion_width: int) -> int:
+    """Columns of a packed batch: the widest prompt plus the completion width, bucketed."""
+    return bucket(widest_prompt + completion_width)
+
+
 def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id: int) -> PackedBatch:
     """Right-pad each prompt+completion row; padding sits after every real token, so a causal model
     gives the real tokens exactly the logits they would get unpadded. prompts: one per row."""
     n, T = completions.shape
     lengths = [len(p) for p in prompts]
-    width = bucket(max(lengths) + T)
+    width = packed_width(max(lengths), T)
     rows = []
     comp = completions.tolist()
     for prompt, completion in zip(prompts, comp):

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import Config
-from mlx_grpo.loss import PackedBatch, bucket, completion_logprobs, grpo_loss_sum, pack
+from mlx_grpo.loss import PackedBatch, bucket, completion_logprobs, grpo_loss_sum, pack, packed_width
 from mlx_grpo.rollout import Rollout
 
 ROLLOUT_QUANT_BITS = 4
@@ -69,18 +69,24 @@ class Policies:
         return self.separate_old or self.cfg.num_iterations > 1
 
 
+def _completion_width(rollout: Rollout, longest: int) -> int:
+    """Completion columns of a micro-batch whose longest completion has `longest` tokens: bucketed
+    (fewer distinct shapes), never past the rollout's own width."""
+    return min(bucket(max(longest, 1)), rollout.completion_ids.shape[1])
+
+
 def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0) -> list[mx.array]:
     """Row indices in micro-batches of at most `size` rows and (if max_tokens) at most max_tokens padded
     tokens, counted exactly as _chunk_batch/pack() lay them out (bucketed widths); longest
     completions first, so an out-of-memory shows at once. A single row is never split."""
-    T = rollout.completion_ids.shape[1]
-    completion = [max(int(n), 1) for n in rollout.lengths]
+    completion = [int(n) for n in rollout.lengths]
     prompt = [len(p) for p in rollout.row_prompts]
     order = sorted(range(len(completion)), key=lambda r: -completion[r])
     chunks, current, widest_prompt = [], [], 0
     for r in order:
         longest = completion[current[0]] if current else completion[r]  # rows come longest first
-        padded = (len(current) + 1) * bucket(max(widest_prompt, prompt[r]) + min(bucket(longest), T))
+        width = packed_width(max(widest_prompt, prompt[r]), _completion_width(rollout, longest))
+        padded = (len(current) + 1) * width
         if current and (len(current) == size or (max_tokens and padded > max_tokens)):
             chunks.append(current)
             current, widest_prompt = [], 0
@@ -92,8 +98,7 @@ def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0) -> list[mx.arra
 
 
 def _chunk_batch(rollout: Rollout, rows: mx.array, pad_id: int):
-    longest = max(int(rollout.lengths[r]) for r in rows.tolist()) or 1
-    width = min(bucket(longest), rollout.completion_ids.shape[1])  # fewer distinct shapes
+    width = _completion_width(rollout, max(int(rollout.lengths[r]) for r in rows.tolist()))
     prompts = rollout.row_prompts
     return pack([prompts[r] for r in rows.tolist()], rollout.completion_ids[rows, :width],
                 rollout.mask[rows, :width], pad_id), width

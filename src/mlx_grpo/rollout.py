@@ -4,11 +4,10 @@ Each prompt is prefilled once; its cache is then repeated for its G samples. Sam
 softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with keys passed in, so the
 same key gives the same rollout. The record keeps the exact sampled ids: the loss never re-encodes text.
 
-Decoding runs on a fixed-capacity KV cache (StaticBatchCache) written in place. On NVIDIA GPUs its
-attention goes to a decode kernel that skips each row's left padding itself (decode_attention.py),
-since MLX's fused CUDA decode kernel takes no mask and the masked fallback costs ~6 extra ops per
-layer per step. Models whose caches are not plain KV caches (sliding windows, SSMs) decode on
-mlx-lm's growing BatchKVCache instead.
+Where decode_attention.py's CUDA kernel serves the model, decoding runs on a fixed-capacity KV cache
+(StaticBatchCache) written in place, and the kernel skips each row's left padding itself: MLX's fused
+CUDA decode kernel takes no mask, and the masked fallback costs ~6 extra ops per layer per step.
+Elsewhere (other backends and model families) rows decode on mlx-lm's growing BatchKVCache.
 """
 
 from __future__ import annotations
@@ -241,8 +240,9 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
-    kernel = attention_kernel and kernel_serves(model, caches[0].keys.shape[-1]) and supports_static_cache(model)
-    static = kernel if static_cache is None else static_cache and supports_static_cache(model)
+    plain_caches = supports_static_cache(model)
+    kernel = plain_caches and attention_kernel and kernel_serves(model, caches[0].keys.shape[-1])
+    static = plain_caches and (kernel if static_cache is None else static_cache)
     use_kernel = static and kernel
     with route_attention(model, StaticBatchCache) if use_kernel else nullcontext(False) as routed:
         if static:
