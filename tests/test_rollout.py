@@ -96,23 +96,27 @@ def test_sampler_logprobs_equal_padded_full_forward(tiny, temperature):
     assert np.all(sampler[mask > 0] < 0)
 
 
-def test_top_k_samples_from_the_top_k_but_logprobs_are_unfiltered(tiny):
-    model, tok = tiny
-    prompts = _prompts()
-    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=3)
-    r = generate_rollout(model, tok, prompts, 2, params, mx.random.key(5))
+def _sampled_with_logits(model, r: Rollout):
+    """Check the sampler's log-probs are those of the full softmax (filters cut sampling, not log-probs),
+    then yield (logits [V] the token was drawn from, the sampled token) for every sampled token."""
     mask = _np(r.mask)
     full = _np(logprob_pass(model, r, 1.0, micro_batch=8, pad_id=PAD))
     np.testing.assert_allclose(full * mask, _np(r.sampler_logprobs) * mask, atol=1e-4, rtol=0)
-    # every sampled token is among the 3 most likely at its position
     for row, prompt in enumerate(r.row_prompts):
         length = int(mask[row].sum())
         seq = prompt + r.completion_ids[row].tolist()[:length]
         logits = _np(model(mx.array([seq]))[0])
         for t in range(length):
-            pos = len(prompt) - 1 + t
-            rank = int((logits[pos] > logits[pos, seq[pos + 1]]).sum())
-            assert rank < 3
+            yield logits[len(prompt) - 1 + t], seq[len(prompt) + t]
+
+
+def test_top_k_samples_from_the_top_k_but_logprobs_are_unfiltered(tiny):
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=3)
+    r = generate_rollout(model, tok, _prompts(), 2, params, mx.random.key(5))
+    # every sampled token is among the 3 most likely at its position
+    for z, chosen in _sampled_with_logits(model, r):
+        assert int((z > z[chosen]).sum()) < 3
 
 
 @pytest.mark.parametrize("kind", ["top_p", "min_p"])
@@ -123,24 +127,15 @@ def test_top_p_and_min_p_keep_only_allowed_tokens(tiny, kind):
     extra = {"top_p": 0.3} if kind == "top_p" else {"min_p": 0.5}
     params = SamplingParams(max_new_tokens=6, temperature=1.0, **extra)
     r = generate_rollout(model, tok, _prompts(), 2, params, mx.random.key(9))
-    mask = _np(r.mask)
-    full = _np(logprob_pass(model, r, 1.0, micro_batch=8, pad_id=PAD))
-    np.testing.assert_allclose(full * mask, _np(r.sampler_logprobs) * mask, atol=1e-4, rtol=0)
-    for row, prompt in enumerate(r.row_prompts):
-        length = int(mask[row].sum())
-        seq = prompt + r.completion_ids[row].tolist()[:length]
-        logits = _np(model(mx.array([seq]))[0])
-        for t in range(length):
-            z = logits[len(prompt) - 1 + t]
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            chosen = seq[len(prompt) + t]
-            if kind == "top_p":
-                order = np.argsort(-p)
-                keep = order[:int(np.searchsorted(np.cumsum(p[order]), 0.3)) + 1]
-                assert chosen in keep.tolist()
-            else:
-                assert p[chosen] >= 0.5 * p.max() - 1e-6
+    for z, chosen in _sampled_with_logits(model, r):
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if kind == "top_p":
+            order = np.argsort(-p)
+            keep = order[:int(np.searchsorted(np.cumsum(p[order]), 0.3)) + 1]
+            assert chosen in keep.tolist()
+        else:
+            assert p[chosen] >= 0.5 * p.max() - 1e-6
 
 
 # ----------------------------------------------------------------------------- keys
