@@ -42,6 +42,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.data import load_examples
+from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages, pack
 from mlx_grpo.models.loading import load_model
 from mlx_grpo.policy import StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, make_grad_fn
@@ -397,10 +398,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    try:
+        return run(args, sections, argv)
+    except UserError as exc:  # bad data path, config key or value: one line, like the CLI
+        print(f"grpo_bench: error: {exc}", file=sys.stderr)
+        return 2
 
+
+def run(args: argparse.Namespace, sections: list[str], argv: list[str] | None) -> int:
     overrides = [f"model_name={args.model}", f"model_dtype={args.dtype}", f"batch_size={args.batch}",
                  f"num_generations={args.group}", f"max_new_tokens={args.max_new_tokens}",
-                 f"temperature={args.temperature}", "save_steps=0", "num_epochs=1000", "output_dir=" + str(Path(args.out) / "runs"),
+                 f"temperature={args.temperature}", "save_steps=0", "num_epochs=1000",
+                 "output_dir=" + str(Path(args.out) / "runs"),
                  f"run_name=bench-{dt.datetime.now():%Y%m%d-%H%M%S}"] + args.set
     if args.data:
         overrides.append(f"dataset_path={args.data}")

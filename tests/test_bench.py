@@ -62,3 +62,11 @@ def test_trl_comparison_uses_our_rewards_and_data(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trl_grpo.py"), "--help"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "--num-generations" in proc.stdout
+
+
+def test_grpo_bench_bad_input_is_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--data",
+                           str(tmp_path / "missing.jsonl"), "--set", "micro_batch_tokns=5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "did you mean 'micro_batch_tokens'" in proc.stderr
