@@ -1,6 +1,7 @@
 """Config resolution: precedence, strict keys and types, cross-field rules, help output."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +146,16 @@ def test_preset_serves_train_and_eval(tmp_path):
     toml.write_text('learning_rate = "fast"\n')
     with pytest.raises(UserError, match="'learning_rate' expects a number"):
         build_config("eval", str(toml))  # but still type-checked
+
+
+PRESETS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_presets_load_and_comment_every_key(preset):
+    """Every shipped preset is valid for train and eval, and each block of keys opens with a comment."""
+    cfg = build_config("train", str(preset))
+    assert build_config("eval", str(preset)).model_name == cfg.model_name
+    blocks = [block.splitlines() for block in preset.read_text().split("\n\n") if block.strip()]
+    for lines in blocks:
+        assert lines[0].startswith("#") or not any("=" in line for line in lines), (preset.name, lines[0])

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import regex
 import tiktoken
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.utils import load_config, load_tokenizer
@@ -22,55 +20,12 @@ from mlx_grpo.models.nanochat_tokenizer import (
     read_tiktoken_pickle,
     write_hf_tokenizer,
 )
-
-# nanochat/tokenizer.py SPLIT_PATTERN (GPT-4's, with \p{N}{1,2})
-SPLIT_PATTERN = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
-)
-
-CORPUS = (
-    "The quick brown fox jumps over the lazy dog. They're here, we've seen it, I'll go, she'd say.\n"
-    "Numbers: 12 345 6789 2024-11-22, 3.14159 and 1000000!\n\n"
-    "def f(x):\n    return x * 2  # the answer\n\t\tindented   spaces\n"
-    "café naïve résumé — “quotes” … 你好世界，你好！こんにちは 🙂🎉🙂🎉 👍🏽\n"
-) * 3
-
-
-def _train_ranks(text: str, n_merges: int) -> dict[bytes, int]:
-    """Plain BPE training (most frequent pair, ties by bytes) on regex chunks, as rustbpe does."""
-    words = Counter(tuple(bytes([b]) for b in chunk.encode()) for chunk in regex.findall(SPLIT_PATTERN, text))
-    ranks = {bytes([b]): b for b in range(256)}
-    for _ in range(n_merges):
-        pairs: Counter = Counter()
-        for word, count in words.items():
-            for pair in zip(word, word[1:]):
-                pairs[pair] += count
-        if not pairs:
-            break
-        (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
-        ranks[a + b] = len(ranks)
-        merged: Counter = Counter()
-        for word, count in words.items():
-            out, i = [], 0
-            while i < len(word):
-                if i + 1 < len(word) and (word[i], word[i + 1]) == (a, b):
-                    out.append(a + b)
-                    i += 2
-                else:
-                    out.append(word[i])
-                    i += 1
-            merged[tuple(out)] += count
-        words = merged
-    return ranks
+from nanochat_fixture import CORPUS, SPLIT_PATTERN, make_encoding
 
 
 @pytest.fixture(scope="module")
 def enc() -> tiktoken.Encoding:
-    ranks = _train_ranks(CORPUS, 120)
-    # a hand-added token no merge sequence reaches: tiktoken still emits it for a whole regex piece
-    ranks[b" zyxwv"] = len(ranks)
-    specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
-    return tiktoken.Encoding(name="rustbpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    return make_encoding()
 
 
 @pytest.fixture(scope="module")

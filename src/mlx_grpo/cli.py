@@ -24,7 +24,7 @@ from mlx_grpo.config import (
 from mlx_grpo.errors import UserError
 
 DESCRIPTIONS = {
-    "convert": "Convert a Hugging Face model or a GGUF file to an MLX model directory.",
+    "convert": "Convert a Hugging Face model, a GGUF file or a nanochat checkpoint to an MLX model directory.",
     "generate": "Generate text from a prompt (or a file of prompts) with a model.",
     "chat": "Chat with a model in the terminal (also works from a pipe).",
     "train": "Fine-tune a model with GRPO.",
@@ -87,7 +87,8 @@ def _dispatch(args: argparse.Namespace) -> None:
 
         out = run_convert(hf_path=args.hf_path, gguf=args.gguf, output_dir=args.output_dir,
                           quantize=args.quantize, bits=int(args.bits), group_size=args.group_size,
-                          dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+                          dtype=args.dtype, trust_remote_code=args.trust_remote_code, nanochat=args.nanochat,
+                          step=args.step)
         print(f"wrote MLX model to {out}")
         return
     cfg = _config_from_args(command, args)

@@ -166,12 +166,16 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
     "convert": [
         Option(("--hf-path",), "Hugging Face model to convert: a hub id or a local directory."),
         Option(("--gguf",), "GGUF file to convert (llama-family architectures)."),
+        Option(("--nanochat",), "nanochat checkpoint directory to convert: model_<step>.pt, meta_<step>.json "
+               "and tokenizer.pkl (reading .pt needs the `nanochat` extra, PyTorch)."),
+        Option(("--step",), "With --nanochat: the checkpoint step to convert (default: the latest).", kind="int"),
         Option(("--output-dir",), "Directory to write the MLX model into (must not exist)."),
         Option(("--quantize", "-q"), "Quantize the weights.", kind="flag", default=False),
         Option(("--bits",), "Bits per weight when quantizing.", kind="choice", default="4",
                choices=("2", "3", "4", "6", "8")),
         Option(("--group-size",), "Quantization group size.", kind="int", default=64),
-        Option(("--dtype",), "Dtype of the unquantized weights (default: the source's, bfloat16 for GGUF).",
+        Option(("--dtype",), "Dtype of the unquantized weights (default: the source's; bfloat16 for GGUF; "
+               "for nanochat the widest type stored, float32 for its training checkpoints).",
                kind="choice", choices=("float16", "bfloat16", "float32")),
         Option(("--trust-remote-code",), "Allow custom code from the hub repository.", kind="flag",
                default=False),

@@ -1,4 +1,5 @@
-"""`mlx-grpo convert`: Hugging Face (through mlx_lm.convert) or GGUF checkpoints to MLX model directories."""
+"""`mlx-grpo convert`: Hugging Face (through mlx_lm.convert), GGUF or nanochat checkpoints to MLX model
+directories."""
 
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, gro
 
 def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir: str | None = None,
                 quantize: bool = False, bits: int = 4, group_size: int = 64, dtype: str | None = None,
-                trust_remote_code: bool = False) -> Path:
+                trust_remote_code: bool = False, nanochat: str | None = None, step: int | None = None) -> Path:
     """Validate the flags, convert, and record the options in the output directory."""
-    if (hf_path is None) == (gguf is None):
-        raise UserError("give exactly one of --hf-path or --gguf")
+    if sum(source is not None for source in (hf_path, gguf, nanochat)) != 1:
+        raise UserError("give exactly one of --hf-path, --gguf or --nanochat")
+    if step is not None and nanochat is None:
+        raise UserError("--step applies to --nanochat only")
     if not output_dir:
         raise UserError("--output-dir is required")
     if group_size < 1:
@@ -46,9 +49,14 @@ def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir:
     out = Path(output_dir)
     if out.exists():
         raise UserError(f"output directory {out} already exists; choose another --output-dir or delete it")
-    if gguf is not None:
-        if trust_remote_code:
-            raise UserError("--trust-remote-code applies to --hf-path only: a GGUF file carries no code")
+    if trust_remote_code and hf_path is None:
+        raise UserError("--trust-remote-code applies to --hf-path only: GGUF and nanochat files carry no code")
+    if nanochat is not None:
+        from mlx_grpo.models.nanochat import convert_nanochat
+
+        _, step = convert_nanochat(nanochat, out, step=step, dtype=dtype, quantize=quantize, q_bits=bits,
+                                   q_group_size=group_size)
+    elif gguf is not None:
         from mlx_grpo.models.gguf import convert_gguf
 
         convert_gguf(gguf, out, dtype=dtype or "bfloat16", quantize=quantize, q_bits=bits,
@@ -56,7 +64,7 @@ def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir:
     else:
         convert_hf(hf_path, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
                    trust_remote_code=trust_remote_code)
-    options = {"hf_path": hf_path, "gguf": gguf, "quantize": quantize, "bits": bits,
-               "group_size": group_size, "dtype": dtype, "trust_remote_code": trust_remote_code}
+    options = {"hf_path": hf_path, "gguf": gguf, "nanochat": nanochat, "step": step, "quantize": quantize,
+               "bits": bits, "group_size": group_size, "dtype": dtype, "trust_remote_code": trust_remote_code}
     (out / "mlx_grpo_convert.json").write_text(json.dumps(options, indent=2) + "\n")
     return out

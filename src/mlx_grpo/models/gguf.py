@@ -8,10 +8,7 @@ and writing the directory atomically. The tokenizer files come from `gguf_tokeni
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +16,7 @@ import numpy as np
 
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.gguf_tokenizer import build_tokenizer, write_tokenizer_files
+from mlx_grpo.models.writing import check_quantization, exists_error, save_mlx_model, staged_output
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _GGUF_GROUP_SIZE = 32  # Q4_0/Q4_1/Q8_0 blocks hold 32 weights; MLX keeps that as its group size
@@ -56,45 +54,21 @@ def convert_gguf(
     gguf_path, output_dir = Path(gguf_path), Path(output_dir)
     if dtype not in _DTYPES:
         raise UserError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
-    if quantize and (q_bits not in (2, 3, 4, 5, 6, 8) or q_group_size not in (32, 64, 128)):
-        raise UserError(f"unsupported quantization: bits {q_bits} (2-6 or 8), group size {q_group_size} (32, 64, 128)")
+    check_quantization(quantize, q_bits, q_group_size)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file not found: {gguf_path}")
     if output_dir.exists():
-        raise _exists_error(output_dir)
+        raise exists_error(output_dir)
 
     tensors, metadata = _read_gguf(gguf_path)
     config = build_config(metadata, tensors, gguf_path, dtype)
     tokenizer = build_tokenizer(metadata)  # before the slow part, so an unsupported vocab fails fast
     weights = convert_weights(tensors, config, _DTYPES[dtype])
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=".tmp-"))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the result is an ordinary model directory
+    with staged_output(output_dir) as tmp:
         _save_model(tmp, weights, config, quantize, q_bits, q_group_size)
         write_tokenizer_files(tokenizer, metadata, tmp, config)
-        _publish(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output_dir
-
-
-def _publish(tmp: Path, output_dir: Path) -> None:
-    """Rename the finished directory into place; losing a race to another writer is a UserError."""
-    if output_dir.exists():  # rename would silently replace an empty directory
-        raise _exists_error(output_dir)
-    try:
-        os.rename(tmp, output_dir)
-    except OSError as e:
-        if output_dir.exists():
-            raise _exists_error(output_dir) from e
-        raise
-
-
-def _exists_error(output_dir: Path) -> UserError:
-    return UserError(f"output directory already exists: {output_dir} (delete it or pick another)")
 
 
 def _read_gguf(path: Path) -> tuple[dict, dict]:
@@ -299,16 +273,7 @@ def unpermute_qk(w: mx.array, n_heads: int) -> mx.array:
 def _save_model(
     out: Path, weights: dict, config: dict, quantize: bool, q_bits: int, q_group_size: int
 ) -> None:
-    """Build the mlx_lm llama model (strict weight check), optionally quantize, save weights + config."""
     from mlx_lm.models.llama import Model, ModelArgs
-    from mlx_lm.utils import quantize_model, save_config, save_model
 
-    model = Model(ModelArgs.from_dict(config))
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise UserError(f"GGUF tensors do not match a llama model of this config: {e}") from e
-    if quantize:
-        model, config = quantize_model(model, config, q_group_size, q_bits)
-    save_model(out, model)
-    save_config(dict(config), out / "config.json")
+    save_mlx_model(out, Model(ModelArgs.from_dict(config)), weights, config, source="GGUF",
+                   quantize=quantize, bits=q_bits, group_size=q_group_size)
