@@ -70,3 +70,24 @@ def test_grpo_bench_bad_input_is_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "did you mean 'micro_batch_tokens'" in proc.stderr
+
+
+def test_nanochat_bench_runs_a_preset_on_a_tiny_random_nanochat(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "nanochat.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nanochat_bench.py"), "--size", "tiny",
+                           "--config", str(ROOT / "configs" / "nanochat_grpo.toml"), "--data", str(data),
+                           "--updates", "2", "--set", "batch_size=1", "--set", "num_generations=2",
+                           "--set", "max_new_tokens=4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert [r["update_step"] for r in record["rows"]] == [1, 2]
+    assert all(0 < r["completion_length_mean"] <= 4 and r["peak_memory_gb"] > 0 for r in record["rows"])
+    assert "| 2 |" in proc.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "nanochat_bench.py"), "--size", "tiny",
+                          "--config", str(ROOT / "configs" / "nanochat_grpo.toml"), "--data", str(data),
+                          "--set", "learning_rat=1"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "learning_rate" in bad.stderr and "Traceback" not in bad.stderr
