@@ -4,7 +4,6 @@ fresh CLI process (only where OpenBLAS is installed) that it is loaded and matmu
 from __future__ import annotations
 
 import ctypes.util
-import json
 import os
 import re
 import subprocess

@@ -45,7 +45,7 @@ def test_gguf_flag_converts_and_quantizes(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--gguf", "x.gguf"], "exactly one of --hf-path or --gguf"),
+    (["--gguf", "x.gguf"], "exactly one of --hf-path, --gguf or --nanochat"),
     ([], "already exists"),
 ])
 def test_bad_flag_combinations(tiny_model_dir, tmp_path, capsys, extra, message):

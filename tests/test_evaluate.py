@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from mlx_grpo import evaluate
 from mlx_grpo.cli import main

@@ -2,7 +2,6 @@
 checkpoints that load, and a run where a simple reward measurably rises."""
 
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -219,3 +218,11 @@ def test_quantized_rollouts_run(tiny_model_dir, tmp_path):
                                      "max_train_samples=4", "micro_batch_size=3"))
     rows = metrics(run)
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_grad_checkpoint_without_effect_is_reported(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    trainer_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
+    assert "grad_checkpoint has no effect" not in capsys.readouterr().out  # llama layers are recomputed
+    monkeypatch.setattr(trainer_mod, "supports_layer_checkpointing", lambda model: False)
+    trainer_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
+    assert "grad_checkpoint has no effect for model type 'llama'" in capsys.readouterr().out

@@ -25,7 +25,7 @@ from mlx_grpo.evaluate import evaluate_model
 from mlx_grpo.logs import RunLogger, update_record
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import group_advantages
+from mlx_grpo.loss import group_advantages, supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
 from mlx_grpo.policy import Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, make_grad_fn
 from mlx_grpo.rewards import RewardSet
@@ -202,6 +202,10 @@ def build_trainer(cfg: Config) -> Trainer:
     if any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters())):
         raise UserError(f"model {cfg.model_name!r} is quantized; full fine-tuning needs float weights: "
                         "convert it without --quantize")
+    if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
+        print(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
+              f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it",
+              flush=True)
     reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 else None
     policies = Policies(cfg, model, reference)
     evals = None
