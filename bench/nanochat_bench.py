@@ -10,6 +10,7 @@ an upper bound for a trained model at the same settings.
 
     python bench/nanochat_bench.py --size d20 --config configs/nanochat_grpo.toml --data train.jsonl
     python bench/nanochat_bench.py --size d32 --config configs/nanochat_d32.toml --data train.jsonl
+    python bench/nanochat_bench.py --size d20 --rollout-precision    # float32 / bf16, plain / 4-bit
 """
 
 from __future__ import annotations
@@ -91,15 +92,64 @@ def random_nanochat(out: Path, size: str, seed: int = 0) -> Path:
     return out
 
 
+def rollout_precision(model_dir: Path, rows: int = 128, tokens: int = 64) -> list[dict]:
+    """ms per decode step and memory of one rollout from float32 / bf16 weights, plain and 4-bit."""
+    import mlx.nn as nn
+
+    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
+
+    results = []
+    for dtype, bits in [("float32", None), ("float32", 4), ("bfloat16", None), ("bfloat16", 4)]:
+        model, tokenizer = load_model(str(model_dir), dtype)
+        if bits:
+            nn.quantize(model, group_size=64, bits=bits)
+        mx.eval(model.parameters())
+        prompts = [encode_chat_prompt(tokenizer, f"Question {i}: what is {i}+{i}? " * 8, "", "", 512)[0]
+                   for i in range(rows // 16)]
+        warm = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
+        generate_rollout(model, tokenizer, prompts[:2], 2, warm, mx.random.key(0))  # compile, warm up
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        weights = mx.get_active_memory()
+        started = time.perf_counter()
+        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, ignore_eos=True)
+        generate_rollout(model, tokenizer, prompts, 16, params, mx.random.key(1))
+        mx.synchronize()
+        elapsed = time.perf_counter() - started
+        results.append({"dtype": dtype, "bits": bits, "rows": rows, "tokens": tokens,
+                        "ms_per_step": 1000 * elapsed / tokens, "weights_gb": weights / 1e9,
+                        "rollout_extra_gb": (mx.get_peak_memory() - weights) / 1e9})
+        print(f"{dtype} {'4-bit' if bits else 'plain'}: {results[-1]['ms_per_step']:.1f} ms/step at {rows} rows, "
+              f"+{results[-1]['rollout_extra_gb']:.2f} GB over {weights / 1e9:.2f} GB of weights", flush=True)
+        del model
+        mx.clear_cache()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="d20")
-    parser.add_argument("--config", required=True, help="the preset to run (configs/nanochat_*.toml)")
-    parser.add_argument("--data", required=True, help="GSM8K-form JSONL (train split)")
+    parser.add_argument("--config", help="the preset to run (configs/nanochat_*.toml)")
+    parser.add_argument("--data", help="GSM8K-form JSONL (train split)")
+    parser.add_argument("--rollout-precision", action="store_true",
+                        help="instead of training: time rollouts from float32/bf16 weights, plain and 4-bit")
+    parser.add_argument("--rows", type=int, default=128, help="rows of the --rollout-precision rollouts (x16)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens decoded in --rollout-precision")
     parser.add_argument("--updates", type=int, default=3, help="optimizer updates to run (the first warms up)")
     parser.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args(argv)
+    if args.rollout_precision:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = rollout_precision(random_nanochat(Path(tmp) / "model", args.size), args.rows, args.tokens)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"size": args.size, "rollout_precision": results}, indent=2) + "\n")
+        return 0
+    if not (args.config and args.data):
+        parser.error("--config and --data are required (unless --rollout-precision)")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()

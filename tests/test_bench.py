@@ -91,3 +91,15 @@ def test_nanochat_bench_runs_a_preset_on_a_tiny_random_nanochat(tmp_path):
                           "--config", str(ROOT / "configs" / "nanochat_grpo.toml"), "--data", str(data),
                           "--set", "learning_rat=1"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "learning_rate" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_nanochat_bench_rollout_precision_section(tmp_path):
+    out = tmp_path / "precision.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nanochat_bench.py"), "--size", "tiny",
+                           "--rollout-precision", "--rows", "16", "--tokens", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["rollout_precision"]
+    assert [(r["dtype"], r["bits"]) for r in results] == [("float32", None), ("float32", 4), ("bfloat16", None),
+                                                          ("bfloat16", 4)]
+    assert all(r["ms_per_step"] > 0 and r["rows"] == 16 for r in results)

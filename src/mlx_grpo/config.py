@@ -110,7 +110,8 @@ class Config:
     update_every: int = _f(1, "Refresh the sampling (old) policy from the trained model every N updates.",
                            TRAIN)
     quantize_for_rollouts: bool = _f(False, "Sample from a 4-bit (group 64) copy of the old policy, "
-                                     "re-quantized at each refresh.", TRAIN)
+                                     "re-quantized at each refresh. Measured 20x slower than float weights "
+                                     "on MLX 0.32's CUDA backend (BENCHMARKS.md).", TRAIN)
     use_compile: bool = _f(False, "Compile the loss/gradient step with mx.compile.", TRAIN)
     grad_checkpoint: bool = _f(False, "Recompute each transformer layer in the backward pass instead of "
                                "keeping its activations: training memory drops to about the layers' inputs, "

@@ -139,6 +139,10 @@ class Trainer:
         if finite:
             self.optimizer.update(self.model, grads)
             mx.eval(self.model.parameters(), self.optimizer.state)
+            # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients) back
+            # to the device: kept in MLX's cache beside AdamW's state they starved a 1.9B model's next
+            # rollout on an H100 (BENCHMARKS.md, nanochat section).
+            mx.clear_cache()
             self.counters.consecutive_skips = 0
         else:
             self.counters.skipped_updates += 1
