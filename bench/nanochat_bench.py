@@ -107,14 +107,13 @@ def rollout_precision(model_dir: Path, rows: int = 128, tokens: int = 64) -> lis
         mx.eval(model.parameters())
         prompts = [encode_chat_prompt(tokenizer, f"Question {i}: what is {i}+{i}? " * 8, "", "", 512)[0]
                    for i in range(rows // 16)]
-        warm = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
-        generate_rollout(model, tokenizer, prompts[:2], 2, warm, mx.random.key(0))  # compile, warm up
+        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, ignore_eos=True)
+        generate_rollout(model, tokenizer, prompts, 16, params, mx.random.key(0))  # same shapes: compile, warm up
         mx.synchronize()
         mx.clear_cache()
         mx.reset_peak_memory()
         weights = mx.get_active_memory()
         started = time.perf_counter()
-        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, ignore_eos=True)
         generate_rollout(model, tokenizer, prompts, 16, params, mx.random.key(1))
         mx.synchronize()
         elapsed = time.perf_counter() - started
@@ -142,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args(argv)
     if args.rollout_precision:
+        if args.rows < 16 or args.rows % 16:
+            parser.error("--rows must be a positive multiple of 16 (prompts x 16 samples)")
         with tempfile.TemporaryDirectory() as tmp:
             results = rollout_precision(random_nanochat(Path(tmp) / "model", args.size), args.rows, args.tokens)
         if args.out:

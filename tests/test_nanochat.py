@@ -28,7 +28,7 @@ from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollou
 from nanochat_fixture import CONFIG, make_encoding, random_state_dict, write_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
-VOCAB_ROWS = 448  # the tokenizer's ids end below this: nanochat pads its embedding rows too
+VOCAB_ROWS = 448  # embedding rows past the vocabulary are padding: the converter crops them, as nanochat its logits
 
 
 @pytest.fixture(scope="module")
@@ -118,22 +118,23 @@ def test_logits_equal_nanochat_reference(converted, state, config, encoding):
     ids = [encoding._special_tokens["<|bos|>"]] + encoding.encode_ordinary("The quick brown fox, 12 345!")
     got = np.array(model(mx.array([ids])).astype(mx.float32))
     stored = {**state, "transformer.wte.weight": _bf16(state["transformer.wte.weight"])}
-    want = nanochat_logits(stored, config, ids)
+    V = config["vocab_size"]
+    want = nanochat_logits(stored, config, ids)[..., :V]
     assert np.abs(want).max() > 12  # the softcap's non-linear range is exercised
     # nanochat's own epsilon: the only difference left is mlx-lm's larger one (a 5e-6 relative change in
     # each norm, up to ~5e-4 on these logits); with mlx-lm's, float32 rounding (pre-cap logits reach ~60)
     np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
-    np.testing.assert_allclose(got, nanochat_logits(stored, config, ids, MLX_LM_EPS), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, nanochat_logits(stored, config, ids, MLX_LM_EPS)[..., :V], atol=1e-4, rtol=0)
     # every weight but the bf16 embedding was float32 in the checkpoint: kept exactly
     assert model.transformer.h[0].attn.c_q.weight.dtype == mx.float32
     # nanochat names, so the check is direct: the mlx-lm model holds the latest step's tensors
-    np.testing.assert_array_equal(np.array(model.lm_head.weight), state["lm_head.weight"])
+    np.testing.assert_array_equal(np.array(model.lm_head.weight), state["lm_head.weight"][:V])
 
 
-def test_converted_directory_and_latest_step(converted, encoding):
+def test_converted_directory_and_latest_step(converted, encoding, config):
     cfg = json.loads((converted / "config.json").read_text())
     special = encoding._special_tokens
-    assert cfg["model_type"] == "nanochat" and cfg["vocab_size"] == VOCAB_ROWS
+    assert cfg["model_type"] == "nanochat" and cfg["vocab_size"] == config["vocab_size"] < VOCAB_ROWS
     assert cfg["num_key_value_heads"] == 2 and cfg["intermediate_size"] == 4 * CONFIG["n_embd"]
     assert cfg["eos_token_id"] == [special["<|assistant_end|>"], special["<|bos|>"]]
     options = json.loads((converted / "mlx_grpo_convert.json").read_text())
@@ -146,13 +147,14 @@ def test_step_option_and_quantized_bf16(checkpoint, config, tmp_path):
     out = run_convert(nanochat=str(checkpoint), output_dir=str(tmp_path / "s5"), step=5, dtype="bfloat16")
     model, _ = load(str(out))
     older = random_state_dict(config, VOCAB_ROWS, seed=1)["lm_head.weight"]
-    np.testing.assert_array_equal(np.array(model.lm_head.weight.astype(mx.float32)), _bf16(older))
+    np.testing.assert_array_equal(np.array(model.lm_head.weight.astype(mx.float32)),
+                                  _bf16(older[: config["vocab_size"]]))
     with pytest.raises(UserError, match=r"--step 7; steps present: 5, 10"):
         run_convert(nanochat=str(checkpoint), output_dir=str(tmp_path / "s7"), step=7)
     quantized = run_convert(nanochat=str(checkpoint), output_dir=str(tmp_path / "q"), quantize=True, bits=8,
                             group_size=32)
     assert json.loads((quantized / "config.json").read_text())["quantization"]["bits"] == 8
-    assert load(str(quantized))[0](mx.array([[1, 2, 3]])).shape == (1, 3, VOCAB_ROWS)
+    assert load(str(quantized))[0](mx.array([[1, 2, 3]])).shape == (1, 3, config["vocab_size"])
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -284,7 +286,14 @@ def test_bad_inputs_are_clear_errors(tmp_path, config, state, encoding, checkpoi
     (no_meta / "meta_000002.json").unlink()
     cases.append((no_meta, "has no meta_000002.json"))
     wrong = write_checkpoint(tmp_path / "wrong", state, {**config, "n_layer": 3}, 2, encoding)
-    cases.append((wrong, "missing"))
+    cases.append((wrong, "has 2 layers, meta's model_config says n_layer=3"))
+    odd = write_checkpoint(tmp_path / "odd", state, {**config, "n_head": 64}, 2, encoding)  # head dim 1
+    cases.append((odd, "must be even"))
+    other_tok = write_checkpoint(tmp_path / "othertok", state, config, 2, make_encoding(n_merges=20))
+    cases.append((other_tok, "a tokenizer from another run"))
+    ambiguous = write_checkpoint(tmp_path / "ambiguous", state, config, 2, encoding)
+    (ambiguous / "model_2.pt").write_bytes((ambiguous / "model_000002.pt").read_bytes())
+    cases.append((ambiguous, "are both step 2"))
     corrupt = write_checkpoint(tmp_path / "corrupt", state, config, 2, encoding)
     (corrupt / "model_000002.pt").write_bytes(b"not a zip")
     cases.append((corrupt, "could not read the checkpoint"))
@@ -297,6 +306,27 @@ def test_bad_inputs_are_clear_errors(tmp_path, config, state, encoding, checkpoi
         run_convert(nanochat=str(checkpoint), gguf="x.gguf", output_dir=str(tmp_path / "o"))
     with pytest.raises(UserError, match="--step applies to --nanochat only"):
         run_convert(gguf="x.gguf", step=3, output_dir=str(tmp_path / "o"))
+    import torch
+
+    marker = tmp_path / "pwned-pt"
+
+    class Exploit:  # unpickling it would create the marker: torch's weights_only loader must refuse first
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = write_checkpoint(tmp_path / "evilpt", state, config, 2, encoding)
+    torch.save({"x": Exploit()}, evil / "model_000002.pt")
+    fp8 = write_checkpoint(tmp_path / "fp8", state, config, 2, encoding)
+    torch.save({"lm_head.weight": torch.zeros(2, 2, dtype=torch.float8_e4m3fn)}, fp8 / "model_000002.pt")
+    twice = write_checkpoint(tmp_path / "twice", state, config, 2, encoding)
+    torch.save({"_orig_mod.lm_head.weight": torch.zeros(2), "lm_head.weight": torch.zeros(2)},
+               twice / "model_000002.pt")
+    for directory, message in [(evil, "refusing to load"), (fp8, "float8_e4m3fn; expected float16"),
+                               (twice, "appears twice")]:
+        with pytest.raises(UserError, match=message) as err:
+            run_convert(nanochat=str(directory), output_dir=str(tmp_path / "o2"))
+        assert "weights_only=False" not in str(err.value)
+    assert not marker.exists()
     # no PyTorch: one line saying which extra to install
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(UserError, match=r"needs PyTorch: pip install 'mlx-grpo\[nanochat\]'"):

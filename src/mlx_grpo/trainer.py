@@ -140,8 +140,8 @@ class Trainer:
             self.optimizer.update(self.model, grads)
             mx.eval(self.model.parameters(), self.optimizer.state)
             # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients) back
-            # to the device: kept in MLX's cache beside AdamW's state they starved a 1.9B model's next
-            # rollout on an H100 (BENCHMARKS.md, nanochat section).
+            # to the device rather than keep them cached beside AdamW's state for the next rollout: near
+            # the memory limit (a 1.9B model on an H100) later updates slowed several-fold (BENCHMARKS.md).
             mx.clear_cache()
             self.counters.consecutive_skips = 0
         else:

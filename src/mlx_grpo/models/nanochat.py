@@ -10,6 +10,7 @@ refusing checkpoints of the newer nanochat design that mlx-lm's model does not i
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from pathlib import Path
 
@@ -40,7 +41,11 @@ def find_checkpoint(directory: Path, step: int | None) -> tuple[Path, Path, int]
     for path in directory.iterdir():
         match = _MODEL_FILE.fullmatch(path.name)
         if match:
-            found[int(match.group(1))] = path
+            number = int(match.group(1))
+            if number in found:
+                raise UserError(f"{directory}: {found[number].name} and {path.name} are both step {number}; "
+                                "keep one")
+            found[number] = path
     if not found:
         raise UserError(f"{directory}: no model_<step>.pt file (not a nanochat checkpoint directory)")
     if step is None:
@@ -75,6 +80,9 @@ def read_model_config(meta_path: Path) -> dict:
                         f"{sorted(bad)}")
     if config["n_embd"] % config["n_head"] or config["n_head"] % config["n_kv_head"]:
         raise UserError(f"{meta_path}: n_embd must divide by n_head and n_head by n_kv_head")
+    if (config["n_embd"] // config["n_head"]) % 2:
+        raise UserError(f"{meta_path}: the head dimension n_embd / n_head must be even (rotary embeddings "
+                        "rotate pairs of channels)")
     return config
 
 
@@ -84,6 +92,10 @@ def _unsupported(source: Path, found: list[str], what: str) -> UserError:
         f"{' ...' if len(found) > 6 else ''} belong to a newer nanochat design (value embeddings, smear, "
         "backout, sliding-window attention or per-layer lambdas), which mlx-lm's nanochat model does not "
         "implement; only checkpoints of the original October-2025 design convert")
+
+
+def _TORCH_FLOATS(torch) -> tuple:  # noqa: N802 (a constant that needs the lazily imported module)
+    return (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def read_state_dict(model_path: Path) -> tuple[dict[str, np.ndarray], set[str]]:
@@ -96,17 +108,23 @@ def read_state_dict(model_path: Path) -> tuple[dict[str, np.ndarray], set[str]]:
     try:
         # weights_only: torch's restricted unpickler, so a hostile .pt cannot run code
         state = torch.load(model_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for bad files
+    except pickle.UnpicklingError:  # torch's own text suggests weights_only=False: not for us to offer
+        raise UserError(f"{model_path}: refusing to load: the checkpoint asks for objects other than "
+                        "tensors (a nanochat model file holds only a state dict; the file may be malicious)") from None
+    except Exception as e:  # truncated or foreign files raise RuntimeError, OSError, ...
         raise UserError(f"{model_path}: could not read the checkpoint ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"{model_path}: expected a state dict of tensors (what nanochat's save_checkpoint "
                         "writes)")
     out = {}
-    for name, tensor in state.items():
-        name = name.removeprefix(_COMPILED_PREFIX)
-        if not tensor.is_floating_point():
-            raise UserError(f"{model_path}: tensor {name} is {tensor.dtype}, expected floating point")
+    for key, tensor in state.items():
+        name = key.removeprefix(_COMPILED_PREFIX)
+        if name in out:
+            raise UserError(f"{model_path}: tensor {name} appears twice (with and without {_COMPILED_PREFIX})")
+        if tensor.dtype not in _TORCH_FLOATS(torch):
+            raise UserError(f"{model_path}: tensor {name} is {tensor.dtype}; expected float16, bfloat16, "
+                            "float32 or float64")
         # numpy has no bfloat16: widen it (exactly) to float32; float16/32 stay as they are
         out[name] = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
     return out, {str(t.dtype).removeprefix("torch.") for t in state.values()}
@@ -130,7 +148,8 @@ def expected_shapes(config: dict, vocab_rows: int, hidden: int) -> dict[str, tup
 
 
 def check_tensors(tensors: dict[str, np.ndarray], config: dict, model_path: Path) -> dict:
-    """Refuse the newer design and anything else unexpected; return the mlx-lm config."""
+    """Refuse the newer design and anything else unexpected; crop padded vocabulary rows (in place);
+    return the mlx-lm config."""
     newer = sorted(k for k in tensors if any(m in k for m in _NEWER_DESIGN_MARKERS))
     if newer:
         raise _unsupported(model_path, newer, "tensors")
@@ -138,7 +157,10 @@ def check_tensors(tensors: dict[str, np.ndarray], config: dict, model_path: Path
     if wte is None or fc is None:
         raise UserError(f"{model_path}: no transformer.wte / transformer.h.0.mlp.c_fc weights "
                         "(not a nanochat GPT state dict)")
-    # the embedding may be padded past the tokenizer's vocabulary; its rows are the model's vocab
+    layers = {int(m.group(1)) for k in tensors if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
+    if layers != set(range(config["n_layer"])):  # before building n_layer expectations from the meta file
+        raise UserError(f"{model_path}: the checkpoint has {len(layers)} layers, meta's model_config says "
+                        f"n_layer={config['n_layer']}")
     expected = expected_shapes(config, wte.shape[0], fc.shape[0])
     extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if extra or missing:
@@ -151,13 +173,16 @@ def check_tensors(tensors: dict[str, np.ndarray], config: dict, model_path: Path
     if wte.shape[0] < config["vocab_size"]:
         raise UserError(f"{model_path}: the embedding has {wte.shape[0]} rows for a vocab_size of "
                         f"{config['vocab_size']}")
+    # rows past vocab_size are padding that nanochat crops from its logits: drop them here
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][: config["vocab_size"]]
     return {
         "model_type": "nanochat",
         "hidden_size": config["n_embd"],
         "num_hidden_layers": config["n_layer"],
         "num_attention_heads": config["n_head"],
         "num_key_value_heads": config["n_kv_head"],
-        "vocab_size": int(wte.shape[0]),
+        "vocab_size": config["vocab_size"],
         "max_position_embeddings": config["sequence_len"],
         "intermediate_size": int(fc.shape[0]),
         "rope_theta": ROPE_THETA,
@@ -197,10 +222,11 @@ def convert_nanochat(directory: str | Path, output_dir: str | Path, *, step: int
 
     tensors, source_dtypes = read_state_dict(model_path)
     config = check_tensors(tensors, nano_config, model_path)
+    tokens = len(tokenizer.mergeable_ranks) + len(tokenizer.special_tokens)
     top_id = max([*tokenizer.mergeable_ranks.values(), *tokenizer.special_tokens.values()])
-    if top_id >= config["vocab_size"]:
-        raise UserError(f"{tokenizer_path}: token id {top_id} is outside the model's {config['vocab_size']}-row "
-                        "embedding (a tokenizer from another run?)")
+    if tokens != config["vocab_size"] or top_id != tokens - 1:  # nanochat: vocab_size = tokenizer size
+        raise UserError(f"{tokenizer_path}: {tokens} tokens (ids up to {top_id}) for a model vocab_size of "
+                        f"{config['vocab_size']}: a tokenizer from another run?")
     dtype = dtype or _default_dtype(source_dtypes)
     weights = {k: mx.array(v).astype(_DTYPES[dtype]) for k, v in tensors.items()}
     del tensors
