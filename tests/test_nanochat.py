@@ -138,7 +138,7 @@ def test_converted_directory_and_latest_step(converted, encoding, config):
     assert cfg["num_key_value_heads"] == 2 and cfg["intermediate_size"] == 4 * CONFIG["n_embd"]
     assert cfg["eos_token_id"] == [special["<|assistant_end|>"], special["<|bos|>"]]
     options = json.loads((converted / "mlx_grpo_convert.json").read_text())
-    assert options["step"] == 10 and options["nanochat"]
+    assert options["step"] == 10 and options["nanochat"] and options["dtype"] == "float32"  # as used
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"):
         assert (converted / name).is_file(), name
 

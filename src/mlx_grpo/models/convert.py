@@ -3,17 +3,17 @@ directories."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from mlx_grpo.errors import UserError
+from mlx_grpo.models.writing import write_record
 
 
 def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, group_size: int,
-               dtype: str | None, trust_remote_code: bool) -> None:
+               dtype: str | None, trust_remote_code: bool, record: dict) -> None:
     """Convert with mlx-lm into a temporary sibling directory, then rename (never a half model)."""
     from mlx_lm.convert import convert
 
@@ -25,6 +25,7 @@ def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, gro
         convert(hf_path, str(work), quantize=quantize, q_bits=bits if quantize else None,
                 q_group_size=group_size if quantize else None, dtype=dtype,
                 trust_remote_code=trust_remote_code)
+        write_record(work, record)
         os.rename(work, output_dir)
     except UserError:
         raise
@@ -51,20 +52,20 @@ def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir:
         raise UserError(f"output directory {out} already exists; choose another --output-dir or delete it")
     if trust_remote_code and hf_path is None:
         raise UserError("--trust-remote-code applies to --hf-path only: GGUF and nanochat files carry no code")
+    # written into the staging directory by each converter, so it is published with the model
+    record = {"hf_path": hf_path, "gguf": gguf, "nanochat": nanochat, "step": step, "quantize": quantize,
+              "bits": bits, "group_size": group_size, "dtype": dtype, "trust_remote_code": trust_remote_code}
     if nanochat is not None:
         from mlx_grpo.models.nanochat import convert_nanochat
 
-        _, step = convert_nanochat(nanochat, out, step=step, dtype=dtype, quantize=quantize, q_bits=bits,
-                                   q_group_size=group_size)
+        convert_nanochat(nanochat, out, step=step, dtype=dtype, quantize=quantize, q_bits=bits,
+                         q_group_size=group_size, record=record)
     elif gguf is not None:
         from mlx_grpo.models.gguf import convert_gguf
 
         convert_gguf(gguf, out, dtype=dtype or "bfloat16", quantize=quantize, q_bits=bits,
-                     q_group_size=group_size)
+                     q_group_size=group_size, record={**record, "dtype": dtype or "bfloat16"})
     else:
         convert_hf(hf_path, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
-                   trust_remote_code=trust_remote_code)
-    options = {"hf_path": hf_path, "gguf": gguf, "nanochat": nanochat, "step": step, "quantize": quantize,
-               "bits": bits, "group_size": group_size, "dtype": dtype, "trust_remote_code": trust_remote_code}
-    (out / "mlx_grpo_convert.json").write_text(json.dumps(options, indent=2) + "\n")
+                   trust_remote_code=trust_remote_code, record=record)
     return out

@@ -16,7 +16,7 @@ import numpy as np
 
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.gguf_tokenizer import build_tokenizer, write_tokenizer_files
-from mlx_grpo.models.writing import check_quantization, exists_error, save_mlx_model, staged_output
+from mlx_grpo.models.writing import check_quantization, exists_error, save_mlx_model, staged_output, write_record
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _GGUF_GROUP_SIZE = 32  # Q4_0/Q4_1/Q8_0 blocks hold 32 weights; MLX keeps that as its group size
@@ -49,8 +49,10 @@ def convert_gguf(
     quantize: bool = False,
     q_bits: int = 4,
     q_group_size: int = 64,
+    record: dict | None = None,
 ) -> Path:
-    """Convert a llama-family GGUF file into an mlx_lm model directory and return its path."""
+    """Convert a llama-family GGUF file into an mlx_lm model directory and return its path;
+    `record` (the convert options) is written into it as mlx_grpo_convert.json."""
     gguf_path, output_dir = Path(gguf_path), Path(output_dir)
     if dtype not in _DTYPES:
         raise UserError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
@@ -68,6 +70,8 @@ def convert_gguf(
     with staged_output(output_dir) as tmp:
         _save_model(tmp, weights, config, quantize, q_bits, q_group_size)
         write_tokenizer_files(tokenizer, metadata, tmp, config)
+        if record is not None:
+            write_record(tmp, record)
     return output_dir
 
 

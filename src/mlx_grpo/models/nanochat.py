@@ -19,7 +19,7 @@ import numpy as np
 
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.nanochat_tokenizer import BOS, eos_token_ids, read_tiktoken_pickle, write_hf_tokenizer
-from mlx_grpo.models.writing import check_quantization, exists_error, save_mlx_model, staged_output
+from mlx_grpo.models.writing import check_quantization, exists_error, save_mlx_model, staged_output, write_record
 
 TORCH_HINT = "pip install 'mlx-grpo[nanochat]' (or: pip install torch)"
 _MODEL_FILE = re.compile(r"model_(\d+)\.pt")
@@ -200,8 +200,9 @@ def _default_dtype(source_dtypes: set[str]) -> str:
 
 def convert_nanochat(directory: str | Path, output_dir: str | Path, *, step: int | None = None,
                      dtype: str | None = None, quantize: bool = False, q_bits: int = 4,
-                     q_group_size: int = 64) -> tuple[Path, int]:
-    """Convert a nanochat checkpoint directory into an mlx-lm model directory; -> (path, step)."""
+                     q_group_size: int = 64, record: dict | None = None) -> tuple[Path, int]:
+    """Convert a nanochat checkpoint directory into an mlx-lm model directory; -> (path, step).
+    `record` (the convert options) is written into it, with the step and dtype actually used."""
     from mlx_lm.models.nanochat import Model, ModelArgs
 
     directory, output_dir = Path(directory), Path(output_dir)
@@ -236,4 +237,6 @@ def convert_nanochat(directory: str | Path, output_dir: str | Path, *, step: int
         save_mlx_model(tmp, Model(ModelArgs.from_dict(config)), weights, config, source=str(model_path),
                        quantize=quantize, bits=q_bits, group_size=q_group_size)
         write_hf_tokenizer(tokenizer, tmp)
+        if record is not None:
+            write_record(tmp, {**record, "step": step, "dtype": dtype})
     return output_dir, step

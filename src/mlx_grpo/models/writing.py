@@ -6,6 +6,7 @@ where `--output-dir` points, and both check weights against the mlx-lm model cla
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -18,7 +19,12 @@ import mlx.nn as nn
 from mlx_grpo.errors import UserError
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
+RECORD_FILE = "mlx_grpo_convert.json"  # the options a directory was converted with
 QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+def write_record(directory: Path, options: dict) -> None:
+    (directory / RECORD_FILE).write_text(json.dumps(options, indent=2) + "\n")
 
 
 def exists_error(output_dir: Path) -> UserError:
