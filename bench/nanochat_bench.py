@@ -28,9 +28,8 @@ import numpy as np
 
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.nanochat import check_tensors
-from mlx_grpo.models.nanochat_tokenizer import SPECIAL_TOKENS, TiktokenState, write_hf_tokenizer
-from mlx_grpo.models.writing import save_mlx_model
+from mlx_grpo.models.nanochat import write_nanochat_model
+from mlx_grpo.models.nanochat_tokenizer import SPECIAL_TOKENS, TiktokenState
 from mlx_grpo.trainer import train
 
 # nanochat's GPTConfig for its speedrun (d20) and largest released (d32) models
@@ -64,8 +63,6 @@ def synthetic_tokenizer(vocab_size: int, seed: int) -> TiktokenState:
 
 def random_nanochat(out: Path, size: str, seed: int = 0) -> Path:
     """A random-weight nanochat model directory as `mlx-grpo convert --nanochat` would write it."""
-    from mlx_lm.models.nanochat import Model, ModelArgs
-
     config = SIZES[size]
     d, layers = config["n_embd"], config["n_layer"]
     rng = np.random.default_rng(seed)
@@ -80,16 +77,8 @@ def random_nanochat(out: Path, size: str, seed: int = 0) -> Path:
         tensors.update({f"{p}.attn.c_q.weight": linear(d, d), f"{p}.attn.c_k.weight": linear(d, d),
                         f"{p}.attn.c_v.weight": linear(d, d), f"{p}.attn.c_proj.weight": linear(d, d),
                         f"{p}.mlp.c_fc.weight": linear(4 * d, d), f"{p}.mlp.c_proj.weight": linear(d, 4 * d)})
-    mlx_config = check_tensors(tensors, config, out)
-    tokenizer = synthetic_tokenizer(config["vocab_size"], seed)
-    mlx_config.update(eos_token_id=[tokenizer.special_tokens["<|assistant_end|>"],
-                                    tokenizer.special_tokens["<|bos|>"]])
-    out.mkdir(parents=True)
-    weights = {k: mx.array(v) for k, v in tensors.items()}
-    save_mlx_model(out, Model(ModelArgs.from_dict(mlx_config)), weights, mlx_config, source=size,
-                   quantize=False, bits=4, group_size=64)
-    write_hf_tokenizer(tokenizer, out)
-    return out
+    return write_nanochat_model(out, tensors, config, synthetic_tokenizer(config["vocab_size"], seed),
+                                source=f"random {size}", tokenizer_source="synthetic tokenizer", dtype="float32")
 
 
 def rollout_precision(model_dir: Path, rows: int = 128, tokens: int = 64) -> list[dict]:

@@ -16,9 +16,15 @@ import numpy as np
 
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.gguf_tokenizer import build_tokenizer, write_tokenizer_files
-from mlx_grpo.models.writing import check_quantization, exists_error, save_mlx_model, staged_output, write_record
+from mlx_grpo.models.writing import (
+    check_quantization,
+    exists_error,
+    mlx_dtype,
+    save_mlx_model,
+    staged_output,
+    write_record,
+)
 
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _GGUF_GROUP_SIZE = 32  # Q4_0/Q4_1/Q8_0 blocks hold 32 weights; MLX keeps that as its group size
 
 _GLOBAL_NAMES = {
@@ -54,8 +60,7 @@ def convert_gguf(
     """Convert a llama-family GGUF file into an mlx_lm model directory and return its path;
     `record` (the convert options) is written into it as mlx_grpo_convert.json."""
     gguf_path, output_dir = Path(gguf_path), Path(output_dir)
-    if dtype not in _DTYPES:
-        raise UserError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+    target = mlx_dtype(dtype)
     check_quantization(quantize, q_bits, q_group_size)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file not found: {gguf_path}")
@@ -65,7 +70,7 @@ def convert_gguf(
     tensors, metadata = _read_gguf(gguf_path)
     config = build_config(metadata, tensors, gguf_path, dtype)
     tokenizer = build_tokenizer(metadata)  # before the slow part, so an unsupported vocab fails fast
-    weights = convert_weights(tensors, config, _DTYPES[dtype])
+    weights = convert_weights(tensors, config, target)
 
     with staged_output(output_dir) as tmp:
         _save_model(tmp, weights, config, quantize, q_bits, q_group_size)

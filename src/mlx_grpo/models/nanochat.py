@@ -18,8 +18,21 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.nanochat_tokenizer import BOS, eos_token_ids, read_tiktoken_pickle, write_hf_tokenizer
-from mlx_grpo.models.writing import check_quantization, exists_error, save_mlx_model, staged_output, write_record
+from mlx_grpo.models.nanochat_tokenizer import (
+    BOS,
+    TiktokenState,
+    eos_token_ids,
+    read_tiktoken_pickle,
+    write_hf_tokenizer,
+)
+from mlx_grpo.models.writing import (
+    check_quantization,
+    exists_error,
+    mlx_dtype,
+    save_mlx_model,
+    staged_output,
+    write_record,
+)
 
 TORCH_HINT = "pip install 'mlx-grpo[nanochat]' (or: pip install torch)"
 _MODEL_FILE = re.compile(r"model_(\d+)\.pt")
@@ -30,7 +43,6 @@ _CONFIG_KEYS = {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", 
 _NEWER_DESIGN_MARKERS = ("value_embeds", "ve_gate", "resid_lambdas", "x0_lambdas", "smear", "backout",
                          "window_pattern")
 ROPE_THETA = 10000.0  # nanochat's _precompute_rotary_embeddings base
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def find_checkpoint(directory: Path, step: int | None) -> tuple[Path, Path, int]:
@@ -94,10 +106,6 @@ def _unsupported(source: Path, found: list[str], what: str) -> UserError:
         "implement; only checkpoints of the original October-2025 design convert")
 
 
-def _TORCH_FLOATS(torch) -> tuple:  # noqa: N802 (a constant that needs the lazily imported module)
-    return (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def read_state_dict(model_path: Path) -> tuple[dict[str, np.ndarray], set[str]]:
     """The checkpoint's tensors as float numpy arrays (`_orig_mod.` prefixes stripped) and the
     float types they were stored in."""
@@ -117,12 +125,13 @@ def read_state_dict(model_path: Path) -> tuple[dict[str, np.ndarray], set[str]]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"{model_path}: expected a state dict of tensors (what nanochat's save_checkpoint "
                         "writes)")
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     out = {}
     for key, tensor in state.items():
         name = key.removeprefix(_COMPILED_PREFIX)
         if name in out:
             raise UserError(f"{model_path}: tensor {name} appears twice (with and without {_COMPILED_PREFIX})")
-        if tensor.dtype not in _TORCH_FLOATS(torch):
+        if tensor.dtype not in floats:
             raise UserError(f"{model_path}: tensor {name} is {tensor.dtype}; expected float16, bfloat16, "
                             "float32 or float64")
         # numpy has no bfloat16: widen it (exactly) to float32; float16/32 stay as they are
@@ -198,16 +207,42 @@ def _default_dtype(source_dtypes: set[str]) -> str:
     return "float32"
 
 
+def write_nanochat_model(output_dir: Path, tensors: dict[str, np.ndarray], nano_config: dict,
+                         tokenizer: TiktokenState, *, source: str, tokenizer_source: str, dtype: str,
+                         quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
+                         record: dict | None = None) -> Path:
+    """Check nanochat tensors (original design) against their model_config and tokenizer, then write
+    the mlx-lm model directory atomically. Used by convert and by the benchmark's random models.
+    `tensors` is emptied as it is converted, so the numpy copies are freed before the save."""
+    from mlx_lm.models.nanochat import Model, ModelArgs
+
+    config = check_tensors(tensors, nano_config, Path(source))
+    tokens = len(tokenizer.mergeable_ranks) + len(tokenizer.special_tokens)
+    top_id = max([*tokenizer.mergeable_ranks.values(), *tokenizer.special_tokens.values()])
+    if tokens != config["vocab_size"] or top_id != tokens - 1:  # nanochat: vocab_size = tokenizer size
+        raise UserError(f"{tokenizer_source}: {tokens} tokens (ids up to {top_id}) for a model vocab_size of "
+                        f"{config['vocab_size']}: a tokenizer from another run?")
+    target = mlx_dtype(dtype)
+    weights = {k: mx.array(tensors.pop(k)).astype(target) for k in list(tensors)}
+    config.update(eos_token_id=eos_token_ids(tokenizer), bos_token_id=tokenizer.special_tokens[BOS],
+                  torch_dtype=dtype)
+    with staged_output(output_dir) as tmp:
+        save_mlx_model(tmp, Model(ModelArgs.from_dict(config)), weights, config, source=source,
+                       quantize=quantize, bits=q_bits, group_size=q_group_size)
+        write_hf_tokenizer(tokenizer, tmp)
+        if record is not None:
+            write_record(tmp, {**record, "dtype": dtype})
+    return output_dir
+
+
 def convert_nanochat(directory: str | Path, output_dir: str | Path, *, step: int | None = None,
                      dtype: str | None = None, quantize: bool = False, q_bits: int = 4,
                      q_group_size: int = 64, record: dict | None = None) -> tuple[Path, int]:
     """Convert a nanochat checkpoint directory into an mlx-lm model directory; -> (path, step).
     `record` (the convert options) is written into it, with the step and dtype actually used."""
-    from mlx_lm.models.nanochat import Model, ModelArgs
-
     directory, output_dir = Path(directory), Path(output_dir)
-    if dtype is not None and dtype not in _DTYPES:
-        raise UserError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+    if dtype is not None:
+        mlx_dtype(dtype)
     check_quantization(quantize, q_bits, q_group_size)
     if output_dir.exists():
         raise exists_error(output_dir)
@@ -219,24 +254,9 @@ def convert_nanochat(directory: str | Path, output_dir: str | Path, *, step: int
                         "(default ~/.cache/nanochat/tokenizer/tokenizer.pkl): copy it beside the checkpoint")
     # the tokenizer first: a refused pickle or a non-nanochat vocabulary fails before the slow part
     tokenizer = read_tiktoken_pickle(tokenizer_path)
-    stops = eos_token_ids(tokenizer)
-
+    eos_token_ids(tokenizer)  # raises if nanochat's special tokens are missing
     tensors, source_dtypes = read_state_dict(model_path)
-    config = check_tensors(tensors, nano_config, model_path)
-    tokens = len(tokenizer.mergeable_ranks) + len(tokenizer.special_tokens)
-    top_id = max([*tokenizer.mergeable_ranks.values(), *tokenizer.special_tokens.values()])
-    if tokens != config["vocab_size"] or top_id != tokens - 1:  # nanochat: vocab_size = tokenizer size
-        raise UserError(f"{tokenizer_path}: {tokens} tokens (ids up to {top_id}) for a model vocab_size of "
-                        f"{config['vocab_size']}: a tokenizer from another run?")
-    dtype = dtype or _default_dtype(source_dtypes)
-    weights = {k: mx.array(v).astype(_DTYPES[dtype]) for k, v in tensors.items()}
-    del tensors
-    config.update(eos_token_id=stops, bos_token_id=tokenizer.special_tokens[BOS], torch_dtype=dtype)
-
-    with staged_output(output_dir) as tmp:
-        save_mlx_model(tmp, Model(ModelArgs.from_dict(config)), weights, config, source=str(model_path),
-                       quantize=quantize, bits=q_bits, group_size=q_group_size)
-        write_hf_tokenizer(tokenizer, tmp)
-        if record is not None:
-            write_record(tmp, {**record, "step": step, "dtype": dtype})
+    write_nanochat_model(output_dir, tensors, nano_config, tokenizer, source=str(model_path),
+                         tokenizer_source=str(tokenizer_path), dtype=dtype or _default_dtype(source_dtypes), quantize=quantize, q_bits=q_bits,
+                         q_group_size=q_group_size, record=None if record is None else {**record, "step": step})
     return output_dir, step

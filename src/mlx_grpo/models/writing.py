@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_grpo.errors import UserError
@@ -21,6 +22,16 @@ from mlx_grpo.errors import UserError
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 RECORD_FILE = "mlx_grpo_convert.json"  # the options a directory was converted with
 QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+# Float types a converted model may be written in
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def mlx_dtype(name: str) -> mx.Dtype:
+    if name not in DTYPES:
+        raise UserError(f"unsupported dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def write_record(directory: Path, options: dict) -> None:
