@@ -45,7 +45,8 @@ from mlx_grpo.data import load_examples
 from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages, pack
 from mlx_grpo.models.loading import load_model
-from mlx_grpo.policy import StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, make_grad_fn
+from mlx_grpo.policy import (StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
+                             make_grad_fn)
 from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
 
 GB = 1024 ** 3
@@ -164,10 +165,11 @@ def step_data(rollout: Rollout, seed: int) -> StepData:
 
 
 def our_train_step(model, optimizer, grad_fn, steps: list[StepData], cfg, pad_id: int) -> None:
-    grads, loss, _, _ = accumulate_gradients(grad_fn, steps, cfg.micro_batch_size, pad_id, cfg.micro_batch_tokens)
+    grads, sums = accumulate_gradients(grad_fn, steps, loss_weights(cfg, steps), cfg.micro_batch_size, pad_id,
+                                       cfg.micro_batch_tokens)
     grads, _ = clip_by_global_norm(grads, cfg.max_grad_norm)
     optimizer.update(model, grads)
-    mx.eval(model.parameters(), optimizer.state, loss)
+    mx.eval(model.parameters(), optimizer.state, sums.loss)
 
 
 # ----------------------------------------------------------------------------- sections

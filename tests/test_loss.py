@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from mlx_grpo.loss import (bucket, completion_logprobs, grpo_loss_sum, grpo_token_terms, group_advantages,
-                           pack, token_logprobs)
+from mlx_grpo.loss import (LOSS_TYPES, Objective, bucket, completion_logprobs, group_advantages, objective_sums,
+                           pack, row_scales, token_logprobs, token_terms)
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -51,37 +51,86 @@ def naive_token_logprobs(logits, tokens, temperature):
     return out
 
 
-def naive_token_terms(logp, old, ref, adv, clip_eps, kl_coeff):
-    """Per-token loss, kl, clipped flag as float64 [N, T] from plain loops."""
+def naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, clip_high=None, delta=0.0,
+                      sequence=False, estimator="k3"):
+    """Per-token loss, kl, ratio, clipped-low and clipped-high flags as float64 [N, T] from plain loops."""
+    hi = clip_eps if clip_high is None else clip_high
     N, T = logp.shape
-    loss, kl, clipped = np.zeros((N, T)), np.zeros((N, T)), np.zeros((N, T))
+    loss, kl, ratio, low, high = (np.zeros((N, T)) for _ in range(5))
     for n in range(N):
         a = float(adv[n])
+        idx = [t for t in range(T) if mask[n, t] > 0]
+        seq = math.exp(sum(float(logp[n, t]) - float(old[n, t]) for t in idx) / max(len(idx), 1))
         for t in range(T):
             lp = float(logp[n, t])
-            rho = math.exp(lp - float(old[n, t]))
-            unclipped_term = rho * a
-            clipped_term = min(max(rho, 1 - clip_eps), 1 + clip_eps) * a
+            rho = seq if sequence else math.exp(lp - float(old[n, t]))
+            unclipped_term = (min(rho, delta) if delta else rho) * a
+            clipped_term = min(max(rho, 1 - clip_eps), 1 + hi) * a
             pg = min(unclipped_term, clipped_term)
             if ref is None:
                 k = 0.0
+            elif estimator == "k1":
+                k = lp - float(ref[n, t])
             else:
                 d = float(ref[n, t]) - lp
                 k = math.exp(d) - d - 1
             loss[n, t] = -(pg - kl_coeff * k)
-            kl[n, t] = k
-            clipped[n, t] = 1.0 if clipped_term < unclipped_term else 0.0
-    return loss, kl, clipped
+            kl[n, t], ratio[n, t] = k, rho
+            low[n, t] = float(rho < 1 - clip_eps and a < 0)
+            high[n, t] = float((rho > 1 + hi and a > 0) or (delta > 0 and rho > delta and a < 0))
+    return loss, kl, ratio, low, high
 
 
-def naive_loss_sum(logp, old, ref, adv, mask, clip_eps, kl_coeff):
-    loss, kl, clipped = naive_token_terms(logp, old, ref, adv, clip_eps, kl_coeff)
-    totals = [0.0, 0.0, 0.0]
+def naive_loss_sum(logp, old, ref, adv, mask, clip_eps, kl_coeff, **variant):
+    """Sum over sequences of each sequence's token-mean loss (the grpo loss times N)."""
+    loss = naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, **variant)[0]
+    total = 0.0
     for n in range(logp.shape[0]):
         idx = [t for t in range(logp.shape[1]) if mask[n, t] > 0]
-        for i, values in enumerate((loss, kl, clipped)):
-            totals[i] += sum(values[n, t] for t in idx) / len(idx)
-    return totals
+        total += sum(loss[n, t] for t in idx) / len(idx)
+    return total
+
+
+def naive_update_loss(steps, loss_type, max_new_tokens, clip_eps, kl_coeff, **variant):
+    """The update's loss from its definition. steps: [(logp, old, ref, adv, mask, keep)] per batch step;
+    rows with keep False are left out (their tokens do not count either)."""
+    per_step = []  # (token losses of kept rows, rows in the step)
+    for logp, old, ref, adv, mask, keep in steps:
+        loss = naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, **variant)[0]
+        rows = [[loss[n, t] for t in range(logp.shape[1]) if mask[n, t] > 0] if keep[n] else []
+                for n in range(logp.shape[0])]
+        per_step.append((rows, logp.shape[0]))
+    n_rows = sum(count for _, count in per_step)
+    if loss_type == "grpo":
+        return sum(sum(r) / len(r) for rows, _ in per_step for r in rows if r) / n_rows
+    if loss_type == "bnpo":
+        means = [sum(map(sum, rows)) / sum(map(len, rows)) for rows, _ in per_step if sum(map(len, rows))]
+        return sum(means) / len(means)
+    if loss_type == "dr_grpo":
+        return sum(sum(r) for rows, _ in per_step for r in rows) / (n_rows * max_new_tokens)
+    assert loss_type == "dapo"
+    return (sum(sum(r) for rows, _ in per_step for r in rows)
+            / sum(len(r) for rows, _ in per_step for r in rows))
+
+
+def naive_advantages_scaled(rewards, group_size, scale):
+    r = [float(x) for x in rewards]
+    mean_all = sum(r) / len(r)
+    std_all = math.sqrt(sum((x - mean_all) ** 2 for x in r) / (len(r) - 1))
+    out = []
+    for start in range(0, len(r), group_size):
+        group = r[start:start + group_size]
+        mean = sum(group) / len(group)
+        if all(x == group[0] for x in group):
+            out.extend([0.0] * len(group))
+        elif scale == "group":
+            std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+            out.extend([(x - mean) / (std + 1e-4) for x in group])
+        elif scale == "batch":
+            out.extend([(x - mean) / (std_all + 1e-4) for x in group])
+        else:
+            out.extend([x - mean for x in group])
+    return np.array(out)
 
 
 def np_(x):
@@ -120,6 +169,16 @@ def test_group_advantages_flat_groups_are_exactly_zero():
     np.testing.assert_allclose(got[8:12], [expected, -expected, -expected, expected], rtol=RTOL)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_scale_modes_match_naive(scale):
+    rng = np.random.default_rng(6)
+    rewards = rng.normal(size=5 * 4).astype(np.float32) * 2.0
+    rewards[4:8] = 1.5  # one flat group: 0 in every mode
+    got = np_(group_advantages(mx.array(rewards), 4, scale))
+    np.testing.assert_allclose(got, naive_advantages_scaled(rewards, 4, scale), rtol=RTOL, atol=ATOL)
+    assert np.all(got[4:8] == 0.0)
+
+
 def test_group_advantages_group_of_two():
     rewards = np.array([1.0, 0.0, 3.0, 3.0, -2.0, 5.0], dtype=np.float32)
     got = np_(group_advantages(mx.array(rewards), 2))
@@ -149,7 +208,7 @@ def _loss_case(seed=3, N=6, T=7):
     advantages of both signs (and one zero), and masks of different lengths incl. a 1-token row."""
     rng = np.random.default_rng(seed)
     old = rng.uniform(-4.0, -0.2, size=(N, T))
-    log_ratio = rng.choice([-0.6, -0.35, -0.05, 0.0, 0.04, 0.3, 0.7], size=(N, T))
+    log_ratio = rng.choice([-0.6, -0.35, -0.05, 0.0, 0.04, 0.21, 0.3, 0.7], size=(N, T))
     log_ratio += rng.uniform(-0.02, 0.02, size=(N, T))  # stay away from the exact clip edges
     logp = old + log_ratio
     ref = logp + rng.normal(scale=0.3, size=(N, T))
@@ -174,63 +233,163 @@ def test_loss_case_covers_both_clip_sides():
     assert np.any(real & (rho > 1 + eps) & (a < 0))  # outside the range but the unclipped term is active
 
 
+VARIANTS = {
+    "grpo": {},
+    "clip_higher": {"clip_high": 0.28},
+    "delta": {"delta": 1.5},
+    "clip_higher_delta": {"clip_high": 0.28, "delta": 1.4},
+    "gspo": {"sequence": True},
+    "gspo_clip_higher": {"sequence": True, "clip_high": 0.25},
+    "k1": {"estimator": "k1"},
+}
+
+
+def objective(clip_eps=0.2, kl_coeff=0.04, clip_high=None, delta=0.0, sequence=False, estimator="k3"):
+    return Objective(clip_low=clip_eps, clip_high=clip_eps if clip_high is None else clip_high, delta=delta,
+                     sequence_level=sequence, kl_coeff=kl_coeff, kl_estimator=estimator)
+
+
+def per_sequence_weights(mask):
+    """Row weights that make objective_sums the sum of per-sequence token means."""
+    return mx.array(1.0 / mask.sum(axis=1))
+
+
+def loss_sums(logp, old, ref, adv, mask, obj):
+    arrays = [None if a is None else mx.array(a) for a in (logp, old, ref, adv, mask)]
+    return objective_sums(*arrays, per_sequence_weights(mask), obj)
+
+
+def test_loss_case_covers_every_clip_region():
+    logp, old, _, adv, mask = _loss_case()
+    rho = np.exp(logp.astype(np.float64) - old)
+    real = mask > 0
+    a = np.broadcast_to(adv[:, None], rho.shape)
+    assert np.any(real & (rho > 1.28) & (a > 0))  # clipped from above even with clip-higher
+    assert np.any(real & (rho > 1.2) & (rho < 1.28) & (a > 0))  # clip-higher changes these
+    assert np.any(real & (rho < 0.8) & (a < 0))
+    assert np.any(real & (rho > 1 - 0.2) & (rho < 1 + 0.2) & (a != 0))
+    assert np.any(real & (rho > 1.5) & (a < 0))  # the delta cap binds
+    assert np.any(real & (rho > 1.2) & (rho < 1.4) & (a < 0))  # outside the clip range, below delta
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("kl_coeff", [0.0, 0.04])
 @pytest.mark.parametrize("with_ref", [True, False])
-def test_grpo_token_terms_match_naive(kl_coeff, with_ref):
-    logp, old, ref, adv, _ = _loss_case()
+def test_token_terms_match_naive(variant, kl_coeff, with_ref):
+    logp, old, ref, adv, mask = _loss_case()
     ref = ref if with_ref else None
-    terms = grpo_token_terms(mx.array(logp), mx.array(old), None if ref is None else mx.array(ref),
-                             mx.array(adv), 0.2, kl_coeff)
-    loss, kl, clipped = naive_token_terms(logp, old, ref, adv, 0.2, kl_coeff)
-    np.testing.assert_allclose(np_(terms.loss), loss, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(np_(terms.kl), kl, rtol=RTOL, atol=ATOL)
-    np.testing.assert_array_equal(np_(terms.clipped), clipped)
+    kw = VARIANTS[variant]
+    terms = token_terms(mx.array(logp), mx.array(old), None if ref is None else mx.array(ref), mx.array(adv),
+                        mx.array(mask), objective(kl_coeff=kl_coeff, **kw))
+    real = mask > 0  # GSPO's ratio is defined from the real tokens; compare there
+    expected = naive_token_terms(logp, old, ref, adv, mask, 0.2, kl_coeff, **kw)
+    for got, want in zip((terms.loss, terms.kl, terms.ratio, terms.clipped_low, terms.clipped_high), expected):
+        np.testing.assert_allclose(np_(got)[real], want[real], rtol=RTOL, atol=ATOL)
     if ref is None:
         assert np.all(np_(terms.kl) == 0.0)
 
 
+def test_variants_change_the_loss():
+    """Each option changes the signal on this case (the naive reference agrees with each, above)."""
+    logp, old, ref, adv, mask = _loss_case()
+    values = {name: naive_loss_sum(logp, old, ref, adv, mask, 0.2, 0.04, **kw) for name, kw in VARIANTS.items()}
+    assert len({round(v, 9) for v in values.values()}) == len(values), values
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("kl_coeff", [0.0, 0.04])
-@pytest.mark.parametrize("with_ref", [True, False])
-@pytest.mark.parametrize("clip_eps", [0.2, 0.28])
-def test_grpo_loss_sum_matches_naive(kl_coeff, with_ref, clip_eps):
+def test_objective_sums_match_naive(variant, kl_coeff):
     logp, old, ref, adv, mask = _loss_case()
-    ref = ref if with_ref else None
-    loss, (kl, clip) = grpo_loss_sum(mx.array(logp), mx.array(old), None if ref is None else mx.array(ref),
-                                     mx.array(adv), mx.array(mask), clip_eps, kl_coeff)
-    e_loss, e_kl, e_clip = naive_loss_sum(logp, old, ref, adv, mask, clip_eps, kl_coeff)
-    assert loss.shape == () and kl.shape == () and clip.shape == ()
-    np.testing.assert_allclose(loss.item(), e_loss, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(kl.item(), e_kl, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(clip.item(), e_clip, rtol=RTOL, atol=ATOL)
-    assert e_clip > 0  # the case does clip some tokens
-    if ref is None:
-        assert kl.item() == 0.0
-    if kl_coeff == 0.0 and with_ref:  # kl is still reported, but does not enter the loss
-        assert e_kl > 0
-        no_ref, _ = grpo_loss_sum(mx.array(logp), mx.array(old), None, mx.array(adv), mx.array(mask),
-                                  clip_eps, 0.0)
-        np.testing.assert_allclose(loss.item(), no_ref.item(), rtol=RTOL, atol=ATOL)
+    kw = VARIANTS[variant]
+    sums = loss_sums(logp, old, ref, adv, mask, objective(kl_coeff=kl_coeff, **kw))
+    np.testing.assert_allclose(sums.loss.item(), naive_loss_sum(logp, old, ref, adv, mask, 0.2, kl_coeff, **kw),
+                               rtol=RTOL, atol=ATOL)
+    _, kl, ratio, low, high = naive_token_terms(logp, old, ref, adv, mask, 0.2, kl_coeff, **kw)
+    real = mask > 0
+    assert sums.tokens.item() == real.sum()
+    for got, want in ((sums.kl, kl), (sums.clipped_low, low), (sums.clipped_high, high), (sums.ratio, ratio)):
+        np.testing.assert_allclose(got.item(), want[real].sum(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(sums.ratio_min.item(), ratio[real].min(), rtol=RTOL)
+    np.testing.assert_allclose(sums.ratio_max.item(), ratio[real].max(), rtol=RTOL)
+    if not kw.get("sequence"):
+        assert low[real].sum() > 0 and high[real].sum() > 0
 
 
-def test_grpo_loss_sum_is_sum_of_per_sequence_means():
-    """Splitting the rows into micro-batches adds up to the whole sum (the batch loss is sum / N)."""
+def test_gspo_clips_whole_sequences():
+    """With GSPO's small clip range every token of a sequence shares one ratio and one clip decision."""
+    logp, old, ref, _, mask = _loss_case()
+    obj = Objective(clip_low=0.03, clip_high=0.04, sequence_level=True, kl_coeff=0.04)
+    real = mask > 0
+    clipped = {"low": 0.0, "high": 0.0}
+    for adv in (np.array([1.3, -0.8, 0.6, -1.7, 0.0, 2.1], np.float32), np.array([-1, 1, -1, 1, 1, -1], np.float32)):
+        terms = token_terms(*(mx.array(a) for a in (logp, old, ref, adv, mask)), obj)
+        _, _, _, low, high = naive_token_terms(logp, old, ref, adv, mask, 0.03, 0.04, clip_high=0.04, sequence=True)
+        np.testing.assert_array_equal(np_(terms.clipped_low)[real], low[real])
+        np.testing.assert_array_equal(np_(terms.clipped_high)[real], high[real])
+        clipped["low"] += low[real].sum()
+        clipped["high"] += high[real].sum()
+        for n in range(len(adv)):  # one ratio per sequence
+            assert np.ptp(np_(terms.ratio)[n][real[n]]) == 0
+    assert clipped["low"] > 0 and clipped["high"] > 0
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("variant", ["grpo", "clip_higher_delta", "gspo"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_update_loss_of_each_loss_type_matches_naive(loss_type, variant, masked):
+    """Two batch steps of different lengths, split into micro-batches: row_scales + objective_sums add up
+    to the loss as each paper defines it; masked rows (truncated) drop out of the sum and the counts."""
+    kw = VARIANTS[variant]
+    steps = []
+    for seed, keep in ((3, [True, False, True, True, False, True]), (5, [True, True, False, True, True, True])):
+        logp, old, ref, adv, mask = _loss_case(seed=seed)
+        steps.append((logp, old, ref, adv, mask, np.array(keep) if masked else np.ones(6, bool)))
+    weights = row_scales([s[4].sum(axis=1) for s in steps], [s[5] for s in steps], loss_type, max_new_tokens=9)
+    obj = objective(**kw)
+    total = 0.0
+    for (logp, old, ref, adv, mask, _), w in zip(steps, weights):
+        for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
+            arrays = [mx.array(a[rows]) for a in (logp, old, ref, adv, mask)]
+            total += objective_sums(*arrays, mx.array(w[rows]), obj).loss.item()
+    expected = naive_update_loss(steps, loss_type, 9, 0.2, 0.04, **kw)
+    np.testing.assert_allclose(total, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_loss_types_differ_and_dapo_is_accumulation_invariant():
+    """dapo and dr_grpo weigh every token alike across the update; bnpo per batch step; grpo per sequence."""
     logp, old, ref, adv, mask = _loss_case()
-    args = lambda rows: (mx.array(logp[rows]), mx.array(old[rows]), mx.array(ref[rows]),  # noqa: E731
-                         mx.array(adv[rows]), mx.array(mask[rows]), 0.2, 0.04)
-    whole, (kl, clip) = grpo_loss_sum(*args(slice(None)))
-    parts = [grpo_loss_sum(*args(rows)) for rows in (slice(0, 2), slice(2, 5), slice(5, 6))]
-    np.testing.assert_allclose(whole.item(), sum(p[0].item() for p in parts), rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(kl.item(), sum(p[1][0].item() for p in parts), rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(clip.item(), sum(p[1][1].item() for p in parts), rtol=RTOL, atol=ATOL)
+    keep = np.ones(6, bool)
+    whole = {t: naive_update_loss([(logp, old, ref, adv, mask, keep)], t, 9, 0.2, 0.04) for t in LOSS_TYPES}
+    assert len({round(v, 9) for v in whole.values()}) == 3
+    np.testing.assert_allclose(whole["bnpo"], whole["dapo"], rtol=1e-12)  # the same within one batch step
+    halves = [tuple(a[rows] for a in (logp, old, ref, adv, mask, keep)) for rows in (slice(0, 3), slice(3, 6))]
+    for loss_type in ("dapo", "dr_grpo", "grpo"):  # one step of 6 rows == two steps of 3 rows
+        split = naive_update_loss(halves, loss_type, 9, 0.2, 0.04)
+        np.testing.assert_allclose(split, whole[loss_type], rtol=1e-12)
+    assert abs(naive_update_loss(halves, "bnpo", 9, 0.2, 0.04) - whole["bnpo"]) > 1e-6  # per step, by definition
+
+
+def test_row_scales_sum_and_zero_for_dropped_rows():
+    lengths = [np.array([3, 5, 2]), np.array([4, 1])]
+    keep = [np.array([True, False, True]), np.array([True, True])]
+    w = row_scales(lengths, keep, "dapo", 8)
+    assert w[0][1] == 0 and sum((x * n).sum() for x, n in zip(w, lengths)) == pytest.approx(1.0)
+    w = row_scales(lengths, keep, "grpo", 8)
+    np.testing.assert_allclose(np.concatenate(w), [1 / 15, 0, 1 / 10, 1 / 20, 1 / 5], rtol=1e-6)
+    w = row_scales(lengths, keep, "dr_grpo", 8)
+    np.testing.assert_allclose(np.concatenate(w), np.array([1, 0, 1, 1, 1]) / 40, rtol=1e-6)
+    w = row_scales(lengths, keep, "bnpo", 8)
+    np.testing.assert_allclose(np.concatenate(w), [1 / 10, 0, 1 / 10, 1 / 10, 1 / 10], rtol=1e-6)
 
 
 def test_first_step_ratio_one_gives_minus_mean_advantage():
-    """old = logp (first iteration): rho = 1, nothing clipped, loss per sequence = -A (+ kl term)."""
+    """old = logp (first iteration): rho = 1, nothing clipped, loss per sequence = -A (+ kl term); GSPO too."""
     logp, _, _, adv, mask = _loss_case()
-    loss, (kl, clip) = grpo_loss_sum(mx.array(logp), mx.array(logp), None, mx.array(adv), mx.array(mask),
-                                     0.2, 0.04)
-    np.testing.assert_allclose(loss.item(), -float(adv.astype(np.float64).sum()), rtol=RTOL, atol=ATOL)
-    assert clip.item() == 0.0 and kl.item() == 0.0
+    for sequence in (False, True):
+        sums = loss_sums(logp, logp, None, adv, mask, objective(sequence=sequence))
+        np.testing.assert_allclose(sums.loss.item(), -float(adv.astype(np.float64).sum()), rtol=RTOL, atol=ATOL)
+        assert sums.clipped_low.item() == 0.0 and sums.clipped_high.item() == 0.0 and sums.kl.item() == 0.0
+        assert sums.ratio_min.item() == 1.0 and sums.ratio_max.item() == 1.0
 
 
 def _pad(logp, old, ref, mask, extra, rng, low, high):
@@ -241,20 +400,20 @@ def _pad(logp, old, ref, mask, extra, rng, low, high):
             cat(mask, np.zeros((N, extra), dtype=np.float32)))
 
 
+@pytest.mark.parametrize("variant", ["grpo", "gspo", "clip_higher_delta"])
 @pytest.mark.parametrize("kl_coeff", [0.0, 0.04])
-def test_padding_with_garbage_does_not_change_loss(kl_coeff):
+def test_padding_with_garbage_does_not_change_loss(variant, kl_coeff):
     logp, old, ref, adv, mask = _loss_case()
-    base = grpo_loss_sum(mx.array(logp), mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask),
-                         0.2, kl_coeff)
+    obj = objective(kl_coeff=kl_coeff, **VARIANTS[variant])
+    base = loss_sums(logp, old, ref, adv, mask, obj)
     rng = np.random.default_rng(4)
     # Also garbage in the masked-out tail of the existing rows (beyond each row's length).
     for extra in (1, 5):
         p_logp, p_old, p_ref, p_mask = _pad(logp, old, ref, mask, extra, rng, -30.0, 5.0)
         tail = p_mask == 0
         p_logp = np.where(tail, rng.uniform(-30, 5, size=p_logp.shape), p_logp).astype(np.float32)
-        padded = grpo_loss_sum(mx.array(p_logp), mx.array(p_old), mx.array(p_ref), mx.array(adv),
-                               mx.array(p_mask), 0.2, kl_coeff)
-        for a, b in zip((base[0], *base[1]), (padded[0], *padded[1])):
+        padded = loss_sums(p_logp, p_old, p_ref, adv, p_mask, obj)
+        for a, b in zip(base, padded):
             np.testing.assert_allclose(b.item(), a.item(), rtol=RTOL, atol=ATOL)
 
 
@@ -264,18 +423,18 @@ def test_padding_where_model_gives_the_pad_token_a_tiny_logprob():
     exp(ref - logp) then overflows float32 to inf, and inf * mask 0 = nan: the masked-out tokens
     must still not change the loss (nor make its gradient nan)."""
     logp, old, ref, adv, mask = _loss_case()
-    base, _ = grpo_loss_sum(mx.array(logp), mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask),
-                            0.2, 0.04)
+    obj = objective()
+    base = loss_sums(logp, old, ref, adv, mask, obj).loss
     N, T = logp.shape
     p_logp = np.concatenate([logp, np.full((N, 2), -100.0, np.float32)], axis=1)
     zeros = np.zeros((N, 2), np.float32)
     p_old, p_ref, p_mask = (np.concatenate([a, zeros], axis=1) for a in (old, ref, mask))
-    args = (mx.array(p_old), mx.array(p_ref), mx.array(adv), mx.array(p_mask), 0.2, 0.04)
-    padded, (kl, _) = grpo_loss_sum(mx.array(p_logp), *args)
-    grad = mx.grad(lambda lp: grpo_loss_sum(lp, *args)[0])(mx.array(p_logp))
-    assert math.isfinite(padded.item()) and math.isfinite(kl.item()), (
-        f"masked-out padding with logp=-100, ref=0 turns the loss into {padded.item()}, kl {kl.item()}")
-    np.testing.assert_allclose(padded.item(), base.item(), rtol=RTOL, atol=ATOL)
+    args = (mx.array(p_old), mx.array(p_ref), mx.array(adv), mx.array(p_mask), per_sequence_weights(p_mask), obj)
+    padded = objective_sums(mx.array(p_logp), *args)
+    grad = mx.grad(lambda lp: objective_sums(lp, *args).loss)(mx.array(p_logp))
+    assert math.isfinite(padded.loss.item()) and math.isfinite(padded.kl.item()), (
+        f"masked-out padding with logp=-100, ref=0 turns the loss into {padded.loss.item()}")
+    np.testing.assert_allclose(padded.loss.item(), base.item(), rtol=RTOL, atol=ATOL)
     assert np.all(np.isfinite(np_(grad))), "gradient is not finite at masked-out padding"
 
 
@@ -303,21 +462,32 @@ def naive_grad_wrt_logp(logp, old, ref, adv, mask, clip_eps, kl_coeff):
 
 
 @pytest.mark.parametrize("with_ref", [True, False])
-def test_gradient_wrt_logp_matches_analytic_and_finite_difference(with_ref):
+def test_gradient_wrt_logp_matches_analytic(with_ref):
     logp, old, ref, adv, mask = _loss_case()
     ref = ref if with_ref else None
-    args = (mx.array(old), None if ref is None else mx.array(ref), mx.array(adv), mx.array(mask), 0.2, 0.04)
-    grad = np_(mx.grad(lambda lp: grpo_loss_sum(lp, *args)[0])(mx.array(logp)))
+    args = (mx.array(old), None if ref is None else mx.array(ref), mx.array(adv), mx.array(mask),
+            per_sequence_weights(mask), objective())
+    grad = np_(mx.grad(lambda lp: objective_sums(lp, *args).loss)(mx.array(logp)))
     expected = naive_grad_wrt_logp(logp, old, ref, adv, mask, 0.2, 0.04)
     np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6)
-    # Central finite differences of the float64 naive loss on a few entries (incl. a masked one).
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gradient_wrt_logp_matches_finite_differences(variant):
+    """Central differences of the float64 naive loss, incl. GSPO where one token moves its whole sequence's
+    ratio, and a masked-out entry (gradient 0)."""
+    logp, old, ref, adv, mask = _loss_case()
+    kw = VARIANTS[variant]
+    args = (mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask), per_sequence_weights(mask),
+            objective(**kw))
+    grad = np_(mx.grad(lambda lp: objective_sums(lp, *args).loss)(mx.array(logp)))
     h = 1e-5
     for n, t in [(0, 0), (0, 3), (1, 2), (2, 0), (3, 5), (5, 4), (2, 3)]:
         plus, minus = logp.astype(np.float64), logp.astype(np.float64)
         plus[n, t] += h
         minus[n, t] -= h
-        fd = (naive_loss_sum(plus, old, ref, adv, mask, 0.2, 0.04)[0]
-              - naive_loss_sum(minus, old, ref, adv, mask, 0.2, 0.04)[0]) / (2 * h)
+        fd = (naive_loss_sum(plus, old, ref, adv, mask, 0.2, 0.04, **kw)
+              - naive_loss_sum(minus, old, ref, adv, mask, 0.2, 0.04, **kw)) / (2 * h)
         np.testing.assert_allclose(grad[n, t], fd, rtol=1e-3, atol=1e-6)
 
 

@@ -13,7 +13,7 @@ from mlx_grpo import trainer as trainer_mod
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
-from mlx_grpo.policy import StepData, accumulate_gradients, make_grad_fn
+from mlx_grpo.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.rollout import Rollout, SamplingParams, generate_rollout
 from mlx_grpo.loss import group_advantages
 
@@ -62,12 +62,14 @@ def _split_rollout(r: Rollout, prompt: int) -> Rollout:
                    r.truncated[rows], r.texts[rows], G)
 
 
-@pytest.mark.parametrize("micro,max_tokens", [(1, 0), (3, 0), (64, 0), (64, 40)])
-def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens):
+@pytest.mark.parametrize("micro,max_tokens,loss_type", [(1, 0, "grpo"), (3, 0, "grpo"), (64, 0, "grpo"),
+                                                     (64, 40, "grpo"), (3, 0, "dapo"), (3, 40, "dr_grpo")])
+def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens, loss_type):
+    """One batch step of 8 prompts == 8 accumulated steps of 1 (bnpo normalises per step by definition)."""
     from mlx_lm import load
 
     model, tok = load(str(tiny_model_dir))
-    cfg = make_cfg(tiny_model_dir, tmp_path, "kl_coeff=0")
+    cfg = make_cfg(tiny_model_dir, tmp_path, "kl_coeff=0", f"loss_type={loss_type}")
     prompts = [tok.encode(f"question {i}" + "?" * i) for i in range(8)]
     big = generate_rollout(model, tok, prompts, 4, SamplingParams(8, 1.0), mx.random.key(0))
     rewards = mx.array(np.random.default_rng(0).normal(size=32).astype(np.float32))
@@ -75,9 +77,10 @@ def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens
     one = [StepData(big, adv, None, None)]
     eight = [StepData(_split_rollout(big, p), adv[p * 4:(p + 1) * 4], None, None) for p in range(8)]
     step = make_grad_fn(cfg, model)
-    g1, loss1, _, _ = accumulate_gradients(step, one, micro, 0, max_tokens)
-    g8, loss8, _, _ = accumulate_gradients(step, eight, micro, 0, max_tokens)
-    assert loss1.item() == pytest.approx(loss8.item(), rel=1e-5, abs=1e-7)
+    g1, sums1 = accumulate_gradients(step, one, loss_weights(cfg, one), micro, 0, max_tokens)
+    g8, sums8 = accumulate_gradients(step, eight, loss_weights(cfg, eight), micro, 0, max_tokens)
+    for a, b in zip(sums1, sums8):
+        assert a.item() == pytest.approx(b.item(), rel=1e-5, abs=1e-7)
     for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g8)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-7, err_msg=k)
     assert any(float(mx.abs(a).max()) > 0 for _, a in tree_flatten(g1))  # not a vacuous comparison
@@ -156,11 +159,11 @@ def test_nan_update_is_skipped_and_reported(tiny_model_dir, tmp_path, monkeypatc
     calls = {"n": 0}
 
     def poisoned(*args):
-        grads, loss, kl, clip = real(*args)
+        grads, sums = real(*args)
         calls["n"] += 1
         if calls["n"] == 2:
-            loss = mx.array(float("nan"))
-        return grads, loss, kl, clip
+            sums = sums._replace(loss=mx.array(float("nan")))
+        return grads, sums
 
     monkeypatch.setattr(trainer_mod, "accumulate_gradients", poisoned)
     run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "save_steps=1"))
@@ -174,8 +177,8 @@ def test_consecutive_nan_aborts(tiny_model_dir, tmp_path, monkeypatch):
     real = trainer_mod.accumulate_gradients
 
     def always_nan(*args):
-        grads, _, kl, clip = real(*args)
-        return grads, mx.array(float("nan")), kl, clip
+        grads, sums = real(*args)
+        return grads, sums._replace(loss=mx.array(float("nan")))
 
     monkeypatch.setattr(trainer_mod, "accumulate_gradients", always_nan)
     with pytest.raises(UserError, match="2 consecutive updates"):

@@ -4,6 +4,11 @@ A checkpoint directory is a complete MLX model (model.safetensors, config.json, 
 tokenizer files) that `mlx-grpo generate --model` opens, plus what exact resume needs:
 optimizer.safetensors (flattened state tree), trainer_state.json, config.resolved.json and, when the
 sampling policy lags the trained one, old_model.safetensors.
+
+An adapter (LoRA/DoRA/QLoRA) checkpoint stores only what training changed: adapters.safetensors and
+adapter_config.json (mlx-lm's format, plus the base model it was trained on) instead of
+model.safetensors, and old_adapters.safetensors for a lagging sampling policy. config.json is still
+the base's, and `mlx-grpo generate --model` opens it through models/adapters.py.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_grpo.config import Config, save_json
 from mlx_grpo.errors import UserError
+from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
 
 PREFIX = "checkpoint-"
 # Weight files of the source model are replaced by ours; everything else (tokenizer, templates) is copied.
@@ -28,22 +34,34 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".npz", 
 
 def _copy_model_files(source_dir: Path, target: Path) -> None:
     for item in source_dir.iterdir():
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "config.json":
+        # A source that is itself an adapter checkpoint must not lend this one its adapter config.
+        if (item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES)
+                and item.name not in ("config.json", ADAPTER_CONFIG)):
             shutil.copy2(item, target / item.name)
 
 
 def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, trainer_state: dict[str, Any],
                     config: Config, source_dir: Path, model_config: dict[str, Any],
-                    old_params: dict | None = None) -> Path:
-    """Write checkpoint-<update_step>/ atomically; an interrupted save leaves no partial checkpoint."""
+                    old_params: dict | None = None, adapter_config: dict | None = None) -> Path:
+    """Write checkpoint-<update_step>/ atomically; an interrupted save leaves no partial checkpoint.
+    With adapter_config (apply_adapters' dict, plus the "mlx_grpo" base record) only the adapter
+    tensors are written, of the model and of old_params (nested or flat; other tensors are dropped)."""
     final = run_dir / f"{PREFIX}{update_step}"
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".tmp-checkpoint-"))
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                            metadata={"format": "mlx"})
+        if adapter_config is None:
+            mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                                metadata={"format": "mlx"})
+        else:
+            adapters = adapter_parameters(model)
+            mx.save_safetensors(str(tmp / ADAPTER_WEIGHTS), adapters, metadata={"format": "mlx"})
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
-        if old_params is not None:
+        if old_params is not None and adapter_config is None:
             mx.save_safetensors(str(tmp / "old_model.safetensors"), dict(tree_flatten(old_params)))
+        elif old_params is not None:
+            old = {k: v for k, v in tree_flatten(old_params) if k in adapters}
+            mx.save_safetensors(str(tmp / "old_adapters.safetensors"), old)
         (tmp / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
         _copy_model_files(source_dir, tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
@@ -80,10 +98,12 @@ def resolve_resume(run_dir: Path, resume: str) -> Path:
 
 
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict, dict | None]:
-    """-> (model weights, optimizer state tree, trainer state, old-policy weights or None)."""
-    weights = mx.load(str(path / "model.safetensors"))
+    """-> (model weights, optimizer state tree, trainer state, old-policy weights or None).
+    For an adapter checkpoint the weights (flat) and the old-policy tree are the adapter tensors only."""
+    adapters = (path / ADAPTER_WEIGHTS).is_file() and not (path / "model.safetensors").is_file()
+    weights = mx.load(str(path / (ADAPTER_WEIGHTS if adapters else "model.safetensors")))
     optimizer_state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
     state = json.loads((path / "trainer_state.json").read_text())
-    old_file = path / "old_model.safetensors"
+    old_file = path / ("old_adapters.safetensors" if adapters else "old_model.safetensors")
     old = tree_unflatten(list(mx.load(str(old_file)).items())) if old_file.is_file() else None
     return weights, optimizer_state, state, old

@@ -29,6 +29,7 @@ DESCRIPTIONS = {
     "chat": "Chat with a model in the terminal (also works from a pipe).",
     "train": "Fine-tune a model with GRPO.",
     "eval": "Measure exact-match accuracy (or pass@k) of a model on a data set.",
+    "fuse": "Merge a lora/dora checkpoint's adapters into its base: a plain MLX model directory.",
 }
 
 
@@ -90,6 +91,13 @@ def _dispatch(args: argparse.Namespace) -> None:
                           dtype=args.dtype, trust_remote_code=args.trust_remote_code, nanochat=args.nanochat,
                           step=args.step)
         print(f"wrote MLX model to {out}")
+        return
+    if command == "fuse":
+        from mlx_grpo.models.adapters import run_fuse
+
+        if not args.checkpoint or not args.output_dir:
+            raise UserError("fuse needs --checkpoint and --output-dir")
+        print(f"wrote merged model to {run_fuse(args.checkpoint, args.output_dir, dequantize=args.dequantize)}")
         return
     cfg = _config_from_args(command, args)
     if command == "generate":

@@ -31,7 +31,7 @@ MODEL_CMDS = frozenset({"generate", "chat", "train", "eval"})
 SAMPLING = frozenset({"generate", "chat", "train", "eval"})
 TRAIN = frozenset({"train"})
 DATA = frozenset({"train", "eval"})
-COMMANDS = ("convert", "generate", "chat", "train", "eval")
+COMMANDS = ("convert", "generate", "chat", "train", "eval", "fuse")
 
 
 def _f(default: Any, help: str, commands: frozenset[str]) -> Any:
@@ -106,12 +106,69 @@ class Config:
     clip_eps: float = _f(0.2, "PPO clipping range for the probability ratio.", TRAIN)
     kl_coeff: float = _f(0.04, "Weight of the KL penalty to the reference model (0 = no reference model).",
                          TRAIN)
+    kl_estimator: str = _f("k3", "KL estimator for the penalty: k3 = exp(ref - logp) - (ref - logp) - 1 "
+                           "(unbiased, always >= 0; DeepSeekMath/GRPO, Schulman 2020 'Approximating KL "
+                           "divergence') or k1 = logp - ref (the plain log-ratio; lower variance per token, "
+                           "can be negative).", TRAIN)
+    # --- objective variants (README, "The algorithm and its variants") ---
+    loss_type: str = _f("grpo", "How token losses are averaged. grpo: mean over each sequence's tokens, then "
+                        "over sequences (DeepSeekMath, Shao et al. 2024); bnpo: sum over the batch step's "
+                        "tokens / their number; dr_grpo: sum / (sequences x max_new_tokens), no length bias "
+                        "(Dr. GRPO, Liu et al. 2025 'Understanding R1-Zero-like training'); dapo: token mean "
+                        "over the whole accumulated update (DAPO, Yu et al. 2025). Use dapo or dr_grpo for "
+                        "long reasoning, where grpo under-weights each token of a long answer.", TRAIN)
+    scale_rewards: str = _f("group", "Advantage scaling after subtracting the group mean: group = divide by "
+                            "the group's reward std (GRPO); batch = by the std of the batch step's rewards "
+                            "(more robust for near-flat groups); none = no division (Dr. GRPO recommends "
+                            "none: the std division over-weights easy and hard prompts).", TRAIN)
+    clip_eps_high: float = _f(0.0, "Upper clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] "
+                              "(DAPO 'clip-higher', Yu et al. 2025, uses 0.28 with clip_eps 0.2: lets rare "
+                              "good tokens grow, keeps entropy from collapsing). 0 = same as clip_eps.", TRAIN)
+    delta: float = _f(0.0, "Two-sided clipping: for negative advantages the ratio is also capped at delta "
+                      "(> 1 + clip_eps_high), bounding the loss when the policy has moved far from the "
+                      "sampler (Tulu 3 / INTELLECT-2 style, e.g. 4.0). 0 = off.", TRAIN)
+    importance_sampling_level: str = _f("token", "token: one importance ratio per token (PPO/GRPO); sequence: "
+                                        "one length-normalised ratio per completion, exp(mean of token "
+                                        "log-ratios), clipped per sequence (GSPO, Zheng et al. 2025; stabler "
+                                        "for long answers and MoE models; use a small clip_eps such as "
+                                        "3e-4 / clip_eps_high 4e-4).", TRAIN)
+    mask_truncated_completions: bool = _f(False, "Leave completions cut by max_new_tokens out of the loss "
+                                          "(DAPO's overlong filtering): an unfinished answer is not "
+                                          "evidence against its reasoning. Their rewards still enter the "
+                                          "group's advantages.", TRAIN)
+    overlong_penalty: float = _f(0.0, "DAPO soft overlong punishment added to the reward: 0 up to "
+                                 "max_new_tokens - overlong_buffer tokens, then falling linearly to "
+                                 "-overlong_penalty at max_new_tokens (DAPO uses 1.0). 0 = off.", TRAIN)
+    overlong_buffer: int = _f(0, "Length of the overlong_penalty ramp in tokens (DAPO: 4096 of 20480); needed "
+                              "when overlong_penalty > 0.", TRAIN)
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (they "
+                                "give no gradient) and draw more prompts until the batch step has "
+                                "batch_size informative groups or max_resample_batches extra draws were "
+                                "made. Consumes more prompts per step; the run ends when the data does.",
+                                TRAIN)
+    max_resample_batches: int = _f(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
+                                   "step; a step still short trains on the groups it has.", TRAIN)
     num_iterations: int = _f(1, "Optimizer passes over each rollout batch.", TRAIN)
     update_every: int = _f(1, "Refresh the sampling (old) policy from the trained model every N updates.",
                            TRAIN)
     quantize_for_rollouts: bool = _f(False, "Sample from a 4-bit (group 64) copy of the old policy, "
                                      "re-quantized at each refresh. Measured 20x slower than float weights "
                                      "on MLX 0.32's CUDA backend (BENCHMARKS.md).", TRAIN)
+    # --- parameter-efficient training ---
+    train_type: str = _f("full", "full: train every weight; lora: low-rank adapters on the chosen "
+                         "projections (Hu et al. 2021); dora: weight-decomposed adapters (Liu et al. 2024). "
+                         "With lora/dora the base weights stay frozen and shared by the sampler and the KL "
+                         "reference (the adapters switched off), and checkpoints hold only the adapters. "
+                         "Use a ~10x higher learning_rate than for full training.", TRAIN)
+    lora_rank: int = _f(16, "Rank of each adapter (lora/dora).", TRAIN)
+    lora_alpha: float = _f(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", TRAIN)
+    lora_dropout: float = _f(0.0, "Dropout on the adapters' input during training passes (0 = off).", TRAIN)
+    lora_layers: int = _f(0, "Adapt the last N transformer blocks (0 = all).", TRAIN)
+    lora_keys: list[str] = _f([], "Projections to adapt, as named inside a block, e.g. self_attn.q_proj, "
+                              "mlp.down_proj (empty = every linear layer of the block).", TRAIN)
+    load_in_bits: int = _f(0, "QLoRA (Dettmers et al. 2023): quantize the frozen base to 4 or 8 bits (group "
+                           "64) at load time, adapters on top in float; 0 = keep the base as loaded. A model "
+                           "already quantized on disk trains with lora/dora as it is.", TRAIN)
     use_compile: bool = _f(False, "Compile the loss/gradient step with mx.compile.", TRAIN)
     grad_checkpoint: bool = _f(False, "Recompute each transformer layer in the backward pass instead of "
                                "keeping its activations: training memory drops to about the layers' inputs, "
@@ -200,6 +257,13 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
     "train": [
         Option(("--resume",), "Resume from the latest checkpoint of the run directory, or from the "
                "checkpoint directory given.", kind="optional"),
+    ],
+    "fuse": [
+        Option(("--checkpoint",), "Checkpoint directory of a lora/dora run (adapters.safetensors + "
+               "adapter_config.json)."),
+        Option(("--output-dir",), "Directory to write the merged MLX model into (must not exist)."),
+        Option(("--dequantize",), "With a quantized (QLoRA) base: write float weights instead of re-quantizing "
+               "the merged ones.", kind="flag", default=False),
     ],
     "eval": [
         Option(("--split",), "Data split to evaluate.", default="test"),
@@ -403,6 +467,47 @@ def _validate_train(c: Config) -> None:
     _require(c.eval_samples == 0 or c.eval_steps > 0,
              "eval_samples only sizes the eval_steps evaluations: set eval_steps > 0, or drop eval_samples")
     _require(len(c.reward_funcs) > 0, "reward_funcs must name at least one reward function")
+    _validate_objective(c)
+    _validate_adapters(c)
+
+
+def _choice(c: Config, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(c, name)
+    match = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.4)
+    _require(value in choices, f"{name} must be one of {', '.join(choices)}, got {value!r}"
+             + (f"; did you mean '{match[0]}'?" if match else ""))
+
+
+def _validate_objective(c: Config) -> None:
+    _choice(c, "loss_type", ("grpo", "bnpo", "dr_grpo", "dapo"))
+    _choice(c, "scale_rewards", ("group", "batch", "none"))
+    _choice(c, "importance_sampling_level", ("token", "sequence"))
+    _choice(c, "kl_estimator", ("k3", "k1"))
+    _require(0 <= c.clip_eps_high < 10, "clip_eps_high must be in [0, 10) (0 = same as clip_eps)")
+    high = c.clip_eps_high or c.clip_eps
+    _require(c.delta == 0 or c.delta > 1 + high, f"delta must be 0 (off) or > 1 + clip_eps_high = {1 + high:g}: "
+             "it caps ratios above the clip range")
+    _require(c.overlong_penalty >= 0, "overlong_penalty must be >= 0 (0 = off)")
+    _require(c.overlong_penalty == 0 or 0 < c.overlong_buffer <= c.max_new_tokens,
+             f"overlong_penalty needs 0 < overlong_buffer <= max_new_tokens ({c.max_new_tokens}), got "
+             f"overlong_buffer={c.overlong_buffer}")
+    _require(c.overlong_buffer >= 0, "overlong_buffer must be >= 0")
+    _require(c.max_resample_batches >= 0, "max_resample_batches must be >= 0")
+
+
+def _validate_adapters(c: Config) -> None:
+    _choice(c, "train_type", ("full", "lora", "dora"))
+    _require(c.load_in_bits in (0, 4, 8), f"load_in_bits must be 0 (off), 4 or 8, got {c.load_in_bits}")
+    if c.train_type == "full":
+        changed = [n for n in ("lora_rank", "lora_alpha", "lora_dropout", "lora_layers", "lora_keys",
+                               "load_in_bits") if getattr(c, n) != command_default("train", n)]
+        _require(not changed, f"{', '.join(changed)} only apply with train_type = lora or dora "
+                 "(train_type is full)")
+        return
+    _require(c.lora_rank >= 1, "lora_rank must be >= 1")
+    _require(c.lora_alpha > 0, "lora_alpha must be > 0")
+    _require(0 <= c.lora_dropout < 1, "lora_dropout must be in [0, 1)")
+    _require(c.lora_layers >= 0, "lora_layers must be >= 0 (0 = all blocks)")
 
 
 def to_dict(config: Config) -> dict[str, Any]:

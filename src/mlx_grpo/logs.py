@@ -15,23 +15,29 @@ def _nan_mean(values: np.ndarray) -> float | None:
 
 
 def update_record(trainer, stats: list[dict], result: dict) -> dict:
-    """The metrics of one optimizer update, from its batch steps' stats and the update's result."""
+    """The metrics of one optimizer update, from its batch steps' stats and the update's result. Reward,
+    length and variance figures cover every completion drawn (dynamic sampling may train on fewer)."""
     c = trainer.counters
-    rewards = np.concatenate([s["rewards"] for s in stats])
+    drawn = [s["drawn_scores"] for s in stats]
+    rewards = np.concatenate([d.total for d in drawn])
     lengths = np.concatenate([s["lengths"] for s in stats])
     truncated = np.concatenate([s["truncated"] for s in stats])
-    names = list(stats[0]["per_func"])
-    t_rollout = sum(s["t_rollout"] for s in stats)
     tokens = sum(s["tokens"] for s in stats)
+    t_rollout = sum(s["t_rollout"] for s in stats)
     record = {
         "update_step": c.update_step, "batch_step": c.batch_step, "epoch": trainer.sampler.epoch,
         "lr": result["lr"], "loss": result["loss"], "grad_norm": result["grad_norm"],
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-        **{f"reward/{n}": _nan_mean(np.concatenate([s["per_func"][n] for s in stats])) for n in names},
+        **{f"reward/{n}": _nan_mean(np.concatenate([d.per_func[n] for d in drawn])) for n in drawn[0].per_func},
         "kl": result["kl"], "clip_fraction": result["clip_fraction"],
+        "clip_low_fraction": result["clip_low_fraction"], "clip_high_fraction": result["clip_high_fraction"],
+        "ratio_min": result["ratio_min"], "ratio_mean": result["ratio_mean"], "ratio_max": result["ratio_max"],
+        "entropy": sum(s["entropy_sum"] for s in stats) / tokens if tokens else None,
         "completion_length_mean": float(lengths.mean()), "completion_length_max": int(lengths.max()),
         "truncated_fraction": float(truncated.mean()),
         "zero_std_fraction": float(np.mean([s["zero_std"] for s in stats])),
+        "loss_tokens": result["loss_tokens"],
+        "draws": sum(s["draws"] for s in stats), "groups_trained": sum(s["groups_trained"] for s in stats),
         "prompts_cut": c.prompts_cut, "skipped": result["skipped"], "skipped_total": c.skipped_updates,
         "rollout_tokens_per_s": tokens / t_rollout if t_rollout > 0 else 0.0,
         "train_tokens_per_s": result["train_tokens_per_s"],
@@ -39,7 +45,31 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "time_logprob_s": sum(s["t_logprob"] for s in stats), "time_train_s": result["t_train"],
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
     }
+    record["warnings"] = diagnose(record)
     return record
+
+
+# Above these fractions an update is flagged: GRPO learns (almost) nothing from such a batch.
+ZERO_STD_ALARM = 0.9
+TRUNCATED_ALARM = 0.9
+# While a condition persists it is printed again every this many updates (it is in every log record).
+WARN_EVERY = 10
+
+
+def diagnose(record: dict) -> dict[str, str]:
+    """Warnings (kind -> message) for an update that gives (almost) no learning signal, each saying what
+    to change."""
+    out = {}
+    if record["zero_std_fraction"] >= ZERO_STD_ALARM:
+        out["zero_std"] = (f"{record['zero_std_fraction']:.0%} of groups have zero reward variance, so their "
+                           "advantages are 0 and they teach nothing: give partial credit (soft_format, xmlcount), "
+                           "prefill the start of the format, raise num_generations or temperature, use easier "
+                           "data, or set dynamic_sampling")
+    if record["truncated_fraction"] >= TRUNCATED_ALARM:
+        out["truncated"] = (f"{record['truncated_fraction']:.0%} of completions hit max_new_tokens before ending: "
+                            "raise max_new_tokens, add a stop string, or set mask_truncated_completions / "
+                            "overlong_penalty")
+    return out
 
 
 class RunLogger:
@@ -48,6 +78,7 @@ class RunLogger:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir = run_dir
         self.enabled = enabled
+        self._warned: dict[str, int] = {}  # warning kind -> update it was last printed at
 
     def _append(self, name: str, record: dict) -> None:
         if self.enabled:
@@ -56,6 +87,17 @@ class RunLogger:
 
     def log_metrics(self, record: dict) -> None:
         self._append("metrics.jsonl", record)
+
+    def warn(self, record: dict) -> None:
+        """Print each warning of the record when it first appears, then every WARN_EVERY updates."""
+        step = record["update_step"]
+        for kind, message in record["warnings"].items():
+            last = self._warned.get(kind)
+            if last is None or step - last >= WARN_EVERY:
+                print(f"[mlx-grpo] WARNING (update {step}): {message}", flush=True)
+                self._warned[kind] = step
+        # A condition that clears and comes back is announced again at once.
+        self._warned = {k: v for k, v in self._warned.items() if k in record["warnings"]}
 
     def log_eval(self, record: dict) -> None:
         self._append("eval.jsonl", record)

@@ -11,20 +11,32 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 ADV_EPS = 1e-4
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-def group_advantages(rewards: mx.array, group_size: int) -> mx.array:
-    """A = (r - mean_group) / (std_group + 1e-4); a group whose rewards are all equal gets A = 0.
+def group_advantages(rewards: mx.array, group_size: int, scale: str = "group") -> mx.array:
+    """A = (r - mean_group) / s with s = std_group + 1e-4 (scale="group"), std_batch + 1e-4 ("batch") or
+    1 ("none"); a group whose rewards are all equal gets A = 0 in every mode.
 
     std is the sample standard deviation (ddof=1), as in TRL and DeepSeekMath's reference code.
     """
     grouped = rewards.astype(mx.float32).reshape(-1, group_size)  # [B, G]
     mean = grouped.mean(axis=1, keepdims=True)  # [B, 1]
-    std = mx.sqrt(((grouped - mean) ** 2).sum(axis=1, keepdims=True) / (group_size - 1))  # [B, 1]
+    centered = grouped - mean  # [B, G]
+    if scale == "group":
+        denom = mx.sqrt((centered ** 2).sum(axis=1, keepdims=True) / (group_size - 1)) + ADV_EPS  # [B, 1]
+    elif scale == "batch":
+        flat_all = grouped.reshape(-1)  # [B*G]
+        denom = mx.sqrt(((flat_all - flat_all.mean()) ** 2).sum() / max(flat_all.size - 1, 1)) + ADV_EPS  # []
+    elif scale == "none":
+        denom = mx.array(1.0)
+    else:
+        raise ValueError(f"unknown scale_rewards {scale!r}")
     flat = grouped.max(axis=1, keepdims=True) == grouped.min(axis=1, keepdims=True)  # [B, 1]
-    adv = mx.where(flat, 0.0, (grouped - mean) / (std + ADV_EPS))  # [B, G]
+    adv = mx.where(flat, 0.0, centered / denom)  # [B, G]
     return adv.reshape(-1)  # [N]
 
 
@@ -35,30 +47,33 @@ def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx
     return picked - mx.logsumexp(scaled, axis=-1)  # [...]
 
 
+@dataclass(frozen=True)
+class Objective:
+    """The clipped surrogate's settings (config.py documents each and cites its paper)."""
+
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    delta: float = 0.0  # > 0: ratios of negative-advantage tokens also capped at delta
+    sequence_level: bool = False  # GSPO: one length-normalised ratio per sequence
+    kl_coeff: float = 0.0
+    kl_estimator: str = "k3"
+
+    @classmethod
+    def from_config(cls, cfg) -> "Objective":
+        return cls(clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, delta=cfg.delta,
+                   sequence_level=cfg.importance_sampling_level == "sequence", kl_coeff=cfg.kl_coeff,
+                   kl_estimator=cfg.kl_estimator)
+
+
 @dataclass
 class LossTerms:
     """Per-token pieces of the objective, for the loss and for logging. All [N, T]."""
 
     loss: mx.array
     kl: mx.array
-    clipped: mx.array
-
-
-def grpo_token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, advantages: mx.array,
-                     clip_eps: float, kl_coeff: float) -> LossTerms:
-    """rho = exp(logp - old); pg = min(rho*A, clip(rho)*A); kl = exp(ref - logp) - (ref - logp) - 1;
-    loss_t = -(pg - kl_coeff * kl). logp/old_logp/ref_logp [N, T], advantages [N]."""
-    adv = advantages[:, None]  # [N, 1]
-    ratio = mx.exp(logp - old_logp)  # [N, T]
-    unclipped = ratio * adv
-    clipped = mx.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv
-    pg = mx.minimum(unclipped, clipped)  # [N, T]
-    if ref_logp is None:
-        kl = mx.zeros_like(logp)
-    else:
-        delta = ref_logp - logp
-        kl = mx.exp(delta) - delta - 1  # [N, T], k3 estimator, >= 0
-    return LossTerms(loss=-(pg - kl_coeff * kl), kl=kl, clipped=(clipped < unclipped).astype(mx.float32))
+    ratio: mx.array
+    clipped_low: mx.array  # 1 where the ratio is clipped from below (A < 0): no gradient
+    clipped_high: mx.array  # 1 where it is clipped from above (A > 0, or A < 0 past delta)
 
 
 def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
@@ -66,23 +81,98 @@ def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
     return (values * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
 
 
-def grpo_loss_sum(logp, old_logp, ref_logp, advantages, mask, clip_eps: float, kl_coeff: float):
-    """Sum over sequences of each sequence's masked mean loss (divide by N for the batch loss).
+def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, advantages: mx.array,
+                mask: mx.array, obj: Objective) -> LossTerms:
+    """rho = exp(logp - old) per token, or exp(masked mean of logp - old) per sequence (GSPO);
+    pg = min(min(rho, delta) * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) (the delta cap only with delta);
+    kl = k3: exp(ref - logp) - (ref - logp) - 1, k1: logp - ref; loss_t = -(pg - kl_coeff * kl).
+    logp/old_logp/ref_logp/mask [N, T], advantages [N]."""
+    adv = advantages[:, None]  # [N, 1]
+    log_ratio = logp - old_logp  # [N, T]
+    if obj.sequence_level:
+        log_ratio = masked_sequence_mean(log_ratio, mask)[:, None]  # [N, 1]
+    ratio = mx.broadcast_to(mx.exp(log_ratio), logp.shape)  # [N, T]
+    clipped_ratio = mx.clip(ratio, 1 - obj.clip_low, 1 + obj.clip_high)
+    capped = mx.minimum(ratio, obj.delta) if obj.delta > 0 else ratio
+    pg = mx.minimum(capped * adv, clipped_ratio * adv)  # [N, T]
+    if ref_logp is None:
+        kl = mx.zeros_like(logp)
+    elif obj.kl_estimator == "k1":
+        kl = logp - ref_logp
+    else:
+        delta = ref_logp - logp
+        kl = mx.exp(delta) - delta - 1  # [N, T], >= 0
+    low = (ratio < 1 - obj.clip_low) & (adv < 0)
+    high = (ratio > 1 + obj.clip_high) & (adv > 0)
+    if obj.delta > 0:
+        high = high | ((ratio > obj.delta) & (adv < 0))
+    return LossTerms(loss=-(pg - obj.kl_coeff * kl), kl=kl, ratio=ratio,
+                     clipped_low=low.astype(mx.float32), clipped_high=high.astype(mx.float32))
 
-    Returning a sum lets micro-batches and accumulation steps add up to exactly the full-batch mean.
-    Also returns summed per-sequence KL and clip fraction for logging.
-    """
+
+def row_scales(lengths: list[np.ndarray], keep: list[np.ndarray], loss_type: str,
+               max_new_tokens: int) -> list[np.ndarray]:
+    """Weight of each row's summed token loss in one update's loss, for each of its batch steps.
+
+    lengths[s] [N_s] completion tokens per row of batch step s; keep[s] [N_s] rows that enter the loss
+    (mask_truncated_completions drops some). The update's loss is sum_s sum_i w_si * sum_t loss_sit:
+      grpo     w = 1 / (len_i * N)              N rows of the update (dropped rows count, as in TRL)
+      bnpo     w = 1 / (tokens_s * S)           tokens of kept rows of step s; S steps with any
+      dr_grpo  w = 1 / (N * max_new_tokens)
+      dapo     w = 1 / tokens                   tokens of kept rows of the whole update
+    Known before any gradient pass, so micro-batches and accumulation steps add up to the exact loss."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    rows = sum(len(x) for x in lengths)
+    kept_tokens = [float((np.asarray(n) * k).sum()) for n, k in zip(lengths, keep)]
+    steps_with_tokens = sum(t > 0 for t in kept_tokens)
+    out = []
+    for n, k, tokens_s in zip(lengths, keep, kept_tokens):
+        n = np.asarray(n, dtype=np.float64)
+        if loss_type == "grpo":
+            w = 1.0 / (np.maximum(n, 1.0) * rows)
+        elif loss_type == "bnpo":
+            w = np.full(n.shape, 1.0 / (tokens_s * steps_with_tokens) if tokens_s else 0.0)
+        elif loss_type == "dr_grpo":
+            w = np.full(n.shape, 1.0 / (rows * max_new_tokens))
+        else:
+            total = sum(kept_tokens)
+            w = np.full(n.shape, 1.0 / total if total else 0.0)
+        out.append((w * np.asarray(k, dtype=np.float64)).astype(np.float32))
+    return out
+
+
+class LossSums(NamedTuple):
+    """Sums over one micro-batch, added up across micro-batches: the weighted loss and, over the kept
+    tokens (row weight > 0), the token count and sums for the logged means and extrema."""
+
+    loss: mx.array
+    tokens: mx.array
+    kl: mx.array
+    clipped_low: mx.array
+    clipped_high: mx.array
+    ratio: mx.array
+    ratio_min: mx.array
+    ratio_max: mx.array
+
+
+def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Objective) -> LossSums:
+    """sum_i weights_i * sum_t mask_it * loss_it for one micro-batch, plus logging sums.
+    logp/old_logp/ref_logp/mask [n, T], advantages/weights [n] (row_scales)."""
     # Zero the padded positions before the exponentials: exp(garbage) there could overflow to inf,
     # and inf * 0 = NaN would poison the loss and every gradient.
-    keep = mask > 0
-    logp = mx.where(keep, logp, 0.0)
-    old_logp = mx.where(keep, old_logp, 0.0)
-    ref_logp = None if ref_logp is None else mx.where(keep, ref_logp, 0.0)
-    terms = grpo_token_terms(logp, old_logp, ref_logp, advantages, clip_eps, kl_coeff)
-    loss = masked_sequence_mean(terms.loss, mask).sum()
-    kl = masked_sequence_mean(terms.kl, mask).sum()
-    clip = masked_sequence_mean(terms.clipped, mask).sum()
-    return loss, (kl, clip)
+    valid = mask > 0
+    logp = mx.where(valid, logp, 0.0)
+    old_logp = mx.where(valid, old_logp, 0.0)
+    ref_logp = None if ref_logp is None else mx.where(valid, ref_logp, 0.0)
+    terms = token_terms(logp, old_logp, ref_logp, advantages, mask, obj)
+    loss = ((terms.loss * mask).sum(axis=1) * weights).sum()
+    kept = mask * (weights > 0)[:, None]  # [n, T]
+    present = kept > 0
+    return LossSums(loss=loss, tokens=kept.sum(), kl=(terms.kl * kept).sum(),
+                    clipped_low=(terms.clipped_low * kept).sum(), clipped_high=(terms.clipped_high * kept).sum(),
+                    ratio=(terms.ratio * kept).sum(), ratio_min=mx.where(present, terms.ratio, mx.inf).min(),
+                    ratio_max=mx.where(present, terms.ratio, -mx.inf).max())
 
 
 # ----------------------------------------------------------------------------- model passes

@@ -1,7 +1,8 @@
 """The three policies of GRPO and the passes over them.
 
 `model` is trained; the old (behaviour) policy samples and gives old log-probs; the reference policy
-(frozen initial weights) anchors the KL term. With update_every = 1, num_iterations = 1 and no rollout
+(frozen initial weights) anchors the KL term; with lora/dora adapters it is `model` itself with the
+adapters switched off, so no second copy of the weights exists. With update_every = 1, num_iterations = 1 and no rollout
 quantization, the old policy *is* `model` and no copy exists. Log-prob and gradient passes run in
 length-sorted micro-batches so full [N, L, V] logits never exist at once.
 """
@@ -13,10 +14,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import Config
-from mlx_grpo.loss import PackedBatch, bucket, completion_logprobs, grpo_loss_sum, pack, packed_width
+from mlx_grpo.loss import (LossSums, Objective, PackedBatch, bucket, completion_logprobs, objective_sums, pack,
+                           packed_width, row_scales)
+from mlx_grpo.models.adapters import adapters_disabled
 from mlx_grpo.rollout import Rollout
 
 ROLLOUT_QUANT_BITS = 4
@@ -36,10 +40,11 @@ class StepData:
 class Policies:
     """Owns `model`, the old (sampling) policy and the frozen reference."""
 
-    def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None):
+    def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None, adapters: bool = False):
         self.cfg = cfg
         self.model = model
         self.reference = reference
+        self.adapters = adapters  # lora/dora: the reference is `model` with its adapters switched off
         if reference is not None:
             reference.freeze()
         # A separate old policy exists only when it can differ from `model` while sampling.
@@ -63,6 +68,18 @@ class Policies:
         sampler.freeze()
         self.sampler = sampler
 
+    def reference_logprobs(self, rollout: Rollout, pad_id: int) -> mx.array | None:
+        """Log-probs [N, T] under the frozen reference, or None without a KL term."""
+        cfg = self.cfg
+        if cfg.kl_coeff == 0:
+            return None
+        if self.adapters:
+            with adapters_disabled(self.model):
+                return logprob_pass(self.model, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
+                                    cfg.micro_batch_tokens)
+        return logprob_pass(self.reference, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
+                            cfg.micro_batch_tokens)
+
     @property
     def needs_old_pass(self) -> bool:
         """Old log-probs must be computed (not taken as stop_gradient of the current ones)."""
@@ -75,13 +92,13 @@ def _completion_width(rollout: Rollout, longest: int) -> int:
     return min(bucket(max(longest, 1)), rollout.completion_ids.shape[1])
 
 
-def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0) -> list[mx.array]:
-    """Row indices in micro-batches of at most `size` rows and (if max_tokens) at most max_tokens padded
-    tokens, counted exactly as _chunk_batch/pack() lay them out (bucketed widths); longest
-    completions first, so an out-of-memory shows at once. A single row is never split."""
+def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0, rows: list[int] | None = None) -> list[mx.array]:
+    """Row indices (of `rows`, default all) in micro-batches of at most `size` rows and (if max_tokens) at
+    most max_tokens padded tokens, counted exactly as _chunk_batch/pack() lay them out (bucketed widths);
+    longest completions first, so an out-of-memory shows at once. A single row is never split."""
     completion = [int(n) for n in rollout.lengths]
     prompt = [len(p) for p in rollout.row_prompts]
-    order = sorted(range(len(completion)), key=lambda r: -completion[r])
+    order = sorted(range(len(completion)) if rows is None else rows, key=lambda r: -completion[r])
     chunks, current, widest_prompt = [], [], 0
     for r in order:
         longest = completion[current[0]] if current else completion[r]  # rows come longest first
@@ -118,44 +135,63 @@ def logprob_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_b
 
 
 def make_grad_fn(cfg: Config, model: nn.Module):
-    """value_and_grad of the scaled loss sum of one micro-batch; compiled when use_compile is set."""
+    """value_and_grad of one micro-batch's weighted loss sum (aux: the other LossSums fields); compiled
+    when use_compile is set."""
+    objective = Objective.from_config(cfg)
 
-    def loss_fn(_model, batch_arrays, old, ref, adv, scale):
+    def loss_fn(_model, batch_arrays, old, ref, adv, weights):
         lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.temperature,
                                  checkpoint_layers=cfg.grad_checkpoint)
         old_lp = mx.stop_gradient(lp) if old is None else old
-        loss, (kl, clip) = grpo_loss_sum(lp, old_lp, ref, adv, batch_arrays[3], cfg.clip_eps, cfg.kl_coeff)
-        return loss * scale, (kl, clip)
+        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective)
+        return sums.loss, tuple(sums[1:])
 
     grad_fn = nn.value_and_grad(model, loss_fn)
 
-    def step(batch_arrays, old, ref, adv, scale):
-        return grad_fn(model, batch_arrays, old, ref, adv, scale)
+    def step(batch_arrays, old, ref, adv, weights):
+        return grad_fn(model, batch_arrays, old, ref, adv, weights)
 
     if cfg.use_compile:
         # nn.value_and_grad swaps traced arrays into the model while tracing: declare the state as output
-        # too, or the model keeps placeholder arrays after the compiled call.
-        return mx.compile(step, inputs=model.state, outputs=model.state)
+        # too, or the model keeps placeholder arrays after the compiled call. Adapter dropout draws from
+        # the global random state, which must then be threaded through as well.
+        state = [model.state, mx.random.state] if cfg.lora_dropout > 0 else model.state
+        return mx.compile(step, inputs=state, outputs=state)
     return step
 
 
-def accumulate_gradients(step_fn, steps: list[StepData], micro_batch: int, pad_id: int, max_tokens: int = 0):
-    """Sum gradients of every micro-batch of every step; the scale makes the total the mean over all
-    B*G*accum sequences of each sequence's token mean. -> (grads, loss, kl_mean, clip_mean)."""
-    total_rows = sum(len(s.rollout.texts) for s in steps)
-    scale = mx.array(1.0 / total_rows, dtype=mx.float32)
-    grads, loss, kl, clip = None, mx.array(0.0), mx.array(0.0), mx.array(0.0)
-    for s in steps:
-        for rows in row_chunks(s.rollout, micro_batch, max_tokens):
-            batch, width = _chunk_batch(s.rollout, rows, pad_id)
-            old = None if s.old_logprobs is None else s.old_logprobs[rows, :width]
-            ref = None if s.ref_logprobs is None else s.ref_logprobs[rows, :width]
+def loss_weights(cfg: Config, steps: list[StepData]) -> list[mx.array]:
+    """Each row's weight in the update's loss (loss.row_scales), per batch step; completions cut by
+    max_new_tokens get 0 with mask_truncated_completions."""
+    keep = [~s.rollout.truncated if cfg.mask_truncated_completions else np.ones(len(s.rollout.texts), bool)
+            for s in steps]
+    scales = row_scales([s.rollout.lengths for s in steps], keep, cfg.loss_type, cfg.max_new_tokens)
+    return [mx.array(w) for w in scales]
+
+
+def accumulate_gradients(step_fn, steps: list[StepData], weights: list[mx.array], micro_batch: int, pad_id: int,
+                         max_tokens: int = 0):
+    """Sum gradients of every micro-batch of every step; weights[s] [N_s] (loss.row_scales) make the total
+    the update's loss. Rows of weight 0 never enter a pass. -> (grads or None, LossSums totals)."""
+    grads, totals = None, None
+    for s, w in zip(steps, weights):
+        rows = [r for r, v in enumerate(w.tolist()) if v > 0]
+        for chunk in (row_chunks(s.rollout, micro_batch, max_tokens, rows) if rows else []):
+            batch, width = _chunk_batch(s.rollout, chunk, pad_id)
+            old = None if s.old_logprobs is None else s.old_logprobs[chunk, :width]
+            ref = None if s.ref_logprobs is None else s.ref_logprobs[chunk, :width]
             arrays = (batch.inputs, batch.positions, batch.targets, batch.mask)
-            (value, (kl_sum, clip_sum)), g = step_fn(arrays, old, ref, s.advantages[rows], scale)
-            grads = g if grads is None else tree_map(mx.add, grads, g)
-            loss, kl, clip = loss + value, kl + kl_sum * scale, clip + clip_sum * scale
-            mx.eval(grads, loss, kl, clip)  # one boundary per micro-batch bounds memory
-    return grads, loss, kl, clip
+            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk])
+            sums = LossSums(loss, *aux)
+            if grads is None:
+                grads, totals = g, sums
+            else:
+                grads = tree_map(mx.add, grads, g)
+                totals = LossSums(*(mx.minimum(a, b) if name == "ratio_min" else mx.maximum(a, b)
+                                    if name == "ratio_max" else a + b
+                                    for name, a, b in zip(LossSums._fields, totals, sums)))
+            mx.eval(grads, totals)  # one boundary per micro-batch bounds memory
+    return grads, totals
 
 
 def clip_by_global_norm(grads, max_norm: float):

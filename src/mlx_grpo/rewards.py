@@ -203,6 +203,30 @@ class RewardScores:
     per_func: dict[str, np.ndarray]
     total: np.ndarray
 
+    def select(self, rows: Sequence[int]) -> "RewardScores":
+        """The scores of the given completions, in that order."""
+        idx = np.asarray(rows, dtype=np.int64)
+        return RewardScores(list(self.names), {k: v[idx] for k, v in self.per_func.items()}, self.total[idx])
+
+    def with_penalty(self, name: str, values: np.ndarray) -> "RewardScores":
+        """Add a per-completion term (weight 1) to the total, logged under `name`."""
+        values = np.asarray(values, dtype=np.float32)
+        return RewardScores(self.names + [name], {**self.per_func, name: values}, self.total + values)
+
+    @staticmethod
+    def concat(parts: Sequence["RewardScores"]) -> "RewardScores":
+        return RewardScores(list(parts[0].names), {k: np.concatenate([p.per_func[k] for p in parts])
+                                                   for k in parts[0].per_func},
+                            np.concatenate([p.total for p in parts]))
+
+
+def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) scaled by `penalty`: 0 for lengths up to
+    max_new_tokens - buffer, then linear down to -penalty at max_new_tokens. lengths [N] -> [N] float32."""
+    start = max_new_tokens - buffer
+    over = np.clip((np.asarray(lengths, dtype=np.float64) - start) / buffer, 0.0, 1.0)
+    return (-penalty * over).astype(np.float32)
+
 
 def _unknown_reward(name: str) -> UserError:
     close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.0)

