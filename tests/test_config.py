@@ -97,6 +97,18 @@ def test_key_for_other_command_rejected():
     (["temperature=0"], "temperature must be > 0"),
     (["lr_scheduler_type=step"], "lr_scheduler_type must be"),
     (["eval_samples=20"], "eval_samples only sizes the eval_steps evaluations"),
+    (["loss_type=dr-grpo"], "loss_type must be one of grpo, bnpo, dr_grpo, dapo, got 'dr-grpo'; did you mean 'dr_grpo'"),
+    (["scale_rewards=std"], "scale_rewards must be one of group, batch, none"),
+    (["importance_sampling_level=seq"], "did you mean 'sequence'"),
+    (["kl_estimator=k2"], "kl_estimator must be one of k3, k1"),
+    (["delta=1.1"], r"delta must be 0 \(off\) or > 1 \+ clip_eps_high = 1.2"),
+    (["clip_eps_high=0.28", "delta=1.25"], "> 1 \\+ clip_eps_high = 1.28"),
+    (["overlong_penalty=1"], "overlong_penalty needs 0 < overlong_buffer <= max_new_tokens"),
+    (["overlong_penalty=1", "overlong_buffer=300"], "overlong_buffer <= max_new_tokens"),
+    (["lora_rank=8"], "lora_rank only apply with train_type = lora or dora"),
+    (["train_type=qlora"], "train_type must be one of full, lora, dora"),
+    (["train_type=lora", "lora_rank=0"], "lora_rank must be >= 1"),
+    (["train_type=lora", "lora_dropout=1"], "lora_dropout must be in"),
 ])
 def test_cross_field_rules(items, message):
     with pytest.raises(UserError, match=message):
@@ -113,6 +125,15 @@ def test_resolved_config_round_trips(tmp_path):
     save_json(cfg, tmp_path / "c.json")
     assert from_json(tmp_path / "c.json") == cfg
     assert json.loads((tmp_path / "c.json").read_text())["batch_size"] == 7
+
+
+def test_objective_help_cites_papers(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for citation in ("Dr. GRPO, Liu et al. 2025", "DAPO, Yu et al. 2025", "GSPO, Zheng et al. 2025",
+                     "DeepSeekMath, Shao et al. 2024", "Hu et al. 2021", "Dettmers et al. 2023"):
+        assert citation in out
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "train", "eval"])

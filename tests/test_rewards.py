@@ -246,3 +246,13 @@ def test_custom_reward_import_error(tmp_path):
     (tmp_path / "needs.py").write_text("import surely_not_installed_pkg\n")
     with pytest.raises(UserError, match="needs.py failed to import: ModuleNotFoundError: .*surely_not_installed_pkg"):
         load_reward_function("needs.py:f", base_dir=tmp_path)
+
+
+def test_overlong_penalty_follows_dapo():
+    """DAPO eq. 13 with L_max = 100, L_cache = 20, times the penalty: 0 up to 80 tokens, then linear."""
+    from mlx_grpo.rewards import overlong_penalty
+
+    lengths = np.array([1, 79, 80, 81, 90, 99, 100])
+    expected = [0.0 if n <= 80 else ((100 - 20) - n) / 20 for n in lengths]
+    np.testing.assert_allclose(overlong_penalty(lengths, 100, 20, 1.0), expected, rtol=1e-6)
+    np.testing.assert_allclose(overlong_penalty(lengths, 100, 20, 0.5), np.array(expected) * 0.5, rtol=1e-6)

@@ -96,6 +96,24 @@ def test_sampler_logprobs_equal_padded_full_forward(tiny, temperature):
     assert np.all(sampler[mask > 0] < 0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_entropies_are_those_of_the_sampling_distribution(tiny, temperature):
+    """H = -sum p log p of softmax(logits / T) at each sampled position, from a full forward pass."""
+    model, tok = tiny
+    r = generate_rollout(model, tok, _prompts(), 2, SamplingParams(6, temperature, top_k=5), mx.random.key(3))
+    mask = _np(r.mask)
+    for row, prompt in enumerate(r.row_prompts):
+        ids = r.completion_ids[row].tolist()
+        logits = _np(model(mx.array([prompt + ids]))[0]) / temperature  # [L, V]
+        for t in range(int(mask[row].sum())):
+            z = logits[len(prompt) - 1 + t]
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            expected = -(p * np.log(p)).sum()
+            np.testing.assert_allclose(_np(r.entropies)[row, t], expected, rtol=1e-4, atol=1e-4)
+    assert np.all(_np(r.entropies)[mask == 0] == 0)
+
+
 def _sampled_with_logits(model, r: Rollout):
     """Check the sampler's log-probs are those of the full softmax (filters cut sampling, not log-probs),
     then yield (logits [V] the token was drawn from, the sampled token) for every sampled token."""

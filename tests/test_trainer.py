@@ -2,6 +2,7 @@
 checkpoints that load, and a run where a simple reward measurably rises."""
 
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,7 +36,10 @@ def metrics(run_dir):
 
 
 def weights(path):
-    return mx.load(str(Path(path) / "model.safetensors"))
+    """The trained tensors of a checkpoint: the whole model, or the adapters of a lora/dora run."""
+    path = Path(path)
+    return mx.load(str(path / ("adapters.safetensors" if (path / "adapters.safetensors").is_file()
+                               else "model.safetensors")))
 
 
 def assert_same_weights(a, b, atol=0.0):
@@ -130,7 +134,11 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
     assert metrics(c) != metrics(a)
 
 
-@pytest.mark.parametrize("extra", [[], ["update_every=2", "kl_coeff=0.1"], ["num_iterations=2"]])
+@pytest.mark.parametrize("extra", [[], ["update_every=2", "kl_coeff=0.1"], ["num_iterations=2"],
+                                   ["train_type=lora", "kl_coeff=0.1", "learning_rate=1e-2"],
+                                   ["train_type=dora", "update_every=2", "lora_dropout=0.2", "lora_rank=4"],
+                                   ["dynamic_sampling=true", "max_train_samples=16",
+                                    f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"]])
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
     full = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *extra)
@@ -207,10 +215,12 @@ def test_checkpoint_loads_in_generate(tiny_model_dir, tmp_path, capsys):
     assert json.loads((run / "config.resolved.json").read_text())["batch_size"] == 2
 
 
-def test_compiled_step_matches_eager(tiny_model_dir, tmp_path):
-    eager = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=e", "max_train_samples=4"))
+@pytest.mark.parametrize("extra", [[], ["train_type=lora", "kl_coeff=0.1", "learning_rate=1e-2"],
+                                   ["train_type=lora", "lora_dropout=0.3", "grad_checkpoint=true"]])
+def test_compiled_step_matches_eager(tiny_model_dir, tmp_path, extra):
+    eager = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=e", "max_train_samples=4", *extra))
     compiled = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=c", "max_train_samples=4",
-                                          "use_compile=true"))
+                                          "use_compile=true", *extra))
     for a, b in zip(metrics(eager), metrics(compiled)):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
     assert_same_weights(weights(eager / "checkpoint-2"), weights(compiled / "checkpoint-2"), atol=1e-5)
@@ -229,3 +239,154 @@ def test_grad_checkpoint_without_effect_is_reported(tiny_model_dir, tmp_path, mo
     monkeypatch.setattr(trainer_mod, "supports_layer_checkpointing", lambda model: False)
     trainer_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
     assert "grad_checkpoint has no effect for model type 'llama'" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- objective options, adapters
+
+def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir, tmp_path):
+    from mlx_lm import load
+
+    from mlx_grpo.policy import logprob_pass
+
+    cfg = make_cfg(tiny_model_dir, tmp_path, "train_type=lora", "kl_coeff=0.04", "learning_rate=1e-2",
+                   f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")
+    t = trainer_mod.build_trainer(cfg)
+    before = {k: mx.array(v) for k, v in tree_flatten(t.model.parameters())}
+    trainable = {k for k, _ in tree_flatten(t.model.trainable_parameters())}
+    assert trainable and all(k.endswith(("lora_a", "lora_b")) for k in trainable)
+    for _ in range(2):
+        step, _ = t.batch_step(t.next_examples())
+        t.update([step])
+    after = dict(tree_flatten(t.model.parameters()))
+    changed = {k for k in after if not np.array_equal(np.array(after[k]), np.array(before[k]))}
+    assert changed and changed <= trainable  # the base weights are bitwise unchanged
+    assert {k for k, _ in tree_flatten(t.optimizer.state) if k.endswith(("m", "v"))} <= \
+        {f"{k}.{s}" for k in trainable for s in ("m", "v")}
+    # The KL reference is the base model: the same log-probs as the model loaded afresh, with no copy.
+    assert t.policies.reference is None
+    base, _ = load(str(tiny_model_dir))
+    ref = t.policies.reference_logprobs(step.rollout, t.pad_id)
+    plain = logprob_pass(base, step.rollout, cfg.temperature, cfg.micro_batch_size, t.pad_id, cfg.micro_batch_tokens)
+    np.testing.assert_array_equal(np.array(ref), np.array(plain))
+    adapted = logprob_pass(t.model, step.rollout, cfg.temperature, cfg.micro_batch_size, t.pad_id, 0)
+    assert not np.allclose(np.array(adapted), np.array(plain))  # the adapters are trained, and on again
+    t.run_dir.mkdir(parents=True)
+    ckpt = t.save()
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"adapters.safetensors", "adapter_config.json"} <= names and "model.safetensors" not in names
+
+
+@pytest.fixture(scope="module")
+def wider_model_dir(tmp_path_factory):
+    """Hidden size 64: the layers' inputs are whole quantization groups (QLoRA)."""
+    from conftest import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("wide") / "model", hidden=64)
+
+
+def test_qlora_run_generate_and_fuse(wider_model_dir, tmp_path, capsys):
+    cfg = make_cfg(wider_model_dir, tmp_path, "train_type=lora", "load_in_bits=4", "kl_coeff=0.04",
+                   "max_train_samples=4", "learning_rate=1e-2", "save_steps=0")
+    t = trainer_mod.build_trainer(cfg)
+    assert any(k.endswith(".scales") for k, _ in tree_flatten(t.model.parameters()))  # the base is 4-bit
+    run = trainer_mod.train(cfg)
+    rows = metrics(run)
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    ckpt = run / "checkpoint-2"
+    assert main(["generate", "--model", str(ckpt), "--prompt", "hi", "--max-tokens", "4"]) == 0
+    fused = tmp_path / "fused"
+    assert main(["fuse", "--checkpoint", str(ckpt), "--output-dir", str(fused), "--dequantize"]) == 0
+    assert main(["generate", "--model", str(fused), "--prompt", "hi", "--max-tokens", "4"]) == 0
+    assert main(["fuse", "--checkpoint", str(ckpt), "--output-dir", str(fused)]) == 2  # exists: one line
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_quantized_base_needs_adapters(wider_model_dir, tmp_path):
+    with pytest.raises(UserError, match="train_type"):
+        build_config("train", overrides=parse_set(["load_in_bits=4"]))  # full training: the field does nothing
+    with pytest.raises(UserError, match="load_in_bits must be"):
+        build_config("train", overrides=parse_set(["train_type=lora", "load_in_bits=3"]))
+
+
+def test_masked_truncation_leaves_truncated_completions_out(tiny_model_dir, tmp_path, capsys):
+    """A random tiny model never ends within 8 tokens: with masking nothing enters the loss, so the
+    update is skipped (weights unchanged) and the log says why; without masking the weights move."""
+    masked = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=m", "max_train_samples=2",
+                                        "mask_truncated_completions=true"))
+    plain = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=p", "max_train_samples=2"))
+    out = capsys.readouterr().out
+    assert "no completion entered the loss" in out
+    row = metrics(masked)[0]
+    assert row["truncated_fraction"] == 1.0 and row["loss"] is None and row["loss_tokens"] == 0
+    assert "truncated" in row["warnings"] and "hit max_new_tokens" in out
+    initial = dict(tree_flatten(__import__("mlx_lm").load(str(tiny_model_dir))[0].parameters()))
+    assert_same_weights(weights(masked / "checkpoint-1"), {k: initial[k] for k in weights(masked / "checkpoint-1")})
+    assert metrics(plain)[0]["loss_tokens"] > 0
+
+
+def test_loss_weights_zero_exactly_the_truncated_rows(tiny_model_dir, tmp_path):
+    from mlx_grpo.policy import loss_weights
+
+    r = Rollout([[1], [2]], mx.zeros((4, 3), dtype=mx.int32), mx.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1.0]]),
+                mx.zeros((4, 3)), np.array([True, False, False, True]), ["a"] * 4, 2)
+    step = StepData(r, mx.zeros(4), None, None)
+    for loss_type, expected in (("grpo", [0, 1 / 4, 1 / 8, 0]), ("dapo", [0, 1 / 3, 1 / 3, 0])):
+        cfg = make_cfg(tiny_model_dir, tmp_path, "mask_truncated_completions=true", f"loss_type={loss_type}",
+                       "max_new_tokens=3")
+        np.testing.assert_allclose(np.array(loss_weights(cfg, [step])[0]), expected, rtol=1e-6)
+    cfg = make_cfg(tiny_model_dir, tmp_path, "loss_type=dapo", "max_new_tokens=3")
+    np.testing.assert_allclose(np.array(loss_weights(cfg, [step])[0]), [1 / 9] * 4, rtol=1e-6)
+
+
+def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_path, capsys):
+    """Questions with odd answers give flat groups: they are dropped, more prompts are drawn, and every
+    trained group has reward variance; the report says how many draws each update made."""
+    rewards = f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"
+    cfg = make_cfg(tiny_model_dir, tmp_path, rewards, "dynamic_sampling=true", "max_train_samples=24",
+                   "log_completions_steps=1", "max_resample_batches=2")
+    run = trainer_mod.train(cfg)
+    rows = metrics(run)
+    assert sum(r["draws"] for r in rows) > len(rows)  # extra draws happened
+    assert all(r["groups_trained"] <= 2 for r in rows) and any(r["groups_trained"] == 2 for r in rows)
+    assert len(rows) < 12  # the data (12 batches) ran out before 12 updates
+    assert "the training data ran out" in capsys.readouterr().out
+    completions = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
+    assert completions and all(int(c["answer"]) % 2 == 0 for c in completions)  # only informative groups
+    plain = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, rewards, "run_name=plain", "max_train_samples=24",
+                                       "log_completions_steps=1"))
+    assert len(metrics(plain)) == 12 and all(r["draws"] == 1 for r in metrics(plain))
+    odd = [c for c in (json.loads(x) for x in (plain / "completions.jsonl").read_text().splitlines())
+           if int(c["answer"]) % 2]
+    assert odd and all(c["advantage"] == 0 for c in odd)
+
+
+def test_overlong_penalty_enters_reward_and_metrics(tiny_model_dir, tmp_path):
+    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "overlong_penalty=0.5",
+                                     "overlong_buffer=4", "log_completions_steps=1"))
+    row = metrics(run)[0]
+    assert row["reward/overlong_penalty"] == pytest.approx(-0.5)  # every completion runs to max_new_tokens
+    c = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
+    assert c["rewards"]["overlong_penalty"] == -0.5
+
+
+def test_update_metrics_report_clipping_ratio_and_entropy(tiny_model_dir, tmp_path):
+    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "num_iterations=2",
+                                     "learning_rate=5e-2", "clip_eps=0.05",
+                                     f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids"))
+    first, second = metrics(run)
+    assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["clip_fraction"] == 0.0
+    assert second["ratio_min"] < 1.0 < second["ratio_max"]  # the second pass sees a moved policy
+    assert second["clip_fraction"] == pytest.approx(second["clip_low_fraction"] + second["clip_high_fraction"])
+    assert 0 < first["entropy"] <= math.log(259) + 1e-3  # at most log V for this vocabulary
+
+
+def test_zero_variance_warning_is_loud_and_logged(tiny_model_dir, tmp_path, capsys):
+    """A random model never writes an integer answer: every group scores 0 under `int`. Each record
+    carries the warning; the console shows it once, not at every update."""
+    rows = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=6", "reward_funcs=int")))
+    out = capsys.readouterr().out
+    assert len(rows) == 3 and all(r["zero_std_fraction"] == 1.0 and "zero_std" in r["warnings"] for r in rows)
+    assert out.count("zero reward variance") == 1 and "WARNING (update 1)" in out and "dynamic_sampling" in out
+    ok = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=ok", "max_train_samples=2",
+                                            f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")))
+    assert ok[0]["zero_std_fraction"] == 0.0 and "zero_std" not in ok[0]["warnings"]

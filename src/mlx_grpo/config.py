@@ -508,6 +508,8 @@ def _validate_adapters(c: Config) -> None:
     _require(c.lora_alpha > 0, "lora_alpha must be > 0")
     _require(0 <= c.lora_dropout < 1, "lora_dropout must be in [0, 1)")
     _require(c.lora_layers >= 0, "lora_layers must be >= 0 (0 = all blocks)")
+    _require(not (c.load_in_bits and c.quantize_for_rollouts), "quantize_for_rollouts has nothing to do with "
+             "load_in_bits: the base the rollouts use is already quantized; drop quantize_for_rollouts")
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -9,6 +9,11 @@ import mlx.core as mx
 import numpy as np
 
 
+def fmt(value: float | None, spec: str) -> str:
+    """A metric for the console; None (nothing entered the loss) prints as n/a."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def _nan_mean(values: np.ndarray) -> float | None:
     """Mean over the completions a reward applied to (None marks 'not applicable'); None if none."""
     return None if np.all(np.isnan(values)) else float(np.nanmean(values))
@@ -128,5 +133,5 @@ class RunLogger:
     @staticmethod
     def print_line(record: dict) -> None:
         print(f"[mlx-grpo] update {record['update_step']}: reward {record['reward_mean']:.3f} "
-              f"loss {record['loss']:.4f} kl {record['kl']:.4f} len {record['completion_length_mean']:.0f} "
-              f"lr {record['lr']:.2e}", flush=True)
+              f"loss {fmt(record['loss'], '.4f')} kl {fmt(record['kl'], '.4f')} "
+              f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}", flush=True)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config, save_json
 from mlx_grpo.evaluate import evaluate_model
-from mlx_grpo.logs import RunLogger, update_record
+from mlx_grpo.logs import RunLogger, fmt, update_record
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.loss import LossSums, group_advantages, supports_layer_checkpointing
@@ -385,8 +385,8 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             logger.log_metrics(record)
             logger.warn(record)
             if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}",
-                                kl=f"{record['kl']:.4f}", refresh=False)
+                bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
+                                kl=fmt(record["kl"], ".4f"), refresh=False)
                 if bar.disable:
                     logger.print_line(record)
             if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
