@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import platform
 import statistics
 import subprocess
@@ -257,10 +256,6 @@ def run_variant(args: argparse.Namespace, variant: str, tmp: Path) -> dict:
     return json.loads(result.read_text())
 
 
-def fmt(value, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
-
-
 def markdown(results: list[dict]) -> str:
     lines = ["| variant | trainable params | weights GB | peak GB | peak after load GB | s/update | rollout s | "
              "train s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -268,13 +263,13 @@ def markdown(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | |")
             continue
-        weights = f"{r['weights_gb']:.3f}"
+        weights = f"{r['weights_gb']:.3g}"
         if r["reference_weights_gb"]:
-            weights += f" (+{r['reference_weights_gb']:.3f} ref)"
+            weights += f" (+{r['reference_weights_gb']:.3g} ref)"
         if r["quantized_layers"]:
             weights += f", {r['quantized_layers']} layers {r['load_in_bits']}-bit"
-        lines.append(f"| {r['variant']} | {r['trainable_params']:,} | {weights} | {r['peak_gb']:.3f} | "
-                     f"{r['peak_after_load_gb']:.3f} | {r['s_per_update']:.2f} | {r['rollout_s']:.2f} | "
+        lines.append(f"| {r['variant']} | {r['trainable_params']:,} | {weights} | {r['peak_gb']:.3g} | "
+                     f"{r['peak_after_load_gb']:.3g} | {r['s_per_update']:.2f} | {r['rollout_s']:.2f} | "
                      f"{r['train_s']:.2f} |")
     return "\n".join(lines)
 

@@ -103,3 +103,41 @@ def test_nanochat_bench_rollout_precision_section(tmp_path):
     assert [(r["dtype"], r["bits"]) for r in results] == [("float32", None), ("float32", 4), ("bfloat16", None),
                                                           ("bfloat16", 4)]
     assert all(r["ms_per_step"] > 0 and r["rows"] == 16 for r in results)
+
+
+def test_adapter_bench_measures_each_variant_in_its_own_process(tiny_model_dir, tmp_path):
+    """Full, LoRA and QLoRA-8 on the tiny model (hidden 32: its down_proj, 64 wide, is the layer that
+    quantizes at group 64): every figure present and finite, adapters train fewer parameters."""
+    import math
+
+    out = tmp_path / "adapter.json"
+    script = str(ROOT / "bench" / "adapter_bench.py")
+    workload = ["--model", str(tiny_model_dir), "--updates", "2", "--set", "batch_size=2", "--set",
+                "num_generations=2", "--set", "max_new_tokens=4"]
+    proc = subprocess.run([sys.executable, script, *workload, "--variants", "full,lora,qlora8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["device"] and record["versions"]["mlx"] and record["workload"]["batch_size"] == 2
+    results = {r["variant"]: r for r in record["variants"]}
+    assert list(results) == ["full", "lora", "qlora8"]
+    figures = ("trainable_params", "weights_gb", "trainable_weights_gb", "optimizer_state_gb", "peak_gb",
+               "peak_after_load_gb", "s_per_update", "rollout_s", "train_s", "logprob_s")
+    for r in results.values():
+        assert all(isinstance(r[k], (int, float)) and math.isfinite(r[k]) and r[k] > 0 for k in figures), r
+        assert r["updates"] == 2 and r["timed_updates"] == [2]  # update 1 is the warm-up
+        assert r["peak_gb"] >= r["peak_after_load_gb"] and r["peak_gb"] >= r["weights_gb"]
+    full, lora, qlora = results["full"], results["lora"], results["qlora8"]
+    assert lora["trainable_params"] < full["trainable_params"] and qlora["trainable_params"] == lora["trainable_params"]
+    assert full["reference_weights_gb"] == full["weights_gb"] and lora["reference_weights_gb"] == 0  # the KL copy
+    assert full["quantized_layers"] == lora["quantized_layers"] == 0 < qlora["quantized_layers"]
+    assert qlora["weights_gb"] < lora["weights_gb"]
+    assert {"qlora8_peak_over_lora", "lora_peak_over_full"} <= set(record["ratios"])
+    assert "| qlora8 |" in proc.stdout and "lora peak / full" in proc.stdout
+
+    for bad, says in [(["--data", str(tmp_path / "missing.jsonl")], "data file not found"),  # caught up front
+                      (["--set", "lora_rnk=4"], "did you mean 'lora_rank'"),
+                      (["--variants", "lora", "--set", "lora_keys=self_attn.q_prj"], "lora: unknown LoRA key")]:
+        proc = subprocess.run([sys.executable, script, *workload, *bad], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-3000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("adapter_bench: error: ")

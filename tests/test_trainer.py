@@ -390,3 +390,13 @@ def test_zero_variance_warning_is_loud_and_logged(tiny_model_dir, tmp_path, caps
     ok = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=ok", "max_train_samples=2",
                                             f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")))
     assert ok[0]["zero_std_fraction"] == 0.0 and "zero_std" not in ok[0]["warnings"]
+
+
+def test_dynamic_sampling_without_any_informative_group_skips_and_ends(tiny_model_dir, tmp_path, capsys):
+    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "reward_funcs=int", "dynamic_sampling=true",
+                                     "max_resample_batches=1", "log_completions_steps=1"))
+    rows = metrics(run)
+    assert [r["groups_trained"] for r in rows] == [0, 0] and all(r["skipped"] and r["draws"] == 2 for r in rows)
+    out = capsys.readouterr().out
+    assert "no completion entered the loss" in out and "ran out after 2 of 4 updates" in out
+    assert "dynamic_sampling skips" not in out  # it is already on

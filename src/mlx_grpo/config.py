@@ -126,7 +126,7 @@ class Config:
                               "good tokens grow, keeps entropy from collapsing). 0 = same as clip_eps.", TRAIN)
     delta: float = _f(0.0, "Two-sided clipping: for negative advantages the ratio is also capped at delta "
                       "(> 1 + clip_eps_high), bounding the loss when the policy has moved far from the "
-                      "sampler (Tulu 3 / INTELLECT-2 style, e.g. 4.0). 0 = off.", TRAIN)
+                      "sampler (INTELLECT-2, Prime Intellect 2025; e.g. 4.0). 0 = off.", TRAIN)
     importance_sampling_level: str = _f("token", "token: one importance ratio per token (PPO/GRPO); sequence: "
                                         "one length-normalised ratio per completion, exp(mean of token "
                                         "log-ratios), clipped per sequence (GSPO, Zheng et al. 2025; stabler "
