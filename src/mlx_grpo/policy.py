@@ -1,10 +1,10 @@
 """The three policies of GRPO and the passes over them.
 
 `model` is trained; the old (behaviour) policy samples and gives old log-probs; the reference policy
-(frozen initial weights) anchors the KL term; with lora/dora adapters it is `model` itself with the
-adapters switched off, so no second copy of the weights exists. With update_every = 1, num_iterations = 1 and no rollout
-quantization, the old policy *is* `model` and no copy exists. Log-prob and gradient passes run in
-length-sorted micro-batches so full [N, L, V] logits never exist at once.
+(frozen initial weights) anchors the KL term. With lora/dora adapters the reference is `model` itself
+with the adapters switched off, so no second copy of the weights exists. With update_every = 1,
+num_iterations = 1 and no rollout quantization, the old policy *is* `model` and no copy exists.
+Log-prob and gradient passes run in length-sorted micro-batches so full [N, L, V] logits never exist.
 """
 
 from __future__ import annotations
