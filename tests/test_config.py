@@ -109,10 +109,24 @@ def test_key_for_other_command_rejected():
     (["train_type=qlora"], "train_type must be one of full, lora, dora"),
     (["train_type=lora", "lora_rank=0"], "lora_rank must be >= 1"),
     (["train_type=lora", "lora_dropout=1"], "lora_dropout must be in"),
+    (["train_type=lora", "lora_dropout=0.1", "grad_checkpoint=true"], "lora_dropout with grad_checkpoint"),
+    (["clip_eps_high=0.28"], "clip_eps_high has no effect here: with num_iterations = 1 and update_every = 1"),
+    (["delta=4"], "delta has no effect here"),
+    (["importance_sampling_level=sequence"], "importance_sampling_level has no effect here"),
+    (["kl_coeff=0", "kl_estimator=k1"], "kl_estimator only applies with kl_coeff > 0"),
+    (["overlong_buffer=16"], "overlong_buffer only applies with overlong_penalty > 0"),
+    (["max_resample_batches=5"], "max_resample_batches only applies with dynamic_sampling = true"),
 ])
+
 def test_cross_field_rules(items, message):
     with pytest.raises(UserError, match=message):
         build_config("train", overrides=parse_set(items))
+
+
+@pytest.mark.parametrize("items", [["clip_eps_high=0.28", "num_iterations=2"], ["delta=4", "update_every=2"],
+                                   ["importance_sampling_level=sequence", "quantize_for_rollouts=true"]])
+def test_off_policy_options_accepted_where_the_ratio_moves(items):
+    build_config("train", overrides=parse_set(items))
 
 
 def test_set_requires_key_value():

@@ -216,7 +216,8 @@ def test_checkpoint_loads_in_generate(tiny_model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra", [[], ["train_type=lora", "kl_coeff=0.1", "learning_rate=1e-2"],
-                                   ["train_type=lora", "lora_dropout=0.3", "grad_checkpoint=true"]])
+                                   ["train_type=lora", "lora_dropout=0.3"],
+                                   ["train_type=dora", "grad_checkpoint=true", "learning_rate=1e-2"]])
 def test_compiled_step_matches_eager(tiny_model_dir, tmp_path, extra):
     eager = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=e", "max_train_samples=4", *extra))
     compiled = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=c", "max_train_samples=4",

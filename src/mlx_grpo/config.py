@@ -106,10 +106,11 @@ class Config:
     clip_eps: float = _f(0.2, "PPO clipping range for the probability ratio.", TRAIN)
     kl_coeff: float = _f(0.04, "Weight of the KL penalty to the reference model (0 = no reference model).",
                          TRAIN)
-    kl_estimator: str = _f("k3", "KL estimator for the penalty: k3 = exp(ref - logp) - (ref - logp) - 1 "
-                           "(unbiased, always >= 0; DeepSeekMath/GRPO, Schulman 2020 'Approximating KL "
-                           "divergence') or k1 = logp - ref (the plain log-ratio; lower variance per token, "
-                           "can be negative).", TRAIN)
+    kl_estimator: str = _f("k3", "Per-token KL estimator for the penalty (Schulman 2020, 'Approximating KL "
+                           "divergence'): k3 = exp(ref - logp) - (ref - logp) - 1, unbiased, low variance, always "
+                           ">= 0 (DeepSeekMath/GRPO); k1 = logp - ref, unbiased but high variance and can be "
+                           "negative; as a loss its expected gradient on fresh samples is 0, so it pulls "
+                           "towards the reference only weakly. Needs kl_coeff > 0.", TRAIN)
     # --- objective variants (README, "The algorithm and its variants") ---
     loss_type: str = _f("grpo", "How token losses are averaged. grpo: mean over each sequence's tokens, then "
                         "over sequences (DeepSeekMath, Shao et al. 2024); bnpo: sum over the batch step's "
@@ -123,15 +124,20 @@ class Config:
                             "none: the std division over-weights easy and hard prompts).", TRAIN)
     clip_eps_high: float = _f(0.0, "Upper clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] "
                               "(DAPO 'clip-higher', Yu et al. 2025, uses 0.28 with clip_eps 0.2: lets rare "
-                              "good tokens grow, keeps entropy from collapsing). 0 = same as clip_eps.", TRAIN)
+                              "good tokens grow, keeps entropy from collapsing). 0 = same as clip_eps. Like all "
+                              "clipping it acts only when the ratio can leave 1: num_iterations >= 2, "
+                              "update_every >= 2 or quantize_for_rollouts.", TRAIN)
     delta: float = _f(0.0, "Two-sided clipping: for negative advantages the ratio is also capped at delta "
                       "(> 1 + clip_eps_high), bounding the loss when the policy has moved far from the "
-                      "sampler (INTELLECT-2, Prime Intellect 2025; e.g. 4.0). 0 = off.", TRAIN)
+                      "sampler (INTELLECT-2, Prime Intellect 2025; e.g. 4.0). 0 = off. Needs an off-policy ratio, as "
+                      "clip_eps_high.", TRAIN)
     importance_sampling_level: str = _f("token", "token: one importance ratio per token (PPO/GRPO); sequence: "
                                         "one length-normalised ratio per completion, exp(mean of token "
                                         "log-ratios), clipped per sequence (GSPO, Zheng et al. 2025; stabler "
                                         "for long answers and MoE models; use a small clip_eps such as "
-                                        "3e-4 / clip_eps_high 4e-4).", TRAIN)
+                                        "3e-4 / clip_eps_high 4e-4). On-policy (num_iterations = update_every = 1) the ratio is 1 "
+                                        "and GSPO equals GRPO, so it needs num_iterations >= 2 (as in the "
+                                        "paper) or update_every >= 2.", TRAIN)
     mask_truncated_completions: bool = _f(False, "Leave completions cut by max_new_tokens out of the loss "
                                           "(DAPO's overlong filtering): an unfinished answer is not "
                                           "evidence against its reasoning. Their rewards still enter the "
@@ -144,7 +150,8 @@ class Config:
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (they "
                                 "give no gradient) and draw more prompts until the batch step has "
                                 "batch_size informative groups or max_resample_batches extra draws were "
-                                "made. Consumes more prompts per step; the run ends when the data does.",
+                                "made. Consumes more prompts per step; the run ends when the data does, "
+                                "before the learning-rate decay planned without extra draws ends.",
                                 TRAIN)
     max_resample_batches: int = _f(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
                                    "step; a step still short trains on the groups it has.", TRAIN)
@@ -162,7 +169,10 @@ class Config:
                          "Use a ~10x higher learning_rate than for full training.", TRAIN)
     lora_rank: int = _f(16, "Rank of each adapter (lora/dora).", TRAIN)
     lora_alpha: float = _f(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", TRAIN)
-    lora_dropout: float = _f(0.0, "Dropout on the adapters' input during training passes (0 = off).", TRAIN)
+    lora_dropout: float = _f(0.0, "Dropout on the adapters' input in the gradient pass (0 = off). RL trainers "
+                             "usually keep it off: the sampler and old-policy passes run without it, so ratios "
+                             "start away from 1, and its masks depend on the micro-batch split. Not with "
+                             "grad_checkpoint (the recomputed layer would draw another mask).", TRAIN)
     lora_layers: int = _f(0, "Adapt the last N transformer blocks (0 = all).", TRAIN)
     lora_keys: list[str] = _f([], "Projections to adapt, as named inside a block, e.g. self_attn.q_proj, "
                               "mlp.down_proj (empty = every linear layer of the block).", TRAIN)
@@ -493,6 +503,21 @@ def _validate_objective(c: Config) -> None:
              f"overlong_buffer={c.overlong_buffer}")
     _require(c.overlong_buffer >= 0, "overlong_buffer must be >= 0")
     _require(c.max_resample_batches >= 0, "max_resample_batches must be >= 0")
+    off_policy = c.num_iterations > 1 or c.update_every > 1 or c.quantize_for_rollouts
+    for name, active in (("clip_eps_high", c.clip_eps_high > 0), ("delta", c.delta > 0),
+                         ("importance_sampling_level", c.importance_sampling_level == "sequence")):
+        _require(not active or off_policy, f"{name} has no effect here: with num_iterations = 1 and update_every = "
+                 "1 the sampler is the policy being trained, every importance ratio is exactly 1 and nothing is "
+                 "clipped; set num_iterations >= 2 (several optimizer passes per rollout) or update_every >= 2")
+    _unused_unless(c, "kl_estimator", c.kl_coeff > 0, "kl_coeff > 0")
+    _unused_unless(c, "overlong_buffer", c.overlong_penalty > 0, "overlong_penalty > 0")
+    _unused_unless(c, "max_resample_batches", c.dynamic_sampling, "dynamic_sampling = true")
+
+
+def _unused_unless(c: Config, name: str, condition: bool, needs: str) -> None:
+    """A field changed from its default where it cannot act is an error, not a silent no-op."""
+    _require(condition or getattr(c, name) == command_default("train", name),
+             f"{name} only applies with {needs}; drop it or set that too")
 
 
 def _validate_adapters(c: Config) -> None:
@@ -508,6 +533,8 @@ def _validate_adapters(c: Config) -> None:
     _require(c.lora_alpha > 0, "lora_alpha must be > 0")
     _require(0 <= c.lora_dropout < 1, "lora_dropout must be in [0, 1)")
     _require(c.lora_layers >= 0, "lora_layers must be >= 0 (0 = all blocks)")
+    _require(not (c.lora_dropout > 0 and c.grad_checkpoint), "lora_dropout with grad_checkpoint would recompute "
+             "each layer with a different dropout mask in the backward pass (wrong gradients): drop one of them")
     _require(not (c.load_in_bits and c.quantize_for_rollouts), "quantize_for_rollouts has nothing to do with "
              "load_in_bits: the base the rollouts use is already quantized; drop quantize_for_rollouts")
 

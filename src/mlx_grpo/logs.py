@@ -50,7 +50,7 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "time_logprob_s": sum(s["t_logprob"] for s in stats), "time_train_s": result["t_train"],
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
     }
-    record["warnings"] = diagnose(record, trainer.cfg.dynamic_sampling)
+    record["warnings"] = diagnose(record, trainer.cfg)
     return record
 
 
@@ -61,7 +61,7 @@ TRUNCATED_ALARM = 0.9
 WARN_EVERY = 10
 
 
-def diagnose(record: dict, dynamic_sampling: bool = False) -> dict[str, str]:
+def diagnose(record: dict, cfg) -> dict[str, str]:
     """Warnings (kind -> message) for an update that gives (almost) no learning signal, each saying what
     to change."""
     out = {}
@@ -69,11 +69,12 @@ def diagnose(record: dict, dynamic_sampling: bool = False) -> dict[str, str]:
         out["zero_std"] = (f"{record['zero_std_fraction']:.0%} of groups have zero reward variance, so their "
                            "advantages are 0 and they teach nothing: give partial credit (soft_format, xmlcount), "
                            "prefill the start of the format, raise num_generations or temperature, or use easier "
-                           "data" + ("" if dynamic_sampling else "; dynamic_sampling skips such groups"))
+                           "data" + ("" if cfg.dynamic_sampling else "; dynamic_sampling skips such groups"))
     if record["truncated_fraction"] >= TRUNCATED_ALARM:
         out["truncated"] = (f"{record['truncated_fraction']:.0%} of completions hit max_new_tokens before ending: "
-                            "raise max_new_tokens, add a stop string, or set mask_truncated_completions / "
-                            "overlong_penalty")
+                            "raise max_new_tokens or add a stop string"
+                            + ("" if cfg.mask_truncated_completions else
+                               "; mask_truncated_completions keeps them out of the loss"))
     return out
 
 

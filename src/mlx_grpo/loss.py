@@ -329,7 +329,7 @@ def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, tempera
         return token_logprobs(soft_capped(project(flat_h), softcap), flat_t, temperature).reshape(n, T)
     if isinstance(module, (nn.Linear, nn.Embedding)) and "bias" not in module:
         return linear_head_logprobs(flat_h, module.weight, flat_t, temperature, chunk, softcap).reshape(n, T)
-    # Other heads (quantized: sampling-side passes only, no gradients) are projected chunk by chunk.
+    # Other heads (quantized: rollout copies, QLoRA bases; frozen) are projected chunk by chunk by autograd.
     parts = [token_logprobs(soft_capped(project(flat_h[i:i + chunk]), softcap), flat_t[i:i + chunk],
                             temperature) for i in range(0, n * T, chunk)]
     return mx.concatenate(parts).reshape(n, T)

@@ -246,7 +246,7 @@ class Trainer:
     def state(self) -> dict:
         return {"counters": vars(self.counters).copy(), "data_cursor": self.sampler.state(),
                 "seed": self.cfg.seed, "rng": {"kind": "derived", "seed": self.cfg.seed,
-                                               "next_batch_step": self.counters.batch_step},
+                                               "next_draw": self.counters.draws},
                 "total_updates": self.total_updates}
 
     def restore(self, path: Path) -> None:
@@ -316,6 +316,9 @@ def build_trainer(cfg: Config) -> Trainer:
     else:
         if cfg.load_in_bits:
             quantize_base(model, cfg.load_in_bits)
+        elif quantized and cfg.quantize_for_rollouts:
+            raise UserError(f"model {cfg.model_name!r} is already quantized: quantize_for_rollouts has nothing to "
+                            "do; drop it")
         mx.random.seed(cfg.seed)  # the adapters' initial weights come from the global generator
         adapter_config = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
                                         cfg.lora_layers, cfg.lora_keys)
