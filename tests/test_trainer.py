@@ -350,6 +350,8 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
     assert sum(r["draws"] for r in rows) > len(rows)  # extra draws happened
     assert all(r["groups_trained"] <= 2 for r in rows) and any(r["groups_trained"] == 2 for r in rows)
     assert len(rows) < 12  # the data (12 batches) ran out before 12 updates
+    peak = cfg.learning_rate  # the schedule follows the data consumed: the last update is at its end
+    assert rows[-1]["lr"] == pytest.approx(trainer_mod.learning_rate_at(12, 12, cfg)) and rows[-1]["lr"] < 0.05 * peak
     assert "the training data ran out" in capsys.readouterr().out
     completions = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
     assert completions and all(int(c["answer"]) % 2 == 0 for c in completions)  # only informative groups

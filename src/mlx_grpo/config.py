@@ -150,8 +150,8 @@ class Config:
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (they "
                                 "give no gradient) and draw more prompts until the batch step has "
                                 "batch_size informative groups or max_resample_batches extra draws were "
-                                "made. Consumes more prompts per step; the run ends when the data does, "
-                                "before the learning-rate decay planned without extra draws ends.",
+                                "made. Consumes more prompts per step; the run (and the learning-rate "
+                                "schedule, which follows the data consumed) ends when the data does.",
                                 TRAIN)
     max_resample_batches: int = _f(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
                                    "step; a step still short trains on the groups it has.", TRAIN)

@@ -184,7 +184,7 @@ class Trainer:
     def update(self, steps: list[StepData]) -> dict:
         cfg = self.cfg
         self.counters.update_step += 1
-        lr = learning_rate_at(self.counters.update_step, self.total_updates, cfg)
+        lr = learning_rate_at(self.schedule_position(), self.total_updates, cfg)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         t0 = time.perf_counter()
         weights = loss_weights(cfg, steps)
@@ -209,6 +209,15 @@ class Trainer:
         train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
         dt = time.perf_counter() - t0
         return {**result, "t_train": dt, "train_tokens_per_s": train_tokens / dt if dt > 0 else 0.0}
+
+    def schedule_position(self) -> int:
+        """The update's place in the learning-rate schedule, by data consumed: the update count when every
+        batch step draws once; ahead of it when dynamic sampling drew extra batches, so the decay ends
+        where the data does. 1-based."""
+        cfg = self.cfg
+        groups = -(-self.sampler.batches_done // cfg.gradient_accumulation_steps)  # rollout groups consumed
+        iteration = (self.counters.update_step - 1) % cfg.num_iterations + 1
+        return min(max(groups - 1, 0) * cfg.num_iterations + iteration, self.total_updates)
 
     def _apply(self, grads, sums: LossSums, result: dict) -> None:
         """Clip, check and apply one update's gradients; fill result with its metrics."""
