@@ -31,7 +31,8 @@ def test_system_prompt_is_exact():
 
 
 def test_builtin_names_in_order():
-    assert list(BUILTIN_REWARDS) == ["correctness", "int", "strict_format", "soft_format", "xmlcount"]
+    assert list(BUILTIN_REWARDS) == ["correctness", "int", "strict_format", "soft_format", "xmlcount",
+                                     "think_format", "think_tags"]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -256,3 +257,25 @@ def test_overlong_penalty_follows_dapo():
     expected = [0.0 if n <= 80 else ((100 - 20) - n) / 20 for n in lengths]
     np.testing.assert_allclose(overlong_penalty(lengths, 100, 20, 1.0), expected, rtol=1e-6)
     np.testing.assert_allclose(overlong_penalty(lengths, 100, 20, 0.5), np.array(expected) * 0.5, rtol=1e-6)
+
+
+THINK = "<think>\nadd them\n</think>\n<answer>\n5\n</answer>"
+
+
+@pytest.mark.parametrize("completion, fmt, tags", [
+    (THINK, 0.5, 1.0),
+    (THINK.replace("</think>\n", "</think>\n\n"), 0.5, 1.0),  # a blank line between the blocks
+    (THINK + "\n", 0.5, 1.0),  # `$` allows one final newline
+    ("<think>\nmulti\nline\n</think>\n<answer>\n5\n</answer>", 0.5, 1.0),  # dot matches newline
+    (THINK.replace("</think>\n", "</think>\n\n\n"), 0.0, 1.0),  # two blank lines: no
+    ("<think>add them</think><answer>5</answer>", 0.0, 1.0),  # tags not on their own lines
+    ("Sure! " + THINK, 0.0, 1.0),  # text before the think block
+    (THINK + " trailing", 0.0, 1.0),
+    ("<think>\na\n</think>\n<answer>\n5\n</answer>\n<answer>\n6\n</answer>", 0.5, 0.5),  # answer twice
+    ("<think>\nunfinished", 0.0, 0.25),
+    ("no tags", 0.0, 0.0),
+    ("<reasoning>\nx\n</reasoning>\n<answer>\n5\n</answer>", 0.0, 0.5),  # the other format
+])
+def test_think_format_and_tags(completion, fmt, tags):
+    assert call("think_format", [completion]) == [fmt]
+    assert call("think_tags", [completion]) == [tags]

@@ -25,6 +25,8 @@ SYSTEM_PROMPT = (
 )
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_REWARD_NAMES = ["correctness", "int", "strict_format", "soft_format", "xmlcount"]
+# Built-ins for the R1-style <think>/<answer> format (configs/reasoning.toml), not in the default list.
+REASONING_REWARD_NAMES = ["think_format", "think_tags"]
 
 INFER = frozenset({"generate", "chat"})
 MODEL_CMDS = frozenset({"generate", "chat", "train", "eval"})
@@ -75,7 +77,8 @@ class Config:
                       "prefill + completion.", DATA)
     # --- rewards ---
     reward_funcs: list[str] = _f(BUILTIN_REWARD_NAMES, "Reward functions: built-in names "
-                                 f"({', '.join(BUILTIN_REWARD_NAMES)}) or 'file.py:function'.", TRAIN)
+                                 f"({', '.join(BUILTIN_REWARD_NAMES + REASONING_REWARD_NAMES)}) or "
+                                 "'file.py:function'.", TRAIN)
     reward_weights: list[float] = _f([], "One weight per reward function (empty = all 1.0).", TRAIN)
     stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one.",
                          TRAIN)

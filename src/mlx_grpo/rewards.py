@@ -34,6 +34,10 @@ _INTEGER = re.compile(r"-?\d+")
 _STRICT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?$", re.DOTALL)
 _SOFT = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
 _XML_TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
+# R1-style reasoning format: the think block then the answer block, optionally a blank line between.
+_THINK = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
+_THINK_SPACED = re.compile(r"^<think>\n.*?\n</think>\n\n<answer>\n.*?\n</answer>$", re.DOTALL)
+_THINK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 # Keyword names the reward call itself uses; a data column may not reuse them.
 RESERVED_ARGS = frozenset({"prompts", "completions", "completion_ids"})
 
@@ -123,12 +127,25 @@ def xmlcount(prompts, completions, completion_ids, **columns) -> list[float]:
     return [xmlcount_score(_text(c)) for c in completions]
 
 
+def think_format(prompts, completions, completion_ids, **columns) -> list[float]:
+    """0.5 when the completion is a <think> block then an <answer> block (a blank line between them
+    allowed), each tag on its own line; else 0.0."""
+    return [0.5 if _THINK.match(t) or _THINK_SPACED.match(t) else 0.0 for t in map(_text, completions)]
+
+
+def think_tags(prompts, completions, completion_ids, **columns) -> list[float]:
+    """0.25 for each of <think>, </think>, <answer>, </answer> present exactly once (up to 1.0)."""
+    return [sum(0.25 for tag in _THINK_TAGS if t.count(tag) == 1) for t in map(_text, completions)]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correctness": correctness,
     "int": int_reward,
     "strict_format": strict_format,
     "soft_format": soft_format,
     "xmlcount": xmlcount,
+    "think_format": think_format,
+    "think_tags": think_tags,
 }
 
 
