@@ -80,6 +80,16 @@ class Config:
                                  f"({', '.join(BUILTIN_REWARD_NAMES + REASONING_REWARD_NAMES)}) or "
                                  "'file.py:function'.", TRAIN)
     reward_weights: list[float] = _f([], "One weight per reward function (empty = all 1.0).", TRAIN)
+    reward_url: str = _f("", "HTTP reward server: each batch is POSTed as JSON {prompts, completions, <data "
+                         "columns>} and the answer {rewards: [...]} (one float or null per completion) is added "
+                         "as the reward 'reward_url'. Loopback hosts only, unless listed in "
+                         "reward_url_allowed_hosts. Empty = none.", TRAIN)
+    reward_url_weight: float = _f(1.0, "Weight of the reward_url reward.", TRAIN)
+    reward_url_timeout: float = _f(30.0, "Seconds to wait for the reward server per request.", TRAIN)
+    reward_url_retries: int = _f(3, "Retries after a timeout, a refused connection or an HTTP 5xx, waiting "
+                                 "0.5, 1, 2, ... s between them.", TRAIN)
+    reward_url_allowed_hosts: list[str] = _f([], "Non-loopback hosts reward_url may name (completions are "
+                                             "sent to them).", TRAIN)
     stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one.",
                          TRAIN)
     # --- run ---
@@ -479,7 +489,12 @@ def _validate_train(c: Config) -> None:
              "give one weight per function, or none")
     _require(c.eval_samples == 0 or c.eval_steps > 0,
              "eval_samples only sizes the eval_steps evaluations: set eval_steps > 0, or drop eval_samples")
-    _require(len(c.reward_funcs) > 0, "reward_funcs must name at least one reward function")
+    _require(len(c.reward_funcs) > 0 or c.reward_url, "reward_funcs must name at least one reward function "
+             "(or set reward_url)")
+    _require(c.reward_url_timeout > 0, "reward_url_timeout must be > 0")
+    _require(c.reward_url_retries >= 0, "reward_url_retries must be >= 0")
+    for name in ("reward_url_weight", "reward_url_timeout", "reward_url_retries", "reward_url_allowed_hosts"):
+        _unused_unless(c, name, bool(c.reward_url), "reward_url set")
     _validate_objective(c)
     _validate_adapters(c)
 

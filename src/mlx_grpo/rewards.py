@@ -271,9 +271,11 @@ class RewardSet:
     cannot turn every advantage into NaN.
     """
 
-    def __init__(self, names: list[str], weights: list[float] | None = None, base_dir: Path | None = None):
-        """Resolve names (built-in, or 'file.py:function' relative to base_dir); weights default to 1.0."""
-        if not names:
+    def __init__(self, names: list[str], weights: list[float] | None = None, base_dir: Path | None = None,
+                 extra: Sequence[tuple[str, RewardFn, float]] = ()):
+        """Resolve names (built-in, or 'file.py:function' relative to base_dir); weights default to 1.0.
+        `extra` adds ready-made functions as (name, function, weight), e.g. the HTTP reward."""
+        if not names and not extra:
             raise UserError("no reward functions given (e.g. rewards: [correctness, xmlcount])")
         resolved = [_resolve(n, base_dir) for n in names]
         self.names = [key for key, _ in resolved]
@@ -291,6 +293,12 @@ class RewardSet:
         if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
             raise UserError(f"reward_weights must be finite numbers, got {list(weights)}")
         self.weights = [float(w) for w in weights]
+        for name, fn, weight in extra:
+            if name in self.functions:
+                raise UserError(f"reward function listed twice: {name}")
+            self.names.append(name)
+            self.functions[name] = fn
+            self.weights.append(float(weight))
 
     def score(
         self,
@@ -308,6 +316,8 @@ class RewardSet:
         for name, fn in self.functions.items():
             try:
                 values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            except UserError:  # already says what and where (e.g. the HTTP reward's server is down)
+                raise
             except Exception as e:
                 raise UserError(f"reward function {name} failed: {type(e).__name__}: {_one_line(e)}") from e
             per_func[name] = _check_values(name, values, n)

@@ -25,6 +25,7 @@ from mlx_grpo.evaluate import evaluate_model
 from mlx_grpo.logs import RunLogger, fmt, update_record
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
+from mlx_grpo.http_reward import HttpReward
 from mlx_grpo.loss import LossSums, group_advantages, supports_layer_checkpointing
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, adapter_parameters, apply_adapters, quantize_base
 from mlx_grpo.models.loading import load_model, resolve_model_path
@@ -305,7 +306,11 @@ def build_trainer(cfg: Config) -> Trainer:
     train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
     if cfg.max_train_samples:
         train = subset(train, cfg.max_train_samples, cfg.seed)
-    rewards = RewardSet(cfg.reward_funcs, cfg.reward_weights or None, base_dir=Path.cwd())
+    extra = []
+    if cfg.reward_url:
+        extra.append(("reward_url", HttpReward(cfg.reward_url, cfg.reward_url_timeout, cfg.reward_url_retries,
+                                               cfg.reward_url_allowed_hosts), cfg.reward_url_weight))
+    rewards = RewardSet(cfg.reward_funcs, cfg.reward_weights or None, base_dir=Path.cwd(), extra=extra)
     source_dir = Path(resolve_model_path(cfg.model_name))
     if not source_dir.is_dir():  # a hub id: mlx-lm downloads it; find its local snapshot
         from mlx_lm.utils import hf_repo_to_path
