@@ -279,3 +279,20 @@ THINK = "<think>\nadd them\n</think>\n<answer>\n5\n</answer>"
 def test_think_format_and_tags(completion, fmt, tags):
     assert call("think_format", [completion]) == [fmt]
     assert call("think_tags", [completion]) == [tags]
+
+
+def test_async_rewards_are_awaited_concurrently():
+    """Each of the two waits for the other to start: sequential awaiting would time out."""
+    rs = RewardSet(["custom_reward.py:waits_for_b", "int", "custom_reward.py:waits_for_a"], [1.0, 1.0, 0.5],
+                   base_dir=FIXTURES)
+    shared = {}
+    scores = rs.score(["q"] * 2, ["ab", "<answer>\n3\n</answer>"], [[1], [2]],
+                      {"answer": ["3", "3"], "rendezvous": [shared, shared]})
+    assert scores.names == ["waits_for_b", "int", "waits_for_a"] and "events" in shared
+    assert scores.total.tolist() == pytest.approx([1.0 + 0 + 1.0, 1.0 + 0.5 + 10.0])
+
+
+def test_async_reward_failure_is_one_line():
+    rs = RewardSet(["custom_reward.py:async_fails"], base_dir=FIXTURES)
+    with pytest.raises(UserError, match="reward function async_fails failed: RuntimeError: scorer exploded"):
+        rs.score(["q"], ["a"], [[1]], {})

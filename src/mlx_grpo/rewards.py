@@ -10,9 +10,11 @@ Every reward has the TRL-like signature
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import hashlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -307,24 +309,45 @@ class RewardSet:
         completion_ids: Sequence[Sequence[int]],
         columns: dict[str, list],
     ) -> RewardScores:
-        """Run every function on the N completions; columns hold one value per completion."""
+        """Run every function on the N completions; columns hold one value per completion. `async def`
+        functions are awaited concurrently (network-bound scorers overlap), the others run in order."""
         n = len(completions)
         clash = sorted(RESERVED_ARGS & set(columns))
         if clash:
             raise UserError(f"data column '{clash[0]}' clashes with a reward-function argument; rename it")
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        coroutine_fns = {k: f for k, f in self.functions.items() if inspect.iscoroutinefunction(f)}
+        outputs = _await_all(coroutine_fns, kwargs) if coroutine_fns else {}
         per_func = {}
         for name, fn in self.functions.items():
-            try:
-                values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            except UserError:  # already says what and where (e.g. the HTTP reward's server is down)
-                raise
-            except Exception as e:
-                raise UserError(f"reward function {name} failed: {type(e).__name__}: {_one_line(e)}") from e
+            if name in outputs:
+                values = outputs[name]
+                if isinstance(values, BaseException):
+                    _raise_failed(name, values)
+            else:
+                try:
+                    values = fn(**kwargs)
+                except Exception as e:
+                    _raise_failed(name, e)
             per_func[name] = _check_values(name, values, n)
         total = np.zeros(n, dtype=np.float32)
         for name, w in zip(self.names, self.weights):
             total += w * np.nan_to_num(per_func[name], nan=0.0)
         return RewardScores(names=list(self.names), per_func=per_func, total=total)
+
+
+def _raise_failed(name: str, exc: BaseException):
+    if isinstance(exc, UserError):  # already says what and where (e.g. the HTTP reward's server is down)
+        raise exc
+    raise UserError(f"reward function {name} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+
+
+def _await_all(functions: dict[str, RewardFn], kwargs: dict) -> dict[str, Any]:
+    """Run the coroutine functions concurrently on one event loop; name -> result or the exception."""
+    async def gather():
+        return await asyncio.gather(*(fn(**kwargs) for fn in functions.values()), return_exceptions=True)
+
+    return dict(zip(functions, asyncio.run(gather())))
 
 
 def _check_values(name: str, values: Any, n: int) -> np.ndarray:
