@@ -403,3 +403,33 @@ def test_dynamic_sampling_without_any_informative_group_skips_and_ends(tiny_mode
     out = capsys.readouterr().out
     assert "no completion entered the loss" in out and "ran out after 2 of 4 updates" in out
     assert "dynamic_sampling skips" not in out  # it is already on
+
+
+@pytest.mark.parametrize("workers", [["reward_workers=2"], ["reward_workers=2", "reward_executor=process"],
+                                     ["reward_workers=1", "dynamic_sampling=true"]])
+def test_rewards_in_workers_give_the_same_run_as_inline(tiny_model_dir, tmp_path, workers):
+    """Rewards computed off the critical path (while log-prob passes and the next rollouts of an
+    accumulation group run) change nothing: same metrics, same weights."""
+    base = ["gradient_accumulation_steps=2", "max_train_samples=8", "save_steps=0", "log_completions_steps=1",
+            f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer,int"]
+    if "dynamic_sampling=true" in workers:
+        base = base + ["dynamic_sampling=true"]
+    inline = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=inline", *base))
+    pooled = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=pooled", *base,
+                                        *[w for w in workers if not w.startswith("dynamic")]))
+    assert metrics(pooled) == metrics(inline)
+    assert (pooled / "completions.jsonl").read_text() == (inline / "completions.jsonl").read_text()
+    last = max(int(p.name.split("-")[1]) for p in inline.glob("checkpoint-*"))
+    assert_same_weights(weights(inline / f"checkpoint-{last}"), weights(pooled / f"checkpoint-{last}"))
+    assert all(r["time_reward_s"] >= 0 for r in json.loads("[" + ",".join(
+        (pooled / "metrics.jsonl").read_text().splitlines()) + "]"))
+
+
+def test_failing_reward_in_a_worker_process_is_one_line(tiny_model_dir, tmp_path, capsys):
+    args = ["train", "--set", f"model_name={tiny_model_dir}", "--set", f"output_dir={tmp_path}", "--set",
+            "max_train_samples=2", "--set", "batch_size=2", "--set", "num_generations=2", "--set", "max_new_tokens=4",
+            "--set", f"reward_funcs={FIXTURES / 'custom_reward.py'}:crashes", "--set", "reward_workers=1",
+            "--set", "reward_executor=process"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward function crashes failed" in err[0]

@@ -90,6 +90,12 @@ class Config:
                                  "0.5, 1, 2, ... s between them.", TRAIN)
     reward_url_allowed_hosts: list[str] = _f([], "Non-loopback hosts reward_url may name (completions are "
                                              "sent to them).", TRAIN)
+    reward_workers: int = _f(0, "Compute rewards in a pool of this many workers while the GPU goes on (the "
+                             "log-prob passes, the next rollouts of an accumulation group); 0 = inline. The "
+                             "scores, and so the run, are the same either way.", TRAIN)
+    reward_executor: str = _f("thread", "Kind of reward workers: thread (shares memory; for I/O-bound or "
+                              "GIL-releasing rewards, e.g. reward_url) or process (spawned processes that "
+                              "re-import reward files; for CPU-bound Python rewards).", TRAIN)
     stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one.",
                          TRAIN)
     # --- run ---
@@ -491,6 +497,9 @@ def _validate_train(c: Config) -> None:
              "eval_samples only sizes the eval_steps evaluations: set eval_steps > 0, or drop eval_samples")
     _require(len(c.reward_funcs) > 0 or c.reward_url, "reward_funcs must name at least one reward function "
              "(or set reward_url)")
+    _require(c.reward_workers >= 0, "reward_workers must be >= 0 (0 = inline)")
+    _choice(c, "reward_executor", ("thread", "process"))
+    _unused_unless(c, "reward_executor", c.reward_workers > 0, "reward_workers > 0")
     _require(c.reward_url_timeout > 0, "reward_url_timeout must be > 0")
     _require(c.reward_url_retries >= 0, "reward_url_retries must be >= 0")
     for name in ("reward_url_weight", "reward_url_timeout", "reward_url_retries", "reward_url_allowed_hosts"):

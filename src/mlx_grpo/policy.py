@@ -32,9 +32,10 @@ class StepData:
     """One batch step's rollout with everything the loss needs."""
 
     rollout: Rollout
-    advantages: mx.array  # [N]
+    advantages: mx.array | None  # [N]; None until resolve() has run
     old_logprobs: mx.array | None  # [N, T]; None: the sampler is the current model (ratio 1 at start)
     ref_logprobs: mx.array | None  # [N, T]; None when kl_coeff = 0
+    resolve: object = None  # set while the rewards (hence advantages) are still being computed
 
 
 class Policies:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,12 +26,12 @@ from mlx_grpo.evaluate import evaluate_model
 from mlx_grpo.logs import RunLogger, fmt, update_record
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.http_reward import HttpReward
 from mlx_grpo.loss import LossSums, group_advantages, supports_layer_checkpointing
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, adapter_parameters, apply_adapters, quantize_base
 from mlx_grpo.models.loading import load_model, resolve_model_path
 from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
+from mlx_grpo.reward_workers import RewardRunner, build_reward_set
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout, select_groups
 
@@ -106,13 +107,15 @@ class Trainer:
         self.params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                      tuple(cfg.stop))
         self._batches = iter(self.sampler)
+        self.reward_runner = RewardRunner(self.rewards, cfg, Path.cwd())
         # Dropout (lora_dropout) acts only in the gradient pass: rollouts and log-prob passes see the
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
 
     # ------------------------------------------------------------------ one batch step
     def _draw(self, examples: list[Example]) -> Draw:
-        """Generate and score G completions for each example."""
+        """Generate G completions for each example and submit them for scoring (inline or to the reward
+        workers); _scores collects the result."""
         cfg, G = self.cfg, self.cfg.num_generations
         encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
                                       cfg.max_prompt_length) for e in examples]
@@ -124,16 +127,31 @@ class Trainer:
         t1 = time.perf_counter()
         columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
         prompts = [e.prompt for e in examples for _ in range(G)]
-        scores = self.rewards.score(prompts, rollout.texts, rollout.completion_ids.tolist(), columns)
+        pending = self.reward_runner.submit(prompts, rollout.texts, rollout.completion_ids.tolist(), columns)
+        return Draw(examples, rollout, pending, t1 - t0, time.perf_counter() - t1)
+
+    def _scores(self, draw: Draw) -> RewardScores:
+        """A draw's rewards plus the length penalty, waiting for them if the workers are still at it."""
+        if isinstance(draw.scores, RewardScores):
+            return draw.scores
+        t0 = time.perf_counter()
+        try:
+            scores = draw.scores.result()
+        except BrokenExecutor as e:
+            raise UserError(f"the reward workers stopped ({type(e).__name__}: {e}); try reward_executor = thread "
+                            "or reward_workers = 0") from None
+        draw.t_reward += time.perf_counter() - t0  # time the loop waited: the whole scoring when inline
+        cfg = self.cfg
         if cfg.overlong_penalty > 0:
             scores = scores.with_penalty("overlong_penalty", overlong_penalty(
-                rollout.lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
-        return Draw(examples, rollout, scores, t1 - t0, time.perf_counter() - t1)
+                draw.rollout.lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
+        draw.scores = scores
+        return scores
 
     def _informative_batch(self, draws: list[Draw]) -> tuple[list[Example], object, object]:
         """Dynamic sampling: the first batch_size groups, in draw order, whose rewards are not all equal."""
         G = self.cfg.num_generations
-        picks = [(i, g) for i, d in enumerate(draws) for g, r in enumerate(d.scores.total.reshape(-1, G))
+        picks = [(i, g) for i, d in enumerate(draws) for g, r in enumerate(self._scores(d).total.reshape(-1, G))
                  if r.max() > r.min()][:self.cfg.batch_size]
         rollout = select_groups([d.rollout for d in draws], picks, self.pad_id)
         scores = RewardScores.concat([draws[i].scores.select(range(g * G, (g + 1) * G)) for i, g in picks]) \
@@ -141,21 +159,24 @@ class Trainer:
         return [draws[i].examples[g] for i, g in picks], rollout, scores
 
     def batch_step(self, examples: list[Example]) -> tuple[StepData, dict]:
+        """Generate (and, with dynamic sampling, filter) one batch step and run its old/reference log-prob
+        passes. Its rewards may still be computing: `resolve` (called by update) collects them and sets
+        the advantages and the reward stats."""
         cfg, G = self.cfg, self.cfg.num_generations
         draws = [self._draw(examples)]
-        if cfg.dynamic_sampling:
+        selected = None
+        if cfg.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
             def informative() -> int:
-                return sum(int((np.ptp(d.scores.total.reshape(-1, G), axis=1) > 0).sum()) for d in draws)
+                return sum(int((np.ptp(self._scores(d).total.reshape(-1, G), axis=1) > 0).sum()) for d in draws)
 
             while informative() < cfg.batch_size and len(draws) <= cfg.max_resample_batches:
                 more = self.next_examples()
                 if more is None:  # the data is exhausted: train on what there is
                     break
                 draws.append(self._draw(more))
-            examples, rollout, scores = self._informative_batch(draws)
+            examples, rollout, selected = self._informative_batch(draws)
         else:
-            rollout, scores = draws[0].rollout, draws[0].scores
-        advantages = group_advantages(mx.array(scores.total), G, cfg.scale_rewards)  # [N]
+            rollout = draws[0].rollout
         t2 = time.perf_counter()
         old = ref = None
         if len(rollout.texts):
@@ -163,23 +184,30 @@ class Trainer:
                 old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size,
                                    self.pad_id, cfg.micro_batch_tokens)
             ref = self.policies.reference_logprobs(rollout, self.pad_id)
-        mx.eval(advantages)
         t3 = time.perf_counter()
         self.counters.batch_step += 1
         drawn = [d.rollout for d in draws]
-        drawn_rewards = np.concatenate([d.scores.total for d in draws]).reshape(-1, G)
         entropies = [np.array(r.entropies) for r in drawn]
-        stats = {"rewards": scores.total, "per_func": scores.per_func, "examples": examples, "texts": rollout.texts,
-                 "advantages": np.array(advantages.tolist()),
-                 "drawn_scores": RewardScores.concat([d.scores for d in draws]),
-                 "lengths": np.concatenate([r.lengths for r in drawn]),
-                 "truncated": np.concatenate([r.truncated for r in drawn]),
-                 "zero_std": float(np.mean(drawn_rewards.max(1) == drawn_rewards.min(1))),
-                 "draws": len(draws), "groups_trained": len(examples),
-                 "entropy_sum": float(sum(e.sum() for e in entropies)),
-                 "t_rollout": sum(d.t_rollout for d in draws), "t_reward": sum(d.t_reward for d in draws),
-                 "t_logprob": t3 - t2, "tokens": int(sum(r.lengths.sum() for r in drawn))}
-        return StepData(rollout, advantages, old, ref), stats
+        stats = {"examples": examples, "texts": rollout.texts, "lengths": np.concatenate([r.lengths for r in drawn]),
+                 "truncated": np.concatenate([r.truncated for r in drawn]), "draws": len(draws),
+                 "groups_trained": len(examples), "entropy_sum": float(sum(e.sum() for e in entropies)),
+                 "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,
+                 "tokens": int(sum(r.lengths.sum() for r in drawn))}
+        step = StepData(rollout, None, old, ref)
+        step.resolve = lambda: self._resolve(step, stats, draws, selected)
+        return step, stats
+
+    def _resolve(self, step: StepData, stats: dict, draws: list[Draw], selected) -> None:
+        """Collect a batch step's rewards: its advantages and the reward part of its stats."""
+        G = self.cfg.num_generations
+        scores = selected if selected is not None else self._scores(draws[0])
+        step.advantages = group_advantages(mx.array(scores.total), G, self.cfg.scale_rewards)  # [N]
+        drawn = RewardScores.concat([self._scores(d) for d in draws])
+        grouped = drawn.total.reshape(-1, G)
+        stats.update(rewards=scores.total, per_func=scores.per_func, advantages=np.array(step.advantages.tolist()),
+                     drawn_scores=drawn, zero_std=float(np.mean(grouped.max(1) == grouped.min(1))),
+                     t_reward=sum(d.t_reward for d in draws))
+        step.resolve = None
 
     # ------------------------------------------------------------------ one update
     def update(self, steps: list[StepData]) -> dict:
@@ -188,6 +216,9 @@ class Trainer:
         lr = learning_rate_at(self.schedule_position(), self.total_updates, cfg)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         t0 = time.perf_counter()
+        for s in steps:
+            if s.resolve is not None:
+                s.resolve()
         weights = loss_weights(cfg, steps)
         if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
             mx.random.seed(cfg.seed * 1_000_003 + self.counters.update_step)
@@ -306,11 +337,7 @@ def build_trainer(cfg: Config) -> Trainer:
     train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
     if cfg.max_train_samples:
         train = subset(train, cfg.max_train_samples, cfg.seed)
-    extra = []
-    if cfg.reward_url:
-        extra.append(("reward_url", HttpReward(cfg.reward_url, cfg.reward_url_timeout, cfg.reward_url_retries,
-                                               cfg.reward_url_allowed_hosts), cfg.reward_url_weight))
-    rewards = RewardSet(cfg.reward_funcs, cfg.reward_weights or None, base_dir=Path.cwd(), extra=extra)
+    rewards = build_reward_set(cfg, Path.cwd())
     source_dir = Path(resolve_model_path(cfg.model_name))
     if not source_dir.is_dir():  # a hub id: mlx-lm downloads it; find its local snapshot
         from mlx_lm.utils import hf_repo_to_path
@@ -362,6 +389,13 @@ def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trig
 def train(cfg: Config, resume: str | None = None) -> Path:
     """Run GRPO as configured (or continue a checkpoint); returns the run directory."""
     trainer = build_trainer(cfg)
+    try:
+        return _run(trainer, cfg, resume)
+    finally:
+        trainer.reward_runner.close()
+
+
+def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
     run_dir = trainer.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume is None and ckpt.list_checkpoints(run_dir):
