@@ -90,6 +90,15 @@ class Config:
                                  "0.5, 1, 2, ... s between them.", TRAIN)
     reward_url_allowed_hosts: list[str] = _f([], "Non-loopback hosts reward_url may name (completions are "
                                              "sent to them).", TRAIN)
+    reward_model: str = _f("", "Reward model: an MLX directory (convert --hf-path) or hub id of a Hugging Face "
+                           "*ForSequenceClassification checkpoint (llama/mistral/qwen2/qwen3 backbone + score "
+                           "head, e.g. Skywork-Reward). It reads each conversation in its own chat template; "
+                           "its score is added as the reward 'reward_model'. Empty = none.", TRAIN)
+    reward_model_weight: float = _f(1.0, "Weight of the reward_model reward.", TRAIN)
+    reward_model_clip: float = _f(3.0, "Reward-model scores are clipped to [-clip, clip].", TRAIN)
+    reward_model_answer_weight: float = _f(0.0, "w > 0: also score only the text inside <answer> and use "
+                                           "(1 - w) * score + w * answer_score.", TRAIN)
+    reward_model_batch_size: int = _f(16, "Conversations per reward-model forward pass.", TRAIN)
     reward_workers: int = _f(0, "Compute rewards in a pool of this many workers while the GPU goes on (the "
                              "log-prob passes, the next rollouts of an accumulation group); 0 = inline. The "
                              "scores, and so the run, are the same either way.", TRAIN)
@@ -495,9 +504,16 @@ def _validate_train(c: Config) -> None:
              "give one weight per function, or none")
     _require(c.eval_samples == 0 or c.eval_steps > 0,
              "eval_samples only sizes the eval_steps evaluations: set eval_steps > 0, or drop eval_samples")
-    _require(len(c.reward_funcs) > 0 or c.reward_url, "reward_funcs must name at least one reward function "
-             "(or set reward_url)")
+    _require(len(c.reward_funcs) > 0 or c.reward_url or c.reward_model, "reward_funcs must name at least one "
+             "reward function (or set reward_url / reward_model)")
     _require(c.reward_workers >= 0, "reward_workers must be >= 0 (0 = inline)")
+    _require(c.reward_model_clip > 0, "reward_model_clip must be > 0")
+    _require(0 <= c.reward_model_answer_weight <= 1, "reward_model_answer_weight must be in [0, 1]")
+    _require(c.reward_model_batch_size >= 1, "reward_model_batch_size must be >= 1")
+    for name in ("reward_model_weight", "reward_model_clip", "reward_model_answer_weight", "reward_model_batch_size"):
+        _unused_unless(c, name, bool(c.reward_model), "reward_model set")
+    _require(not (c.reward_model and c.reward_workers), "the reward model runs on the accelerator inside the "
+             "training process: keep reward_workers = 0 with reward_model")
     _choice(c, "reward_executor", ("thread", "process"))
     _unused_unless(c, "reward_executor", c.reward_workers > 0, "reward_workers > 0")
     _require(c.reward_url_timeout > 0, "reward_url_timeout must be > 0")

@@ -21,13 +21,19 @@ EXECUTORS = ("thread", "process")
 
 
 def build_reward_set(cfg, base_dir: Path) -> RewardSet:
-    """The run's reward functions: reward_funcs plus the HTTP reward when reward_url is set."""
+    """The run's reward functions: reward_funcs, plus the HTTP reward and the reward model when set."""
     from mlx_grpo.http_reward import HttpReward
 
     extra = []
     if cfg.reward_url:
         extra.append(("reward_url", HttpReward(cfg.reward_url, cfg.reward_url_timeout, cfg.reward_url_retries,
                                                cfg.reward_url_allowed_hosts), cfg.reward_url_weight))
+    if cfg.reward_model:  # MLX: only ever built in the training process (config refuses it with workers)
+        from mlx_grpo.models.reward_model import RewardModelReward
+
+        extra.append(("reward_model", RewardModelReward(cfg.reward_model, cfg.reward_model_clip,
+                                                        cfg.reward_model_answer_weight, cfg.reward_model_batch_size),
+                      cfg.reward_model_weight))
     return RewardSet(cfg.reward_funcs, cfg.reward_weights or None, base_dir=base_dir, extra=extra)
 
 

@@ -35,6 +35,18 @@ def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, gro
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _is_reward_model(hf_path: str) -> bool:
+    """A local *ForSequenceClassification checkpoint: mlx_lm.convert would drop its score head."""
+    import json
+
+    config = Path(hf_path).expanduser() / "config.json"
+    if not config.is_file():
+        return False
+    from mlx_grpo.models.reward_model import is_sequence_classifier
+
+    return is_sequence_classifier(json.loads(config.read_text()))
+
+
 def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir: str | None = None,
                 quantize: bool = False, bits: int = 4, group_size: int = 64, dtype: str | None = None,
                 trust_remote_code: bool = False, nanochat: str | None = None, step: int | None = None) -> Path:
@@ -65,6 +77,11 @@ def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir:
 
         convert_gguf(gguf, out, dtype=dtype or "bfloat16", quantize=quantize, q_bits=bits,
                      q_group_size=group_size, record={**record, "dtype": dtype or "bfloat16"})
+    elif _is_reward_model(hf_path):
+        from mlx_grpo.models.reward_model import convert_reward_model
+
+        convert_reward_model(hf_path, out, dtype=dtype, quantize=quantize, bits=bits, group_size=group_size,
+                             record=record)
     else:
         convert_hf(hf_path, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
                    trust_remote_code=trust_remote_code, record=record)

@@ -1,0 +1,128 @@
+"""Reward models: a tiny random LlamaForSequenceClassification written here in Hugging Face form
+(config + safetensors with `model.*` and `score.weight`) loads, converts and scores like a reference
+forward pass; batches equal one-by-one scoring; clipping and answer mixing; a training run using it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import write_tokenizer
+from mlx_grpo.errors import UserError
+from mlx_grpo.models.convert import run_convert
+from mlx_grpo.models.reward_model import RewardModelReward, load_reward_model, render
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory) -> Path:
+    from mlx_lm.models import llama
+
+    path = tmp_path_factory.mktemp("rm") / "hf"
+    path.mkdir()
+    vocab = write_tokenizer(path)
+    config = {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "hidden_size": 32,
+              "num_hidden_layers": 2, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "num_labels": 1, "pad_token_id": 0, "max_position_embeddings": 512}
+    mx.random.seed(3)
+    lm = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = {k: v for k, v in tree_flatten(lm.parameters()) if k.startswith("model.")}
+    weights["score.weight"] = mx.random.normal((1, 32)) * 0.5
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def reference_scores(rm_dir: Path, rows: list[list[int]]) -> list[float]:
+    """One conversation at a time, unpadded: the backbone's last hidden state times the score head."""
+    from mlx_lm.models import llama
+
+    config = json.loads((rm_dir / "config.json").read_text())
+    lm = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = mx.load(str(rm_dir / "model.safetensors"))
+    lm.model.load_weights([(k[len("model."):], v) for k, v in weights.items() if k.startswith("model.")])
+    head = np.array(weights["score.weight"], dtype=np.float64)  # [1, D]
+    out = []
+    for ids in rows:
+        hidden = np.array(lm.model(mx.array([ids]))[0, -1], dtype=np.float64)  # [D]
+        out.append(float((head @ hidden)[0]))
+    return out
+
+
+PROMPTS = ["What is 2+3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
+           "Count to three.", "Hi"]
+COMPLETIONS = ["<think>\nadd\n</think>\n<answer>\n5\n</answer>", "Blue.", "one two three, and then some more", "Hello!"]
+
+
+def test_scores_equal_reference_forward_and_batching_changes_nothing(rm_dir):
+    reward = RewardModelReward(str(rm_dir), clip=100.0, answer_weight=0.0, batch_size=3)
+    rows = [render(reward.tokenizer, p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
+    assert rows[1][:1] != rows[0][:1] or rows[1] != rows[0]
+    expected = reference_scores(rm_dir, rows)
+    np.testing.assert_allclose(reward.score_ids(rows), expected, rtol=1e-4, atol=1e-5)
+    one_by_one = RewardModelReward(str(rm_dir), clip=100.0, answer_weight=0.0, batch_size=1)
+    np.testing.assert_allclose(one_by_one.score_ids(rows), reward.score_ids(rows), rtol=1e-5, atol=1e-6)
+    assert len(set(np.round(expected, 6))) == 4  # distinct conversations, distinct scores
+
+
+def test_render_uses_the_reward_models_chat_template(rm_dir):
+    reward = RewardModelReward(str(rm_dir), clip=3.0, answer_weight=0.0, batch_size=4)
+    text = reward.tokenizer.decode(render(reward.tokenizer, PROMPTS[1], "Blue."))
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a color.<|im_end|>\n"
+                    "<|im_start|>assistant\nBlue.<|im_end|>\n")
+
+
+def test_clip_and_answer_mixing(rm_dir):
+    raw = RewardModelReward(str(rm_dir), clip=1e9, answer_weight=0.0, batch_size=4)
+    tok = raw.tokenizer
+    full = raw.score_ids([render(tok, p, c) for p, c in zip(PROMPTS, COMPLETIONS)])
+    answers = raw.score_ids([render(tok, p, a) for p, a in zip(PROMPTS, ["5", "", "", ""])])
+    mixed = RewardModelReward(str(rm_dir), clip=1e9, answer_weight=0.25, batch_size=4)
+    got = mixed(prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 4)
+    np.testing.assert_allclose(got, [0.75 * f + 0.25 * a for f, a in zip(full, answers)], rtol=1e-5, atol=1e-6)
+    clip = float(np.median(np.abs(full)))
+    clipped = RewardModelReward(str(rm_dir), clip=clip, answer_weight=0.0, batch_size=4)(
+        prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 4)
+    np.testing.assert_allclose(clipped, np.clip(full, -clip, clip), rtol=1e-5, atol=1e-6)
+
+
+def test_convert_keeps_the_score_head(rm_dir, tmp_path):
+    out = run_convert(hf_path=str(rm_dir), output_dir=str(tmp_path / "mlx"))
+    assert "score.weight" in mx.load(str(out / "model.safetensors"))
+    assert (out / "tokenizer.json").is_file() and (out / "mlx_grpo_convert.json").is_file()
+    a, tok = load_reward_model(str(rm_dir))
+    b, _ = load_reward_model(str(out))
+    rows = [render(tok, p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
+    width = max(map(len, rows))
+    ids, lengths = mx.array([r + [0] * (width - len(r)) for r in rows]), mx.array([len(r) for r in rows])
+    np.testing.assert_array_equal(np.array(a(ids, lengths)), np.array(b(ids, lengths)))
+    half = run_convert(hf_path=str(rm_dir), output_dir=str(tmp_path / "f16"), dtype="float16")
+    c, _ = load_reward_model(str(half))
+    np.testing.assert_allclose(np.array(c(ids, lengths)), np.array(a(ids, lengths)), atol=2e-2)
+
+
+def test_not_a_sequence_classifier_is_refused(tiny_model_dir):
+    with pytest.raises(UserError, match="not a \\*ForSequenceClassification checkpoint"):
+        load_reward_model(str(tiny_model_dir))
+
+
+def test_training_run_with_a_reward_model(rm_dir, tiny_model_dir, tmp_path):
+    from mlx_grpo import trainer
+    from mlx_grpo.config import build_config, parse_set
+
+    cfg = build_config("train", overrides=parse_set([
+        f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",
+        "max_new_tokens=8", "max_train_samples=2", "system_prompt=", "reward_funcs=[]",
+        f"reward_model={rm_dir}", "reward_model_clip=0.05", "log_completions_steps=1"]))
+    run = trainer.train(cfg)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    rewards = [json.loads(x)["rewards"]["reward_model"] for x in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(rewards) == 8 and all(abs(r) <= 0.05 + 1e-7 for r in rewards)
+    assert record["reward/reward_model"] == pytest.approx(float(np.mean(rewards)), abs=1e-6)
+    with pytest.raises(UserError, match="keep reward_workers = 0"):
+        build_config("train", overrides=parse_set([f"reward_model={rm_dir}", "reward_workers=2"]))
