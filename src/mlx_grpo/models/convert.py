@@ -36,14 +36,22 @@ def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, gro
 
 
 def _is_reward_model(hf_path: str) -> bool:
-    """A local *ForSequenceClassification checkpoint: mlx_lm.convert would drop its score head."""
+    """A *ForSequenceClassification checkpoint (local, or on the hub: its config.json is fetched first):
+    mlx_lm.convert would drop its score head."""
     import json
+
+    from mlx_grpo.models.reward_model import is_sequence_classifier
 
     config = Path(hf_path).expanduser() / "config.json"
     if not config.is_file():
-        return False
-    from mlx_grpo.models.reward_model import is_sequence_classifier
+        if Path(hf_path).expanduser().exists() or hf_path.count("/") != 1:
+            return False  # not a hub id: mlx_lm.convert says what is wrong
+        try:
+            from huggingface_hub import hf_hub_download
 
+            config = Path(hf_hub_download(hf_path, "config.json"))
+        except Exception:  # unreachable hub or no such repo: mlx_lm.convert reports it
+            return False
     return is_sequence_classifier(json.loads(config.read_text()))
 
 
