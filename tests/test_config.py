@@ -116,6 +116,9 @@ def test_key_for_other_command_rejected():
     (["kl_coeff=0", "kl_estimator=k1"], "kl_estimator only applies with kl_coeff > 0"),
     (["overlong_buffer=16"], "overlong_buffer only applies with overlong_penalty > 0"),
     (["max_resample_batches=5"], "max_resample_batches only applies with dynamic_sampling = true"),
+    (["reward_workers=2", "dynamic_sampling=true"], "reward_workers does nothing with dynamic_sampling"),
+    (["reward_workers=2", "kl_coeff=0"], "reward_workers has nothing to overlap with"),
+    (["reward_executor=process"], "reward_executor only applies with reward_workers > 0"),
 ])
 
 def test_cross_field_rules(items, message):

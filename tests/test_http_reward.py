@@ -23,6 +23,7 @@ class Server:
 
     def __init__(self):
         self.requests, self.fail_first, self.delay_s, self.reply = [], 0, 0.0, None
+        self.fail_status, self.fail_body = 503, b""
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -30,8 +31,11 @@ class Server:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 owner.requests.append(body)
                 if len(owner.requests) <= owner.fail_first:
-                    self.send_response(503)
+                    self.send_response(owner.fail_status)
+                    if owner.fail_status == 302:
+                        self.send_header("Location", "http://192.0.2.2:9/elsewhere")
                     self.end_headers()
+                    self.wfile.write(owner.fail_body)
                     return
                 time.sleep(owner.delay_s)
                 reply = owner.reply if owner.reply is not None else \
@@ -151,3 +155,24 @@ def test_training_run_scored_by_the_server(server, tiny_model_dir, tmp_path):
     expected = sum(len(c) for c in server.requests[0]["completions"]) / 8
     assert record["reward/reward_url"] == pytest.approx(expected)
     assert record["reward_mean"] == pytest.approx(0.25 * expected)
+
+
+def test_client_errors_are_not_retried_and_show_the_server_message(server):
+    server.fail_first, server.fail_status, server.fail_body = 5, 422, b"completions missing"
+    with pytest.raises(UserError, match=r"refused the batch \(HTTP 422 .*completions missing\)"):
+        _score(HttpReward(server.url, timeout_s=5, retries=3))
+    assert len(server.requests) == 1
+
+
+def test_redirects_are_not_followed(server):
+    """A redirect could carry the completions to another host."""
+    server.fail_first, server.fail_status = 5, 302
+    with pytest.raises(UserError, match="redirected to http://192.0.2.2:9/elsewhere"):
+        _score(HttpReward(server.url, timeout_s=5, retries=0))
+
+
+def test_proxy_variables_do_not_carry_loopback_traffic_away(server, monkeypatch):
+    monkeypatch.setenv("http_proxy", "http://192.0.2.3:3128")
+    monkeypatch.setenv("HTTP_PROXY", "http://192.0.2.3:3128")
+    assert _score(HttpReward(server.url, timeout_s=2, retries=0)) == [2.0, 4.0]
+    assert len(server.requests) == 1

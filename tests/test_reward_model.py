@@ -62,12 +62,20 @@ COMPLETIONS = ["<think>\nadd\n</think>\n<answer>\n5\n</answer>", "Blue.", "one t
 def test_scores_equal_reference_forward_and_batching_changes_nothing(rm_dir):
     reward = RewardModelReward(str(rm_dir), clip=100.0, answer_weight=0.0, batch_size=3)
     rows = [render(reward.tokenizer, p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
-    assert rows[1][:1] != rows[0][:1] or rows[1] != rows[0]
     expected = reference_scores(rm_dir, rows)
     np.testing.assert_allclose(reward.score_ids(rows), expected, rtol=1e-4, atol=1e-5)
     one_by_one = RewardModelReward(str(rm_dir), clip=100.0, answer_weight=0.0, batch_size=1)
     np.testing.assert_allclose(one_by_one.score_ids(rows), reward.score_ids(rows), rtol=1e-5, atol=1e-6)
     assert len(set(np.round(expected, 6))) == 4  # distinct conversations, distinct scores
+
+
+def test_score_is_read_at_the_last_token_that_is_not_padding(rm_dir):
+    """transformers reads the score at the rightmost non-pad token (config pad_token_id = 0 here)."""
+    reward = RewardModelReward(str(rm_dir), clip=100.0, answer_weight=0.0, batch_size=2)
+    row = render(reward.tokenizer, "Hi", "Hello!")
+    assert reward.model.pad_token_id == 0 and 0 not in row
+    a, b = reward.score_ids([row, row + [0, 0]])
+    assert a == pytest.approx(b, abs=1e-6)
 
 
 def test_render_uses_the_reward_models_chat_template(rm_dir):
@@ -82,9 +90,11 @@ def test_clip_and_answer_mixing(rm_dir):
     tok = raw.tokenizer
     full = raw.score_ids([render(tok, p, c) for p, c in zip(PROMPTS, COMPLETIONS)])
     answers = raw.score_ids([render(tok, p, a) for p, a in zip(PROMPTS, ["5", "", "", ""])])
-    mixed = RewardModelReward(str(rm_dir), clip=1e9, answer_weight=0.25, batch_size=4)
+    mixed = RewardModelReward(str(rm_dir), clip=50.0, answer_weight=0.25, batch_size=4)
     got = mixed(prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 4)
-    np.testing.assert_allclose(got, [0.75 * f + 0.25 * a for f, a in zip(full, answers)], rtol=1e-5, atol=1e-6)
+    # only the first completion has an <answer>; the others get -clip as their answer score
+    expected = [0.75 * full[0] + 0.25 * answers[0]] + [0.75 * f - 0.25 * 50.0 for f in full[1:]]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     clip = float(np.median(np.abs(full)))
     clipped = RewardModelReward(str(rm_dir), clip=clip, answer_weight=0.0, batch_size=4)(
         prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 4)
@@ -118,11 +128,15 @@ def test_training_run_with_a_reward_model(rm_dir, tiny_model_dir, tmp_path):
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",
         "max_new_tokens=8", "max_train_samples=2", "system_prompt=", "reward_funcs=[]",
-        f"reward_model={rm_dir}", "reward_model_clip=0.05", "log_completions_steps=1"]))
+        f"reward_model={rm_dir}", "reward_model_clip=10", "log_completions_steps=1"]))
     run = trainer.train(cfg)
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    rewards = [json.loads(x)["rewards"]["reward_model"] for x in (run / "completions.jsonl").read_text().splitlines()]
-    assert len(rewards) == 8 and all(abs(r) <= 0.05 + 1e-7 for r in rewards)
+    rows = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
+    rewards = [r["rewards"]["reward_model"] for r in rows]
+    assert len(rewards) == 8 and len(set(rewards)) > 1 and all(abs(r) < 10 for r in rewards)
+    direct = RewardModelReward(str(rm_dir), clip=10, answer_weight=0.0, batch_size=16)(
+        prompts=[r["prompt"] for r in rows], completions=[r["completion"] for r in rows], completion_ids=[[1]] * 8)
+    np.testing.assert_allclose(rewards, direct, rtol=1e-4, atol=1e-5)
     assert record["reward/reward_model"] == pytest.approx(float(np.mean(rewards)), abs=1e-6)
     with pytest.raises(UserError, match="keep reward_workers = 0"):
         build_config("train", overrides=parse_set([f"reward_model={rm_dir}", "reward_workers=2"]))

@@ -405,24 +405,29 @@ def test_dynamic_sampling_without_any_informative_group_skips_and_ends(tiny_mode
     assert "dynamic_sampling skips" not in out  # it is already on
 
 
-@pytest.mark.parametrize("workers", [["reward_workers=2"], ["reward_workers=2", "reward_executor=process"],
-                                     ["reward_workers=1", "dynamic_sampling=true"]])
+@pytest.mark.parametrize("workers", [["reward_workers=2"], ["reward_workers=2", "reward_executor=process"]])
 def test_rewards_in_workers_give_the_same_run_as_inline(tiny_model_dir, tmp_path, workers):
     """Rewards computed off the critical path (while log-prob passes and the next rollouts of an
     accumulation group run) change nothing: same metrics, same weights."""
     base = ["gradient_accumulation_steps=2", "max_train_samples=8", "save_steps=0", "log_completions_steps=1",
             f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer,int"]
-    if "dynamic_sampling=true" in workers:
-        base = base + ["dynamic_sampling=true"]
     inline = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=inline", *base))
-    pooled = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=pooled", *base,
-                                        *[w for w in workers if not w.startswith("dynamic")]))
+    pooled = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=pooled", *base, *workers))
     assert metrics(pooled) == metrics(inline)
     assert (pooled / "completions.jsonl").read_text() == (inline / "completions.jsonl").read_text()
     last = max(int(p.name.split("-")[1]) for p in inline.glob("checkpoint-*"))
     assert_same_weights(weights(inline / f"checkpoint-{last}"), weights(pooled / f"checkpoint-{last}"))
     assert all(r["time_reward_s"] >= 0 for r in json.loads("[" + ",".join(
         (pooled / "metrics.jsonl").read_text().splitlines()) + "]"))
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_reward_workers_really_score_off_the_main_thread(tiny_model_dir, tmp_path, executor):
+    rewards = f"reward_funcs={FIXTURES / 'toy_rewards.py'}:off_main"
+    inline = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=i", "max_train_samples=2", rewards)))
+    pooled = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=p", "max_train_samples=2", rewards,
+                                                "reward_workers=1", f"reward_executor={executor}")))
+    assert inline[0]["reward/off_main"] == 0.0 and pooled[0]["reward/off_main"] == 1.0
 
 
 def test_failing_reward_in_a_worker_process_is_one_line(tiny_model_dir, tmp_path, capsys):

@@ -516,6 +516,13 @@ def _validate_train(c: Config) -> None:
              "training process: keep reward_workers = 0 with reward_model")
     _choice(c, "reward_executor", ("thread", "process"))
     _unused_unless(c, "reward_executor", c.reward_workers > 0, "reward_workers > 0")
+    _require(not (c.reward_workers and c.dynamic_sampling), "reward_workers does nothing with dynamic_sampling, "
+             "which needs each draw's rewards before it can draw again: drop one of them")
+    overlap = c.gradient_accumulation_steps > 1 or c.kl_coeff > 0 or c.num_iterations > 1 or c.update_every > 1 \
+        or c.quantize_for_rollouts
+    _require(not c.reward_workers or overlap, "reward_workers has nothing to overlap with: with one batch step per "
+             "update and no log-prob passes (kl_coeff = 0, on-policy) the update needs the rewards at once; "
+             "raise gradient_accumulation_steps or drop reward_workers")
     _require(c.reward_url_timeout > 0, "reward_url_timeout must be > 0")
     _require(c.reward_url_retries >= 0, "reward_url_retries must be >= 0")
     for name in ("reward_url_weight", "reward_url_timeout", "reward_url_retries", "reward_url_allowed_hosts"):

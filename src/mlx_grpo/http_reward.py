@@ -9,6 +9,7 @@ stays down stops the run with one line saying where and why.
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import json
 import time
@@ -23,6 +24,22 @@ from mlx_grpo.errors import UserError
 LOOPBACK_NAMES = frozenset({"localhost"})
 # Seconds before the first retry; each further retry waits twice as long.
 BACKOFF_S = 0.5
+# Largest answer read (a reward list for a few thousand completions is far smaller).
+MAX_ANSWER_BYTES = 64 * 2 ** 20
+# HTTP statuses worth retrying: the server is overloaded or restarting.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect could send the completions to another host: refuse it."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise UserError(f"reward server {req.full_url} redirected to {newurl}; reward_url must name the "
+                        "scoring endpoint itself (redirects are not followed)")
+
+
+# No proxies (an http_proxy variable would carry loopback traffic off the machine) and no redirects.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
 
 
 def _is_loopback(host: str) -> bool:
@@ -69,18 +86,21 @@ class HttpReward:
             request = urllib.request.Request(self.url, data=body, method="POST",
                                              headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    text = response.read()
+                with _OPENER.open(request, timeout=self.timeout_s) as response:
+                    text = response.read(MAX_ANSWER_BYTES + 1)
             except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code} {e.reason}"
-                if e.code < 500:  # the request itself is wrong: retrying will not help
-                    break
+                detail = e.read(500).decode(errors="replace").strip()
+                last = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
+                if e.code not in RETRY_STATUSES:  # the request itself is wrong: retrying will not help
+                    raise UserError(f"reward server {self.url} refused the batch ({last})") from None
                 continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
                 reason = getattr(e, "reason", e)
                 last = f"timed out after {self.timeout_s:g} s" if isinstance(reason, TimeoutError) \
                     or "timed out" in str(reason) else f"{type(reason).__name__}: {reason}"
                 continue
+            if len(text) > MAX_ANSWER_BYTES:
+                raise UserError(f"reward server {self.url} answered with more than {MAX_ANSWER_BYTES} bytes")
             try:
                 return json.loads(text)
             except json.JSONDecodeError:

@@ -75,6 +75,7 @@ class RewardRunner:
             return self.pool.submit(self.rewards.score, prompts, completions, completion_ids, columns)
         return self.pool.submit(_score_in_process, prompts, completions, completion_ids, columns)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers; wait=False (leaving on an error or Ctrl-C) does not wait for running rewards."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=wait, cancel_futures=True)

@@ -19,6 +19,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -309,26 +310,26 @@ class RewardSet:
         completion_ids: Sequence[Sequence[int]],
         columns: dict[str, list],
     ) -> RewardScores:
-        """Run every function on the N completions; columns hold one value per completion. `async def`
-        functions are awaited concurrently (network-bound scorers overlap), the others run in order."""
+        """Run every function on the N completions; columns hold one value per completion. Functions
+        that return awaitables (`async def`) are awaited concurrently, so network-bound scorers overlap."""
         n = len(completions)
         clash = sorted(RESERVED_ARGS & set(columns))
         if clash:
             raise UserError(f"data column '{clash[0]}' clashes with a reward-function argument; rename it")
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        coroutine_fns = {k: f for k, f in self.functions.items() if inspect.iscoroutinefunction(f)}
-        outputs = _await_all(coroutine_fns, kwargs) if coroutine_fns else {}
-        per_func = {}
+        outputs = {}
         for name, fn in self.functions.items():
-            if name in outputs:
-                values = outputs[name]
-                if isinstance(values, BaseException):
-                    _raise_failed(name, values)
-            else:
-                try:
-                    values = fn(**kwargs)
-                except Exception as e:
-                    _raise_failed(name, e)
+            try:
+                outputs[name] = fn(**kwargs)
+            except Exception as e:
+                _raise_failed(name, e)
+        awaiting = {k: v for k, v in outputs.items() if inspect.isawaitable(v)}  # async functions, any form
+        if awaiting:
+            outputs.update(_await_all(awaiting))
+        per_func = {}
+        for name, values in outputs.items():
+            if isinstance(values, BaseException):
+                _raise_failed(name, values)
             per_func[name] = _check_values(name, values, n)
         total = np.zeros(n, dtype=np.float32)
         for name, w in zip(self.names, self.weights):
@@ -342,12 +343,18 @@ def _raise_failed(name: str, exc: BaseException):
     raise UserError(f"reward function {name} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
 
 
-def _await_all(functions: dict[str, RewardFn], kwargs: dict) -> dict[str, Any]:
-    """Run the coroutine functions concurrently on one event loop; name -> result or the exception."""
+def _await_all(awaitables: dict[str, Any]) -> dict[str, Any]:
+    """Await the coroutines concurrently on one event loop; name -> result or the exception. Inside a
+    running loop (a notebook, an async caller) they run on a fresh loop in a helper thread."""
     async def gather():
-        return await asyncio.gather(*(fn(**kwargs) for fn in functions.values()), return_exceptions=True)
+        return await asyncio.gather(*awaitables.values(), return_exceptions=True)
 
-    return dict(zip(functions, asyncio.run(gather())))
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return dict(zip(awaitables, asyncio.run(gather())))
+    with ThreadPoolExecutor(1) as helper:
+        return dict(zip(awaitables, helper.submit(asyncio.run, gather()).result()))
 
 
 def _check_values(name: str, values: Any, n: int) -> np.ndarray:

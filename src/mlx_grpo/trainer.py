@@ -215,10 +215,10 @@ class Trainer:
         self.counters.update_step += 1
         lr = learning_rate_at(self.schedule_position(), self.total_updates, cfg)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        t0 = time.perf_counter()
-        for s in steps:
+        for s in steps:  # waiting for rewards counts in time_reward_s, not in the training time
             if s.resolve is not None:
                 s.resolve()
+        t0 = time.perf_counter()
         weights = loss_weights(cfg, steps)
         if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
             mx.random.seed(cfg.seed * 1_000_003 + self.counters.update_step)
@@ -390,9 +390,12 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     """Run GRPO as configured (or continue a checkpoint); returns the run directory."""
     trainer = build_trainer(cfg)
     try:
-        return _run(trainer, cfg, resume)
-    finally:
-        trainer.reward_runner.close()
+        run_dir = _run(trainer, cfg, resume)
+    except BaseException:
+        trainer.reward_runner.close(wait=False)
+        raise
+    trainer.reward_runner.close()
+    return run_dir
 
 
 def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:

@@ -51,7 +51,7 @@ def _read(path: Path) -> tuple[dict, dict]:
     if not is_sequence_classifier(config):
         raise UserError(f"{path} is not a *ForSequenceClassification checkpoint (architectures: "
                         f"{config.get('architectures')}); a reward model needs a score head")
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise UserError(f"reward model {path} has no .safetensors weights")
     weights = {}
@@ -93,8 +93,12 @@ def _local(path_or_hub: str) -> Path:
     if path_or_hub.count("/") == 1 and not path_or_hub.startswith((".", "/", "~")):
         from huggingface_hub import snapshot_download  # the user asked for a hub model
 
-        return Path(snapshot_download(path_or_hub, allow_patterns=["*.json", "*.safetensors", "*.model",
-                                                                   "*.txt", "*.jinja"]))
+        try:
+            return Path(snapshot_download(path_or_hub, allow_patterns=["*.json", "model*.safetensors", "*.model",
+                                                                       "*.txt", "*.jinja"]))
+        except Exception as e:
+            raise UserError(f"reward model {path_or_hub!r} is not a directory here and could not be fetched from "
+                            f"the Hugging Face hub ({type(e).__name__})") from None
     raise UserError(f"reward model {path_or_hub!r} not found: give a directory or a hub id like 'org/name'")
 
 
@@ -105,6 +109,7 @@ def load_reward_model(path_or_hub: str):
     path = _local(path_or_hub)
     config, weights = _read(path)
     model = _build(config, weights, str(path))
+    model.pad_token_id = config.get("pad_token_id")  # where transformers reads the score: see score_ids
     return model, load_tokenizer(path)
 
 
@@ -145,7 +150,8 @@ def render(tokenizer, prompt, completion: str) -> list[int]:
 
 class RewardModelReward:
     """A reward function (TRL signature): the reward model's score of each conversation, clipped to
-    [-clip, clip]; with answer_weight w > 0 mixed as (1 - w) * score + w * score of the <answer> text."""
+    [-clip, clip]; with answer_weight w > 0 mixed as (1 - w) * score + w * score of the <answer> text
+    (-clip when there is none)."""
 
     def __init__(self, path_or_hub: str, clip: float, answer_weight: float, batch_size: int):
         self.model, self.tokenizer = load_reward_model(path_or_hub)
@@ -154,14 +160,18 @@ class RewardModelReward:
         self.pad_id = pad if pad is not None else 0  # right padding: never read (last real token is)
 
     def score_ids(self, rows: list[list[int]]) -> list[float]:
-        """Raw scores (first label) of tokenized conversations, in batches of similar length."""
+        """Raw scores (first label) of tokenized conversations, in batches of similar length. As in
+        transformers, a row's score is read at its rightmost token that is not the config's pad id."""
+        pad = self.model.pad_token_id
+        ends = [max((i + 1 for i, t in enumerate(r) if t != pad), default=len(r)) if pad is not None else len(r)
+                for r in rows]
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         out = [0.0] * len(rows)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             width = max(len(rows[i]) for i in chunk)
             inputs = mx.array([rows[i] + [self.pad_id] * (width - len(rows[i])) for i in chunk], dtype=mx.int32)
-            scores = self.model(inputs, mx.array([len(rows[i]) for i in chunk]))[:, 0].tolist()
+            scores = self.model(inputs, mx.array([max(ends[i], 1) for i in chunk]))[:, 0].tolist()
             for i, value in zip(chunk, scores):
                 out[i] = value
         return out
@@ -171,9 +181,10 @@ class RewardModelReward:
 
         texts = [_text(c) for c in completions]
         scores = self.score_ids([render(self.tokenizer, p, t) for p, t in zip(prompts, texts)])
-        if self.answer_weight > 0:
-            answers = [extract_answer(t) or "" for t in texts]
-            answer_scores = self.score_ids([render(self.tokenizer, p, a) for p, a in zip(prompts, answers)])
+        if self.answer_weight > 0:  # a completion without an <answer> block gets the lowest answer score
+            answers = [extract_answer(t) for t in texts]
+            answer_scores = self.score_ids([render(self.tokenizer, p, a or "") for p, a in zip(prompts, answers)])
             w = self.answer_weight
-            scores = [(1 - w) * s + w * a for s, a in zip(scores, answer_scores)]
+            scores = [(1 - w) * s + w * (a if ans is not None else -self.clip)
+                      for s, a, ans in zip(scores, answer_scores, answers)]
         return [min(max(s, -self.clip), self.clip) for s in scores]
