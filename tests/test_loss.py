@@ -24,17 +24,8 @@ ATOL = 1e-6
 # ----------------------------------------------------------------------------- naive references
 
 def naive_advantages(rewards, group_size):
-    r = [float(x) for x in rewards]
-    out = []
-    for start in range(0, len(r), group_size):
-        group = r[start:start + group_size]
-        mean = sum(group) / len(group)
-        if all(x == group[0] for x in group):
-            out.extend([0.0] * len(group))
-            continue
-        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
-        out.extend([(x - mean) / (std + 1e-4) for x in group])
-    return np.array(out, dtype=np.float64)
+    """GRPO's group-scaled advantages (naive_advantages_scaled below, scale "group")."""
+    return naive_advantages_scaled(rewards, group_size, "group")
 
 
 def naive_token_logprobs(logits, tokens, temperature):
@@ -114,9 +105,11 @@ def naive_update_loss(steps, loss_type, max_new_tokens, clip_eps, kl_coeff, **va
 
 
 def naive_advantages_scaled(rewards, group_size, scale):
+    """(r - group mean) / (std + 1e-4), std of the group or of the whole batch (ddof=1), or no division;
+    flat groups 0."""
     r = [float(x) for x in rewards]
     mean_all = sum(r) / len(r)
-    std_all = math.sqrt(sum((x - mean_all) ** 2 for x in r) / (len(r) - 1))
+    std_all = math.sqrt(sum((x - mean_all) ** 2 for x in r) / max(len(r) - 1, 1))
     out = []
     for start in range(0, len(r), group_size):
         group = r[start:start + group_size]

@@ -26,18 +26,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_grpo.config import Config, save_json
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
+from mlx_grpo.models.writing import copy_model_files
 
 PREFIX = "checkpoint-"
-# Weight files of the source model are replaced by ours; everything else (tokenizer, templates) is copied.
-_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".npz", ".bin")
-
-
-def _copy_model_files(source_dir: Path, target: Path) -> None:
-    for item in source_dir.iterdir():
-        # A source that is itself an adapter checkpoint must not lend this one its adapter config.
-        if (item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES)
-                and item.name not in ("config.json", ADAPTER_CONFIG)):
-            shutil.copy2(item, target / item.name)
 
 
 def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, trainer_state: dict[str, Any],
@@ -63,7 +54,8 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
             old = {k: v for k, v in tree_flatten(old_params) if k in adapters}
             mx.save_safetensors(str(tmp / "old_adapters.safetensors"), old)
         (tmp / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
-        _copy_model_files(source_dir, tmp)
+        # A source that is itself an adapter checkpoint must not lend this one its adapter config.
+        copy_model_files(source_dir, tmp, skip={ADAPTER_CONFIG})
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
         save_json(config, tmp / "config.resolved.json")
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +23,7 @@ from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.writing import QUANT_GROUP_SIZES, exists_error, staged_output
+from mlx_grpo.models.writing import QUANT_GROUP_SIZES, copy_model_files, exists_error, staged_output
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -35,7 +34,6 @@ ADAPTER_LAYERS = (LoRALinear, DoRALinear, LoRASwitchLinear, LoRAEmbedding, DoRAE
 # Files of a checkpoint that are training state, not part of a plain model directory.
 _TRAINING_FILES = {"config.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS, "optimizer.safetensors",
                    "trainer_state.json", "config.resolved.json"}
-_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".npz", ".bin")
 
 
 def _is_quantized(model: nn.Module) -> bool:
@@ -265,8 +263,5 @@ def run_fuse(checkpoint: str, output_dir: str, dequantize: bool = False) -> Path
     with staged_output(out) as tmp:
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
-        for item in source.iterdir():
-            if (item.is_file() and item.name not in _TRAINING_FILES
-                    and not item.name.endswith(_WEIGHT_SUFFIXES)):
-                shutil.copy2(item, tmp / item.name)
+        copy_model_files(source, tmp, skip=_TRAINING_FILES)
     return out

@@ -34,6 +34,19 @@ def mlx_dtype(name: str) -> mx.Dtype:
     return DTYPES[name]
 
 
+# Weight files of a source model: a written directory holds its own weights instead.
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".npz", ".bin")
+
+
+def copy_model_files(source_dir: Path, target: Path, skip: frozenset[str] | set[str] = frozenset()) -> None:
+    """Copy the source's tokenizer, template and other non-weight files, except config.json (the
+    writer supplies its own) and the names in skip."""
+    for item in source_dir.iterdir():
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name != "config.json" \
+                and item.name not in skip:
+            shutil.copy2(item, target / item.name)
+
+
 def write_record(directory: Path, options: dict) -> None:
     (directory / RECORD_FILE).write_text(json.dumps(options, indent=2) + "\n")
 
