@@ -168,10 +168,10 @@ def run_one(args: argparse.Namespace, blas: str | None) -> dict:
     measured: dict = {}
     build_trainer = trainer_module.build_trainer
 
-    def build_and_measure(cfg):
+    def build_and_measure(cfg, world=None):
         """The trainer's own build, then the weights it holds and the peak of loading them; the peak
         counter restarts for the training itself."""
-        trainer = build_trainer(cfg)
+        trainer = build_trainer(cfg, world)
         model, reference = trainer.model, trainer.policies.reference
         mx.eval(model.parameters(), reference.parameters() if reference is not None else [])
         trainable = model.trainable_parameters()

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,3 +143,26 @@ def test_adapter_bench_measures_each_variant_in_its_own_process(tiny_model_dir, 
         proc = subprocess.run([sys.executable, script, *workload, *bad], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-3000:]
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("adapter_bench: error: ")
+
+
+def test_dp_bench_compares_two_ranks_with_one(tiny_model_dir, tmp_path):
+    """bench/dp_bench.py on the tiny model: a 1-process baseline and a 2-rank (ring) weak-scaling run,
+    each timed from its own metrics.jsonl, with the ratio between them."""
+    from test_distributed import LAUNCH, free_port
+
+    if not LAUNCH.is_file():
+        pytest.skip("mlx.launch is not installed next to this python")
+    script = str(ROOT / "bench" / "dp_bench.py")
+    proc = subprocess.run([sys.executable, script, "--model", str(tiny_model_dir), "--set", "dataset=arith",
+                           "--set", "num_generations=4", "--set", "max_new_tokens=4", "--set", "model_dtype=float32",
+                           "--batch", "2", "--updates", "2", "--scalings", "weak",
+                           "--launcher", f"{LAUNCH} -p {free_port()}", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("dp_bench-*.json")).read_text())
+    base, weak = record["rows"]
+    assert (base["ranks"], base["batch"], weak["ranks"], weak["batch"]) == (1, 2, 2, 4)
+    assert base["rows_per_rank"] == weak["rows_per_rank"] == 8 and base["throughput_ratio"] == 1.0
+    assert weak["s_per_update"] > 0 and weak["throughput_ratio"] == pytest.approx(
+        weak["completions_per_s"] / base["completions_per_s"])
+    assert len(weak["per_update"]) == 2 and "2 ranks give" in proc.stdout

@@ -20,7 +20,7 @@ from mlx_grpo.loss import group_advantages
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_reward_s", "time_logprob_s",
-          "time_train_s", "peak_memory_gb"}
+          "time_train_s", "time_step_s", "peak_memory_gb"}
 
 
 def make_cfg(model_dir, out, *items):

@@ -108,10 +108,16 @@ class Config:
     stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one.",
                          TRAIN)
     # --- run ---
+    distributed_backend: str = _f("any", "Backend joining the processes that mlx.launch started: any (the one "
+                                  "the launcher set up), ring (TCP: Macs, CPUs), mpi, nccl (NVIDIA GPUs) or jaccl "
+                                  "(Thunderbolt RDMA); a process started alone trains by itself.", TRAIN)
+    distributed_timeout: float = _f(600.0, "Seconds a rank waits in a collective for the others before it stops "
+                                    "with an error naming them (a dead or hung rank); 0 = wait forever.", TRAIN)
     output_dir: str = _f("runs", "Directory that holds run directories.", TRAIN)
     run_name: str = _f("grpo", "Run directory name under output_dir.", TRAIN)
     num_epochs: int = _f(1, "Passes over the training data.", TRAIN)
-    batch_size: int = _f(4, "Prompts per batch step (B).", TRAIN)
+    batch_size: int = _f(4, "Prompts per batch step (B), across all ranks of a data-parallel run (each takes "
+                         "batch_size / ranks of them).", TRAIN)
     num_generations: int = _f(8, "Completions sampled per prompt (G); advantages are normalised within "
                               "each group of G.", TRAIN)
     gradient_accumulation_steps: int = _f(1, "Batch steps per optimizer update.", TRAIN)
@@ -515,6 +521,8 @@ def _validate_train(c: Config) -> None:
     _require(not (c.reward_model and c.reward_workers), "the reward model runs on the accelerator inside the "
              "training process: keep reward_workers = 0 with reward_model")
     _choice(c, "reward_executor", ("thread", "process"))
+    _choice(c, "distributed_backend", ("any", "ring", "mpi", "nccl", "jaccl"))
+    _require(c.distributed_timeout >= 0, "distributed_timeout must be >= 0 (0 = wait forever)")
     _unused_unless(c, "reward_executor", c.reward_workers > 0, "reward_workers > 0")
     _require(not (c.reward_workers and c.dynamic_sampling), "reward_workers does nothing with dynamic_sampling, "
              "which needs each draw's rewards before it can draw again: drop one of them")

@@ -40,13 +40,14 @@ def _lenient(text: str, gold: str) -> bool:
     return bool(numbers) and answers_match(numbers[-1], gold)
 
 
-def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
-                   num_samples: int = 1, temperature: float = 0.0) -> EvalResult:
-    """Answer every example (greedy when num_samples == 1); an example passes if any sample is right."""
+def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
+                   num_samples: int = 1, temperature: float = 0.0, seed: int | None = None) -> list[dict]:
+    """One record per example: its completions and whether they are right (greedy when num_samples == 1;
+    an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations."""
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
                             cfg.min_p)
     records = []
-    key = mx.random.key(cfg.seed)
+    key = mx.random.key(cfg.seed if seed is None else seed)
     for start in range(0, len(examples), EVAL_BATCH):
         chunk = examples[start:start + EVAL_BATCH]
         prompts = [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
@@ -59,9 +60,21 @@ def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, ma
             records.append({"prompt": example.prompt, "answer": example.answer, "completions": texts,
                             "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in texts),
                             "formatted": extract_answer(texts[0]) is not None})
+    return records
+
+
+def summarize(records: list[dict]) -> EvalResult:
+    """Accuracy, lenient accuracy and format rate of answer_records' records."""
     n = max(len(records), 1)
     return EvalResult(sum(r["correct"] for r in records) / n, sum(r["lenient"] for r in records) / n,
                       sum(r["formatted"] for r in records) / n, records)
+
+
+def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
+                   num_samples: int = 1, temperature: float = 0.0) -> EvalResult:
+    """Answer every example (greedy when num_samples == 1); an example passes if any sample is right."""
+    return summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
+                                    num_samples=num_samples, temperature=temperature))
 
 
 def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:

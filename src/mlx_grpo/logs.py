@@ -48,10 +48,42 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "train_tokens_per_s": result["train_tokens_per_s"],
         "time_rollout_s": t_rollout, "time_reward_s": sum(s["t_reward"] for s in stats),
         "time_logprob_s": sum(s["t_logprob"] for s in stats), "time_train_s": result["t_train"],
-        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "time_step_s": result.get("time_step_s"),
+        "peak_memory_gb": result.get("peak_memory_gb", mx.get_peak_memory() / 1e9),
     }
     record["warnings"] = diagnose(record, trainer.cfg)
     return record
+
+
+def merge_ranks(ranks: list[tuple[list[dict], dict]]) -> tuple[list[dict], dict]:
+    """One update's (batch-step stats, result) of every rank of a data-parallel run, in rank order, as
+    the (stats, result) of the whole batch: rows concatenated in rank order (the batch's prompt order),
+    counts summed, times and memory the slowest rank's. A single rank's pair comes back unchanged. The
+    result's loss and gradient figures are already global (the trainer reduced them)."""
+    if len(ranks) == 1:
+        return ranks[0]
+    merged = []
+    for parts in zip(*(stats for stats, _ in ranks)):  # one batch step, every rank
+        drawn = [p["drawn_scores"] for p in parts]
+        sizes = [len(d.total) for d in drawn]
+        merged.append({
+            "examples": [e for p in parts for e in p["examples"]], "texts": [t for p in parts for t in p["texts"]],
+            **{k: np.concatenate([p[k] for p in parts]) for k in ("lengths", "truncated", "rewards", "advantages")},
+            "per_func": {k: np.concatenate([p["per_func"][k] for p in parts]) for k in parts[0]["per_func"]},
+            "drawn_scores": type(drawn[0]).concat(drawn),
+            "zero_std": float(np.average([p["zero_std"] for p in parts], weights=sizes)),
+            "draws": parts[0]["draws"],  # every rank draws its share of each batch
+            **{k: sum(p[k] for p in parts) for k in ("groups_trained", "entropy_sum", "tokens")},
+            **{k: max(p[k] for p in parts) for k in ("t_rollout", "t_logprob", "t_reward")},
+        })
+    results = [r for _, r in ranks]
+    t_train = max(r["t_train"] for r in results)
+    train_tokens = sum(r["train_tokens"] for r in results)
+    result = {**results[0], "t_train": t_train, "train_tokens": train_tokens,
+              "train_tokens_per_s": train_tokens / t_train if t_train > 0 else 0.0,
+              "peak_memory_gb": max(r["peak_memory_gb"] for r in results),
+              "time_step_s": max(r["time_step_s"] for r in results)}
+    return merged, result
 
 
 # Above these fractions an update is flagged: GRPO learns (almost) nothing from such a batch.

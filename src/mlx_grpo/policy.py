@@ -161,12 +161,16 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     return step
 
 
+def kept_rows(cfg: Config, rollout: Rollout) -> np.ndarray:
+    """[N] bool: rows that enter the loss; completions cut by max_new_tokens are dropped with
+    mask_truncated_completions."""
+    return ~rollout.truncated if cfg.mask_truncated_completions else np.ones(len(rollout.texts), bool)
+
+
 def loss_weights(cfg: Config, steps: list[StepData]) -> list[mx.array]:
-    """Each row's weight in the update's loss (loss.row_scales), per batch step; completions cut by
-    max_new_tokens get 0 with mask_truncated_completions."""
-    keep = [~s.rollout.truncated if cfg.mask_truncated_completions else np.ones(len(s.rollout.texts), bool)
-            for s in steps]
-    scales = row_scales([s.rollout.lengths for s in steps], keep, cfg.loss_type, cfg.max_new_tokens)
+    """Each row's weight in the update's loss (loss.row_scales), per batch step, for one process."""
+    scales = row_scales([s.rollout.lengths for s in steps], [kept_rows(cfg, s.rollout) for s in steps],
+                        cfg.loss_type, cfg.max_new_tokens)
     return [mx.array(w) for w in scales]
 
 

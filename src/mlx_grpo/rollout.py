@@ -1,8 +1,11 @@
 """Rollouts: B prompts x G sampled completions in one batched KV-cache decode, as a typed record.
 
 Each prompt is prefilled once; its cache is then repeated for its G samples. Sampling draws from
-softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with keys passed in, so the
-same key gives the same rollout. The record keeps the exact sampled ids: the loss never re-encodes text.
+softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with one random key per row,
+so a row's tokens depend on its key only, not on which other rows share the batch: the same keys give
+the same rollout, and ranks of a data-parallel run sampling their shares of a batch reproduce what one
+process would sample for the whole batch. The record keeps the exact sampled ids: the loss never
+re-encodes text.
 
 Where decode_attention.py's CUDA kernel serves the model, decoding runs on a fixed-capacity KV cache
 (StaticBatchCache) written in place, and the kernel skips each row's left padding itself: MLX's fused
@@ -82,9 +85,9 @@ def _entropy(logprobs: mx.array) -> mx.array:
     return -(mx.exp(logprobs) * logprobs).sum(axis=-1)
 
 
-def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
-    """Draw one token per row. logits [N, V] -> (tokens [N], logprobs [N] under logits/temperature,
-    entropy [N] of that distribution, before any top-k/top-p/min-p cut).
+def sample(logits: mx.array, keys: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
+    """Draw one token per row with that row's key. logits [N, V], keys [N, 2] -> (tokens [N], logprobs [N]
+    under logits/temperature, entropy [N] of that distribution, before any top-k/top-p/min-p cut).
     temperature 0 is greedy (argmax), with log-probs of the plain logits."""
     if params.temperature == 0:
         logprobs = nn.log_softmax(logits.astype(mx.float32), axis=-1)
@@ -98,7 +101,7 @@ def sample(logits: mx.array, key: mx.array, params: SamplingParams) -> tuple[mx.
         filtered = apply_top_p(filtered, params.top_p)
     if params.min_p > 0:
         filtered = apply_min_p(filtered, params.min_p)
-    tokens = mx.random.categorical(filtered, key=key)  # [N]
+    tokens = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(filtered, keys)  # [N]
     return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
 
 
@@ -221,11 +224,11 @@ def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: boo
 
 
 def make_sampler(params: SamplingParams, eos: mx.array):
-    """(logits [N, V], key, ended [N]) -> (token [N], logprob [N], entropy [N], ended [N]), compiled: one
+    """(logits [N, V], keys [N, 2], ended [N]) -> (token [N], logprob [N], entropy [N], ended [N]), compiled: one
     fused graph instead of ~10 separately dispatched ops per decode step. Built (and traced) once per rollout."""
 
-    def step(logits, key, ended):
-        token, logprob, entropy = sample(logits, key, params)
+    def step(logits, keys, ended):
+        token, logprob, entropy = sample(logits, keys, params)
         return token, logprob, entropy, ended | (token[:, None] == eos[None]).any(axis=1)
 
     return mx.compile(step)
@@ -235,7 +238,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
                      sync_every: int = 8, static_cache: bool | None = None,
                      attention_kernel: bool = True) -> Rollout:
-    """Sample G completions for each of the B prompts; decoding stops once every row has ended.
+    """Sample G completions for each of the B prompts; decoding stops once every row has ended. key is
+    one key (split into the N = B*G row keys) or the row keys themselves, [N, 2].
 
     By default (static_cache=None) rows decode on the fixed-capacity cache with our CUDA kernel where it
     serves the model, else on mlx-lm's growing BatchKVCache (faster than masked attention over a fixed
@@ -247,6 +251,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
+    row_keys = key if key.ndim == 2 else mx.random.split(key, logits.shape[0])  # [N, 2]
     plain_caches = supports_static_cache(model)
     kernel = plain_caches and attention_kernel and kernel_serves(model, caches[0].keys.shape[-1])
     static = plain_caches and (kernel if static_cache is None else static_cache)
@@ -256,15 +261,16 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
             caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
         else:
             _repeat_caches(caches, group_size)
-        ids, lps, ents = _decode(model, caches, logits, key, params, eos, tokenizer, sync_every)
+        ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every)
     return _finish(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
-def _decode(model, caches, logits, key, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int):
-    """The sampling loop from the prefill logits [N, V]. -> (ids, log-probs, entropies), each [N, T]."""
-    keys = mx.random.split(key, params.max_new_tokens)
+def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int):
+    """The sampling loop from the prefill logits [N, V] with row keys [N, 2]. -> (ids, log-probs,
+    entropies), each [N, T]."""
+    keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
     sampler = make_sampler(params, eos)
-    token, logprob, entropy, ended = sampler(logits, keys[0], mx.zeros((logits.shape[0],), dtype=mx.bool_))
+    token, logprob, entropy, ended = sampler(logits, keys[:, 0], mx.zeros((logits.shape[0],), dtype=mx.bool_))
     tokens, logprobs, entropies = [token], [logprob], [entropy]
     for step in range(1, params.max_new_tokens):
         if step % sync_every == 0:
@@ -272,7 +278,7 @@ def _decode(model, caches, logits, key, params: SamplingParams, eos: mx.array, t
             if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop)):
                 break
         logits = model(token[:, None], cache=caches)[:, -1, :]
-        token, logprob, entropy, ended = sampler(logits, keys[step], ended)
+        token, logprob, entropy, ended = sampler(logits, keys[:, step], ended)
         tokens.append(token)
         logprobs.append(logprob)
         entropies.append(entropy)

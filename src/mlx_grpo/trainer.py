@@ -1,14 +1,18 @@
 """`mlx-grpo train`: the GRPO loop — rollouts, rewards, advantages, clipped updates, logs, checkpoints.
 
 One optimizer update consumes `gradient_accumulation_steps` batch steps of B prompts x G completions,
-`num_iterations` times. Rollout keys derive from (seed, batch step), so a run and its resumption
+`num_iterations` times. Rollout keys derive from (seed, draw, row), so a run and its resumption
 sample the same tokens; checkpoints are written only between rollout groups, where that holds.
+Data-parallel (distributed.py): every rank draws the same batch of B prompts, samples and scores its
+own B / ranks of them with their global row keys, and the update sums every rank's rows with the
+weights the whole batch gives them; rank 0 alone logs, evaluates (sharded) and writes checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import platform
 import time
 from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
@@ -22,14 +26,15 @@ from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config, save_json
-from mlx_grpo.evaluate import evaluate_model
-from mlx_grpo.logs import RunLogger, fmt, update_record
+from mlx_grpo.distributed import World, empty_sums, init_world, zero_gradients
+from mlx_grpo.evaluate import answer_records, summarize
+from mlx_grpo.logs import RunLogger, fmt, merge_ranks, update_record
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import LossSums, group_advantages, supports_layer_checkpointing
+from mlx_grpo.loss import LossSums, group_advantages, row_scales, supports_layer_checkpointing
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, adapter_parameters, apply_adapters, quantize_base
 from mlx_grpo.models.loading import load_model, resolve_model_path
-from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
+from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, kept_rows, logprob_pass,
                              make_grad_fn)
 from mlx_grpo.reward_workers import RewardRunner, build_reward_set
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
@@ -50,8 +55,14 @@ def learning_rate_at(update: int, total: int, cfg: Config) -> float:
     return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def rollout_key(seed: int, batch_step: int) -> mx.array:
-    return mx.random.split(mx.random.key(seed), batch_step + 1)[batch_step]
+def rollout_key(seed: int, draw: int) -> mx.array:
+    return mx.random.split(mx.random.key(seed), draw + 1)[draw]
+
+
+def row_keys(seed: int, draw: int, rows: int, share: slice) -> mx.array:
+    """The sampling keys [n, 2] of the rows in `share` of a draw's `rows` rows: a row's key depends on
+    its place in the whole batch, not on which rank samples it."""
+    return mx.random.split(rollout_key(seed, draw), rows)[share]
 
 
 @dataclass
@@ -68,11 +79,12 @@ class Counters:
 class Draw:
     """One generation of B prompts x G completions with its rewards."""
 
-    examples: list[Example]
+    examples: list[Example]  # this rank's share of the batch
     rollout: object
     scores: object
     t_rollout: float
     t_reward: float
+    flags: np.ndarray | None = None  # [B] groups with reward variance, over all ranks (dynamic sampling)
 
 
 @dataclass
@@ -87,10 +99,16 @@ class Trainer:
     source_dir: Path
     eval_examples: list[Example] | None = None
     adapter_config: dict | None = None  # lora/dora: what checkpoints record next to the adapters
+    world: World = field(default_factory=World)
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self):
-        cfg = self.cfg
+        cfg, world = self.cfg, self.world
+        if cfg.batch_size % world.size:
+            fits = [n for n in range(2, cfg.batch_size + 1) if cfg.batch_size % n == 0]
+            world.fail(f"batch_size = {cfg.batch_size} prompts do not divide among {world.size} ranks: set "
+                       f"batch_size to a multiple of {world.size} (e.g. {-(-cfg.batch_size // world.size) * world.size})"
+                       + (f", or launch {' / '.join(map(str, fits))} processes" if fits else ""))
         self.sampler = EpochSampler(len(self.train_examples), cfg.batch_size, cfg.num_epochs, cfg.seed)
         groups = self.sampler.num_batches_total // cfg.gradient_accumulation_steps
         if groups == 0:
@@ -114,15 +132,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ one batch step
     def _draw(self, examples: list[Example]) -> Draw:
-        """Generate G completions for each example and submit them for scoring (inline or to the reward
-        workers); _scores collects the result."""
+        """Generate G completions for each of this rank's share of the batch's examples and submit them
+        for scoring (inline or to the reward workers); _scores collects the result."""
         cfg, G = self.cfg, self.cfg.num_generations
+        # Every rank encodes the whole batch (cheap), so prompts_cut counts it without a collective.
         encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
                                       cfg.max_prompt_length) for e in examples]
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
+        share = self.world.share(len(examples))
+        examples = examples[share]
+        keys = row_keys(cfg.seed, self.counters.draws, len(encoded) * G, slice(share.start * G, share.stop * G))
         t0 = time.perf_counter()
-        rollout = generate_rollout(self.policies.sampler, self.tokenizer, [ids for ids, _ in encoded], G,
-                                   self.params, rollout_key(cfg.seed, self.counters.draws), cfg.prefill)
+        rollout = generate_rollout(self.policies.sampler, self.tokenizer, [ids for ids, _ in encoded[share]], G,
+                                   self.params, keys, cfg.prefill)
         self.counters.draws += 1
         t1 = time.perf_counter()
         columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
@@ -148,11 +170,20 @@ class Trainer:
         draw.scores = scores
         return scores
 
+    def _flags(self, draw: Draw) -> np.ndarray:
+        """Which of a draw's B groups (all ranks) have rewards that are not all equal."""
+        if draw.flags is None:
+            mine = np.ptp(self._scores(draw).total.reshape(-1, self.cfg.num_generations), axis=1) > 0
+            draw.flags = np.concatenate(self.world.gather(mine, "dynamic sampling"))
+        return draw.flags
+
     def _informative_batch(self, draws: list[Draw]) -> tuple[list[Example], object, object]:
-        """Dynamic sampling: the first batch_size groups, in draw order, whose rewards are not all equal."""
+        """Dynamic sampling: the first batch_size groups, in draw order over all ranks, whose rewards are
+        not all equal; this rank keeps those of its own share (ranks may train on unequal numbers)."""
         G = self.cfg.num_generations
-        picks = [(i, g) for i, d in enumerate(draws) for g, r in enumerate(self._scores(d).total.reshape(-1, G))
-                 if r.max() > r.min()][:self.cfg.batch_size]
+        share = self.world.share(self.cfg.batch_size)
+        chosen = [(i, g) for i, d in enumerate(draws) for g in np.flatnonzero(self._flags(d))][:self.cfg.batch_size]
+        picks = [(i, int(g) - share.start) for i, g in chosen if share.start <= g < share.stop]
         rollout = select_groups([d.rollout for d in draws], picks, self.pad_id)
         scores = RewardScores.concat([draws[i].scores.select(range(g * G, (g + 1) * G)) for i, g in picks]) \
             if picks else draws[0].scores.select([])
@@ -162,12 +193,12 @@ class Trainer:
         """Generate (and, with dynamic sampling, filter) one batch step and run its old/reference log-prob
         passes. Its rewards may still be computing: `resolve` (called by update) collects them and sets
         the advantages and the reward stats."""
-        cfg, G = self.cfg, self.cfg.num_generations
+        cfg = self.cfg
         draws = [self._draw(examples)]
         selected = None
         if cfg.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
             def informative() -> int:
-                return sum(int((np.ptp(self._scores(d).total.reshape(-1, G), axis=1) > 0).sum()) for d in draws)
+                return sum(int(self._flags(d).sum()) for d in draws)
 
             while informative() < cfg.batch_size and len(draws) <= cfg.max_resample_batches:
                 more = self.next_examples()
@@ -176,7 +207,7 @@ class Trainer:
                 draws.append(self._draw(more))
             examples, rollout, selected = self._informative_batch(draws)
         else:
-            rollout = draws[0].rollout
+            examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
         t2 = time.perf_counter()
         old = ref = None
         if len(rollout.texts):
@@ -201,13 +232,58 @@ class Trainer:
         """Collect a batch step's rewards: its advantages and the reward part of its stats."""
         G = self.cfg.num_generations
         scores = selected if selected is not None else self._scores(draws[0])
-        step.advantages = group_advantages(mx.array(scores.total), G, self.cfg.scale_rewards)  # [N]
+        step.advantages = self._advantages(scores.total)  # [N]
         drawn = RewardScores.concat([self._scores(d) for d in draws])
         grouped = drawn.total.reshape(-1, G)
         stats.update(rewards=scores.total, per_func=scores.per_func, advantages=np.array(step.advantages.tolist()),
                      drawn_scores=drawn, zero_std=float(np.mean(grouped.max(1) == grouped.min(1))),
                      t_reward=sum(d.t_reward for d in draws))
         step.resolve = None
+
+    def _advantages(self, totals: np.ndarray) -> mx.array:
+        """Group-normalised advantages [N] of this rank's rows; scale_rewards = batch takes its std over
+        the rows of every rank."""
+        G, world = self.cfg.num_generations, self.world
+        if self.cfg.scale_rewards != "batch" or world.size == 1:
+            return group_advantages(mx.array(totals), G, self.cfg.scale_rewards)
+        parts = world.gather(totals, "the batch reward scale")
+        start = sum(len(p) for p in parts[:world.rank])
+        return group_advantages(mx.array(np.concatenate(parts)), G, "batch")[start:start + len(totals)]
+
+    def _loss_weights(self, steps: list[StepData]) -> tuple[list[mx.array], bool]:
+        """Each local row's weight in the update's loss (loss.row_scales over the rows of every rank),
+        times the number of ranks, so the mean of the ranks' gradients is the whole batch's. -> (weights
+        per step, whether any row of any rank enters the loss)."""
+        cfg, world = self.cfg, self.world
+        mine = [(s.rollout.lengths, kept_rows(cfg, s.rollout)) for s in steps]
+        ranks = world.gather(mine, "the loss weights")  # [W][steps] (lengths [n], keep [n])
+        lengths = [np.concatenate([r[i][0] for r in ranks]) for i in range(len(steps))]
+        keep = [np.concatenate([r[i][1] for r in ranks]) for i in range(len(steps))]
+        scales = row_scales(lengths, keep, cfg.loss_type, cfg.max_new_tokens)
+        weights = []
+        for i, w in enumerate(scales):
+            start = sum(len(r[i][0]) for r in ranks[:world.rank])
+            weights.append(mx.array(w[start:start + len(mine[i][0])] * world.size))
+        return weights, any(bool((w > 0).any()) for w in scales)
+
+    def gradients(self, steps: list[StepData]) -> tuple[object, LossSums | None]:
+        """The update's gradient and LossSums over the rows of every rank (None, None when no row enters
+        the loss anywhere). Rewards must be resolved."""
+        cfg = self.cfg
+        weights, any_rows = self._loss_weights(steps)
+        if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
+            mx.random.seed((self.world.seed(cfg.seed) * 1_000_003 + self.counters.update_step) % 2 ** 63)
+        self.model.train()
+        try:
+            grads, sums = accumulate_gradients(self.grad_fn, steps, weights, cfg.micro_batch_size, self.pad_id,
+                                               cfg.micro_batch_tokens)
+        finally:
+            self.model.eval()
+        if self.world.size == 1 or not any_rows:
+            return grads, sums
+        if grads is None:  # none of this rank's rows counts, but the others' do
+            grads, sums = zero_gradients(self.model), empty_sums()
+        return self.world.average_gradients(grads), self.world.reduce_sums(sums)
 
     # ------------------------------------------------------------------ one update
     def update(self, steps: list[StepData]) -> dict:
@@ -219,28 +295,21 @@ class Trainer:
             if s.resolve is not None:
                 s.resolve()
         t0 = time.perf_counter()
-        weights = loss_weights(cfg, steps)
-        if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
-            mx.random.seed(cfg.seed * 1_000_003 + self.counters.update_step)
-        self.model.train()
-        try:
-            grads, sums = accumulate_gradients(self.grad_fn, steps, weights, cfg.micro_batch_size, self.pad_id,
-                                               cfg.micro_batch_tokens)
-        finally:
-            self.model.eval()
+        grads, sums = self.gradients(steps)
         result = {"lr": lr, "loss": None, "grad_norm": None, "kl": None, "clip_fraction": None,
                   "clip_low_fraction": None, "clip_high_fraction": None, "ratio_min": None, "ratio_mean": None,
                   "ratio_max": None, "skipped": True, "loss_tokens": 0}
         if grads is None:
-            print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss (every group "
-                  "was dropped or every completion truncated and masked); update skipped", flush=True)
+            self.world.print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss "
+                             "(every group was dropped or every completion truncated and masked); update skipped")
         else:
             self._apply(grads, sums, result)
         if self.policies.separate_old and self.counters.update_step % cfg.update_every == 0:
             self.policies.refresh()
         train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
         dt = time.perf_counter() - t0
-        return {**result, "t_train": dt, "train_tokens_per_s": train_tokens / dt if dt > 0 else 0.0}
+        return {**result, "t_train": dt, "train_tokens": train_tokens,
+                "train_tokens_per_s": train_tokens / dt if dt > 0 else 0.0, "peak_memory_gb": mx.get_peak_memory() / 1e9}
 
     def schedule_position(self) -> int:
         """The update's place in the learning-rate schedule, by data consumed: the update count when every
@@ -276,10 +345,10 @@ class Trainer:
             return
         self.counters.skipped_updates += 1
         self.counters.consecutive_skips += 1
-        print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
-              f"(loss={loss}, grad_norm={norm.item()}); update skipped", flush=True)
-        if self.counters.consecutive_skips >= cfg.max_consecutive_skips:
-            raise UserError(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
+        self.world.print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
+                         f"(loss={loss}, grad_norm={norm.item()}); update skipped")
+        if self.counters.consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank
+            self.world.fail(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
                             "gradient; stopping (try a lower learning_rate or max_grad_norm). The weights "
                             "of the last finite update are in the latest checkpoint.")
 
@@ -288,10 +357,17 @@ class Trainer:
         return {"counters": vars(self.counters).copy(), "data_cursor": self.sampler.state(),
                 "seed": self.cfg.seed, "rng": {"kind": "derived", "seed": self.cfg.seed,
                                                "next_draw": self.counters.draws},
-                "total_updates": self.total_updates}
+                "total_updates": self.total_updates, "world_size": self.world.size}
 
     def restore(self, path: Path) -> None:
         weights, opt_state, state, old = ckpt.load_checkpoint(path)
+        saved = state.get("world_size", 1)
+        if saved != self.world.size:
+            # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
+            # on the world size: another one would not continue the run exactly.
+            raise UserError(f"--resume: {path} was written by a run of {saved} process(es) and this one has "
+                            f"{self.world.size}; resume with {saved} (e.g. `mlx.launch -n {saved} -- mlx-grpo "
+                            "train ... --resume latest`), or start a new run")
         if self.adapter_config is not None:
             self._check_adapter_keys(weights, path)
         elif (path / ckpt.ADAPTER_WEIGHTS).is_file():
@@ -332,8 +408,9 @@ class Trainer:
         return None if indices is None else [self.train_examples[i] for i in indices]
 
 
-def build_trainer(cfg: Config) -> Trainer:
-    """Load data, rewards and the models for a run (no side effects on disk)."""
+def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
+    """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
+    in a data-parallel run (default: alone)."""
     train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
     if cfg.max_train_samples:
         train = subset(train, cfg.max_train_samples, cfg.seed)
@@ -375,20 +452,33 @@ def build_trainer(cfg: Config) -> Trainer:
     if cfg.eval_every_updates or cfg.eval_steps:
         evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed)
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
-                   source_dir, evals, adapter_config)
+                   source_dir, evals, adapter_config, world or World())
 
 
 def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trigger: str) -> None:
-    cfg = trainer.cfg
-    result = evaluate_model(trainer.model, trainer.tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens)
+    """Greedy accuracy on `examples`, each rank answering its share; rank 0 logs the whole."""
+    cfg, world = trainer.cfg, trainer.world
+    per = -(-len(examples) // world.size)
+    mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
+                          max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed))
+    result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
+    if not world.is_main:
+        return
     logger.log_eval({"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
                      "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
                      "format_rate": result.format_rate, "num_examples": len(examples)})
 
 
 def train(cfg: Config, resume: str | None = None) -> Path:
-    """Run GRPO as configured (or continue a checkpoint); returns the run directory."""
-    trainer = build_trainer(cfg)
+    """Run GRPO as configured (or continue a checkpoint), alone or as one rank of the processes that
+    mlx.launch started; returns the run directory."""
+    world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
+    trainer = build_trainer(cfg, world)
+    # Ranks load at different speeds (a first run converts the default model): no timeout for this one.
+    world.agree(None, "start-up", timeout=0)
+    if world.size > 1:
+        world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
+                    f"{cfg.batch_size} prompts per batch step each")
     try:
         run_dir = _run(trainer, cfg, resume)
     except BaseException:
@@ -398,26 +488,49 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     return run_dir
 
 
-def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
-    run_dir = trainer.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if resume is None and ckpt.list_checkpoints(run_dir):
-        raise UserError(f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, "
-                        "or choose another run_name")
-    logger = RunLogger(run_dir, cfg.log_jsonl)
-    if resume is not None:
-        path = ckpt.resolve_resume(run_dir, resume)
-        trainer.restore(path)
+def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogger) -> None:
+    """Check the run directory and restore a checkpoint on every rank; a problem on any rank stops all."""
+    world, error = trainer.world, None
+    try:
+        if resume is None:
+            if world.is_main and ckpt.list_checkpoints(run_dir):
+                error = (f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, or "
+                         "choose another run_name")
+        else:
+            path = ckpt.resolve_resume(run_dir, resume)
+            trainer.restore(path)
+    except UserError as exc:
+        error = str(exc) if world.size == 1 else f"{exc} (on {platform.node()})"
+    world.agree(error, "resume")
+    if resume is None:
+        return
+    steps = world.gather(trainer.counters.update_step, "resume")
+    if len(set(steps)) > 1:
+        world.fail(f"--resume: the ranks found different checkpoints (update {', '.join(map(str, steps))} for "
+                   "ranks 0..): give every host the same run directory (a shared file system, or a copy)")
+    if world.is_main:
         logger.truncate_after(trainer.counters.update_step)
-        print(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}", flush=True)
-    save_json(cfg, run_dir / "config.resolved.json")
+    world.print(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}")
+
+
+def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
+    run_dir, world = trainer.run_dir, trainer.world
+    main = world.is_main  # rank 0 alone writes the run directory and the console
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    logger = RunLogger(run_dir, cfg.log_jsonl and main)
+    _resume(trainer, run_dir, resume, logger)
+    if main:
+        save_json(cfg, run_dir / "config.resolved.json")
     evals = trainer.eval_examples
     eval_subset = subset(evals, cfg.eval_subset_size, cfg.seed) if evals else None
     legacy_subset = subset(evals, cfg.eval_samples or cfg.eval_subset_size, cfg.seed) if evals else None
     c = trainer.counters
-    bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="grpo", unit="update", disable=None)
+    bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="grpo", unit="update",
+               disable=None if main else True)
     last_saved = c.update_step if resume is not None else -1
     data_left = True
+    t_last = time.perf_counter()
     while c.update_step < trainer.total_updates and data_left:
         steps, stats = [], []
         for _ in range(cfg.gradient_accumulation_steps):
@@ -435,30 +548,40 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
         save_due = False
         for _ in range(cfg.num_iterations):
             result = trainer.update(steps)
-            record = update_record(trainer, stats, result)
-            logger.log_metrics(record)
-            logger.warn(record)
-            if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
-                bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
-                                kl=fmt(record["kl"], ".4f"), refresh=False)
-                if bar.disable:
-                    logger.print_line(record)
-            if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
-                logger.log_completions(c.update_step, stats[-1])
+            result["time_step_s"] = time.perf_counter() - t_last  # wall time since the last update's end
+            merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
+            if main:
+                record = update_record(trainer, merged, result)
+                logger.log_metrics(record)
+                logger.warn(record)
+                if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
+                    bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
+                                    kl=fmt(record["kl"], ".4f"), refresh=False)
+                    if bar.disable:
+                        logger.print_line(record)
+                if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
+                    logger.log_completions(c.update_step, merged[-1])
             if cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
                 _evaluate(trainer, logger, eval_subset, "eval_every_updates")
             save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
             bar.update(1)
+            t_last = time.perf_counter()
         if save_due:  # only between rollout groups, where resume reproduces the run exactly
-            trainer.save()
+            _save(trainer)
             last_saved = c.update_step
     bar.close()
     if not data_left:
-        print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} updates: "
-              f"dynamic sampling drew {c.draws - c.batch_step} extra batches of prompts", flush=True)
+        world.print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} "
+                    f"updates: dynamic sampling drew {c.draws - c.batch_step} extra batches of prompts")
     if last_saved != c.update_step:
-        trainer.save()
+        _save(trainer)
     if c.skipped_updates:
-        print(f"[mlx-grpo] {c.skipped_updates} update(s) skipped for non-finite values", flush=True)
-    print(f"[mlx-grpo] done: {c.update_step} updates; run directory {run_dir}", flush=True)
+        world.print(f"[mlx-grpo] {c.skipped_updates} update(s) skipped for non-finite values")
+    world.print(f"[mlx-grpo] done: {c.update_step} updates; run directory {run_dir}")
     return run_dir
+
+
+def _save(trainer: Trainer) -> None:
+    """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients)."""
+    if trainer.world.is_main:
+        trainer.save()

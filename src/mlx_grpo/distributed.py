@@ -1,0 +1,168 @@
+"""Data parallelism over mx.distributed: this process's rank, its share of each batch, and the
+collectives the trainer needs (gradient averaging, loss and metric reductions, small Python objects).
+
+Processes are started by MLX's launcher (`mlx.launch`), which also sets up the backend (ring over TCP,
+MPI, NCCL, JACCL); a process started alone is a world of one and every collective is then a no-op.
+Each collective runs under a guard: a peer that died makes MLX raise (ring, MPI), a peer that hangs
+(or dies under NCCL, which would wait forever) trips the `distributed_timeout` watchdog, and both end
+the process with one line naming the rank(s) it lost, instead of a traceback or a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map
+
+from mlx_grpo.errors import UserError
+from mlx_grpo.loss import LossSums
+
+LAUNCH_HINT = "start every rank with MLX's launcher, e.g. `mlx.launch -n 2 -- mlx-grpo train ...` (README)"
+
+
+@dataclass
+class World:
+    """The processes of one run. group is None for a single process."""
+
+    group: object | None = None
+    rank: int = 0
+    size: int = 1
+    timeout: float = 0.0  # seconds a collective may wait for the other ranks; 0 = forever
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs, checkpoints and the progress bar."""
+        return self.rank == 0
+
+    def share(self, n: int) -> slice:
+        """This rank's contiguous share of n items (n divisible by size): groups never straddle ranks."""
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def seed(self, seed: int) -> int:
+        """A seed for this rank's own random draws (dropout masks, sampled evaluation), derived from the
+        run's seed: rank 0 keeps it, so a single process is unchanged; reproducible for a world size."""
+        return (seed + self.rank * 1_000_000_007) % 2 ** 63
+
+    def print(self, *args, **kwargs) -> None:
+        """Console output of the run: rank 0's only, so N ranks don't print N copies."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def fail(self, message: str):
+        """Stop every rank for a problem all of them found: rank 0 reports it, the others leave quietly
+        (N copies of one line would bury it)."""
+        if self.is_main:
+            raise UserError(message)
+        raise SystemExit(2)
+
+    def _others(self) -> str:
+        others = [r for r in range(self.size) if r != self.rank]
+        return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+
+    @contextmanager
+    def _guard(self, phase: str, timeout: float | None = None):
+        """Run the collectives of `phase` (their mx.eval inside): a lost peer becomes a UserError, a
+        wait past the timeout ends the process (its thread is stuck in the backend, so it cannot raise)."""
+        limit = self.timeout if timeout is None else timeout
+        timer = None
+        if limit > 0:
+            timer = threading.Timer(limit, self._timed_out, (phase, limit))
+            timer.daemon = True
+            timer.start()
+        try:
+            yield
+        except RuntimeError as exc:
+            raise UserError(f"rank {self.rank} of {self.size}: lost the connection to {self._others()} during "
+                            f"{phase} ({exc}); that rank stopped: its own error, or mlx.launch's "
+                            "'Node with rank N' line, says why") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self, phase: str, limit: float) -> None:
+        sys.stdout.flush()
+        print(f"mlx-grpo train: error: rank {self.rank} of {self.size}: no answer from {self._others()} for "
+              f"{limit:.0f} s during {phase}: that rank died or hangs (raise distributed_timeout if it is only "
+              "slow)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    # ------------------------------------------------------------------ collectives
+    def gather(self, obj, phase: str, timeout: float | None = None) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        with self._guard(phase, timeout):
+            sizes = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=self.group)  # [W]
+            mx.eval(sizes)
+            sizes = [int(s) for s in sizes.tolist()]
+            padded = np.zeros(max(sizes), dtype=np.uint8)
+            padded[:data.size] = data
+            gathered = mx.distributed.all_gather(mx.array(padded), group=self.group)  # [W * width]
+            mx.eval(gathered)
+        rows = np.array(gathered).reshape(self.size, max(sizes))
+        return [pickle.loads(rows[r, :n].tobytes()) for r, n in enumerate(sizes)]
+
+    def agree(self, error: str | None, phase: str, timeout: float | None = None) -> None:
+        """Raise on every rank if any rank found a problem, so none is left waiting in a collective."""
+        errors = self.gather(error, phase, timeout)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if len({e for _, e in bad}) == 1 and len(bad) == self.size:  # the same problem everywhere
+            self.fail(bad[0][1])
+        if bad:
+            self.fail("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+    def average_gradients(self, grads):
+        """Mean of every rank's gradient tree (mlx.nn.average_gradients: few large all-reduces)."""
+        if self.size == 1:
+            return grads
+        with self._guard("the gradient all-reduce"):
+            grads = nn.average_gradients(grads, group=self.group)
+            mx.eval(grads)
+        return grads
+
+    def reduce_sums(self, sums: LossSums) -> LossSums:
+        """The update's LossSums over all ranks. Each rank's loss is its rows' share times the world size
+        (see Trainer._loss_weights), so the loss is averaged and the counts are summed."""
+        if self.size == 1:
+            return sums
+        totals = mx.stack([sums.loss, sums.tokens, sums.kl, sums.clipped_low, sums.clipped_high, sums.ratio])
+        with self._guard("the loss reduction"):
+            totals = mx.distributed.all_sum(totals.astype(mx.float32), group=self.group)
+            low = mx.distributed.all_min(sums.ratio_min, group=self.group)
+            high = mx.distributed.all_max(sums.ratio_max, group=self.group)
+            mx.eval(totals, low, high)
+        return LossSums(totals[0] / self.size, *totals[1:], low, high)
+
+
+def empty_sums() -> LossSums:
+    """The LossSums of a rank none of whose rows enter the update (the others' still do)."""
+    zero = mx.array(0.0)
+    return LossSums(zero, zero, zero, zero, zero, zero, mx.array(float("inf")), mx.array(float("-inf")))
+
+
+def zero_gradients(model: nn.Module):
+    """A gradient tree of zeros shaped like the trainable parameters, for a rank with no rows."""
+    return tree_map(mx.zeros_like, model.trainable_parameters())
+
+
+def init_world(backend: str, timeout: float) -> World:
+    """Join the processes mlx.launch started (backend 'any': whichever it set up), or stand alone."""
+    if backend != "any" and not mx.distributed.is_available():
+        raise UserError(f"distributed_backend = {backend!r}, but this MLX build has no distributed backend")
+    try:
+        group = mx.distributed.init(strict=backend != "any", backend=backend)
+    except RuntimeError as exc:
+        raise UserError(f"distributed_backend = {backend!r} could not start ({exc}); {LAUNCH_HINT}") from None
+    if group.size() == 1:
+        return World(None, 0, 1, timeout)
+    return World(group, group.rank(), group.size(), timeout)

@@ -1,0 +1,31 @@
+"""Run by tests/test_distributed.py under mlx.launch (or alone): one update's gradient of a
+data-parallel trainer, written by rank 0 to an .npz file.
+
+    python tests/dist_worker.py OUT.npz key=value ...   (the --set items of a train config)
+"""
+
+import sys
+
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_grpo.config import build_config, parse_set
+from mlx_grpo.distributed import init_world
+from mlx_grpo.trainer import build_trainer
+
+
+def main(out: str, items: list[str]) -> None:
+    cfg = build_config("train", overrides=parse_set(items))
+    world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
+    trainer = build_trainer(cfg, world)
+    step, _ = trainer.batch_step(trainer.next_examples())
+    step.resolve()
+    grads, sums = trainer.gradients([step])
+    if world.is_main:
+        arrays = {f"grad/{k}": np.array(v) for k, v in tree_flatten(grads)}
+        arrays.update({f"sum/{k}": np.array(v) for k, v in sums._asdict().items()})
+        np.savez(out, world_size=world.size, **arrays)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
