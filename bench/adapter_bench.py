@@ -160,13 +160,13 @@ def run_one(args: argparse.Namespace, blas: str | None) -> dict:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    import mlx_grpo.trainer as trainer_module
+    import mlx_grpo.run as run_module
 
     def nbytes(tree) -> int:
         return sum(a.nbytes for _, a in tree_flatten(tree))
 
     measured: dict = {}
-    build_trainer = trainer_module.build_trainer
+    build_trainer = run_module.build_trainer
 
     def build_and_measure(cfg, world=None):
         """The trainer's own build, then the weights it holds and the peak of loading them; the peak
@@ -188,13 +188,13 @@ def run_one(args: argparse.Namespace, blas: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="adapter_bench-") as tmp:
         cfg = build_config("train", overrides=parse_set(variant_overrides(args, args.one, tmp)))
         mx.reset_peak_memory()
-        trainer_module.build_trainer = build_and_measure  # train() looks the name up at call time
+        run_module.build_trainer = build_and_measure  # train() looks the name up at call time
         try:
             started = time.perf_counter()
-            run_dir = trainer_module.train(cfg)
+            run_dir = run_module.train(cfg)
             wall = time.perf_counter() - started
         finally:
-            trainer_module.build_trainer = build_trainer
+            run_module.build_trainer = build_trainer
         train_peak = mx.get_peak_memory()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not rows:

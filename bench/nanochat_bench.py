@@ -30,7 +30,7 @@ from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.nanochat import write_nanochat_model
 from mlx_grpo.models.nanochat_tokenizer import SPECIAL_TOKENS, TiktokenState
-from mlx_grpo.trainer import train
+from mlx_grpo.run import train
 
 # nanochat's GPTConfig for its speedrun (d20) and largest released (d32) models
 SIZES = {

@@ -142,7 +142,7 @@ def test_url_fields_need_reward_url():
 
 
 def test_training_run_scored_by_the_server(server, tiny_model_dir, tmp_path):
-    from mlx_grpo import trainer
+    from mlx_grpo import run as trainer
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from mlx_grpo import trainer as trainer_mod
+from mlx_grpo import run as run_mod
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
@@ -227,7 +227,7 @@ def test_generate_chat_eval_train_on_converted(converted, tmp_path, capsys):
         "batch_size=1", "num_generations=4", "max_new_tokens=6", "max_train_samples=1", "learning_rate=1e-3",
         "warmup_ratio=0", f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids",
         "micro_batch_size=2", "kl_coeff=0.04"]))
-    run = trainer_mod.train(train_cfg)
+    run = run_mod.train(train_cfg)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert np.isfinite(row["loss"]) and row["grad_norm"] > 0
     ckpt = run / "checkpoint-1"

@@ -122,7 +122,7 @@ def test_not_a_sequence_classifier_is_refused(tiny_model_dir):
 
 
 def test_training_run_with_a_reward_model(rm_dir, tiny_model_dir, tmp_path):
-    from mlx_grpo import trainer
+    from mlx_grpo import run as trainer
     from mlx_grpo.config import build_config, parse_set
 
     cfg = build_config("train", overrides=parse_set([

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_grpo import run as run_mod
 from mlx_grpo import trainer as trainer_mod
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
@@ -117,7 +118,7 @@ def test_micro_batches_respect_row_and_token_limits(tiny_model_dir):
 def test_one_update_changes_weights_loss_finite(tiny_model_dir, tmp_path):
     cfg = make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "save_steps=0",
                    f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")
-    run = trainer_mod.train(cfg)
+    run = run_mod.train(cfg)
     rows = metrics(run)
     assert len(rows) == 1 and np.isfinite(rows[0]["loss"]) and rows[0]["grad_norm"] > 0
     before = dict(tree_flatten(__import__("mlx_lm").load(str(tiny_model_dir))[0].parameters()))
@@ -126,11 +127,11 @@ def test_one_update_changes_weights_loss_finite(tiny_model_dir, tmp_path):
 
 
 def test_same_seed_same_run(tiny_model_dir, tmp_path):
-    a = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=a"))
-    b = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=b"))
+    a = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=a"))
+    b = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=b"))
     assert metrics(a) == metrics(b)
     assert_same_weights(weights(a / "checkpoint-4"), weights(b / "checkpoint-4"))
-    c = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=c", "seed=7"))
+    c = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=c", "seed=7"))
     assert metrics(c) != metrics(a)
 
 
@@ -140,7 +141,7 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
                                    ["dynamic_sampling=true", "max_train_samples=16",
                                     f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"]])
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
-    full = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *extra))
+    full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *extra)
     original = trainer_mod.Trainer.update
     stop_at = 3 if "num_iterations=2" not in extra else 5
@@ -152,11 +153,11 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extr
 
     monkeypatch.setattr(trainer_mod.Trainer, "update", crashing)
     with pytest.raises(KeyboardInterrupt):
-        trainer_mod.train(cfg)
+        run_mod.train(cfg)
     monkeypatch.setattr(trainer_mod.Trainer, "update", original)
     with pytest.raises(UserError, match="--resume"):
-        trainer_mod.train(cfg)  # nothing is overwritten without --resume
-    resumed = trainer_mod.train(cfg, resume="latest")
+        run_mod.train(cfg)  # nothing is overwritten without --resume
+    resumed = run_mod.train(cfg, resume="latest")
     assert metrics(resumed) == metrics(full)
     last = max(int(p.name.split("-")[1]) for p in full.glob("checkpoint-*"))
     assert_same_weights(weights(full / f"checkpoint-{last}"), weights(resumed / f"checkpoint-{last}"))
@@ -174,7 +175,7 @@ def test_nan_update_is_skipped_and_reported(tiny_model_dir, tmp_path, monkeypatc
         return grads, sums
 
     monkeypatch.setattr(trainer_mod, "accumulate_gradients", poisoned)
-    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "save_steps=1"))
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "save_steps=1"))
     rows = metrics(run)
     assert [r["skipped"] for r in rows] == [False, True, False, False]
     assert rows[-1]["skipped_total"] == 1
@@ -190,7 +191,7 @@ def test_consecutive_nan_aborts(tiny_model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_mod, "accumulate_gradients", always_nan)
     with pytest.raises(UserError, match="2 consecutive updates"):
-        trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_consecutive_skips=2"))
+        run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_consecutive_skips=2"))
 
 
 def test_simple_reward_rises(tiny_model_dir, tmp_path):
@@ -199,14 +200,14 @@ def test_simple_reward_rises(tiny_model_dir, tmp_path):
                    "learning_rate=3e-3", "lr_scheduler_type=constant", "kl_coeff=0", "max_grad_norm=1.0",
                    "num_epochs=1", "save_steps=0", f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids",
                    "max_train_samples=60")
-    rows = metrics(trainer_mod.train(cfg))
+    rows = metrics(run_mod.train(cfg))
     first = np.mean([r["reward_mean"] for r in rows[:5]])
     last = np.mean([r["reward_mean"] for r in rows[-5:]])
     assert last > first + 0.1, (first, last)
 
 
 def test_checkpoint_loads_in_generate(tiny_model_dir, tmp_path, capsys):
-    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2"))
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2"))
     ckpt = run / "checkpoint-1"
     names = {p.name for p in ckpt.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
@@ -219,8 +220,8 @@ def test_checkpoint_loads_in_generate(tiny_model_dir, tmp_path, capsys):
                                    ["train_type=lora", "lora_dropout=0.3"],
                                    ["train_type=dora", "grad_checkpoint=true", "learning_rate=1e-2"]])
 def test_compiled_step_matches_eager(tiny_model_dir, tmp_path, extra):
-    eager = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=e", "max_train_samples=4", *extra))
-    compiled = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=c", "max_train_samples=4",
+    eager = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=e", "max_train_samples=4", *extra))
+    compiled = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=c", "max_train_samples=4",
                                           "use_compile=true", *extra))
     for a, b in zip(metrics(eager), metrics(compiled)):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
@@ -228,7 +229,7 @@ def test_compiled_step_matches_eager(tiny_model_dir, tmp_path, extra):
 
 
 def test_quantized_rollouts_run(tiny_model_dir, tmp_path):
-    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "quantize_for_rollouts=true",
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "quantize_for_rollouts=true",
                                      "max_train_samples=4", "micro_batch_size=3"))
     rows = metrics(run)
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
@@ -290,7 +291,7 @@ def test_qlora_run_generate_and_fuse(wider_model_dir, tmp_path, capsys):
                    "max_train_samples=4", "learning_rate=1e-2", "save_steps=0")
     t = trainer_mod.build_trainer(cfg)
     assert any(k.endswith(".scales") for k, _ in tree_flatten(t.model.parameters()))  # the base is 4-bit
-    run = trainer_mod.train(cfg)
+    run = run_mod.train(cfg)
     rows = metrics(run)
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
     ckpt = run / "checkpoint-2"
@@ -312,9 +313,9 @@ def test_quantized_base_needs_adapters(wider_model_dir, tmp_path):
 def test_masked_truncation_leaves_truncated_completions_out(tiny_model_dir, tmp_path, capsys):
     """A random tiny model never ends within 8 tokens: with masking nothing enters the loss, so the
     update is skipped (weights unchanged) and the log says why; without masking the weights move."""
-    masked = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=m", "max_train_samples=2",
+    masked = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=m", "max_train_samples=2",
                                         "mask_truncated_completions=true"))
-    plain = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=p", "max_train_samples=2"))
+    plain = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=p", "max_train_samples=2"))
     out = capsys.readouterr().out
     assert "no completion entered the loss" in out
     row = metrics(masked)[0]
@@ -345,7 +346,7 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
     rewards = f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"
     cfg = make_cfg(tiny_model_dir, tmp_path, rewards, "dynamic_sampling=true", "max_train_samples=24",
                    "log_completions_steps=1", "max_resample_batches=2")
-    run = trainer_mod.train(cfg)
+    run = run_mod.train(cfg)
     rows = metrics(run)
     assert sum(r["draws"] for r in rows) > len(rows)  # extra draws happened
     assert all(r["groups_trained"] <= 2 for r in rows) and any(r["groups_trained"] == 2 for r in rows)
@@ -355,7 +356,7 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
     assert "the training data ran out" in capsys.readouterr().out
     completions = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
     assert completions and all(int(c["answer"]) % 2 == 0 for c in completions)  # only informative groups
-    plain = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, rewards, "run_name=plain", "max_train_samples=24",
+    plain = run_mod.train(make_cfg(tiny_model_dir, tmp_path, rewards, "run_name=plain", "max_train_samples=24",
                                        "log_completions_steps=1"))
     assert len(metrics(plain)) == 12 and all(r["draws"] == 1 for r in metrics(plain))
     odd = [c for c in (json.loads(x) for x in (plain / "completions.jsonl").read_text().splitlines())
@@ -364,7 +365,7 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
 
 
 def test_overlong_penalty_enters_reward_and_metrics(tiny_model_dir, tmp_path):
-    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "overlong_penalty=0.5",
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "overlong_penalty=0.5",
                                      "overlong_buffer=4", "log_completions_steps=1"))
     row = metrics(run)[0]
     assert row["reward/overlong_penalty"] == pytest.approx(-0.5)  # every completion runs to max_new_tokens
@@ -373,7 +374,7 @@ def test_overlong_penalty_enters_reward_and_metrics(tiny_model_dir, tmp_path):
 
 
 def test_update_metrics_report_clipping_ratio_and_entropy(tiny_model_dir, tmp_path):
-    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "num_iterations=2",
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "num_iterations=2",
                                      "learning_rate=5e-2", "clip_eps=0.05",
                                      f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids"))
     first, second = metrics(run)
@@ -386,17 +387,17 @@ def test_update_metrics_report_clipping_ratio_and_entropy(tiny_model_dir, tmp_pa
 def test_zero_variance_warning_is_loud_and_logged(tiny_model_dir, tmp_path, capsys):
     """A random model never writes an integer answer: every group scores 0 under `int`. Each record
     carries the warning; the console shows it once, not at every update."""
-    rows = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=6", "reward_funcs=int")))
+    rows = metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=6", "reward_funcs=int")))
     out = capsys.readouterr().out
     assert len(rows) == 3 and all(r["zero_std_fraction"] == 1.0 and "zero_std" in r["warnings"] for r in rows)
     assert out.count("zero reward variance") == 1 and "WARNING (update 1)" in out and "dynamic_sampling" in out
-    ok = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=ok", "max_train_samples=2",
+    ok = metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=ok", "max_train_samples=2",
                                             f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")))
     assert ok[0]["zero_std_fraction"] == 0.0 and "zero_std" not in ok[0]["warnings"]
 
 
 def test_dynamic_sampling_without_any_informative_group_skips_and_ends(tiny_model_dir, tmp_path, capsys):
-    run = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "reward_funcs=int", "dynamic_sampling=true",
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "reward_funcs=int", "dynamic_sampling=true",
                                      "max_resample_batches=1", "log_completions_steps=1"))
     rows = metrics(run)
     assert [r["groups_trained"] for r in rows] == [0, 0] and all(r["skipped"] and r["draws"] == 2 for r in rows)
@@ -411,8 +412,8 @@ def test_rewards_in_workers_give_the_same_run_as_inline(tiny_model_dir, tmp_path
     accumulation group run) change nothing: same metrics, same weights."""
     base = ["gradient_accumulation_steps=2", "max_train_samples=8", "save_steps=0", "log_completions_steps=1",
             f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer,int"]
-    inline = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=inline", *base))
-    pooled = trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=pooled", *base, *workers))
+    inline = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=inline", *base))
+    pooled = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=pooled", *base, *workers))
     assert metrics(pooled) == metrics(inline)
     assert (pooled / "completions.jsonl").read_text() == (inline / "completions.jsonl").read_text()
     last = max(int(p.name.split("-")[1]) for p in inline.glob("checkpoint-*"))
@@ -424,8 +425,8 @@ def test_rewards_in_workers_give_the_same_run_as_inline(tiny_model_dir, tmp_path
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_reward_workers_really_score_off_the_main_thread(tiny_model_dir, tmp_path, executor):
     rewards = f"reward_funcs={FIXTURES / 'toy_rewards.py'}:off_main"
-    inline = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=i", "max_train_samples=2", rewards)))
-    pooled = metrics(trainer_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=p", "max_train_samples=2", rewards,
+    inline = metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=i", "max_train_samples=2", rewards)))
+    pooled = metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=p", "max_train_samples=2", rewards,
                                                 "reward_workers=1", f"reward_executor={executor}")))
     assert inline[0]["reward/off_main"] == 0.0 and pooled[0]["reward/off_main"] == 1.0
 

@@ -110,7 +110,7 @@ def _dispatch(args: argparse.Namespace) -> None:
 
         run_chat(cfg, verbose=args.verbose)
     elif command == "train":
-        from mlx_grpo.trainer import train
+        from mlx_grpo.run import train
 
         train(cfg, resume=args.resume)
     elif command == "eval":

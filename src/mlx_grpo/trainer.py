@@ -1,18 +1,18 @@
-"""`mlx-grpo train`: the GRPO loop — rollouts, rewards, advantages, clipped updates, logs, checkpoints.
+"""The GRPO steps of `mlx-grpo train` (run.py drives them): rollouts, rewards, advantages, clipped
+updates, the state a checkpoint holds.
 
 One optimizer update consumes `gradient_accumulation_steps` batch steps of B prompts x G completions,
 `num_iterations` times. Rollout keys derive from (seed, draw, row), so a run and its resumption
 sample the same tokens; checkpoints are written only between rollout groups, where that holds.
 Data-parallel (distributed.py): every rank draws the same batch of B prompts, samples and scores its
 own B / ranks of them with their global row keys, and the update sums every rank's rows with the
-weights the whole batch gives them; rank 0 alone logs, evaluates (sharded) and writes checkpoints.
+weights the whole batch gives them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import platform
 import time
 from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
@@ -22,13 +22,10 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.config import Config, save_json
-from mlx_grpo.distributed import World, empty_sums, init_world, zero_gradients
-from mlx_grpo.evaluate import answer_records, summarize
-from mlx_grpo.logs import RunLogger, fmt, merge_ranks, update_record
+from mlx_grpo.config import Config
+from mlx_grpo.distributed import World, empty_sums, zero_gradients
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.loss import LossSums, group_advantages, row_scales, supports_layer_checkpointing
@@ -453,135 +450,3 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed)
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
                    source_dir, evals, adapter_config, world or World())
-
-
-def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trigger: str) -> None:
-    """Greedy accuracy on `examples`, each rank answering its share; rank 0 logs the whole."""
-    cfg, world = trainer.cfg, trainer.world
-    per = -(-len(examples) // world.size)
-    mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
-                          max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed))
-    result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
-    if not world.is_main:
-        return
-    logger.log_eval({"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
-                     "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
-                     "format_rate": result.format_rate, "num_examples": len(examples)})
-
-
-def train(cfg: Config, resume: str | None = None) -> Path:
-    """Run GRPO as configured (or continue a checkpoint), alone or as one rank of the processes that
-    mlx.launch started; returns the run directory."""
-    world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
-    trainer = build_trainer(cfg, world)
-    # Ranks load at different speeds (a first run converts the default model): no timeout for this one.
-    world.agree(None, "start-up", timeout=0)
-    if world.size > 1:
-        world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
-                    f"{cfg.batch_size} prompts per batch step each")
-    try:
-        run_dir = _run(trainer, cfg, resume)
-    except BaseException:
-        trainer.reward_runner.close(wait=False)
-        raise
-    trainer.reward_runner.close()
-    return run_dir
-
-
-def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogger) -> None:
-    """Check the run directory and restore a checkpoint on every rank; a problem on any rank stops all."""
-    world, error = trainer.world, None
-    try:
-        if resume is None:
-            if world.is_main and ckpt.list_checkpoints(run_dir):
-                error = (f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, or "
-                         "choose another run_name")
-        else:
-            path = ckpt.resolve_resume(run_dir, resume)
-            trainer.restore(path)
-    except UserError as exc:
-        error = str(exc) if world.size == 1 else f"{exc} (on {platform.node()})"
-    world.agree(error, "resume")
-    if resume is None:
-        return
-    steps = world.gather(trainer.counters.update_step, "resume")
-    if len(set(steps)) > 1:
-        world.fail(f"--resume: the ranks found different checkpoints (update {', '.join(map(str, steps))} for "
-                   "ranks 0..): give every host the same run directory (a shared file system, or a copy)")
-    if world.is_main:
-        logger.truncate_after(trainer.counters.update_step)
-    world.print(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}")
-
-
-def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
-    run_dir, world = trainer.run_dir, trainer.world
-    main = world.is_main  # rank 0 alone writes the run directory and the console
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    logger = RunLogger(run_dir, cfg.log_jsonl and main)
-    _resume(trainer, run_dir, resume, logger)
-    if main:
-        save_json(cfg, run_dir / "config.resolved.json")
-    evals = trainer.eval_examples
-    eval_subset = subset(evals, cfg.eval_subset_size, cfg.seed) if evals else None
-    legacy_subset = subset(evals, cfg.eval_samples or cfg.eval_subset_size, cfg.seed) if evals else None
-    c = trainer.counters
-    bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="grpo", unit="update",
-               disable=None if main else True)
-    last_saved = c.update_step if resume is not None else -1
-    data_left = True
-    t_last = time.perf_counter()
-    while c.update_step < trainer.total_updates and data_left:
-        steps, stats = [], []
-        for _ in range(cfg.gradient_accumulation_steps):
-            examples = trainer.next_examples()
-            if examples is None:  # dynamic sampling drew extra prompts: the data ran out early
-                data_left = False
-                break
-            step, st = trainer.batch_step(examples)
-            steps.append(step)
-            stats.append(st)
-            if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
-                _evaluate(trainer, logger, legacy_subset, "eval_steps")
-        if not steps:
-            break
-        save_due = False
-        for _ in range(cfg.num_iterations):
-            result = trainer.update(steps)
-            result["time_step_s"] = time.perf_counter() - t_last  # wall time since the last update's end
-            merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
-            if main:
-                record = update_record(trainer, merged, result)
-                logger.log_metrics(record)
-                logger.warn(record)
-                if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
-                    bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
-                                    kl=fmt(record["kl"], ".4f"), refresh=False)
-                    if bar.disable:
-                        logger.print_line(record)
-                if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
-                    logger.log_completions(c.update_step, merged[-1])
-            if cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
-                _evaluate(trainer, logger, eval_subset, "eval_every_updates")
-            save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
-            bar.update(1)
-            t_last = time.perf_counter()
-        if save_due:  # only between rollout groups, where resume reproduces the run exactly
-            _save(trainer)
-            last_saved = c.update_step
-    bar.close()
-    if not data_left:
-        world.print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} "
-                    f"updates: dynamic sampling drew {c.draws - c.batch_step} extra batches of prompts")
-    if last_saved != c.update_step:
-        _save(trainer)
-    if c.skipped_updates:
-        world.print(f"[mlx-grpo] {c.skipped_updates} update(s) skipped for non-finite values")
-    world.print(f"[mlx-grpo] done: {c.update_step} updates; run directory {run_dir}")
-    return run_dir
-
-
-def _save(trainer: Trainer) -> None:
-    """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients)."""
-    if trainer.world.is_main:
-        trainer.save()
