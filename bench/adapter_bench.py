@@ -3,7 +3,7 @@ the same workload, each variant in a fresh process.
 
 MLX's peak-memory counter and buffer cache belong to the process, so a fair peak needs a new one: the
 script runs itself once per variant (`--one VARIANT`, hidden) and each child runs a whole
-`mlx_grpo.trainer.train(cfg)` on a small fixed GRPO workload, then reports
+`mlx_grpo.run.train(cfg)` on a small fixed GRPO workload, then reports
 
   * the peak memory of the run (mx.get_peak_memory(), load included) and the peak after loading (the
     counter is reset once the trainer is built: rollouts, log-prob passes, updates),

@@ -152,15 +152,16 @@ def test_batch_that_does_not_divide_among_ranks_is_refused(tiny_model_dir, tmp_p
     assert not (tmp_path / "grpo").exists()
 
 
-def _start_ranks(tmp_path: Path, items: list[str]) -> list[subprocess.Popen]:
-    """Two ranks started by hand, as on hosts whose launcher cannot stop the survivors."""
+def _start_ranks(tmp_path: Path, items: list[str], rank1_extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """Two ranks started by hand, as on hosts whose launcher cannot stop the survivors; rank 1 may get
+    settings of its own."""
     port = free_port()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     procs = []
     for rank in range(2):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "TQDM_DISABLE": "1"}
-        procs.append(subprocess.Popen(train_command(items + [f"run_name=r{rank}"]), env=env, text=True,
+        procs.append(subprocess.Popen(train_command(items + list(rank1_extra if rank else ())), env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
 
@@ -181,7 +182,7 @@ REWARDS = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("reward,expect,code", [
-    ("dies_on_rank_1", "lost the connection to rank 1", 2),
+    ("dies_on_rank_1", "most likely rank 1 stopped", 2),
     ("hangs_on_rank_1", "no answer from rank 1 for 3 s", 1),
 ], ids=["dead", "hung"])
 def test_a_rank_that_dies_or_hangs_stops_the_others_with_its_name(tiny_model_dir, tmp_path, reward, expect, code):
@@ -211,3 +212,27 @@ def test_a_named_backend_without_the_launcher_says_how_to_launch(monkeypatch):
     monkeypatch.delenv("MLX_RANK", raising=False)
     with pytest.raises(UserError, match="mlx.launch -n 2"):
         init_world("ring", 0)
+
+
+def test_ranks_that_would_train_different_things_are_refused(tiny_model_dir, tmp_path):
+    """Another config (or data, or model) on one host: refused at start-up, before any collective of
+    training could pair up wrongly."""
+    items = base_items(tiny_model_dir, tmp_path, "distributed_timeout=60")
+    rank0, rank1 = _start_ranks(tmp_path, items, rank1_extra=("max_new_tokens=6",))
+    try:
+        _, err = rank0.communicate(timeout=120)
+    finally:
+        rank1.kill()
+        rank1.communicate()
+    assert rank0.returncode == 2, err
+    assert "the ranks do not run the same job: settings of rank 1 differ from rank 0's" in err
+    assert "Traceback" not in err and not (tmp_path / "grpo").exists()
+
+
+def test_launched_ranks_that_mlx_cannot_join_are_refused(monkeypatch):
+    """MLX falls back to a world of one when the launcher's backend is missing from this build: N
+    copies would each train alone into one run directory."""
+    monkeypatch.setenv("MLX_WORLD_SIZE", "2")
+    monkeypatch.setenv("MLX_RANK", "1")
+    with pytest.raises(UserError, match="mlx.launch started 2 processes, but this MLX build cannot join them"):
+        init_world("any", 0)

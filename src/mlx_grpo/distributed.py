@@ -10,10 +10,12 @@ the process with one line naming the rank(s) it lost, instead of a traceback or 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,6 +64,7 @@ class World:
         (N copies of one line would bury it)."""
         if self.is_main:
             raise UserError(message)
+        time.sleep(1.0)  # mlx.launch stops every rank once one exits: let rank 0 print first
         raise SystemExit(2)
 
     def _others(self) -> str:
@@ -81,9 +84,9 @@ class World:
         try:
             yield
         except RuntimeError as exc:
-            raise UserError(f"rank {self.rank} of {self.size}: lost the connection to {self._others()} during "
-                            f"{phase} ({exc}); that rank stopped: its own error, or mlx.launch's "
-                            "'Node with rank N' line, says why") from None
+            raise UserError(f"rank {self.rank} of {self.size}: the collective of {phase} failed ({exc}); most "
+                            f"likely {self._others()} stopped: its own error, or mlx.launch's 'Node with rank N' "
+                            "line, says why") from None
         finally:
             if timer is not None:
                 timer.cancel()
@@ -155,6 +158,21 @@ def zero_gradients(model: nn.Module):
     return tree_map(mx.zeros_like, model.trainable_parameters())
 
 
+def _launched_size() -> int:
+    """How many processes the launcher's environment says there are (1 when none set it up)."""
+    for name in ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    hostfile = os.environ.get("MLX_HOSTFILE", "")
+    if hostfile and os.path.isfile(hostfile):
+        try:
+            hosts = json.loads(open(hostfile).read().strip() or "[]")
+        except ValueError:
+            return 1
+        return len(hosts) if isinstance(hosts, list) else 1
+    return 1
+
+
 def init_world(backend: str, timeout: float) -> World:
     """Join the processes mlx.launch started (backend 'any': whichever it set up), or stand alone."""
     if backend != "any" and not mx.distributed.is_available():
@@ -164,5 +182,10 @@ def init_world(backend: str, timeout: float) -> World:
     except RuntimeError as exc:
         raise UserError(f"distributed_backend = {backend!r} could not start ({exc}); {LAUNCH_HINT}") from None
     if group.size() == 1:
+        launched = _launched_size()
+        if launched > 1:  # MLX fell back to a world of one: N copies would each train alone, in one run dir
+            raise UserError(f"mlx.launch started {launched} processes, but this MLX build cannot join them "
+                            f"(distributed_backend = {backend!r}): install MLX with that backend (NCCL needs "
+                            "MLX's CUDA build), or launch with another --backend")
         return World(None, 0, 1, timeout)
     return World(group, group.rank(), group.size(), timeout)

@@ -3,14 +3,19 @@ checkpoints, alone or as one rank of the processes mlx.launch started (trainer.p
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import platform
 import time
 from pathlib import Path
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.config import Config, save_json
+from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
 from mlx_grpo.errors import UserError
@@ -18,6 +23,7 @@ from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, fmt, merge_ranks, update_record
 from mlx_grpo.trainer import Trainer, build_trainer
 
+STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
 
 def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trigger: str) -> None:
     """Greedy accuracy on `examples`, each rank answering its share; rank 0 logs the whole."""
@@ -38,18 +44,49 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     mlx.launch started; returns the run directory."""
     world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
     trainer = build_trainer(cfg, world)
-    # Ranks load at different speeds (a first run converts the default model): no timeout for this one.
-    world.agree(None, "start-up", timeout=0)
-    if world.size > 1:
-        world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
-                    f"{cfg.batch_size} prompts per batch step each")
     try:
+        if world.size > 1:
+            _check_same_job(trainer)
+            world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
+                        f"{cfg.batch_size} prompts per batch step each")
         run_dir = _run(trainer, cfg, resume)
     except BaseException:
         trainer.reward_runner.close(wait=False)
         raise
     trainer.reward_runner.close()
     return run_dir
+
+
+def _fingerprint(trainer: Trainer) -> dict:
+    """What every rank of a run must share: its settings, its training data, and its model's trainable
+    tensors (names, shapes, dtypes, and their sum)."""
+    def digest(obj) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+    params = tree_flatten(trainer.model.trainable_parameters())
+    total = sum((p.astype(mx.float32).sum() for _, p in params), mx.array(0.0))
+    return {"settings": digest(to_dict(trainer.cfg)),
+            "training data": digest([(e.prompt, e.answer, e.columns) for e in trainer.train_examples]),
+            "model": digest([(k, p.shape, str(p.dtype)) for k, p in params]), "weight sum": total.item()}
+
+
+def _check_same_job(trainer: Trainer) -> None:
+    """Refuse ranks that would train different things (another config, data file or model revision at the
+    same path on another host): their collectives would pair up wrongly or silently mix jobs."""
+    world, cfg = trainer.world, trainer.cfg
+    # Ranks load at different speeds (a first run converts the default model): a long wait is normal.
+    timeout = 0 if cfg.distributed_timeout == 0 else max(cfg.distributed_timeout, STARTUP_TIMEOUT)
+    prints = world.gather(_fingerprint(trainer), "start-up", timeout)
+    differ = {}
+    for rank, other in enumerate(prints[1:], start=1):
+        for key, value in other.items():
+            same = math.isclose(value, prints[0][key], rel_tol=1e-5) if key == "weight sum" else value == prints[0][key]
+            if not same:
+                differ.setdefault(key, []).append(rank)
+    if differ:
+        world.fail("the ranks do not run the same job: " + "; ".join(
+            f"{key} of rank {', '.join(map(str, ranks))} differ from rank 0's" for key, ranks in differ.items())
+            + ". Start every rank with the same config, data and model (the same files at the same paths)")
 
 
 def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogger) -> None:
@@ -133,6 +170,7 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
         if save_due:  # only between rollout groups, where resume reproduces the run exactly
             _save(trainer)
             last_saved = c.update_step
+            t_last = time.perf_counter()  # time_step_s leaves the checkpoint out
     bar.close()
     if not data_left:
         world.print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} "
