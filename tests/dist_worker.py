@@ -1,5 +1,5 @@
-"""Run by tests/test_distributed.py under mlx.launch (or alone): one update's gradient of a
-data-parallel trainer, written by rank 0 to an .npz file.
+"""Run by tests/test_distributed.py under mlx.launch (or alone): one update's gradient (all its
+accumulation steps) of a data-parallel trainer, written by rank 0 to an .npz file.
 
     python tests/dist_worker.py OUT.npz key=value ...   (the --set items of a train config)
 """
@@ -18,9 +18,10 @@ def main(out: str, items: list[str]) -> None:
     cfg = build_config("train", overrides=parse_set(items))
     world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
     trainer = build_trainer(cfg, world)
-    step, _ = trainer.batch_step(trainer.next_examples())
-    step.resolve()
-    grads, sums = trainer.gradients([step])
+    steps = [trainer.batch_step(trainer.next_examples())[0] for _ in range(cfg.gradient_accumulation_steps)]
+    for step in steps:
+        step.resolve()
+    grads, sums = trainer.gradients(steps)
     if world.is_main:
         arrays = {f"grad/{k}": np.array(v) for k, v in tree_flatten(grads)}
         arrays.update({f"sum/{k}": np.array(v) for k, v in sums._asdict().items()})
