@@ -51,12 +51,12 @@ def base_items(model_dir, out, *extra) -> list[str]:
             "max_prompt_length=96", "system_prompt=", f"reward_funcs={TOY}:share_of_even_ids", *extra]
 
 
-def launch(n: int, command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(n: int, command: list[str], timeout: int = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`mlx.launch -n N --backend ring -- command` (a single process when n == 1, without the launcher)."""
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
     if n > 1:
         command = [str(LAUNCH), "-n", str(n), "--backend", "ring", "-p", str(free_port()), "--", *command]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
 def train_command(items: list[str], *args: str) -> list[str]:
@@ -81,7 +81,9 @@ def assert_same_metrics(a: list[dict], b: list[dict], rel: float = 0.0) -> None:
 
 
 def model_weights(checkpoint: Path) -> dict:
-    return {k: np.array(v) for k, v in mx.load(str(checkpoint / "model.safetensors")).items()}
+    """The trained tensors: the whole model, or a LoRA checkpoint's adapters."""
+    name = "adapters.safetensors" if (checkpoint / "adapters.safetensors").is_file() else "model.safetensors"
+    return {k: np.array(v) for k, v in mx.load(str(checkpoint / name)).items()}
 
 
 @pytest.mark.parametrize("extra", [
@@ -146,6 +148,34 @@ def test_two_rank_run_reports_the_whole_batch_checkpoints_and_resumes(tiny_model
     assert "Traceback" not in alone.stderr
 
 
+@pytest.mark.parametrize("extra", [[], ["train_type=lora", "lora_rank=4", "update_every=2"]], ids=["full", "lora-lagging-old"])
+def test_resume_needs_the_checkpoint_on_rank_0_only(tiny_model_dir, tmp_path, extra):
+    """As on two hosts without a shared file system: rank 1 works in an empty directory; rank 0 reads the
+    checkpoint (with a lagging old policy: its old adapters too) and sends it over, and the resumed run
+    ends as the uninterrupted one did."""
+    host0, host1 = tmp_path / "host0", tmp_path / "host1"
+    host0.mkdir()
+    host1.mkdir()
+    items = base_items(tiny_model_dir, "runs", "save_steps=2", *extra)  # output_dir: relative to each rank's directory
+    full = launch(2, train_command(items + ["run_name=full"]), cwd=host0)
+    run = host0 / "runs" / "full"
+    assert (run / "checkpoint-4").is_dir(), full.stdout + full.stderr
+    cut = host0 / "runs" / "cut"
+    shutil.copytree(run, cut)
+    shutil.rmtree(cut / "checkpoint-4")
+    rank0, rank1 = _start_ranks(tmp_path, items + ["run_name=cut", "distributed_timeout=120"],
+                                args=("--resume", "latest"), cwds=(host0, host1))
+    out, err = rank0.communicate(timeout=300)
+    rank1.communicate(timeout=60)
+    assert rank0.returncode == 0 and rank1.returncode == 0, err
+    assert "at update 2" in out
+    assert_same_metrics(metrics(run), metrics(cut))
+    a, b = model_weights(run / "checkpoint-4"), model_weights(cut / "checkpoint-4")
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    assert not any(host1.iterdir())  # rank 1 had nothing on disk and wrote nothing
+
+
 def test_batch_that_does_not_divide_among_ranks_is_refused(tiny_model_dir, tmp_path):
     done = launch(2, train_command(base_items(tiny_model_dir, tmp_path, "batch_size=3")))
     out = done.stdout + done.stderr
@@ -154,17 +184,19 @@ def test_batch_that_does_not_divide_among_ranks_is_refused(tiny_model_dir, tmp_p
     assert not (tmp_path / "grpo").exists()
 
 
-def _start_ranks(tmp_path: Path, items: list[str], rank1_extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-    """Two ranks started by hand, as on hosts whose launcher cannot stop the survivors; rank 1 may get
-    settings of its own."""
+def _start_ranks(tmp_path: Path, items: list[str], rank1_extra: tuple[str, ...] = (), args: tuple[str, ...] = (),
+                 cwds: tuple[Path | None, Path | None] = (None, None)) -> list[subprocess.Popen]:
+    """Two ranks started by hand, as on hosts whose launcher cannot stop the survivors (or on two hosts:
+    each rank may have its own working directory); rank 1 may get settings of its own."""
     port = free_port()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     procs = []
     for rank in range(2):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "TQDM_DISABLE": "1"}
-        procs.append(subprocess.Popen(train_command(items + list(rank1_extra if rank else ())), env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        command = train_command(items + list(rank1_extra if rank else ()), *args)
+        procs.append(subprocess.Popen(command, env=env, text=True, cwd=cwds[rank], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))
     return procs
 
 

@@ -89,10 +89,15 @@ def resolve_resume(run_dir: Path, resume: str) -> Path:
     return path
 
 
+def holds_adapters(path: Path) -> bool:
+    """An adapter (LoRA/DoRA/QLoRA) checkpoint: adapters.safetensors instead of model.safetensors."""
+    return (path / ADAPTER_WEIGHTS).is_file() and not (path / "model.safetensors").is_file()
+
+
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict, dict | None]:
     """-> (model weights, optimizer state tree, trainer state, old-policy weights or None).
     For an adapter checkpoint the weights (flat) and the old-policy tree are the adapter tensors only."""
-    adapters = (path / ADAPTER_WEIGHTS).is_file() and not (path / "model.safetensors").is_file()
+    adapters = holds_adapters(path)
     weights = mx.load(str(path / (ADAPTER_WEIGHTS if adapters else "model.safetensors")))
     optimizer_state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
     state = json.loads((path / "trainer_state.json").read_text())

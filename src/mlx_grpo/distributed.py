@@ -115,6 +115,21 @@ class World:
         rows = np.array(gathered).reshape(self.size, max(sizes))
         return [pickle.loads(rows[r, :n].tobytes()) for r, n in enumerate(sizes)]
 
+    def broadcast_arrays(self, arrays: dict | None, phase: str) -> dict:
+        """Rank 0's flat {name: array} on every rank (the others pass None): names, shapes and dtypes
+        travel pickled, the values through all_sum, to which the others add zeros (exact)."""
+        if self.size == 1:
+            return arrays
+        layout = self.gather([(k, v.shape, str(v.dtype).rpartition(".")[2]) for k, v in arrays.items()]
+                             if self.is_main else None, phase)[0]
+        out = {}
+        with self._guard(phase):
+            for name, shape, dtype in layout:
+                mine = arrays[name] if self.is_main else mx.zeros(shape, dtype=getattr(mx, dtype))
+                out[name] = mx.distributed.all_sum(mine, group=self.group)
+                mx.eval(out[name])  # one tensor at a time: no second copy of the whole checkpoint at once
+        return out
+
     def agree(self, error: str | None, phase: str, timeout: float | None = None) -> None:
         """Raise on every rank if any rank found a problem, so none is left waiting in a collective."""
         errors = self.gather(error, phase, timeout)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import platform
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
@@ -90,28 +89,46 @@ def _check_same_job(trainer: Trainer) -> None:
 
 
 def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogger) -> None:
-    """Check the run directory and restore a checkpoint on every rank; a problem on any rank stops all."""
-    world, error = trainer.world, None
+    """Check the run directory and restore a checkpoint. Rank 0 owns the run directory: it reads the
+    checkpoint and sends it to the other ranks, whose hosts need no copy. A problem stops every rank."""
+    world, error, loaded, path = trainer.world, None, None, None
     try:
-        if resume is None:
-            if world.is_main and ckpt.list_checkpoints(run_dir):
-                error = (f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, or "
-                         "choose another run_name")
-        else:
+        if world.is_main and resume is None and ckpt.list_checkpoints(run_dir):
+            error = (f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, or "
+                     "choose another run_name")
+        elif world.is_main and resume is not None:
             path = ckpt.resolve_resume(run_dir, resume)
-            trainer.restore(path)
+            loaded, adapters = ckpt.load_checkpoint(path), ckpt.holds_adapters(path)
     except UserError as exc:
-        error = str(exc) if world.size == 1 else f"{exc} (on {platform.node()})"
+        error = str(exc)
     world.agree(error, "resume")
     if resume is None:
         return
-    steps = world.gather(trainer.counters.update_step, "resume")
-    if len(set(steps)) > 1:
-        world.fail(f"--resume: the ranks found different checkpoints (update {', '.join(map(str, steps))} for "
-                   "ranks 0..): give every host the same run directory (a shared file system, or a copy)")
+    if world.size > 1:
+        weights, opt_state, state, old = loaded if world.is_main else (None, None, None, None)
+        path, state, adapters, has_old = world.gather(
+            (path, state, adapters, old is not None) if world.is_main else None, "resume")[0]
+        weights = world.broadcast_arrays(weights, "sending the checkpoint")
+        opt_state = _tree(world.broadcast_arrays(_flat(opt_state), "sending the checkpoint"))
+        old = _tree(world.broadcast_arrays(_flat(old), "sending the checkpoint")) if has_old else None
+        loaded = (weights, opt_state, state, old)
+    error = None
+    try:
+        trainer.restore(path, loaded, adapters)
+    except UserError as exc:  # the same checkpoint and config everywhere: every rank finds the same problem
+        error = str(exc)
+    world.agree(error, "resume")
     if world.is_main:
         logger.truncate_after(trainer.counters.update_step)
     world.print(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}")
+
+
+def _flat(tree) -> dict | None:
+    return None if tree is None else dict(tree_flatten(tree))
+
+
+def _tree(flat: dict):
+    return tree_unflatten(list(flat.items()))
 
 
 def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:

@@ -356,8 +356,11 @@ class Trainer:
                                                "next_draw": self.counters.draws},
                 "total_updates": self.total_updates, "world_size": self.world.size}
 
-    def restore(self, path: Path) -> None:
-        weights, opt_state, state, old = ckpt.load_checkpoint(path)
+    def restore(self, path: Path, loaded: tuple | None = None, adapters: bool | None = None) -> None:
+        """Continue from the checkpoint at `path`; loaded (load_checkpoint's tuple) and adapters
+        (holds_adapters) when rank 0 read it and sent it here."""
+        weights, opt_state, state, old = loaded if loaded is not None else ckpt.load_checkpoint(path)
+        adapters = ckpt.holds_adapters(path) if adapters is None else adapters
         saved = state.get("world_size", 1)
         if saved != self.world.size:
             # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
@@ -367,7 +370,7 @@ class Trainer:
                             "train ... --resume latest`), or start a new run")
         if self.adapter_config is not None:
             self._check_adapter_keys(weights, path)
-        elif (path / ckpt.ADAPTER_WEIGHTS).is_file():
+        elif adapters:
             raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
                             "run's own config (config.resolved.json)")
         self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
