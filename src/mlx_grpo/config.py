@@ -112,7 +112,8 @@ class Config:
                                   "the launcher set up), ring (TCP: Macs, CPUs), mpi, nccl (NVIDIA GPUs) or jaccl "
                                   "(Thunderbolt RDMA); a process started alone trains by itself.", TRAIN)
     distributed_timeout: float = _f(600.0, "Seconds a rank waits in a collective for the others before it stops "
-                                    "with an error naming them (a dead or hung rank); 0 = wait forever.", TRAIN)
+                                    "with an error naming them (a dead or hung rank); 0 = wait forever. The "
+                                    "start-up wait, while ranks load the model, allows at least an hour.", TRAIN)
     output_dir: str = _f("runs", "Directory that holds run directories.", TRAIN)
     run_name: str = _f("grpo", "Run directory name under output_dir.", TRAIN)
     num_epochs: int = _f(1, "Passes over the training data.", TRAIN)

@@ -1,5 +1,6 @@
 """Data parallelism over mx.distributed: this process's rank, its share of each batch, and the
-collectives the trainer needs (gradient averaging, loss and metric reductions, small Python objects).
+collectives the trainer needs (gradient averaging, loss and metric reductions, small Python objects,
+rank 0's checkpoint sent to the others on resume).
 
 Processes are started by MLX's launcher (`mlx.launch`), which also sets up the backend (ring over TCP,
 MPI, NCCL, JACCL); a process started alone is a world of one and every collective is then a no-op.
