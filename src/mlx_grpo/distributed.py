@@ -151,7 +151,7 @@ class World:
 
     def reduce_sums(self, sums: LossSums) -> LossSums:
         """The update's LossSums over all ranks. Each rank's loss is its rows' share times the world size
-        (see Trainer._loss_weights), so the loss is averaged and the counts are summed."""
+        (see policy.loss_weights), so the loss is averaged and the counts are summed."""
         if self.size == 1:
             return sums
         totals = mx.stack([sums.loss, sums.tokens, sums.kl, sums.clipped_low, sums.clipped_high, sums.ratio])

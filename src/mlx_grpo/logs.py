@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 
@@ -48,8 +47,8 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "train_tokens_per_s": result["train_tokens_per_s"],
         "time_rollout_s": t_rollout, "time_reward_s": sum(s["t_reward"] for s in stats),
         "time_logprob_s": sum(s["t_logprob"] for s in stats), "time_train_s": result["t_train"],
-        "time_step_s": result.get("time_step_s"),
-        "peak_memory_gb": result.get("peak_memory_gb", mx.get_peak_memory() / 1e9),
+        "time_step_s": result["time_step_s"],
+        "peak_memory_gb": result["peak_memory_gb"],
     }
     record["warnings"] = diagnose(record, trainer.cfg)
     return record

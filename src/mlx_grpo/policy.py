@@ -18,6 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import Config
+from mlx_grpo.distributed import World
 from mlx_grpo.loss import (LossSums, Objective, PackedBatch, bucket, completion_logprobs, objective_sums, pack,
                            packed_width, row_scales)
 from mlx_grpo.models.adapters import adapters_disabled
@@ -167,11 +168,21 @@ def kept_rows(cfg: Config, rollout: Rollout) -> np.ndarray:
     return ~rollout.truncated if cfg.mask_truncated_completions else np.ones(len(rollout.texts), bool)
 
 
-def loss_weights(cfg: Config, steps: list[StepData]) -> list[mx.array]:
-    """Each row's weight in the update's loss (loss.row_scales), per batch step, for one process."""
-    scales = row_scales([s.rollout.lengths for s in steps], [kept_rows(cfg, s.rollout) for s in steps],
+def loss_weights(cfg: Config, steps: list[StepData], world: World | None = None) -> list[mx.array]:
+    """Each of this rank's rows' weight in the update's loss, per batch step: loss.row_scales over the rows
+    of every rank of `world` (default: this process alone), times the number of ranks, so the mean of
+    the ranks' gradients is the whole batch's."""
+    world = world or World()
+    mine = [(s.rollout.lengths, kept_rows(cfg, s.rollout)) for s in steps]
+    ranks = world.gather(mine, "the loss weights")  # [W][steps] (lengths [n], keep [n])
+    scales = row_scales([np.concatenate([r[i][0] for r in ranks]) for i in range(len(steps))],
+                        [np.concatenate([r[i][1] for r in ranks]) for i in range(len(steps))],
                         cfg.loss_type, cfg.max_new_tokens)
-    return [mx.array(w) for w in scales]
+    weights = []
+    for i, w in enumerate(scales):
+        start = sum(len(r[i][0]) for r in ranks[:world.rank])
+        weights.append(mx.array(w[start:start + len(mine[i][0])] * world.size))
+    return weights
 
 
 def accumulate_gradients(step_fn, steps: list[StepData], weights: list[mx.array], micro_batch: int, pad_id: int,

@@ -24,6 +24,7 @@ from mlx_grpo.trainer import Trainer, build_trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
 
+
 def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trigger: str) -> None:
     """Greedy accuracy on `examples`, each rank answering its share; rank 0 logs the whole."""
     cfg, world = trainer.cfg, trainer.world

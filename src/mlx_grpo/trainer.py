@@ -28,10 +28,10 @@ from mlx_grpo.config import Config
 from mlx_grpo.distributed import World, empty_sums, zero_gradients
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import LossSums, group_advantages, row_scales, supports_layer_checkpointing
+from mlx_grpo.loss import LossSums, group_advantages, supports_layer_checkpointing
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, adapter_parameters, apply_adapters, quantize_base
 from mlx_grpo.models.loading import load_model, resolve_model_path
-from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, kept_rows, logprob_pass,
+from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
 from mlx_grpo.reward_workers import RewardRunner, build_reward_set
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
@@ -52,14 +52,11 @@ def learning_rate_at(update: int, total: int, cfg: Config) -> float:
     return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def rollout_key(seed: int, draw: int) -> mx.array:
-    return mx.random.split(mx.random.key(seed), draw + 1)[draw]
-
-
 def row_keys(seed: int, draw: int, rows: int, share: slice) -> mx.array:
     """The sampling keys [n, 2] of the rows in `share` of a draw's `rows` rows: a row's key depends on
     its place in the whole batch, not on which rank samples it."""
-    return mx.random.split(rollout_key(seed, draw), rows)[share]
+    draw_key = mx.random.split(mx.random.key(seed), draw + 1)[draw]
+    return mx.random.split(draw_key, rows)[share]
 
 
 @dataclass
@@ -247,27 +244,11 @@ class Trainer:
         start = sum(len(p) for p in parts[:world.rank])
         return group_advantages(mx.array(np.concatenate(parts)), G, "batch")[start:start + len(totals)]
 
-    def _loss_weights(self, steps: list[StepData]) -> tuple[list[mx.array], bool]:
-        """Each local row's weight in the update's loss (loss.row_scales over the rows of every rank),
-        times the number of ranks, so the mean of the ranks' gradients is the whole batch's. -> (weights
-        per step, whether any row of any rank enters the loss)."""
-        cfg, world = self.cfg, self.world
-        mine = [(s.rollout.lengths, kept_rows(cfg, s.rollout)) for s in steps]
-        ranks = world.gather(mine, "the loss weights")  # [W][steps] (lengths [n], keep [n])
-        lengths = [np.concatenate([r[i][0] for r in ranks]) for i in range(len(steps))]
-        keep = [np.concatenate([r[i][1] for r in ranks]) for i in range(len(steps))]
-        scales = row_scales(lengths, keep, cfg.loss_type, cfg.max_new_tokens)
-        weights = []
-        for i, w in enumerate(scales):
-            start = sum(len(r[i][0]) for r in ranks[:world.rank])
-            weights.append(mx.array(w[start:start + len(mine[i][0])] * world.size))
-        return weights, any(bool((w > 0).any()) for w in scales)
-
     def gradients(self, steps: list[StepData]) -> tuple[object, LossSums | None]:
         """The update's gradient and LossSums over the rows of every rank (None, None when no row enters
         the loss anywhere). Rewards must be resolved."""
         cfg = self.cfg
-        weights, any_rows = self._loss_weights(steps)
+        weights = loss_weights(cfg, steps, self.world)
         if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
             mx.random.seed((self.world.seed(cfg.seed) * 1_000_003 + self.counters.update_step) % 2 ** 63)
         self.model.train()
@@ -276,11 +257,12 @@ class Trainer:
                                                cfg.micro_batch_tokens)
         finally:
             self.model.eval()
-        if self.world.size == 1 or not any_rows:
+        if self.world.size == 1:
             return grads, sums
-        if grads is None:  # none of this rank's rows counts, but the others' do
+        if grads is None:  # none of this rank's rows counts; the others' may
             grads, sums = zero_gradients(self.model), empty_sums()
-        return self.world.average_gradients(grads), self.world.reduce_sums(sums)
+        grads, sums = self.world.average_gradients(grads), self.world.reduce_sums(sums)
+        return (grads, sums) if sums.tokens.item() > 0 else (None, None)
 
     # ------------------------------------------------------------------ one update
     def update(self, steps: list[StepData]) -> dict:
@@ -356,11 +338,10 @@ class Trainer:
                                                "next_draw": self.counters.draws},
                 "total_updates": self.total_updates, "world_size": self.world.size}
 
-    def restore(self, path: Path, loaded: tuple | None = None, adapters: bool | None = None) -> None:
-        """Continue from the checkpoint at `path`; loaded (load_checkpoint's tuple) and adapters
-        (holds_adapters) when rank 0 read it and sent it here."""
-        weights, opt_state, state, old = loaded if loaded is not None else ckpt.load_checkpoint(path)
-        adapters = ckpt.holds_adapters(path) if adapters is None else adapters
+    def restore(self, path: Path, loaded: tuple, adapters: bool) -> None:
+        """Continue from the checkpoint at `path`, as rank 0 read it: loaded is load_checkpoint's tuple,
+        adapters holds_adapters' answer (other ranks get both sent and may have no `path` of their own)."""
+        weights, opt_state, state, old = loaded
         saved = state.get("world_size", 1)
         if saved != self.world.size:
             # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
