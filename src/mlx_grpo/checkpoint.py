@@ -1,9 +1,10 @@
 """Checkpoints: write atomically (temporary directory, then rename), find the latest, read back.
 
 A checkpoint directory is a complete MLX model (model.safetensors, config.json, the source model's
-tokenizer files) that `mlx-grpo generate --model` opens, plus what exact resume needs:
-optimizer.safetensors (flattened state tree), trainer_state.json, config.resolved.json and, when the
-sampling policy lags the trained one, old_model.safetensors.
+tokenizer files) that `mlx-grpo generate --model` opens, in the run's compute dtype, plus what exact resume
+needs: optimizer.safetensors (flattened state tree), trainer_state.json, config.resolved.json, with mixed
+precision master_weights.safetensors (the float32 masters of the trained tensors) and, when the sampling
+policy lags the trained one, old_model.safetensors.
 
 An adapter (LoRA/DoRA/QLoRA) checkpoint stores only what training changed: adapters.safetensors and
 adapter_config.json (mlx-lm's format, plus the base model it was trained on) instead of
@@ -29,11 +30,13 @@ from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_pa
 from mlx_grpo.models.writing import copy_model_files
 
 PREFIX = "checkpoint-"
+MASTERS = "master_weights.safetensors"
 
 
 def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, trainer_state: dict[str, Any],
                     config: Config, source_dir: Path, model_config: dict[str, Any],
-                    old_params: dict | None = None, adapter_config: dict | None = None) -> Path:
+                    old_params: dict | None = None, adapter_config: dict | None = None,
+                    masters: dict | None = None) -> Path:
     """Write checkpoint-<update_step>/ atomically; an interrupted save leaves no partial checkpoint.
     With adapter_config (apply_adapters' dict, plus the "mlx_grpo" base record) only the adapter
     tensors are written, of the model and of old_params (nested or flat; other tensors are dropped)."""
@@ -48,6 +51,8 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
             mx.save_safetensors(str(tmp / ADAPTER_WEIGHTS), adapters, metadata={"format": "mlx"})
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+        if masters is not None:  # flat, float32
+            mx.save_safetensors(str(tmp / MASTERS), masters)
         if old_params is not None and adapter_config is None:
             mx.save_safetensors(str(tmp / "old_model.safetensors"), dict(tree_flatten(old_params)))
         elif old_params is not None:
@@ -104,3 +109,8 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict, dict | None]:
     old_file = path / ("old_adapters.safetensors" if adapters else "old_model.safetensors")
     old = tree_unflatten(list(mx.load(str(old_file)).items())) if old_file.is_file() else None
     return weights, optimizer_state, state, old
+
+
+def load_masters(path: Path) -> dict | None:
+    """The float32 master weights (flat) of a mixed-precision checkpoint, or None."""
+    return mx.load(str(path / MASTERS)) if (path / MASTERS).is_file() else None

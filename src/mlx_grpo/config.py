@@ -48,9 +48,17 @@ class Config:
     # --- model ---
     model_name: str = _f(DEFAULT_MODEL, "Model: 'smollm2-135m-instruct' (embedded default, offline), an MLX "
                          "model directory, a checkpoint directory, or a Hugging Face hub id.", MODEL_CMDS)
-    model_dtype: str = _f("auto", "Dtype of the model's float weights after loading: auto (as stored), float32, "
-                          "bfloat16 or float16. Train in float32: small AdamW steps round away in half "
-                          "precision.", MODEL_CMDS)
+    model_dtype: str = _f("auto", "Compute dtype of the model's float weights (forward, backward, rollouts): "
+                          "auto, float32, bfloat16 or float16. auto = bfloat16 for the embedded default on a GPU "
+                          "or Apple Silicon (float32 on a CPU, where MLX's bfloat16 matmuls are ~30x slower), "
+                          "the stored dtype for any other model. Training keeps float32 master weights "
+                          "(master_weights).", MODEL_CMDS)
+    master_weights: bool = _f(True, "Mixed precision: keep a float32 master copy of the trained weights (and "
+                              "AdamW's state in float32) when model_dtype is bfloat16/float16; AdamW updates the "
+                              "masters and the compute weights are refreshed from them after every update. "
+                              "Without it, steps below half a bfloat16 spacing (most steps at learning rates "
+                              "~1e-6..1e-5) round away: such a run is refused, naming the share lost. Costs 4 "
+                              "bytes per trained weight (plus AdamW's 8 in float32 instead of 4).", TRAIN)
     system_prompt: str = _f(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
                             "empty means none.", MODEL_CMDS)
     # --- sampling (rollouts, generate, chat) ---
@@ -190,6 +198,16 @@ class Config:
                                 TRAIN)
     max_resample_batches: int = _f(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
                                    "step; a step still short trains on the groups it has.", TRAIN)
+    rollout_correction: str = _f("none", "Truncated importance sampling on the sampler ratio exp(trainer "
+                                 "log-prob - sampler log-prob) of each sampled token (TIS, Yao et al. 2025 'Your "
+                                 "efficient RL framework secretly brings you off-policy RL training'; TRL's "
+                                 "vllm_importance_sampling_mode, verl's rollout_is): none; token_truncate = each "
+                                 "token's loss times min(ratio, cap); token_mask = times the ratio, 0 where it "
+                                 "exceeds cap; sequence_truncate / sequence_mask = the same with one ratio per "
+                                 "completion (exp of the summed token differences). Corrects for the sampler's "
+                                 "weights or kernels differing from the trained ones (quantize_for_rollouts, half "
+                                 "precision decoding). The mismatch is logged either way (sampler_kl).", TRAIN)
+    rollout_correction_cap: float = _f(2.0, "Cap C of rollout_correction's ratio (TRL's default 2.0).", TRAIN)
     num_iterations: int = _f(1, "Optimizer passes over each rollout batch.", TRAIN)
     update_every: int = _f(1, "Refresh the sampling (old) policy from the trained model every N updates.",
                            TRAIN)

@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import LossSums
+from mlx_grpo.loss import SUM_MAX, SUM_MIN, LossSums
 
 LAUNCH_HINT = "start every rank with MLX's launcher, e.g. `mlx.launch -n 2 -- mlx-grpo train ...` (README)"
 
@@ -154,24 +154,23 @@ class World:
         (see policy.loss_weights), so the loss is averaged and the counts are summed."""
         if self.size == 1:
             return sums
-        totals = mx.stack([sums.loss, sums.tokens, sums.kl, sums.clipped_low, sums.clipped_high, sums.ratio])
+        names = LossSums._fields
+        summed = [n for n in names if n not in SUM_MIN | SUM_MAX]
+        totals = mx.stack([getattr(sums, n) for n in summed]).astype(mx.float32)
         with self._guard("the loss reduction"):
-            totals = mx.distributed.all_sum(totals.astype(mx.float32), group=self.group)
-            low = mx.distributed.all_min(sums.ratio_min, group=self.group)
-            high = mx.distributed.all_max(sums.ratio_max, group=self.group)
+            totals = mx.distributed.all_sum(totals, group=self.group)
+            low = {n: mx.distributed.all_min(getattr(sums, n), group=self.group) for n in SUM_MIN}
+            high = {n: mx.distributed.all_max(getattr(sums, n), group=self.group) for n in SUM_MAX}
             mx.eval(totals, low, high)
-        return LossSums(totals[0] / self.size, *totals[1:], low, high)
-
-
-def empty_sums() -> LossSums:
-    """The LossSums of a rank none of whose rows enter the update (the others' still do)."""
-    zero = mx.array(0.0)
-    return LossSums(zero, zero, zero, zero, zero, zero, mx.array(float("inf")), mx.array(float("-inf")))
+        out = {**{n: totals[i] for i, n in enumerate(summed)}, **low, **high}
+        out["loss"] = out["loss"] / self.size
+        return LossSums(**out)
 
 
 def zero_gradients(model: nn.Module):
-    """A gradient tree of zeros shaped like the trainable parameters, for a rank with no rows."""
-    return tree_map(mx.zeros_like, model.trainable_parameters())
+    """A float32 gradient tree of zeros shaped like the trainable parameters (gradients are summed in
+    float32), for a rank with no rows."""
+    return tree_map(lambda p: mx.zeros(p.shape, dtype=mx.float32), model.trainable_parameters())
 
 
 def _launched_size() -> int:

@@ -36,6 +36,8 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "kl": result["kl"], "clip_fraction": result["clip_fraction"],
         "clip_low_fraction": result["clip_low_fraction"], "clip_high_fraction": result["clip_high_fraction"],
         "ratio_min": result["ratio_min"], "ratio_mean": result["ratio_mean"], "ratio_max": result["ratio_max"],
+        "sampler_kl": result["sampler_kl"], "sampler_diff_max": result["sampler_diff_max"],
+        "is_weight_mean": result["is_weight_mean"], "is_capped_fraction": result["is_capped_fraction"],
         "entropy": sum(s["entropy_sum"] for s in stats) / tokens if tokens else None,
         "completion_length_mean": float(lengths.mean()), "completion_length_max": int(lengths.max()),
         "truncated_fraction": float(truncated.mean()),

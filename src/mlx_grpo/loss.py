@@ -57,12 +57,15 @@ class Objective:
     sequence_level: bool = False  # GSPO: one length-normalised ratio per sequence
     kl_coeff: float = 0.0
     kl_estimator: str = "k3"
+    rollout_correction: str = "none"  # TIS on the sampler ratio: none, {token,sequence}_{truncate,mask}
+    rollout_cap: float = 2.0
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
         return cls(clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, delta=cfg.delta,
                    sequence_level=cfg.importance_sampling_level == "sequence", kl_coeff=cfg.kl_coeff,
-                   kl_estimator=cfg.kl_estimator)
+                   kl_estimator=cfg.kl_estimator, rollout_correction=cfg.rollout_correction,
+                   rollout_cap=cfg.rollout_correction_cap)
 
 
 @dataclass
@@ -74,6 +77,23 @@ class LossTerms:
     ratio: mx.array
     clipped_low: mx.array  # 1 where the ratio is clipped from below (A < 0): no gradient
     clipped_high: mx.array  # 1 where it is clipped from above (A > 0, or A < 0 past delta)
+    is_weight: mx.array  # the rollout-correction weight of each token's policy term (1 when off)
+    is_capped: mx.array  # 1 where the sampler ratio exceeds the cap (truncated or masked)
+
+
+def sampler_weights(old_logp: mx.array, sampler_logp: mx.array, mask: mx.array, mode: str,
+                    cap: float) -> tuple[mx.array, mx.array]:
+    """Truncated importance sampling on the sampler ratio (TIS; TRL's vllm_importance_sampling_mode):
+    r = exp(old - sampler) per token, or exp(sum over the completion of old - sampler) per sequence;
+    truncate: w = min(r, cap); mask: w = r, or 0 where r > cap. old is the trainer's log-prob of the
+    behaviour policy, sampler the rollout engine's. -> (w, r > cap), each [N, T], without gradient."""
+    diff = (old_logp - sampler_logp) * mask  # [N, T]
+    if mode.startswith("sequence"):
+        diff = mx.broadcast_to(diff.sum(axis=1, keepdims=True), diff.shape)  # [N, T]
+    ratio = mx.exp(mx.minimum(diff, 80.0))  # 80: exp stays finite; anything that large is capped anyway
+    over = ratio > cap
+    weight = mx.minimum(ratio, cap) if mode.endswith("truncate") else mx.where(over, 0.0, ratio)
+    return mx.stop_gradient(weight), over.astype(mx.float32)
 
 
 def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
@@ -82,11 +102,12 @@ def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
 
 
 def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, advantages: mx.array,
-                mask: mx.array, obj: Objective) -> LossTerms:
+                mask: mx.array, obj: Objective, sampler_logp: mx.array | None = None) -> LossTerms:
     """rho = exp(logp - old) per token, or exp(masked mean of logp - old) per sequence (GSPO);
     pg = min(min(rho, delta) * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) (the delta cap only with delta);
-    kl = k3: exp(ref - logp) - (ref - logp) - 1, k1: logp - ref; loss_t = -(pg - kl_coeff * kl).
-    logp/old_logp/ref_logp/mask [N, T], advantages [N]."""
+    kl = k3: exp(ref - logp) - (ref - logp) - 1, k1: logp - ref; loss_t = -(w * pg - kl_coeff * kl), with w
+    the rollout-correction weight (sampler_weights; 1 when off), applied to the policy term as TRL does.
+    logp/old_logp/ref_logp/sampler_logp/mask [N, T], advantages [N]."""
     adv = advantages[:, None]  # [N, 1]
     log_ratio = logp - old_logp  # [N, T]
     if obj.sequence_level:
@@ -106,8 +127,12 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
     high = (ratio > 1 + obj.clip_high) & (adv > 0)
     if obj.delta > 0:
         high = high | ((ratio > obj.delta) & (adv < 0))
-    return LossTerms(loss=-(pg - obj.kl_coeff * kl), kl=kl, ratio=ratio,
-                     clipped_low=low.astype(mx.float32), clipped_high=high.astype(mx.float32))
+    weight, capped = mx.ones_like(logp), mx.zeros_like(logp)
+    if obj.rollout_correction != "none" and sampler_logp is not None:
+        weight, capped = sampler_weights(old_logp, sampler_logp, mask, obj.rollout_correction, obj.rollout_cap)
+    return LossTerms(loss=-(weight * pg - obj.kl_coeff * kl), kl=kl, ratio=ratio,
+                     clipped_low=low.astype(mx.float32), clipped_high=high.astype(mx.float32),
+                     is_weight=weight, is_capped=capped)
 
 
 def row_scales(lengths: list[np.ndarray], keep: list[np.ndarray], loss_type: str,
@@ -144,7 +169,9 @@ def row_scales(lengths: list[np.ndarray], keep: list[np.ndarray], loss_type: str
 
 class LossSums(NamedTuple):
     """Sums over one micro-batch, added up across micro-batches: the weighted loss and, over the kept
-    tokens (row weight > 0), the token count and sums for the logged means and extrema."""
+    tokens (row weight > 0), the token count and sums for the logged means and extrema. The sampler_*
+    fields measure the sampler/trainer mismatch: k3 KL(sampler || trainer) and the largest |log-prob
+    difference| of a sampled token; is_* the rollout-correction weights and how many tokens passed the cap."""
 
     loss: mx.array
     tokens: mx.array
@@ -154,25 +181,57 @@ class LossSums(NamedTuple):
     ratio: mx.array
     ratio_min: mx.array
     ratio_max: mx.array
+    sampler_kl: mx.array
+    sampler_diff_max: mx.array
+    is_weight: mx.array
+    is_capped: mx.array
 
 
-def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Objective) -> LossSums:
+# How LossSums fields combine across micro-batches and ranks; every other field is a sum.
+SUM_MIN = frozenset({"ratio_min"})
+SUM_MAX = frozenset({"ratio_max", "sampler_diff_max"})
+
+
+def combine_sums(a: LossSums, b: LossSums) -> LossSums:
+    """The LossSums of two disjoint sets of rows."""
+    return LossSums(*(mx.minimum(x, y) if name in SUM_MIN else mx.maximum(x, y) if name in SUM_MAX else x + y
+                      for name, x, y in zip(LossSums._fields, a, b)))
+
+
+def empty_sums() -> LossSums:
+    """The LossSums of no rows: the neutral element of combine_sums."""
+    return LossSums(*(mx.array(mx.inf if name in SUM_MIN else -mx.inf if name in SUM_MAX else 0.0)
+                      for name in LossSums._fields))
+
+
+def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Objective,
+                   sampler_logp=None) -> LossSums:
     """sum_i weights_i * sum_t mask_it * loss_it for one micro-batch, plus logging sums.
-    logp/old_logp/ref_logp/mask [n, T], advantages/weights [n] (row_scales)."""
+    logp/old_logp/ref_logp/sampler_logp/mask [n, T], advantages/weights [n] (row_scales). sampler_logp:
+    the rollout engine's log-probs of the sampled tokens (None: the mismatch is not measured)."""
     # Zero the padded positions before the exponentials: exp(garbage) there could overflow to inf,
     # and inf * 0 = NaN would poison the loss and every gradient.
     valid = mask > 0
     logp = mx.where(valid, logp, 0.0)
     old_logp = mx.where(valid, old_logp, 0.0)
     ref_logp = None if ref_logp is None else mx.where(valid, ref_logp, 0.0)
-    terms = token_terms(logp, old_logp, ref_logp, advantages, mask, obj)
+    sampler_logp = None if sampler_logp is None else mx.where(valid, sampler_logp, 0.0)
+    terms = token_terms(logp, old_logp, ref_logp, advantages, mask, obj, sampler_logp)
     loss = ((terms.loss * mask).sum(axis=1) * weights).sum()
     kept = mask * (weights > 0)[:, None]  # [n, T]
     present = kept > 0
+    if sampler_logp is None:
+        sampler_kl, diff_max = mx.array(0.0), mx.array(-mx.inf)
+    else:  # tokens drawn from the sampler: k3 = exp(t - s) - (t - s) - 1 estimates KL(sampler || trainer)
+        d = mx.stop_gradient(old_logp) - sampler_logp
+        sampler_kl = ((mx.exp(d) - d - 1) * kept).sum()
+        diff_max = mx.where(present, mx.abs(d), -mx.inf).max()
     return LossSums(loss=loss, tokens=kept.sum(), kl=(terms.kl * kept).sum(),
                     clipped_low=(terms.clipped_low * kept).sum(), clipped_high=(terms.clipped_high * kept).sum(),
                     ratio=(terms.ratio * kept).sum(), ratio_min=mx.where(present, terms.ratio, mx.inf).min(),
-                    ratio_max=mx.where(present, terms.ratio, -mx.inf).max())
+                    ratio_max=mx.where(present, terms.ratio, -mx.inf).max(), sampler_kl=sampler_kl,
+                    sampler_diff_max=diff_max, is_weight=(terms.is_weight * kept).sum(),
+                    is_capped=(terms.is_capped * kept).sum())
 
 
 # ----------------------------------------------------------------------------- model passes

@@ -19,8 +19,8 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import Config
 from mlx_grpo.distributed import World
-from mlx_grpo.loss import (LossSums, Objective, PackedBatch, bucket, completion_logprobs, objective_sums, pack,
-                           packed_width, row_scales)
+from mlx_grpo.loss import (LossSums, Objective, PackedBatch, bucket, combine_sums, completion_logprobs,
+                           objective_sums, pack, packed_width, row_scales)
 from mlx_grpo.models.adapters import adapters_disabled
 from mlx_grpo.rollout import Rollout
 
@@ -141,17 +141,17 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     when use_compile is set."""
     objective = Objective.from_config(cfg)
 
-    def loss_fn(_model, batch_arrays, old, ref, adv, weights):
+    def loss_fn(_model, batch_arrays, old, ref, adv, weights, sampler):
         lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.temperature,
                                  checkpoint_layers=cfg.grad_checkpoint)
         old_lp = mx.stop_gradient(lp) if old is None else old
-        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective)
+        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective, sampler)
         return sums.loss, tuple(sums[1:])
 
     grad_fn = nn.value_and_grad(model, loss_fn)
 
-    def step(batch_arrays, old, ref, adv, weights):
-        return grad_fn(model, batch_arrays, old, ref, adv, weights)
+    def step(batch_arrays, old, ref, adv, weights, sampler):
+        return grad_fn(model, batch_arrays, old, ref, adv, weights, sampler)
 
     if cfg.use_compile:
         # nn.value_and_grad swaps traced arrays into the model while tracing: declare the state as output
@@ -188,7 +188,8 @@ def loss_weights(cfg: Config, steps: list[StepData], world: World | None = None)
 def accumulate_gradients(step_fn, steps: list[StepData], weights: list[mx.array], micro_batch: int, pad_id: int,
                          max_tokens: int = 0):
     """Sum gradients of every micro-batch of every step; weights[s] [N_s] (loss.row_scales) make the total
-    the update's loss. Rows of weight 0 never enter a pass. -> (grads or None, LossSums totals)."""
+    the update's loss. Rows of weight 0 never enter a pass. Gradients are summed in float32 whatever the
+    compute dtype (they feed float32 master weights). -> (grads or None, LossSums totals)."""
     grads, totals = None, None
     for s, w in zip(steps, weights):
         rows = [r for r, v in enumerate(w.tolist()) if v > 0]
@@ -196,16 +197,16 @@ def accumulate_gradients(step_fn, steps: list[StepData], weights: list[mx.array]
             batch, width = _chunk_batch(s.rollout, chunk, pad_id)
             old = None if s.old_logprobs is None else s.old_logprobs[chunk, :width]
             ref = None if s.ref_logprobs is None else s.ref_logprobs[chunk, :width]
+            sampler = s.rollout.sampler_logprobs[chunk, :width]
             arrays = (batch.inputs, batch.positions, batch.targets, batch.mask)
-            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk])
+            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk], sampler)
             sums = LossSums(loss, *aux)
+            g = tree_map(lambda x: x.astype(mx.float32), g)
             if grads is None:
                 grads, totals = g, sums
             else:
                 grads = tree_map(mx.add, grads, g)
-                totals = LossSums(*(mx.minimum(a, b) if name == "ratio_min" else mx.maximum(a, b)
-                                    if name == "ratio_max" else a + b
-                                    for name, a, b in zip(LossSums._fields, totals, sums)))
+                totals = combine_sums(totals, sums)
             mx.eval(grads, totals)  # one boundary per micro-batch bounds memory
     return grads, totals
 

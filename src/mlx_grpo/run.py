@@ -99,20 +99,21 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
                      "choose another run_name")
         elif world.is_main and resume is not None:
             path = ckpt.resolve_resume(run_dir, resume)
-            loaded, adapters = ckpt.load_checkpoint(path), ckpt.holds_adapters(path)
+            loaded, adapters = (*ckpt.load_checkpoint(path), ckpt.load_masters(path)), ckpt.holds_adapters(path)
     except UserError as exc:
         error = str(exc)
     world.agree(error, "resume")
     if resume is None:
         return
     if world.size > 1:
-        weights, opt_state, state, old = loaded if world.is_main else (None, None, None, None)
-        path, state, adapters, has_old = world.gather(
-            (path, state, adapters, old is not None) if world.is_main else None, "resume")[0]
+        weights, opt_state, state, old, masters = loaded if world.is_main else (None,) * 5
+        path, state, adapters, has_old, has_masters = world.gather(
+            (path, state, adapters, old is not None, masters is not None) if world.is_main else None, "resume")[0]
         weights = world.broadcast_arrays(weights, "sending the checkpoint")
         opt_state = _tree(world.broadcast_arrays(_flat(opt_state), "sending the checkpoint"))
         old = _tree(world.broadcast_arrays(_flat(old), "sending the checkpoint")) if has_old else None
-        loaded = (weights, opt_state, state, old)
+        masters = world.broadcast_arrays(masters, "sending the checkpoint") if has_masters else None
+        loaded = (weights, opt_state, state, old, masters)
     error = None
     try:
         trainer.restore(path, loaded, adapters)

@@ -25,12 +25,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config
-from mlx_grpo.distributed import World, empty_sums, zero_gradients
+from mlx_grpo.distributed import World, zero_gradients
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import LossSums, group_advantages, supports_layer_checkpointing
+from mlx_grpo.loss import LossSums, empty_sums, group_advantages, supports_layer_checkpointing
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, adapter_parameters, apply_adapters, quantize_base
 from mlx_grpo.models.loading import load_model, resolve_model_path
+from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
 from mlx_grpo.reward_workers import RewardRunner, build_reward_set
@@ -93,11 +94,14 @@ class Trainer:
     source_dir: Path
     eval_examples: list[Example] | None = None
     adapter_config: dict | None = None  # lora/dora: what checkpoints record next to the adapters
+    masters: MasterWeights | None = None  # float32 masters of the trained weights (None: train the model as is)
     world: World = field(default_factory=World)
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self):
         cfg, world = self.cfg, self.world
+        if self.masters is None:
+            self.masters = MasterWeights(self.model, enabled=False)
         if cfg.batch_size % world.size:
             fits = [n for n in range(2, cfg.batch_size + 1) if cfg.batch_size % n == 0]
             world.fail(f"batch_size = {cfg.batch_size} prompts do not divide among {world.size} ranks: set "
@@ -277,7 +281,8 @@ class Trainer:
         grads, sums = self.gradients(steps)
         result = {"lr": lr, "loss": None, "grad_norm": None, "kl": None, "clip_fraction": None,
                   "clip_low_fraction": None, "clip_high_fraction": None, "ratio_min": None, "ratio_mean": None,
-                  "ratio_max": None, "skipped": True, "loss_tokens": 0}
+                  "ratio_max": None, "skipped": True, "loss_tokens": 0, "sampler_kl": None, "sampler_diff_max": None,
+                  "is_weight_mean": None, "is_capped_fraction": None}
         if grads is None:
             self.world.print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss "
                              "(every group was dropped or every completion truncated and masked); update skipped")
@@ -312,10 +317,13 @@ class Trainer:
                       clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
                       clip_fraction=per_token(sums.clipped_low + sums.clipped_high), ratio_mean=per_token(sums.ratio),
                       ratio_min=sums.ratio_min.item() if tokens else None,
-                      ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens))
+                      ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
+                      sampler_kl=per_token(sums.sampler_kl),
+                      sampler_diff_max=sums.sampler_diff_max.item() if tokens else None,
+                      is_weight_mean=per_token(sums.is_weight), is_capped_fraction=per_token(sums.is_capped))
         if finite:
-            self.optimizer.update(self.model, grads)
-            mx.eval(self.model.parameters(), self.optimizer.state)
+            self.masters.step(self.optimizer, self.model, grads)
+            mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
             # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients) back
             # to the device rather than keep them cached beside AdamW's state for the next rollout: near
             # the memory limit (a 1.9B model on an H100) later updates slowed several-fold (BENCHMARKS.md).
@@ -341,7 +349,7 @@ class Trainer:
     def restore(self, path: Path, loaded: tuple, adapters: bool) -> None:
         """Continue from the checkpoint at `path`, as rank 0 read it: loaded is load_checkpoint's tuple,
         adapters holds_adapters' answer (other ranks get both sent and may have no `path` of their own)."""
-        weights, opt_state, state, old = loaded
+        weights, opt_state, state, old, masters = loaded
         saved = state.get("world_size", 1)
         if saved != self.world.size:
             # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
@@ -355,6 +363,9 @@ class Trainer:
             raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
                             "run's own config (config.resolved.json)")
         self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
+        if self.masters.active:  # a checkpoint without masters (written without them) widens its weights
+            self.masters.adopt(masters or dict(tree_flatten(self.model.trainable_parameters())))
+            self.masters.sync(self.model)
         self.optimizer.state = opt_state
         self.counters = Counters(**{"draws": state["counters"]["batch_step"], **state["counters"]})
         self.sampler.load_state(state["data_cursor"])
@@ -364,7 +375,7 @@ class Trainer:
                 old = tree_unflatten(list({**dict(tree_flatten(self.model.parameters())),
                                            **dict(tree_flatten(old))}.items()))
             self.policies.refresh(old)
-        mx.eval(self.model.parameters(), self.optimizer.state)
+        mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
 
     def _check_adapter_keys(self, weights: dict, path: Path) -> None:
         expected = set(adapter_parameters(self.model))
@@ -382,7 +393,7 @@ class Trainer:
         return ckpt.save_checkpoint(self.run_dir, self.counters.update_step, model=self.model,
                                     optimizer=self.optimizer, trainer_state=self.state(), config=self.cfg,
                                     source_dir=self.source_dir, model_config=config_json, old_params=old,
-                                    adapter_config=self.adapter_config)
+                                    adapter_config=self.adapter_config, masters=self.masters.masters)
 
     def next_examples(self) -> list[Example] | None:
         indices = next(self._batches, None)
@@ -401,7 +412,9 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         from mlx_lm.utils import hf_repo_to_path
 
         source_dir = Path(hf_repo_to_path(cfg.model_name))
-    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype, cast=False)
+    dtype = compute_dtype(cfg.model_name, cfg.model_dtype, model)
+    mixed = cfg.master_weights and dtype != mx.float32  # float32 masters of the trained weights
     if any(isinstance(m, ADAPTER_LAYERS) for _, m in model.named_modules()):
         raise UserError(f"model {cfg.model_name!r} carries lora/dora adapters: continue its run with --resume, "
                         "or merge them first with `mlx-grpo fuse`")
@@ -411,8 +424,11 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         if quantized:
             raise UserError(f"model {cfg.model_name!r} is quantized; full fine-tuning needs float weights: convert "
                             "it without --quantize, or train adapters on it (train_type = lora: QLoRA)")
+        masters = MasterWeights(model, mixed)  # from the weights as stored, before they are cast
+        cast_floats(model, dtype)
         reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 else None
     else:
+        cast_floats(model, dtype)  # the frozen base computes in the compute dtype; adapters get masters
         if cfg.load_in_bits:
             quantize_base(model, cfg.load_in_bits)
         elif quantized and cfg.quantize_for_rollouts:
@@ -422,15 +438,22 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         adapter_config = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
                                         cfg.lora_layers, cfg.lora_keys)
         adapter_config["mlx_grpo"] = {"base_model": cfg.model_name, "base_dir": str(source_dir.resolve()),
-                                      "load_in_bits": cfg.load_in_bits, "model_dtype": cfg.model_dtype}
+                                      "load_in_bits": cfg.load_in_bits, "model_dtype": dtype_name(dtype)}
+        masters = MasterWeights(model, mixed)  # mlx-lm creates the adapters in float32
+        cast_floats(model, dtype)
         reference = None  # the KL reference is `model` with its adapters switched off
     if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
         print(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
               f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it",
               flush=True)
+    if not masters.active:
+        warning = check_rounding(dict(tree_flatten(model.trainable_parameters())), cfg.learning_rate, dtype,
+                                 "set master_weights = true (float32 masters) or model_dtype = float32")
+        if warning and (world is None or world.is_main):
+            print(f"[mlx-grpo] warning: {warning}", flush=True)
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
     evals = None
     if cfg.eval_every_updates or cfg.eval_steps:
         evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed)
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
-                   source_dir, evals, adapter_config, world or World())
+                   source_dir, evals, adapter_config, masters, world or World())

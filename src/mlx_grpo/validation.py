@@ -8,6 +8,8 @@ import difflib
 from mlx_grpo.config import DATA, Config, command_default
 from mlx_grpo.errors import UserError
 
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -52,6 +54,9 @@ def _validate_train(c: Config) -> None:
     _require(0 <= c.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
     _require(0 < c.clip_eps < 1, "clip_eps must be in (0, 1)")
     _require(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+    _require(c.rollout_correction in ROLLOUT_CORRECTIONS, f"rollout_correction must be one of "
+             f"{', '.join(ROLLOUT_CORRECTIONS)}, got {c.rollout_correction!r}")
+    _require(c.rollout_correction_cap > 1, "rollout_correction_cap must be > 1 (TRL uses 2.0)")
     _require(c.lr_scheduler_type in ("cosine", "linear", "constant"),
              f"lr_scheduler_type must be cosine, linear or constant, got {c.lr_scheduler_type!r}")
     _require(c.max_completion_length in (0, c.max_new_tokens),

