@@ -27,13 +27,15 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_REWARD_NAMES = ["correctness", "int", "strict_format", "soft_format", "xmlcount"]
 # Built-ins for the R1-style <think>/<answer> format (configs/reasoning.toml), not in the default list.
 REASONING_REWARD_NAMES = ["think_format", "think_tags"]
+# Rewards that empty reasoning or a made-up answer cannot earn (configs/prod.toml, configs/arith.toml).
+REASONED_REWARD_NAMES = ["reasoned_correctness", "reasoned_format"]
 
 INFER = frozenset({"generate", "chat"})
 MODEL_CMDS = frozenset({"generate", "chat", "train", "eval"})
 SAMPLING = frozenset({"generate", "chat", "train", "eval"})
 TRAIN = frozenset({"train"})
 DATA = frozenset({"train", "eval"})
-COMMANDS = ("convert", "generate", "chat", "train", "eval", "fuse")
+COMMANDS = ("convert", "generate", "chat", "train", "eval", "fuse", "plot")
 
 
 def _f(default: Any, help: str, commands: frozenset[str]) -> Any:
@@ -85,7 +87,7 @@ class Config:
                       "prefill + completion.", DATA)
     # --- rewards ---
     reward_funcs: list[str] = _f(BUILTIN_REWARD_NAMES, "Reward functions: built-in names "
-                                 f"({', '.join(BUILTIN_REWARD_NAMES + REASONING_REWARD_NAMES)}) or "
+                                 f"({', '.join(BUILTIN_REWARD_NAMES + REASONED_REWARD_NAMES + REASONING_REWARD_NAMES)}) or "
                                  "'file.py:function'.", TRAIN)
     reward_weights: list[float] = _f([], "One weight per reward function (empty = all 1.0).", TRAIN)
     reward_url: str = _f("", "HTTP reward server: each batch is POSTed as JSON {prompts, completions, <data "
@@ -243,10 +245,17 @@ class Config:
     log_jsonl: bool = _f(True, "Write metrics.jsonl and completions.jsonl in the run directory.", TRAIN)
     log_completions_steps: int = _f(10, "Log every completion of one batch step to completions.jsonl every "
                                     "N updates (0 = never).", TRAIN)
+    report_to: list[str] = _f([], "Also send each update's metrics and each evaluation to: tensorboard (event "
+                              "files in the run directory's tensorboard/, for `tensorboard --logdir`; needs the "
+                              "`tensorboard` extra) and/or wandb (Weights & Biases, a run named after the run "
+                              "directory in project $WANDB_PROJECT or 'mlx-grpo'; offline unless logged in or "
+                              "WANDB_MODE is set; needs the `wandb` extra). Empty = only the JSONL files.", TRAIN)
     save_steps: int = _f(50, "Save a checkpoint every N updates (0 = only at the end).", TRAIN)
     eval_every_updates: int = _f(0, "Evaluate greedy accuracy every N updates (0 = off).", TRAIN)
     eval_subset_size: int = _f(50, "Examples in the fixed, seeded eval subset.", DATA)
     eval_max_new_tokens: int = _f(256, "Maximum new tokens per eval answer.", DATA)
+    eval_batch_size: int = _f(32, "Questions answered together in one batched decode during evaluation "
+                              "(more rows cost little extra time per step on a GPU; bounds memory).", DATA)
     eval_steps: int = _f(0, "Legacy: also evaluate every N batch steps (0 = off).", TRAIN)
     eval_samples: int = _f(0, "Legacy: examples for eval_steps evaluations (0 = eval_subset_size).", TRAIN)
     eval_num_samples: int = _f(1, "Samples per eval question; >1 reports pass@k at `temperature`.",
@@ -278,7 +287,7 @@ class Option:
 
     flags: tuple[str, ...]
     help: str
-    kind: str = "str"  # str | int | flag | choice
+    kind: str = "str"  # str | int | flag | choice | optional | positional
     default: Any = None
     choices: tuple[str, ...] = ()
 
@@ -327,6 +336,11 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
         Option(("--output-dir",), "Directory to write the merged MLX model into (must not exist)."),
         Option(("--dequantize",), "With a quantized (QLoRA) base: write float weights instead of re-quantizing "
                "the merged ones.", kind="flag", default=False),
+    ],
+    "plot": [
+        Option(("run_dir",), "Run directory of `mlx-grpo train` (holds metrics.jsonl, and eval.jsonl if it "
+               "evaluated).", kind="positional"),
+        Option(("--output", "-o"), "PNG file to write (default: RUN_DIR/curves.png)."),
     ],
     "eval": [
         Option(("--split",), "Data split to evaluate.", default="test"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from tqdm import tqdm
 
 from mlx_grpo.config import Config, save_json
 from mlx_grpo.data import Example, load_examples, subset
@@ -21,7 +22,6 @@ from mlx_grpo.rewards import answers_match, extract_answer
 from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
-EVAL_BATCH = 32
 
 
 @dataclass
@@ -41,15 +41,18 @@ def _lenient(text: str, gold: str) -> bool:
 
 
 def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
-                   num_samples: int = 1, temperature: float = 0.0, seed: int | None = None) -> list[dict]:
+                   num_samples: int = 1, temperature: float = 0.0, seed: int | None = None,
+                   progress: bool = False) -> list[dict]:
     """One record per example: its completions and whether they are right (greedy when num_samples == 1;
-    an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations."""
+    an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations.
+    progress: show a progress bar over the examples (on a terminal only)."""
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
                             cfg.min_p)
     records = []
     key = mx.random.key(cfg.seed if seed is None else seed)
-    for start in range(0, len(examples), EVAL_BATCH):
-        chunk = examples[start:start + EVAL_BATCH]
+    bar = tqdm(total=len(examples), desc="eval", unit="example", leave=False, disable=None if progress else True)
+    for start in range(0, len(examples), cfg.eval_batch_size):
+        chunk = examples[start:start + cfg.eval_batch_size]
         prompts = [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
                                       cfg.max_prompt_length)[0] for e in chunk]
         key, sub = mx.random.split(key)
@@ -60,6 +63,8 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
             records.append({"prompt": example.prompt, "answer": example.answer, "completions": texts,
                             "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in texts),
                             "formatted": extract_answer(texts[0]) is not None})
+        bar.update(len(chunk))
+    bar.close()
     return records
 
 
@@ -71,10 +76,10 @@ def summarize(records: list[dict]) -> EvalResult:
 
 
 def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
-                   num_samples: int = 1, temperature: float = 0.0) -> EvalResult:
+                   num_samples: int = 1, temperature: float = 0.0, progress: bool = False) -> EvalResult:
     """Answer every example (greedy when num_samples == 1); an example passes if any sample is right."""
     return summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
-                                    num_samples=num_samples, temperature=temperature))
+                                    num_samples=num_samples, temperature=temperature, progress=progress))
 
 
 def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
@@ -85,7 +90,7 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
                       cfg.eval_subset_size, cfg.seed)
     model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
     result = evaluate_model(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
-                            num_samples=cfg.eval_num_samples, temperature=cfg.temperature)
+                            num_samples=cfg.eval_num_samples, temperature=cfg.temperature, progress=True)
     if output is None:
         output = f"eval-{Path(cfg.model_name).name}-{split}.jsonl"
     out = Path(output)

@@ -141,7 +141,71 @@ def think_tags(prompts, completions, completion_ids, **columns) -> list[float]:
     return [sum(0.25 for tag in _THINK_TAGS if t.count(tag) == 1) for t in map(_text, completions)]
 
 
+# Reasoning that earns the reasoned_* rewards: at least this many words and one written computation
+# ("12 * 3 = 36", "40 - 4"), so "..." or one line of filler earns nothing (docs/learning.md).
+MIN_REASONING_WORDS = 10
+_COMPUTATION = re.compile(r"\d\s*(?:[-+*/x×÷=]|times|plus|minus|divided by)\s*\$?\d")
+_WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
+
+
+def reasoning_text(text: str) -> str | None:
+    """The text after the first <reasoning> up to </reasoning> (or up to <answer> / the end when the
+    tag is never closed); None without a <reasoning> tag."""
+    start = text.find("<reasoning>")
+    if start < 0:
+        return None
+    body = text[start + len("<reasoning>"):]
+    end = body.find("</reasoning>")
+    if end < 0:
+        end = body.find("<answer>")
+    return body if end < 0 else body[:end]
+
+
+def substantive(reasoning: str | None) -> bool:
+    """Reasoning with MIN_REASONING_WORDS words and at least one written computation."""
+    return (reasoning is not None and len(_WORD.findall(reasoning)) >= MIN_REASONING_WORDS
+            and _COMPUTATION.search(reasoning) is not None)
+
+
+def _grounded(text: str, reasoning: str) -> bool:
+    """The answer is the number the reasoning arrived at: the value of its last number."""
+    pred, numbers = extract_answer(text), _NUMBER.findall(_normalize_number(reasoning))
+    return pred is not None and bool(numbers) and answers_match(pred, numbers[-1])
+
+
+def reasoned_correctness(prompts, completions, completion_ids, answer=None, **columns) -> list[float]:
+    """2.0 when the answer is right and follows substantive reasoning (see ``substantive``), else 0.0:
+    a right answer after empty reasoning earns nothing."""
+    if answer is None:
+        raise ValueError("needs an 'answer' column with the gold answers")
+    return [2.0 if substantive(reasoning_text(t)) and answers_match(extract_answer(t), a) else 0.0
+            for t, a in zip(map(_text, completions), answer)]
+
+
+def reasoned_format(prompts, completions, completion_ids, **columns) -> list[float]:
+    """Format credit that empty reasoning or a made-up answer cannot earn, up to 0.5: nothing unless the
+    reasoning is substantive; then 0.125 for each of <reasoning> and </reasoning> present once, and 0.125
+    for each of <answer> and </answer> present once when the answer is the reasoning's last number;
+    minus 0.001 per character after </answer> (as xmlcount), never below 0."""
+    out = []
+    for text in map(_text, completions):
+        reasoning = reasoning_text(text)
+        if not substantive(reasoning):
+            out.append(0.0)
+            continue
+        score = sum(0.125 for tag in _XML_TAGS[:2] if text.count(tag) == 1)
+        if _grounded(text, reasoning):
+            score += sum(0.125 for tag in _XML_TAGS[2:] if text.count(tag) == 1)
+        end = text.rfind("</answer>")
+        if end >= 0:
+            score -= 0.001 * len(text[end + len("</answer>"):].strip())
+        out.append(max(score, 0.0))
+    return out
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "reasoned_correctness": reasoned_correctness,
+    "reasoned_format": reasoned_format,
     "correctness": correctness,
     "int": int_reward,
     "strict_format": strict_format,

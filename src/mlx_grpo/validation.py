@@ -7,6 +7,7 @@ import difflib
 
 from mlx_grpo.config import DATA, Config, command_default
 from mlx_grpo.errors import UserError
+from mlx_grpo.reporting import REPORTERS
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -33,6 +34,7 @@ def check(c: Config, command: str) -> None:
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
     _require(c.eval_subset_size > 0, "eval_subset_size must be > 0")
     _require(c.eval_max_new_tokens > 0, "eval_max_new_tokens must be > 0")
+    _require(c.eval_batch_size > 0, "eval_batch_size must be > 0")
     _require(c.eval_num_samples >= 1, "eval_num_samples must be >= 1")
     _require(c.eval_num_samples == 1 or c.temperature > 0,
              "eval_num_samples > 1 (pass@k) needs temperature > 0; set temperature=1.0")
@@ -80,6 +82,11 @@ def _validate_train(c: Config) -> None:
              "training process: keep reward_workers = 0 with reward_model")
     _choice(c, "reward_executor", ("thread", "process"))
     _choice(c, "distributed_backend", ("any", "ring", "mpi", "nccl", "jaccl"))
+    for name in c.report_to:
+        match = difflib.get_close_matches(name, REPORTERS, n=1, cutoff=0.4)
+        _require(name in REPORTERS, f"report_to: unknown reporter {name!r}; choose from {', '.join(REPORTERS)}"
+                 + (f"; did you mean '{match[0]}'?" if match else ""))
+    _require(len(set(c.report_to)) == len(c.report_to), f"report_to lists a reporter twice: {c.report_to}")
     _require(c.distributed_timeout >= 0, "distributed_timeout must be >= 0 (0 = wait forever)")
     _unused_unless(c, "reward_executor", c.reward_workers > 0, "reward_workers > 0")
     _require(not (c.reward_workers and c.dynamic_sampling), "reward_workers does nothing with dynamic_sampling, "

@@ -89,13 +89,13 @@ def check_rounding(params: dict[str, mx.array], learning_rate: float, dtype: mx.
 
 
 class MasterWeights:
-    """Float32 masters of a model's trainable tensors, or none when the model already trains in float32
-    (or master_weights is off): `step` then updates the model directly, as plain AdamW does."""
+    """Float32 masters of a model's trainable tensors, taken from them as they are now (before the model
+    is cast to its compute dtype); disabled when the model trains in float32 or master_weights is off:
+    `step` then updates the model directly, as plain AdamW does."""
 
     def __init__(self, model: nn.Module, enabled: bool):
         trainable = dict(tree_flatten(model.trainable_parameters()))
-        low = any(p.dtype != mx.float32 for p in trainable.values())
-        self.masters = {k: p.astype(mx.float32) for k, p in trainable.items()} if enabled and low else None
+        self.masters = {k: p.astype(mx.float32) for k, p in trainable.items()} if enabled else None
 
     @property
     def active(self) -> bool:
