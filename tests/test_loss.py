@@ -7,6 +7,7 @@ chunked output head (soft-capped too, as nanochat's) against autograd through th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -749,3 +750,50 @@ def test_quantized_nanochat_head_is_soft_capped_too(tiny_nanochat, monkeypatch):
     _forbid_full_logits(monkeypatch, model)
     got = completion_logprobs(model, batch, 0.8, 3)
     np.testing.assert_allclose(np_(got), np_(expected), rtol=1e-5, atol=1e-5)
+
+
+def naive_tis_weights(old, sampler, mask, mode, cap):
+    """Rollout-correction weights [N, T] from plain loops: the sampler ratio exp(old - sampler) per token, or
+    exp(sum over the row's real tokens) per sequence; truncated at cap, or 0 past it (mask)."""
+    N, T = old.shape
+    out = np.zeros((N, T))
+    for n in range(N):
+        seq = sum(float(old[n, t]) - float(sampler[n, t]) for t in range(T) if mask[n, t] > 0)
+        for t in range(T):
+            r = math.exp(seq if mode.startswith("sequence") else float(old[n, t]) - float(sampler[n, t]))
+            out[n, t] = min(r, cap) if mode.endswith("truncate") else (0.0 if r > cap else r)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_rollout_correction_matches_naive(mode):
+    logp, old, ref, adv, mask = _loss_case()
+    rng = np.random.default_rng(5)
+    # per-token differences of a few hundredths, some large enough to pass the cap
+    sampler = (old - rng.normal(0.0, 0.3, size=old.shape)).astype(np.float32)
+    cap = 1.5
+    obj = dataclasses.replace(objective(kl_coeff=0.04), rollout_correction=mode, rollout_cap=cap)
+    terms = token_terms(*(mx.array(a) for a in (logp, old, ref, adv, mask)), obj, mx.array(sampler))
+    w = naive_tis_weights(old, sampler, mask, mode, cap)
+    real = mask > 0
+    assert np.any(w[real] == 0) or np.any(w[real] == cap)  # the cap binds somewhere
+    loss, kl, *_ = naive_token_terms(logp, old, ref, adv, mask, 0.2, 0.04)
+    # the weight multiplies the policy term only: loss = -(w * pg - beta * kl)
+    pg = -(loss - 0.04 * kl)
+    np.testing.assert_allclose(np_(terms.is_weight)[real], w[real], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np_(terms.loss)[real], (-(w * pg - 0.04 * kl))[real], rtol=1e-5, atol=1e-6)
+
+
+def test_mismatch_sums_are_zero_for_one_model_and_k3_otherwise():
+    logp, old, ref, adv, mask = _loss_case()
+    obj = objective(kl_coeff=0.0)
+    weights = mx.ones((logp.shape[0],))
+    args = (mx.array(logp), mx.array(old), None, mx.array(adv), mx.array(mask), weights, obj)
+    same = objective_sums(*args, mx.array(old))
+    assert same.sampler_kl.item() == 0.0 and same.sampler_diff_max.item() == 0.0
+    sampler = old - 0.1 * (np.arange(old.size).reshape(old.shape) % 3).astype(np.float32)
+    sums = objective_sums(*args, mx.array(sampler))
+    d = (old - sampler).astype(np.float64)
+    real = mask > 0
+    np.testing.assert_allclose(sums.sampler_kl.item(), (np.exp(d) - d - 1)[real].sum(), rtol=1e-5)
+    np.testing.assert_allclose(sums.sampler_diff_max.item(), np.abs(d)[real].max(), rtol=1e-5)
