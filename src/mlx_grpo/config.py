@@ -77,6 +77,9 @@ class Config:
     # --- data ---
     dataset: str = _f("arith", "Data set: 'arith' (built-in, offline arithmetic word problems) or 'gsm8k' "
                       "(openai/gsm8k from the Hugging Face hub). Ignored where a *_dataset_path is set.", DATA)
+    arith_max_steps: int = _f(4, "Built-in arith: most operations per problem. 4 = the mix of every template "
+                              "(2-4 steps); 1-3 = running-count stories of 1 to N steps, which a small model "
+                              "can learn (configs/arith.toml uses 2).", DATA)
     dataset_path: str = _f("", "Local JSONL/Parquet training file (GSM8K form or prompt/answer); overrides "
                            "`dataset` for training.", TRAIN)
     eval_dataset_path: str = _f("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA)

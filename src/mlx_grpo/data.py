@@ -172,11 +172,11 @@ _MAKERS = (("A baker", "bakes", "muffins"), ("A toy maker", "builds", "toys"), (
            ("A gardener", "plants", "flowers"))
 
 
-def _story(rng: random.Random) -> tuple[str, str, int]:
-    """A running count changed 2-4 times by +, -, *, or an exact division."""
+def _story(rng: random.Random, steps: int | None = None) -> tuple[str, str, int]:
+    """A running count changed `steps` times (default 2-4) by +, -, *, or an exact division."""
     (name, he, him, his), obj, value = rng.choice(_PEOPLE), rng.choice(_OBJECTS), rng.randint(5, 40)
     He, expr, text = he.capitalize(), str(value), [f"{name} has {value} {obj}."]
-    for _ in range(rng.randint(2, 4)):
+    for _ in range(rng.randint(2, 4) if steps is None else steps):
         divisors = [d for d in range(2, 7) if value % d == 0 and value > d]
         op = rng.choice(["+"] + ["-"] * (value >= 2) + ["*"] * (value * 2 <= 600) + ["/"] * bool(divisors))
         if op == "+":
@@ -247,17 +247,21 @@ def _savings(rng: random.Random) -> tuple[str, str, int]:
 _TEMPLATES = (_story, _story, _shopping, _teams, _production, _savings)
 
 
-def make_arith(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[Example]:
+def make_arith(n: int, seed: int, exclude: frozenset[str] = frozenset(), max_steps: int = 4) -> list[Example]:
     """n distinct multi-step word problems with non-negative integer answers, deterministic in seed.
 
-    Questions in ``exclude`` are skipped (how the test split avoids the train split). Each example
-    carries its fully parenthesised ``expression`` column (Python syntax) for checking.
+    max_steps = 4: the mix of every template (2-4 operations); below 4, running-count stories of 1 to
+    max_steps operations only. Questions in ``exclude`` are skipped (how the test split avoids the train
+    split). Each example carries its fully parenthesised ``expression`` column (Python syntax) for checking.
     """
     rng, seen, out = random.Random(seed), set(exclude), []
     for _ in range(100 * n + 100):  # bound the loop; the problem space is far larger than n
         if len(out) == n:
             break
-        question, expr, value = rng.choice(_TEMPLATES)(rng)
+        if max_steps >= 4:
+            question, expr, value = rng.choice(_TEMPLATES)(rng)
+        else:
+            question, expr, value = _story(rng, rng.randint(1, max_steps))
         if question in seen:
             continue
         seen.add(question)
@@ -268,7 +272,8 @@ def make_arith(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list
 
 
 
-def load_examples(dataset: str, split: str, path: str | None, seed: int, arith_size: int = 1000) -> list[Example]:
+def load_examples(dataset: str, split: str, path: str | None, seed: int, arith_size: int = 1000,
+                  arith_max_steps: int = 4) -> list[Example]:
     """The examples of a run: a file when ``path`` is given, else the named data set's split."""
     if path:
         return load_file(path)
@@ -276,9 +281,9 @@ def load_examples(dataset: str, split: str, path: str | None, seed: int, arith_s
         return load_gsm8k_hub(split)
     if dataset == "arith":
         if split == "train":
-            return make_arith(arith_size, seed)
-        train = frozenset(str(ex.prompt) for ex in make_arith(arith_size, seed))
-        return make_arith(arith_size, seed + TEST_SEED_OFFSET, exclude=train)
+            return make_arith(arith_size, seed, max_steps=arith_max_steps)
+        train = frozenset(str(ex.prompt) for ex in make_arith(arith_size, seed, max_steps=arith_max_steps))
+        return make_arith(arith_size, seed + TEST_SEED_OFFSET, exclude=train, max_steps=arith_max_steps)
     close = difflib.get_close_matches(dataset, DATASETS, n=1, cutoff=0.0)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise UserError(f"unknown dataset '{dataset}' ({hint}valid: {', '.join(DATASETS)}; or set dataset_path)")

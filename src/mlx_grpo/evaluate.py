@@ -86,7 +86,8 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
     """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written."""
     from mlx_grpo.models.loading import load_model
 
-    examples = subset(load_examples(cfg.dataset, split, cfg.eval_dataset_path or None, cfg.seed),
+    examples = subset(load_examples(cfg.dataset, split, cfg.eval_dataset_path or None, cfg.seed,
+                                    arith_max_steps=cfg.arith_max_steps),
                       cfg.eval_subset_size, cfg.seed)
     model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
     result = evaluate_model(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,

@@ -403,7 +403,7 @@ class Trainer:
 def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
     in a data-parallel run (default: alone)."""
-    train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
+    train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps)
     if cfg.max_train_samples:
         train = subset(train, cfg.max_train_samples, cfg.seed)
     rewards = build_reward_set(cfg, Path.cwd())
@@ -454,6 +454,7 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
     evals = None
     if cfg.eval_every_updates or cfg.eval_steps:
-        evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed)
+        evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed,
+                              arith_max_steps=cfg.arith_max_steps)
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
                    source_dir, evals, adapter_config, masters, world or World())

@@ -32,6 +32,7 @@ def check(c: Config, command: str) -> None:
     _require(c.dataset in ("arith", "gsm8k"), f"dataset must be 'arith' or 'gsm8k', got {c.dataset!r}; "
              "for a local file set dataset_path / eval_dataset_path")
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
+    _require(1 <= c.arith_max_steps <= 4, "arith_max_steps must be 1-4 (4 = every template)")
     _require(c.eval_subset_size > 0, "eval_subset_size must be > 0")
     _require(c.eval_max_new_tokens > 0, "eval_max_new_tokens must be > 0")
     _require(c.eval_batch_size > 0, "eval_batch_size must be > 0")

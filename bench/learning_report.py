@@ -1,0 +1,79 @@
+"""The tables of docs/learning.md from what bench/learning_run.sh wrote: greedy accuracy of the base and the
+trained model with 95% Wilson intervals, and the collapse figures at the end of training (mean completion
+length, share of completions with empty reasoning, entropy).
+
+usage: python bench/learning_report.py OUT_DIR    (OUT_DIR as given to learning_run.sh)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from mlx_grpo.rewards import reasoning_text, substantive  # noqa: E402
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return 0.0, 0.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def accuracy_row(name: str, path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    n = len(rows)
+    cells = []
+    for key in ("correct", "lenient", "formatted"):
+        k = sum(bool(r[key]) for r in rows)
+        lo, hi = wilson(k, n)
+        cells.append(f"{k}/{n} = {100 * k / n:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]")
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def empty_reasoning(text: str) -> bool:
+    """No reasoning of substance (fewer than MIN_REASONING_WORDS words or no written computation)."""
+    return not substantive(reasoning_text(text))
+
+
+def collapse_row(name: str, run: Path) -> str:
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    completions = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    last_step = max(c["update_step"] for c in completions)
+    last = [c for c in completions if c["update_step"] == last_step]
+    tail = metrics[-5:]
+    length = sum(m["completion_length_mean"] for m in tail) / len(tail)
+    entropy = sum(m["entropy"] for m in tail) / len(tail)
+    first_entropy = metrics[0]["entropy"]
+    empty = sum(empty_reasoning(c["completion"]) for c in last) / len(last)
+    times = sorted(m["time_step_s"] for m in metrics)
+    return (f"| {name} | {len(metrics)} | {metrics[0]['completion_length_mean']:.0f} -> {length:.0f} | "
+            f"{100 * empty:.1f}% (update {last_step}, {len(last)} completions) | {first_entropy:.2f} -> {entropy:.2f} | "
+            f"{sum(m['time_step_s'] for m in metrics) / 60:.1f} min, median {times[len(times) // 2]:.1f} s |")
+
+
+def main(out: Path) -> None:
+    print("| model | exact match (<answer>) [95% CI] | lenient (last number) | formatted |")
+    print("|---|---|---|---|")
+    for task in ("arith", "gsm8k"):
+        for stage in ("base", "trained"):
+            path = out / f"{task}-{stage}.jsonl"
+            if path.is_file():
+                print(accuracy_row(f"{task} {stage}", path))
+    print()
+    print("| run | updates | completion length first -> last 5 | empty reasoning at the last logged update "
+          "| entropy first -> last 5 (nats) | training time |")
+    print("|---|---|---|---|---|---|")
+    for run in ("arith", "prod"):
+        if (out / "runs" / run / "metrics.jsonl").is_file():
+            print(collapse_row(run, out / "runs" / run))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
