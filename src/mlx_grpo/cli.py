@@ -30,12 +30,15 @@ DESCRIPTIONS = {
     "train": "Fine-tune a model with GRPO.",
     "eval": "Measure exact-match accuracy (or pass@k) of a model on a data set.",
     "fuse": "Merge a lora/dora checkpoint's adapters into its base: a plain MLX model directory.",
+    "plot": "Draw a training run's curves (reward, eval accuracy, KL, entropy, length, time) into one PNG.",
 }
 
 
 def _add_option(parser: argparse.ArgumentParser, opt: Option) -> None:
     dest = opt.flags[0].lstrip("-").replace("-", "_")
-    if opt.kind == "flag":
+    if opt.kind == "positional":
+        parser.add_argument(dest, metavar=dest.upper(), help=opt.help)
+    elif opt.kind == "flag":
         parser.add_argument(*opt.flags, dest=dest, action="store_true", help=opt.help)
     elif opt.kind == "optional":
         parser.add_argument(*opt.flags, dest=dest, nargs="?", const="latest", default=None, help=opt.help)
@@ -91,6 +94,11 @@ def _dispatch(args: argparse.Namespace) -> None:
                           dtype=args.dtype, trust_remote_code=args.trust_remote_code, nanochat=args.nanochat,
                           step=args.step)
         print(f"wrote MLX model to {out}")
+        return
+    if command == "plot":
+        from mlx_grpo.plot import plot_run
+
+        print(f"wrote {plot_run(args.run_dir, args.output)}")
         return
     if command == "fuse":
         from mlx_grpo.models.adapters import run_fuse
