@@ -54,3 +54,17 @@ def write_tiny_model(path: Path, seed: int = 0, hidden: int = 32, layers: int = 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "curves: the test's training runs draw curves.png at their end")
+
+
+@pytest.fixture(autouse=True)
+def _no_end_of_run_curves(request, monkeypatch):
+    """Drawing curves.png at the end of a run costs ~0.3 s of matplotlib per tiny run: only tests marked
+    `curves` (tests/test_plot.py) draw them; the other runs print their summary without the PNG."""
+    if request.node.get_closest_marker("curves") is None:
+        from mlx_grpo import run
+
+        monkeypatch.setattr(run, "_curves", lambda run_dir: None)

@@ -1,11 +1,37 @@
-"""Run logs: metrics.jsonl (one record per update), completions.jsonl, eval.jsonl, console lines."""
+"""Run logs: metrics.jsonl (one record per update), completions.jsonl, eval.jsonl, console lines (printed
+above the progress bar), the pace/ETA text and the end-of-run summary."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
+
+def console(text: str) -> None:
+    """Print a run-time line through tqdm, so an active progress bar is redrawn below it instead of
+    being broken; flushed, so a pipe (`| tee`) shows it at once."""
+    tqdm.write(text)
+    sys.stdout.flush()
+
+
+def duration(seconds: float) -> str:
+    """A wall time for the console: 42s, 4m10s, 2h05m."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def pace(elapsed_s: float, done: int, left: int) -> str:
+    """Elapsed time, mean seconds per update so far and the ETA (that mean x the updates left)."""
+    per = elapsed_s / max(done, 1)
+    return f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, ETA {duration(per * left)}"
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -133,16 +159,16 @@ class RunLogger:
         for kind, message in record["warnings"].items():
             last = self._warned.get(kind)
             if last is None or step - last >= WARN_EVERY:
-                print(f"[mlx-grpo] WARNING (update {step}): {message}", flush=True)
+                console(f"[mlx-grpo] WARNING (update {step}): {message}")
                 self._warned[kind] = step
         # A condition that clears and comes back is announced again at once.
         self._warned = {k: v for k, v in self._warned.items() if k in record["warnings"]}
 
     def log_eval(self, record: dict) -> None:
         self._append("eval.jsonl", record)
-        print(f"[mlx-grpo] eval at update {record['update_step']}: accuracy {record['accuracy']:.3f} "
-              f"(lenient {record['accuracy_lenient']:.3f}, format {record['format_rate']:.3f}) "
-              f"on {record['num_examples']} examples", flush=True)
+        console(f"[mlx-grpo] eval at update {record['update_step']}: accuracy {record['accuracy']:.3f} "
+                f"(lenient {record['accuracy_lenient']:.3f}, format {record['format_rate']:.3f}) "
+                f"on {record['num_examples']} examples")
 
     def log_completions(self, update_step: int, stats: dict) -> None:
         """Every completion of one batch step with its rewards and advantage."""
@@ -167,7 +193,36 @@ class RunLogger:
                 path.write_text("".join(line + "\n" for line in keep))
 
     @staticmethod
-    def print_line(record: dict) -> None:
-        print(f"[mlx-grpo] update {record['update_step']}: reward {record['reward_mean']:.3f} "
-              f"loss {fmt(record['loss'], '.4f')} kl {fmt(record['kl'], '.4f')} "
-              f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}", flush=True)
+    def print_line(record: dict, progress: str = "") -> None:
+        """The per-update console line (when the progress bar is off), with `progress` (pace()) after it."""
+        line = (f"[mlx-grpo] update {record['update_step']}: reward {record['reward_mean']:.3f} "
+                f"loss {fmt(record['loss'], '.4f')} kl {fmt(record['kl'], '.4f')} "
+                f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}")
+        console(line + (f", {progress}" if progress else ""))
+
+
+def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: list[tuple[int, float]],
+                  last_eval: dict | None, checkpoint: Path | None) -> list[str]:
+    """The end-of-run summary: updates and wall time (of this session, when it resumed a run), reward_mean
+    at the start vs the end of the session (each the mean over its first / last min(5, n // 2) updates,
+    named), the last eval and the final checkpoint."""
+    resumed = session_updates != updates
+    lines = [f"[mlx-grpo] summary: {updates} updates"
+             + (f" ({session_updates} in this session)" if resumed else "")
+             + f", wall time {duration(wall_s)}" + (" (this session)" if resumed else "")]
+    if rewards:
+        k = max(1, min(5, len(rewards) // 2))  # the first and the last k updates never overlap
+
+        def span(part: list[tuple[int, float]]) -> str:
+            steps = f"update {part[0][0]}" if len(part) == 1 else f"mean of updates {part[0][0]}-{part[-1][0]}"
+            return f"{np.mean([r for _, r in part]):.3f} ({steps})"
+
+        lines.append(f"[mlx-grpo]   reward_mean: {span(rewards[:k])}"
+                     + (f" -> {span(rewards[-k:])}" if len(rewards) > 1 else ""))
+    if last_eval is not None:
+        lines.append(f"[mlx-grpo]   last eval (update {last_eval['update_step']}): accuracy "
+                     f"{last_eval['accuracy']:.3f}, lenient {last_eval['accuracy_lenient']:.3f} on "
+                     f"{last_eval['num_examples']} examples")
+    if checkpoint is not None:
+        lines.append(f"[mlx-grpo]   final checkpoint: {checkpoint}")
+    return lines

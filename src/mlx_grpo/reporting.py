@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import netrc
 import os
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -30,6 +31,8 @@ def _install_hint(name: str) -> str:
 
 
 def _has(module: str) -> bool:
+    if module in sys.modules:  # already imported (or blocked: None)
+        return sys.modules[module] is not None
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

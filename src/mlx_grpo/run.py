@@ -4,6 +4,7 @@ checkpoints, alone or as one rank of the processes mlx.launch started (trainer.p
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import time
@@ -19,37 +20,46 @@ from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
 from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
-from mlx_grpo.logs import RunLogger, fmt, merge_ranks, update_record
+from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
+from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.trainer import Trainer, build_trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
 
 
-def _evaluate(trainer: Trainer, logger: RunLogger, examples: list[Example], trigger: str) -> None:
-    """Greedy accuracy on `examples`, each rank answering its share; rank 0 logs the whole."""
+def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, examples: list[Example],
+              trigger: str) -> dict | None:
+    """Greedy accuracy on `examples`, each rank answering its share; rank 0 logs the whole and returns
+    its eval record."""
     cfg, world = trainer.cfg, trainer.world
     per = -(-len(examples) // world.size)
     mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
-                          max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed))
+                          max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
     if not world.is_main:
-        return
-    logger.log_eval({"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
-                     "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
-                     "format_rate": result.format_rate, "num_examples": len(examples)})
+        return None
+    record = {"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
+              "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
+              "format_rate": result.format_rate, "num_examples": len(examples)}
+    logger.log_eval(record)
+    reporters.log_eval(record, record["update_step"])
+    return record
 
 
 def train(cfg: Config, resume: str | None = None) -> Path:
     """Run GRPO as configured (or continue a checkpoint), alone or as one rank of the processes that
     mlx.launch started; returns the run directory."""
+    started = time.perf_counter()
     world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
+    if world.is_main:  # rank 0 reports: a missing package stops the run before the model loads
+        check_installed(cfg.report_to)
     trainer = build_trainer(cfg, world)
     try:
         if world.size > 1:
             _check_same_job(trainer)
             world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
                         f"{cfg.batch_size} prompts per batch step each")
-        run_dir = _run(trainer, cfg, resume)
+        run_dir = _run(trainer, cfg, resume, started)
     except BaseException:
         trainer.reward_runner.close(wait=False)
         raise
@@ -133,7 +143,7 @@ def _tree(flat: dict):
     return tree_unflatten(list(flat.items()))
 
 
-def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
+def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> Path:
     run_dir, world = trainer.run_dir, trainer.world
     main = world.is_main  # rank 0 alone writes the run directory and the console
     if main:
@@ -142,6 +152,55 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
     _resume(trainer, run_dir, resume, logger)
     if main:
         save_json(cfg, run_dir / "config.resolved.json")
+    start_update = trainer.counters.update_step
+    reporters = Reporters(cfg.report_to if main else [], run_dir, to_dict(cfg),
+                          resumed_at=start_update if resume is not None else None)
+    try:
+        rewards, last_eval = _loop(trainer, cfg, resume, logger, reporters)
+    except BaseException:
+        reporters.close(failed=True)
+        raise
+    reporters.close()
+    c = trainer.counters
+    if main:
+        checkpoints = ckpt.list_checkpoints(run_dir)
+        for line in summary_lines(c.update_step, c.update_step - start_update, time.perf_counter() - started,
+                                  rewards, last_eval, checkpoints[-1] if checkpoints else None):
+            console(line)
+        curves = _curves(run_dir)
+        if curves:
+            console(curves)
+    world.print(f"[mlx-grpo] done: {c.update_step} updates; run directory {run_dir}")
+    return run_dir
+
+
+def _curves(run_dir: Path) -> str | None:
+    """Draw RUN_DIR/curves.png when matplotlib is installed, else name the command; never fails the run."""
+    from mlx_grpo.plot import INSTALL_HINT, plot_run
+
+    if not (run_dir / "metrics.jsonl").is_file():  # log_jsonl = false: nothing to draw
+        return None
+    if importlib.util.find_spec("matplotlib") is None:
+        return f"[mlx-grpo]   curves: mlx-grpo plot {run_dir} (needs matplotlib: {INSTALL_HINT})"
+    try:
+        return f"[mlx-grpo]   curves: {plot_run(run_dir)} (redraw: mlx-grpo plot {run_dir})"
+    except Exception as exc:  # the run is done and saved: a plotting problem is only reported
+        return f"[mlx-grpo]   could not draw the curves ({type(exc).__name__}: {exc}); try mlx-grpo plot {run_dir}"
+
+
+def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1) -> None:
+    """Show what the update is doing in the progress bar's description (text only: no device sync)."""
+    if not bar.disable:
+        bar.set_description_str(f"grpo [{name}{f' {i + 1}/{n}' if n > 1 else ''}]")
+
+
+def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
+          reporters: Reporters) -> tuple[list[tuple[int, float]], dict | None]:
+    """The updates with their logs, evaluations and checkpoints; returns (update, reward_mean) of this
+    session's updates and the last eval record (rank 0)."""
+    world = trainer.world
+    main = world.is_main
+    rewards, last_eval = [], None
     evals = trainer.eval_examples
     eval_subset = subset(evals, cfg.eval_subset_size, cfg.seed) if evals else None
     legacy_subset = subset(evals, cfg.eval_samples or cfg.eval_subset_size, cfg.seed) if evals else None
@@ -150,39 +209,47 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
                disable=None if main else True)
     last_saved = c.update_step if resume is not None else -1
     data_left = True
-    t_last = time.perf_counter()
+    t_last = t_start = time.perf_counter()
+    start_update = c.update_step
     while c.update_step < trainer.total_updates and data_left:
         steps, stats = [], []
-        for _ in range(cfg.gradient_accumulation_steps):
+        for i in range(cfg.gradient_accumulation_steps):
             examples = trainer.next_examples()
             if examples is None:  # dynamic sampling drew extra prompts: the data ran out early
                 data_left = False
                 break
+            _phase(bar, "rollout", i, cfg.gradient_accumulation_steps)  # and the batch's log-prob passes
             step, st = trainer.batch_step(examples)
             steps.append(step)
             stats.append(st)
             if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
-                _evaluate(trainer, logger, legacy_subset, "eval_steps")
+                _phase(bar, "eval")
+                last_eval = _evaluate(trainer, logger, reporters, legacy_subset, "eval_steps") or last_eval
         if not steps:
             break
         save_due = False
-        for _ in range(cfg.num_iterations):
+        for i in range(cfg.num_iterations):
+            _phase(bar, "train", i, cfg.num_iterations)  # and the wait for rewards still computing
             result = trainer.update(steps)
             result["time_step_s"] = time.perf_counter() - t_last  # wall time since the last update's end
             merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
             if main:
                 record = update_record(trainer, merged, result)
                 logger.log_metrics(record)
+                reporters.log(record, c.update_step)
+                rewards.append((c.update_step, record["reward_mean"]))
                 logger.warn(record)
                 if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
                     bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
                                     kl=fmt(record["kl"], ".4f"), refresh=False)
-                    if bar.disable:
-                        logger.print_line(record)
+                    if bar.disable:  # no bar (not a terminal): the line says how far and how long
+                        logger.print_line(record, pace(time.perf_counter() - t_start, c.update_step - start_update,
+                                                       trainer.total_updates - c.update_step))
                 if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
             if cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
-                _evaluate(trainer, logger, eval_subset, "eval_every_updates")
+                _phase(bar, "eval")
+                last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval
             save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
             bar.update(1)
             t_last = time.perf_counter()
@@ -190,6 +257,7 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
             _save(trainer)
             last_saved = c.update_step
             t_last = time.perf_counter()  # time_step_s leaves the checkpoint out
+    bar.set_description_str("grpo", refresh=False)
     bar.close()
     if not data_left:
         world.print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} "
@@ -198,8 +266,7 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None) -> Path:
         _save(trainer)
     if c.skipped_updates:
         world.print(f"[mlx-grpo] {c.skipped_updates} update(s) skipped for non-finite values")
-    world.print(f"[mlx-grpo] done: {c.update_step} updates; run directory {run_dir}")
-    return run_dir
+    return rewards, last_eval
 
 
 def _save(trainer: Trainer) -> None:

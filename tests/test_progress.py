@@ -1,0 +1,91 @@
+"""Console and progress of a run: lines through tqdm.write, the pace/ETA line without a bar, the phase in
+the bar's description, the evaluation's bar."""
+
+import io
+import re
+
+import pytest
+from tqdm import tqdm
+
+from mlx_grpo import evaluate, logs
+from mlx_grpo import run as run_mod
+from mlx_grpo.config import build_config, parse_set
+from mlx_grpo.data import load_examples, subset
+
+
+def make_cfg(model_dir, out, *items):
+    """A tiny training run (as in test_trainer.py)."""
+    base = [f"model_name={model_dir}", f"output_dir={out}", "batch_size=2", "num_generations=4",
+            "max_new_tokens=8", "max_train_samples=4", "learning_rate=1e-3", "warmup_ratio=0",
+            "log_completions_steps=0", "max_prompt_length=96", "system_prompt="]
+    return build_config("train", overrides=parse_set(base + list(items)))
+
+
+@pytest.mark.parametrize("seconds,text", [(0.4, "0s"), (42, "42s"), (250, "4m10s"), (3600 + 5 * 60 + 9, "1h05m")])
+def test_duration(seconds, text):
+    assert logs.duration(seconds) == text
+
+
+def test_pace_is_the_mean_time_per_update_times_the_updates_left():
+    assert logs.pace(24.6, 2, 20) == "elapsed 25s, 12.3 s/update, ETA 4m06s"
+
+
+def test_summary_names_its_spans():
+    lines = logs.summary_lines(12, 12, 75.0, [(u, float(u)) for u in range(1, 13)],
+                               {"update_step": 12, "accuracy": 0.5, "accuracy_lenient": 0.625, "num_examples": 8},
+                               None)
+    assert lines[0] == "[mlx-grpo] summary: 12 updates, wall time 1m15s"
+    assert lines[1] == "[mlx-grpo]   reward_mean: 3.000 (mean of updates 1-5) -> 10.000 (mean of updates 8-12)"
+    assert lines[2] == "[mlx-grpo]   last eval (update 12): accuracy 0.500, lenient 0.625 on 8 examples"
+    resumed = logs.summary_lines(12, 4, 30.0, [(u, 1.0) for u in range(9, 13)], None, None)
+    assert resumed[0] == "[mlx-grpo] summary: 12 updates (4 in this session), wall time 30s (this session)"
+    assert resumed[1].endswith("1.000 (mean of updates 9-10) -> 1.000 (mean of updates 11-12)")
+    assert logs.summary_lines(1, 1, 1.0, [(1, 0.5)], None, None)[1] == "[mlx-grpo]   reward_mean: 0.500 (update 1)"
+
+
+def test_run_lines_go_through_tqdm_write_with_pace_when_no_bar(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Captured stdout is no terminal: no bar, so each update's line carries the pace and ETA; every run-time
+    line (warnings, evals, updates) is written through tqdm.write, which keeps a live bar intact."""
+    written = []
+    write = tqdm.write
+    monkeypatch.setattr(tqdm, "write", classmethod(lambda cls, s, *a, **k: (written.append(s), write(s, *a, **k))))
+    run_mod.train(make_cfg(tiny_model_dir, tmp_path, "reward_funcs=int", "eval_every_updates=2",
+                           "eval_subset_size=2", "eval_max_new_tokens=4"))
+    out = capsys.readouterr().out
+    updates = [line for line in out.splitlines() if line.startswith("[mlx-grpo] update ")]
+    assert len(updates) == 2
+    assert all(re.search(r", elapsed \d+s, \d+\.\d s/update, ETA \d+s$", line) for line in updates)
+    assert updates[-1].endswith("ETA 0s")  # nothing left
+    for part in ("WARNING (update 1)", "eval at update 2", "[mlx-grpo] update 1:", "summary:", "done: 2 updates"):
+        assert any(part in line for line in written), part
+
+
+def test_bar_shows_the_phase(tiny_model_dir, tmp_path, monkeypatch):
+    buf = io.StringIO()
+    monkeypatch.setattr(run_mod, "tqdm", lambda *a, **k: tqdm(*a, **{**k, "disable": False, "file": buf,
+                                                                     "mininterval": 0}))
+    run_mod.train(make_cfg(tiny_model_dir, tmp_path, "gradient_accumulation_steps=2", "num_iterations=2",
+                           "eval_every_updates=1", "eval_subset_size=1", "eval_max_new_tokens=4"))
+    shown = buf.getvalue()
+    for phase in ("grpo [rollout 1/2]", "grpo [rollout 2/2]", "grpo [train 1/2]", "grpo [train 2/2]", "grpo [eval]"):
+        assert phase in shown, phase
+    assert shown.rstrip().split("\r")[-1].startswith("grpo: 100%|")  # the closed bar names no phase
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_evaluation_bar_over_the_examples(tiny_model_dir, monkeypatch, progress):
+    """The bar counts examples as each batch of eval_batch_size is answered; progress=False (the
+    non-main ranks) shows none."""
+    from mlx_grpo.models.loading import load_model
+
+    buf = io.StringIO()
+    monkeypatch.setattr(evaluate, "tqdm", lambda *a, **k: tqdm(*a, **{**k, "file": buf, "mininterval": 0,
+                                                                      "disable": k["disable"] or False}))
+    cfg = build_config("eval", overrides=parse_set([f"model_name={tiny_model_dir}", "eval_batch_size=2",
+                                                    "system_prompt="]))
+    model, tokenizer = load_model(str(tiny_model_dir))
+    examples = subset(load_examples("arith", "test", None, 0), 3, 0)
+    records = evaluate.answer_records(model, tokenizer, examples, cfg, max_new_tokens=4, progress=progress)
+    assert len(records) == 3
+    shown = buf.getvalue()
+    assert ("eval:   0%| " in shown and "2/3 [" in shown) is progress  # after the first batch of 2
