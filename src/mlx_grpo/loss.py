@@ -224,7 +224,7 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
         sampler_kl, diff_max = mx.array(0.0), mx.array(-mx.inf)
     else:  # tokens drawn from the sampler: k3 = exp(t - s) - (t - s) - 1 estimates KL(sampler || trainer)
         d = mx.stop_gradient(old_logp) - sampler_logp
-        sampler_kl = ((mx.exp(d) - d - 1) * kept).sum()
+        sampler_kl = (mx.maximum(mx.exp(d) - d - 1, 0.0) * kept).sum()  # >= 0; rounding could dip below
         diff_max = mx.where(present, mx.abs(d), -mx.inf).max()
     return LossSums(loss=loss, tokens=kept.sum(), kl=(terms.kl * kept).sum(),
                     clipped_low=(terms.clipped_low * kept).sum(), clipped_high=(terms.clipped_high * kept).sum(),
