@@ -25,7 +25,8 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"
 TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_reward_s", "time_logprob_s",
           "time_train_s", "time_step_s", "peak_memory_gb"}
 # Figures that are float sums over the rows: their order of summation differs between 1 and 2 ranks.
-FLOAT_SUMS = {"loss", "grad_norm", "kl", "entropy", "ratio_mean", "ratio_min", "ratio_max", "reward_std"}
+FLOAT_SUMS = {"loss", "grad_norm", "kl", "entropy", "ratio_mean", "ratio_min", "ratio_max", "reward_std",
+              "sampler_kl", "sampler_diff_max"}
 
 pytestmark = pytest.mark.skipif(not mx.distributed.is_available() or not LAUNCH.is_file(),
                                 reason="MLX without a distributed backend or mlx.launch")

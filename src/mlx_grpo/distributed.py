@@ -162,8 +162,10 @@ class World:
         totals = mx.stack([getattr(sums, n) for n in summed]).astype(mx.float32)
         with self._guard("the loss reduction"):
             totals = mx.distributed.all_sum(totals, group=self.group)
-            low = {n: mx.distributed.all_min(getattr(sums, n), group=self.group) for n in SUM_MIN}
-            high = {n: mx.distributed.all_max(getattr(sums, n), group=self.group) for n in SUM_MAX}
+            # In field order on every rank: iterating the frozensets would follow each process's string
+            # hash seed, and the ranks' collectives would pair different fields.
+            low = {n: mx.distributed.all_min(getattr(sums, n), group=self.group) for n in names if n in SUM_MIN}
+            high = {n: mx.distributed.all_max(getattr(sums, n), group=self.group) for n in names if n in SUM_MAX}
             mx.eval(totals, low, high)
         out = {**{n: totals[i] for i, n in enumerate(summed)}, **low, **high}
         out["loss"] = out["loss"] / self.size

@@ -204,8 +204,6 @@ def reasoned_format(prompts, completions, completion_ids, **columns) -> list[flo
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "reasoned_correctness": reasoned_correctness,
-    "reasoned_format": reasoned_format,
     "correctness": correctness,
     "int": int_reward,
     "strict_format": strict_format,
@@ -213,6 +211,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "xmlcount": xmlcount,
     "think_format": think_format,
     "think_tags": think_tags,
+    "reasoned_correctness": reasoned_correctness,
+    "reasoned_format": reasoned_format,
 }
 
 
