@@ -90,7 +90,7 @@ def test_key_for_other_command_rejected():
 
 
 @pytest.mark.parametrize("items,message", [
-    (["max_completion_length=100"], "max_completion_length .* must equal max_new_tokens"),
+    (["max_completion_length=100"], "max_completion_length' .* is gone: set max_new_tokens instead"),
     (["num_generations=1"], "num_generations must be >= 2"),
     (["reward_weights=1,2"], "reward_weights has 2 entries but reward_funcs has 5"),
     (["top_p=0"], "top_p must be in"),
@@ -197,3 +197,21 @@ def test_presets_load_and_comment_every_key(preset):
     blocks = [block.splitlines() for block in preset.read_text().split("\n\n") if block.strip()]
     for lines in blocks:
         assert lines[0].startswith("#") or not any("=" in line for line in lines), (preset.name, lines[0])
+
+
+def test_bad_inputs_get_one_line():
+    """Inputs a new user gets wrong: each is refused with a line that says what to do."""
+    with pytest.raises(UserError, match="stop strings must not be empty"):
+        build_config("train", overrides=parse_set(['stop=[""]']))
+    with pytest.raises(UserError, match="does not apply to 'eval'"):
+        build_config("eval", overrides=parse_set(["max_new_tokens=10"]))  # eval_max_new_tokens sizes answers
+
+
+def test_abbreviated_flags_are_refused_and_eval_max_tokens_sizes_answers(capsys):
+    from mlx_grpo.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["train", "--learning-rat", "1"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --learning-rat" in capsys.readouterr().err
+    args = build_parser().parse_args(["eval", "--max-tokens", "7"])
+    assert args.field__eval_max_new_tokens == "7"

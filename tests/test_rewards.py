@@ -11,6 +11,7 @@ from mlx_grpo.rewards import (
     SYSTEM_PROMPT,
     RewardSet,
     answers_match,
+    correctness,
     extract_answer,
     load_reward_function,
 )
@@ -296,3 +297,48 @@ def test_async_reward_failure_is_one_line():
     rs = RewardSet(["custom_reward.py:async_fails"], base_dir=FIXTURES)
     with pytest.raises(UserError, match="reward function async_fails failed: RuntimeError: scorer exploded"):
         rs.score(["q"], ["a"], [[1]], {})
+
+
+REASONED = ("<reasoning>\nShe starts with 12 apples and buys 3 more, so she has 12 + 3 = 15 apples.\n</reasoning>\n"
+            "<answer>\n15\n</answer>")
+# Completions a policy could game the seed's rewards with, scored by the prod preset's rewards.
+GAMED = {
+    "empty reasoning": "<reasoning>\n\n</reasoning>\n<answer>\n15\n</answer>",
+    "dots as reasoning": "<reasoning>\n...\n</reasoning>\n<answer>\n15\n</answer>",
+    "words, no computation": "<reasoning>\nI think about the apples very carefully and then I know the answer.\n"
+                             "</reasoning>\n<answer>\n15\n</answer>",
+    "constant answer": "<reasoning>\nShe starts with 12 apples and buys 3 more, so she has 12 + 3 = 15 apples.\n"
+                       "</reasoning>\n<answer>\n10\n</answer>",
+    "answer without reasoning": "<answer>\n15\n</answer>",
+    "tags repeated": "<reasoning>\n<reasoning>\n</reasoning>\n</reasoning>\n<answer>\n15\n</answer>",
+    "rambling after the answer": REASONED + " and more" * 40,
+}
+
+
+def _preset_rewards(text: str, gold: str = "15") -> float:
+    from mlx_grpo.config import build_config
+
+    cfg = build_config("train", str(Path(__file__).resolve().parents[1] / "configs" / "prod.toml"))
+    total = 0.0
+    for name, weight in zip(cfg.reward_funcs, cfg.reward_weights):
+        total += weight * BUILTIN_REWARDS[name](["q"], [text], [[1]], answer=[gold])[0]
+    return total
+
+
+@pytest.mark.parametrize("case", list(GAMED))
+def test_prod_preset_pays_a_gamed_completion_less_than_a_correct_reasoned_one(case):
+    best = _preset_rewards(REASONED)
+    assert best == pytest.approx(2.5)
+    assert _preset_rewards(GAMED[case]) < best
+    if case in ("empty reasoning", "dots as reasoning", "words, no computation", "answer without reasoning",
+                "tags repeated"):
+        assert _preset_rewards(GAMED[case]) == 0.0  # not a cent for empty reasoning
+    if case == "constant answer":
+        assert _preset_rewards(GAMED[case]) == pytest.approx(0.25)  # only the reasoning tags: no answer credit
+
+
+def test_correctness_compares_answers_of_any_length():
+    """Fraction parses through int, which refuses more than 4,300 digits: the comparison must not."""
+    huge = "9" * 5000
+    assert correctness(None, [f"<answer>{huge}</answer>"], None, answer=[huge]) == [2.0]
+    assert correctness(None, [f"<answer>{huge}1</answer>"], None, answer=[huge]) == [0.0]

@@ -14,6 +14,7 @@ from mlx_grpo.blas import use_optimized_blas
 from mlx_grpo.config import (
     COMMAND_OPTIONS,
     FIELDS,
+    COMMAND_FLAG_ALIASES,
     FLAG_ALIASES,
     Option,
     build_config,
@@ -58,18 +59,19 @@ def _add_config_fields(parser: argparse.ArgumentParser, command: str) -> None:
                         help="Override a config key; repeatable; wins over --config and flags.")
     group = parser.add_argument_group("config fields (also settable in --config or with --set)")
     for name in fields_for(command):
-        flags = [f"--{name.replace('_', '-')}"] + FLAG_ALIASES.get(name, [])
+        flags = [f"--{name.replace('_', '-')}"] + {**FLAG_ALIASES, **COMMAND_FLAG_ALIASES.get(command, {})}.get(name, [])
         default = command_default(command, name)
         group.add_argument(*flags, dest=f"field__{name}", default=None, metavar="VALUE",
                            help=f"{FIELDS[name].metadata['help']} (default: {default!r})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlx-grpo", description="GRPO fine-tuning on MLX.")
+    # allow_abbrev=False: `--learning-rat` must be an error, not silently --learning-rate.
+    parser = argparse.ArgumentParser(prog="mlx-grpo", description="GRPO fine-tuning on MLX.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"mlx-grpo {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command, description in DESCRIPTIONS.items():
-        sub = subparsers.add_parser(command, help=description, description=description)
+        sub = subparsers.add_parser(command, help=description, description=description, allow_abbrev=False)
         for opt in COMMAND_OPTIONS.get(command, []):
             _add_option(sub, opt)
         if fields_for(command):

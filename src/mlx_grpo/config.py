@@ -64,7 +64,8 @@ class Config:
     system_prompt: str = _f(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
                             "empty means none.", MODEL_CMDS)
     # --- sampling (rollouts, generate, chat) ---
-    max_new_tokens: int = _f(256, "Maximum number of tokens generated per completion.", SAMPLING)
+    max_new_tokens: int = _f(256, "Maximum number of tokens generated per completion (eval: "
+                             "eval_max_new_tokens).", INFER | TRAIN)
     temperature: float = _f(1.0, "Sampling temperature; 0 is greedy. Training log-probs use the same "
                             "temperature as the sampler.", SAMPLING)
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this total probability "
@@ -140,8 +141,6 @@ class Config:
     micro_batch_tokens: int = _f(8192, "Most padded prompt+completion tokens per forward/backward chunk "
                                  "(0 = no limit): bounds memory whatever the batch size; does not change "
                                  "results.", TRAIN)
-    max_completion_length: int = _f(0, "Alias of max_new_tokens kept for older configs; must equal it when "
-                                    "set (0 = unset).", TRAIN)
     # --- optimisation ---
     learning_rate: float = _f(1e-6, "Peak AdamW learning rate.", TRAIN)
     lr_scheduler_type: str = _f("cosine", "Learning-rate schedule after warmup: cosine, linear or constant.",
@@ -266,6 +265,8 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Config)}
+# Keys of older versions and the field that replaced them (an alias that only had to equal its field).
+RENAMED = {"max_completion_length": "max_new_tokens"}
 
 # Where a command's natural default differs from training's (interactive use is greedy, no XML prompt).
 COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -282,6 +283,8 @@ FLAG_ALIASES: dict[str, list[str]] = {
     "eval_subset_size": ["--samples"],
     "eval_num_samples": ["--num-samples"],
 }
+# Per-command aliases that win over FLAG_ALIASES: eval's answers are as long as eval_max_new_tokens.
+COMMAND_FLAG_ALIASES: dict[str, dict[str, list[str]]] = {"eval": {"eval_max_new_tokens": ["--max-tokens"]}}
 
 
 @dataclass(frozen=True)
@@ -427,6 +430,8 @@ def _nearest(name: str, candidates: list[str]) -> str:
 
 
 def check_key(name: str, command: str, source: str) -> None:
+    if name in RENAMED:
+        raise UserError(f"config key '{name}' ({source}) is gone: set {RENAMED[name]} instead")
     if name not in FIELDS:
         raise UserError(f"unknown config key '{name}' in {source}{_nearest(name, list(FIELDS))}")
     if command not in FIELDS[name].metadata["commands"]:
@@ -513,6 +518,8 @@ def from_json(path: str | Path, command: str = "train") -> Config:
     """Load a resolved config saved by save_json (checkpoints), re-validated."""
     data = json.loads(Path(path).read_text())
     data.pop("command_options", None)
+    for key in RENAMED:  # older runs saved these aliases; they always equalled their field
+        data.pop(key, None)
     for key in data:
         if key not in FIELDS:
             raise UserError(f"unknown config key '{key}' in {path}{_nearest(key, list(FIELDS))}")

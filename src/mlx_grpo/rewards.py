@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from fractions import Fraction
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +71,9 @@ def answers_match(pred: str | None, gold: str | None) -> bool:
         return False
     p, g = _normalize_number(str(pred)), _normalize_number(str(gold))
     if _NUMBER.fullmatch(p) and _NUMBER.fullmatch(g):
-        # Exact rational comparison: no float rounding on long integers or decimals.
-        return Fraction(p) == Fraction(g)
+        # Exact decimal comparison: no float rounding, and no limit on digits (Fraction parses through int,
+        # which refuses strings over 4,300 digits).
+        return Decimal(p) == Decimal(g)
     return str(pred).strip() == str(gold).strip()
 
 

@@ -27,6 +27,8 @@ def check(c: Config, command: str) -> None:
     _require(c.model_dtype in ("auto", "float32", "bfloat16", "float16"),
              f"model_dtype must be auto, float32, bfloat16 or float16, got {c.model_dtype!r}")
     _require(c.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 = off)")
+    _require(all(s != "" for s in c.stop), "stop strings must not be empty: an empty string would end every "
+             "completion after its first token")
     if command not in DATA:
         return
     _require(c.dataset in ("arith", "gsm8k"), f"dataset must be 'arith' or 'gsm8k', got {c.dataset!r}; "
@@ -62,9 +64,6 @@ def _validate_train(c: Config) -> None:
     _require(c.rollout_correction_cap > 1, "rollout_correction_cap must be > 1 (TRL uses 2.0)")
     _require(c.lr_scheduler_type in ("cosine", "linear", "constant"),
              f"lr_scheduler_type must be cosine, linear or constant, got {c.lr_scheduler_type!r}")
-    _require(c.max_completion_length in (0, c.max_new_tokens),
-             f"max_completion_length ({c.max_completion_length}) must equal max_new_tokens "
-             f"({c.max_new_tokens}): set both to the same value, or drop max_completion_length")
     _require(c.run_name.strip() != "" and "/" not in c.run_name, "run_name must be a non-empty name without '/'")
     _require(not c.reward_weights or len(c.reward_weights) == len(c.reward_funcs),
              f"reward_weights has {len(c.reward_weights)} entries but reward_funcs has {len(c.reward_funcs)}: "
