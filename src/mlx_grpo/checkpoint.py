@@ -15,9 +15,7 @@ the base's, and `mlx-grpo generate --model` opens it through models/adapters.py.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +25,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_grpo.config import Config, save_json
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
-from mlx_grpo.models.writing import copy_model_files
+from mlx_grpo.models.writing import copy_model_files, staged_output
 
 PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-checkpoint-"
 MASTERS = "master_weights.safetensors"
 
 
@@ -37,12 +36,13 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
                     config: Config, source_dir: Path, model_config: dict[str, Any],
                     old_params: dict | None = None, adapter_config: dict | None = None,
                     masters: dict | None = None) -> Path:
-    """Write checkpoint-<update_step>/ atomically; an interrupted save leaves no partial checkpoint.
+    """Write checkpoint-<update_step>/ atomically and durably (models/writing.staged_output): an
+    interrupted save leaves no partial checkpoint, and a checkpoint of the same step is replaced only
+    once the new one is on disk.
     With adapter_config (apply_adapters' dict, plus the "mlx_grpo" base record) only the adapter
     tensors are written, of the model and of old_params (nested or flat; other tensors are dropped)."""
     final = run_dir / f"{PREFIX}{update_step}"
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".tmp-checkpoint-"))
-    try:
+    with staged_output(final, replace=True, prefix=TMP_PREFIX) as tmp:
         if adapter_config is None:
             mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
                                 metadata={"format": "mlx"})
@@ -63,13 +63,18 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
         copy_model_files(source_dir, tmp, skip={ADAPTER_CONFIG})
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
         save_json(config, tmp / "config.resolved.json")
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
+
+
+def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:
+    """save_total_limit: delete all but the newest `keep` checkpoints (never `protect`, the one just
+    written); keep 0 keeps all. -> the deleted ones."""
+    if keep <= 0:
+        return []
+    gone = [p for p in list_checkpoints(run_dir)[:-keep] if p != protect]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -253,6 +253,8 @@ class Config:
                               "directory in project $WANDB_PROJECT or 'mlx-grpo'; offline unless logged in or "
                               "WANDB_MODE is set; needs the `wandb` extra). Empty = only the JSONL files.", TRAIN)
     save_steps: int = _f(50, "Save a checkpoint every N updates (0 = only at the end).", TRAIN)
+    save_total_limit: int = _f(0, "Keep only the newest N checkpoints of the run directory, deleting older ones "
+                               "once a new one is on disk (0 = keep all).", TRAIN)
     eval_every_updates: int = _f(0, "Evaluate greedy accuracy every N updates (0 = off).", TRAIN)
     eval_subset_size: int = _f(50, "Examples in the fixed, seeded eval subset.", DATA)
     eval_max_new_tokens: int = _f(256, "Maximum new tokens per eval answer.", DATA)

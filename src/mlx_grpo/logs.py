@@ -4,6 +4,7 @@ above the progress bar), the pace/ETA text and the end-of-run summary."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -190,7 +191,13 @@ class RunLogger:
             if path.is_file():
                 keep = [line for line in path.read_text().splitlines()
                         if line.strip() and json.loads(line).get("update_step", 0) <= update_step]
-                path.write_text("".join(line + "\n" for line in keep))
+                # A new file renamed over the old: a kill mid-write leaves the old log whole, never an empty one.
+                tmp = path.with_name(f".{name}.tmp")
+                with open(tmp, "w") as f:
+                    f.write("".join(line + "\n" for line in keep))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
 
     @staticmethod
     def print_line(record: dict, progress: str = "") -> None:

@@ -22,6 +22,7 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
 from mlx_grpo.reporting import Reporters, check_installed
+from mlx_grpo.models.writing import recover_staged
 from mlx_grpo.trainer import Trainer, build_trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
@@ -148,6 +149,9 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
     main = world.is_main  # rank 0 alone writes the run directory and the console
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        # A run killed while writing a checkpoint leaves its temporary (or a checkpoint moved aside).
+        for line in recover_staged(run_dir, ckpt.TMP_PREFIX):
+            world.print(f"[mlx-grpo] {run_dir}: {line} (left by an interrupted checkpoint write)")
     logger = RunLogger(run_dir, cfg.log_jsonl and main)
     _resume(trainer, run_dir, resume, logger)
     if main:

@@ -390,10 +390,12 @@ class Trainer:
         if old is not None and self.adapter_config is not None:  # the base is frozen: only adapters differ
             keep = set(adapter_parameters(self.model))
             old = {k: v for k, v in tree_flatten(old) if k in keep}
-        return ckpt.save_checkpoint(self.run_dir, self.counters.update_step, model=self.model,
+        path = ckpt.save_checkpoint(self.run_dir, self.counters.update_step, model=self.model,
                                     optimizer=self.optimizer, trainer_state=self.state(), config=self.cfg,
                                     source_dir=self.source_dir, model_config=config_json, old_params=old,
                                     adapter_config=self.adapter_config, masters=self.masters.masters)
+        ckpt.prune(self.run_dir, self.cfg.save_total_limit, path)
+        return path
 
     def next_examples(self) -> list[Example] | None:
         indices = next(self._batches, None)

@@ -49,7 +49,7 @@ def _validate_train(c: Config) -> None:
     for name in ("num_epochs", "batch_size", "gradient_accumulation_steps", "micro_batch_size",
                  "num_iterations", "update_every", "max_consecutive_skips", "logging_steps"):
         _require(getattr(c, name) >= 1, f"{name} must be >= 1")
-    for name in ("max_train_samples", "save_steps", "eval_every_updates", "eval_steps", "eval_samples",
+    for name in ("max_train_samples", "save_steps", "save_total_limit", "eval_every_updates", "eval_steps", "eval_samples",
                  "log_completions_steps", "weight_decay", "kl_coeff", "max_grad_norm", "micro_batch_tokens"):
         _require(getattr(c, name) >= 0, f"{name} must be >= 0")
     _require(c.num_generations >= 2, "num_generations must be >= 2: group-relative advantages need at "

@@ -1,7 +1,8 @@
-"""Writing converted MLX model directories: built in a temporary sibling, published by one rename.
+"""Writing MLX model directories: built in a temporary sibling, made durable, published by one rename.
 
-Shared by the GGUF and nanochat converters, so an interrupted conversion never leaves a half model
-where `--output-dir` points, and both check weights against the mlx-lm model class the same way.
+Shared by checkpoints, the GGUF, nanochat and reward-model converters and `fuse`, so an interrupted
+write (an exception, a kill or a power cut) never leaves a half model where the output points, and
+replacing a directory never removes the old one before the new one is on disk.
 """
 
 from __future__ import annotations
@@ -61,28 +62,79 @@ def check_quantization(quantize: bool, bits: int, group_size: int) -> None:
                         "(32, 64, 128)")
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_durable(directory: Path) -> None:
+    """fsync every file below directory, then each directory bottom-up: its contents survive a power cut."""
+    for root, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            _fsync(Path(root) / name)
+        _fsync(Path(root))
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
 @contextmanager
-def staged_output(output_dir: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory next to output_dir; rename it to output_dir on success,
-    delete it on any failure (losing a race to another writer is a UserError)."""
-    if output_dir.exists():
+def staged_output(output_dir: Path, replace: bool = False, prefix: str = ".tmp-") -> Iterator[Path]:
+    """Yield an empty temporary directory next to output_dir (named prefix...); on success make it durable
+    and rename it to output_dir; on any failure delete it. An existing output_dir is an error, or with
+    replace it is moved aside (.old-...) and removed only once its successor is in place and durable."""
+    if output_dir.exists() and not replace:
         raise exists_error(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=".tmp-"))
+    tmp = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=prefix))
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the result is an ordinary model directory
+        tmp.chmod(_umask_mode())  # mkdtemp makes it owner-only; the result is an ordinary directory
         yield tmp
-        if output_dir.exists():  # rename would silently replace an empty directory
-            raise exists_error(output_dir)
+        make_durable(tmp)
+        old = None
+        if output_dir.exists():
+            if not replace:  # rename would silently replace an empty directory
+                raise exists_error(output_dir)
+            old = output_dir.parent / f".old-{output_dir.name}-{tmp.name.rsplit('-', 1)[-1]}"
+            os.rename(output_dir, old)
         try:
             os.rename(tmp, output_dir)
         except OSError as e:
+            if old is not None:
+                os.rename(old, output_dir)
             if output_dir.exists():
                 raise exists_error(output_dir) from e
             raise
+        _fsync(output_dir.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def recover_staged(parent: Path, prefix: str) -> list[str]:
+    """After a hard kill: delete unfinished temporaries (prefix...) in parent and put back any directory
+    that was moved aside (.old-NAME-...) while its replacement was being published; -> what was done."""
+    done = []
+    for old in sorted(parent.glob(".old-*")):
+        name = old.name[len(".old-"):].rsplit("-", 1)[0]
+        if not (parent / name).exists():
+            os.rename(old, parent / name)
+            done.append(f"restored {name} from {old.name}")
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            done.append(f"removed {old.name}")
+    for tmp in sorted(parent.glob(f"{prefix}*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        done.append(f"removed the unfinished {tmp.name}")
+    return done
 
 
 def save_mlx_model(out: Path, model: nn.Module, weights: dict, config: dict, *, source: str,

@@ -1,0 +1,64 @@
+"""Checkpoint writing: durable stage-then-rename, replacement that never removes the old copy first,
+recovery after a hard kill, umask, save_total_limit."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mlx_grpo import run as run_mod
+from mlx_grpo.config import build_config, parse_set
+from mlx_grpo.errors import UserError
+from mlx_grpo.models.writing import recover_staged, staged_output
+
+
+def test_staged_output_replaces_only_after_the_new_copy_is_written(tmp_path):
+    out = tmp_path / "checkpoint-2"
+    with staged_output(out) as tmp:
+        (tmp / "a").write_text("old")
+    with pytest.raises(UserError, match="already exists"):
+        with staged_output(out):
+            pass
+    with pytest.raises(RuntimeError):
+        with staged_output(out, replace=True) as tmp:
+            (tmp / "a").write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert (out / "a").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    with staged_output(out, replace=True) as tmp:
+        (tmp / "a").write_text("new")
+    assert (out / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def test_published_directories_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with staged_output(tmp_path / "m") as tmp:
+            (tmp / "w").write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o755
+
+
+def test_recovery_after_a_kill_restores_the_moved_aside_copy_and_drops_temporaries(tmp_path):
+    # killed between moving checkpoint-8 aside and renaming its replacement in
+    (tmp_path / ".old-checkpoint-8-abc123").mkdir()
+    (tmp_path / ".old-checkpoint-8-abc123" / "trainer_state.json").write_text("{}")
+    (tmp_path / ".tmp-checkpoint-abc123").mkdir()
+    (tmp_path / ".tmp-checkpoint-zzz").mkdir()
+    done = recover_staged(tmp_path, ".tmp-checkpoint-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-8"]
+    assert (tmp_path / "checkpoint-8" / "trainer_state.json").is_file()
+    assert any("restored checkpoint-8" in d for d in done) and sum("unfinished" in d for d in done) == 2
+
+
+def test_save_total_limit_keeps_the_newest_and_stale_temporaries_are_cleaned(tiny_model_dir, tmp_path, capsys):
+    items = [f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",
+             "max_new_tokens=8", "max_train_samples=8", "learning_rate=1e-3", "log_completions_steps=0",
+             "max_prompt_length=96", "system_prompt=", "save_steps=1", "save_total_limit=2"]
+    run_dir = tmp_path / "grpo"
+    run_dir.mkdir()
+    (run_dir / ".tmp-checkpoint-dead").mkdir()  # left by a run killed while saving
+    run = run_mod.train(build_config("train", overrides=parse_set(items)))
+    assert sorted(p.name for p in Path(run).iterdir() if p.name.startswith(("checkpoint-", "."))) == \
+        ["checkpoint-3", "checkpoint-4"]
+    assert "removed the unfinished .tmp-checkpoint-dead" in capsys.readouterr().out
