@@ -439,3 +439,19 @@ def test_failing_reward_in_a_worker_process_is_one_line(tiny_model_dir, tmp_path
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "reward function crashes failed" in err[0]
+
+
+def test_rewards_see_each_completions_own_ids(tiny_model_dir, tmp_path):
+    """Not rows padded to the batch width: an id-counting reward equals each completion's length."""
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_new_tokens=24", "max_train_samples=4",
+                                 f"reward_funcs={FIXTURES / 'toy_rewards.py'}:id_count", "log_completions_steps=1",
+                                 "stop=a,e,i,o,u,A,E,I,O,U"))
+    rows = metrics(run)
+    assert all(r["reward_mean"] == pytest.approx(r["completion_length_mean"]) for r in rows)
+    assert any(r["completion_length_mean"] < 24 for r in rows)  # some completions ended early: padding would show
+
+
+def test_sampling_filters_are_refused_in_training(tiny_model_dir, tmp_path):
+    for item in ("top_p=0.9", "top_k=5", "min_p=0.1"):
+        with pytest.raises(UserError, match="off-policy"):
+            make_cfg(tiny_model_dir, tmp_path, item)

@@ -147,7 +147,9 @@ class Trainer:
         t1 = time.perf_counter()
         columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
         prompts = [e.prompt for e in examples for _ in range(G)]
-        pending = self.reward_runner.submit(prompts, rollout.texts, rollout.completion_ids.tolist(), columns)
+        # Each completion's own ids, up to and including its end token (as TRL passes them), not padded rows.
+        ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), rollout.lengths.tolist())]
+        pending = self.reward_runner.submit(prompts, rollout.texts, ids, columns)
         return Draw(examples, rollout, pending, t1 - t0, time.perf_counter() - t1)
 
     def _scores(self, draw: Draw) -> RewardScores:

@@ -55,6 +55,10 @@ def _validate_train(c: Config) -> None:
     _require(c.num_generations >= 2, "num_generations must be >= 2: group-relative advantages need at "
              "least two completions per prompt")
     _require(c.temperature > 0, "training samples its rollouts: temperature must be > 0")
+    _require(c.top_p == 1.0 and c.top_k == 0 and c.min_p == 0.0,
+             "top_p, top_k and min_p must stay off (1.0, 0, 0.0) in training: they sample from a cut distribution "
+             "while the trained and logged log-probs are the uncut one's, so the update would be off-policy; "
+             "lower temperature instead")
     _require(c.learning_rate > 0, "learning_rate must be > 0")
     _require(0 <= c.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
     _require(0 < c.clip_eps < 1, "clip_eps must be in (0, 1)")
