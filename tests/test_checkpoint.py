@@ -62,3 +62,48 @@ def test_save_total_limit_keeps_the_newest_and_stale_temporaries_are_cleaned(tin
     assert sorted(p.name for p in Path(run).iterdir() if p.name.startswith(("checkpoint-", "."))) == \
         ["checkpoint-3", "checkpoint-4"]
     assert "removed the unfinished .tmp-checkpoint-dead" in capsys.readouterr().out
+
+
+def _items(model_dir, out, *extra):
+    return [f"model_name={model_dir}", f"output_dir={out}", "batch_size=2", "num_generations=4",
+            "max_new_tokens=8", "max_train_samples=8", "learning_rate=1e-3", "log_completions_steps=0",
+            "max_prompt_length=96", "system_prompt=", "save_steps=1", *extra]
+
+
+def _cfg(*items):
+    return build_config("train", overrides=parse_set(list(items)))
+
+
+def test_resume_checks_what_it_resumes(tiny_model_dir, tmp_path, capsys):
+    run = Path(run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path))))
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == [f"checkpoint-{i}" for i in range(1, 5)]
+    # a change that alters the run's math is refused, naming the field; logging may change
+    with pytest.raises(UserError, match=r"learning_rate \(0.001 -> 0.002\)"):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "learning_rate=2e-3")), resume="latest")
+    # the newest checkpoint is unreadable: latest skips it, says so, and resumes the one before
+    (run / "checkpoint-4" / "model.safetensors").write_bytes(b"not a safetensors file")
+    run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "logging_steps=2")), resume="latest")
+    out = capsys.readouterr().out
+    assert "skipping checkpoint-4, which cannot be read" in out and "resumed from" in out
+    # an explicit broken checkpoint is one line
+    (run / "checkpoint-2" / "optimizer.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match=r"checkpoint-2 cannot be read"):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)), resume=str(run / "checkpoint-2"))
+    # resuming an older checkpoint sets the later ones aside: a later plain --resume cannot jump back
+    run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)), resume=str(run / "checkpoint-1"))
+    out = capsys.readouterr().out
+    assert "abandoned-checkpoint-3: a checkpoint after the resumed one" in out
+    # (the unreadable checkpoint-4 was set aside by the first resume, its redone successor by this one)
+    assert sorted(p.name for p in run.glob("abandoned-*")) == ["abandoned-checkpoint-2", "abandoned-checkpoint-3",
+                                                               "abandoned-checkpoint-4", "abandoned-checkpoint-4.2"]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 5)]
+
+
+def test_resume_with_another_model_is_one_line(tiny_model_dir, tmp_path):
+    from conftest import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "wider", hidden=48)
+    run = Path(run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "max_train_samples=2"))))
+    with pytest.raises(UserError, match=r"model_name") as info:
+        run_mod.train(_cfg(*_items(other, tmp_path, "max_train_samples=2")), resume=str(run / "checkpoint-1"))
+    assert "\n" not in str(info.value) and len(str(info.value)) < 600

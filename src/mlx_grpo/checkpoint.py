@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_grpo.config import Config, save_json
+from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.writing import copy_model_files, staged_output
@@ -86,17 +86,65 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(run_dir: Path, resume: str) -> Path:
-    """'latest' -> newest checkpoint in run_dir; otherwise the checkpoint directory given."""
-    if resume == "latest":
-        checkpoints = list_checkpoints(run_dir)
-        if not checkpoints:
-            raise UserError(f"--resume: no checkpoint found in {run_dir}")
-        return checkpoints[-1]
-    path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
-        raise UserError(f"--resume: {path} is not a checkpoint directory (no trainer_state.json)")
-    return path
+def read_for_resume(run_dir: Path, resume: str, say=print) -> tuple[Path, tuple]:
+    """The checkpoint to resume and what it holds: (path, (weights, optimizer state, trainer state, old
+    policy, masters)). 'latest' takes the newest readable checkpoint of run_dir, saying which it skipped
+    and why; an explicit directory that cannot be read is a one-line error."""
+    if resume != "latest":
+        path = Path(resume)
+        if not (path / "trainer_state.json").is_file():
+            raise UserError(f"--resume: {path} is not a checkpoint directory (no trainer_state.json)")
+        try:
+            return path, (*load_checkpoint(path), load_masters(path))
+        except Exception as exc:  # a truncated or corrupted file: name it, no traceback
+            raise UserError(f"--resume: {path} cannot be read ({type(exc).__name__}: {exc})") from None
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        raise UserError(f"--resume: no checkpoint found in {run_dir}")
+    for path in reversed(checkpoints):
+        try:
+            return path, (*load_checkpoint(path), load_masters(path))
+        except Exception as exc:
+            say(f"[mlx-grpo] --resume: skipping {path.name}, which cannot be read ({type(exc).__name__}: {exc})")
+    raise UserError(f"--resume: none of the {len(checkpoints)} checkpoints in {run_dir} can be read")
+
+
+# Settings a resumed run may change: they decide what is logged, evaluated, saved or how long to wait,
+# never the run's math or data. Any other difference from the checkpoint's config is refused.
+RESUME_MAY_CHANGE = frozenset({
+    "output_dir", "run_name", "logging_steps", "log_jsonl", "log_completions_steps", "save_steps",
+    "save_total_limit", "eval_every_updates", "eval_subset_size", "eval_max_new_tokens", "eval_batch_size",
+    "eval_steps", "eval_samples", "eval_num_samples", "eval_dataset_path", "report_to", "distributed_timeout",
+    "distributed_backend", "reward_url_timeout", "reward_url_retries", "reward_workers", "reward_executor",
+    "max_consecutive_skips", "micro_batch_size", "micro_batch_tokens", "grad_checkpoint"})
+
+
+def config_changes(path: Path, config: Config) -> list[str]:
+    """The fields whose value differs from the config the checkpoint at path was written with, among
+    those that change the run (not in RESUME_MAY_CHANGE)."""
+    saved_file = path / "config.resolved.json"
+    if not saved_file.is_file():
+        return []
+    saved = json.loads(saved_file.read_text())
+    now = to_dict(config)
+    return [f"{k} ({saved[k]!r} -> {now[k]!r})" for k in sorted(now)
+            if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != now[k]]
+
+
+def set_aside_later(run_dir: Path, step: int) -> list[str]:
+    """Resuming checkpoint-<step> abandons the checkpoints after it: rename them abandoned-checkpoint-N
+    (not picked by a later --resume) and return their new names."""
+    moved = []
+    for path in list_checkpoints(run_dir):
+        if int(path.name[len(PREFIX):]) > step:
+            target = run_dir / f"abandoned-{path.name}"
+            n = 1
+            while target.exists():
+                n += 1
+                target = run_dir / f"abandoned-{path.name}.{n}"
+            path.rename(target)
+            moved.append(target.name)
+    return moved
 
 
 def holds_adapters(path: Path) -> bool:

@@ -109,8 +109,13 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
             error = (f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, or "
                      "choose another run_name")
         elif world.is_main and resume is not None:
-            path = ckpt.resolve_resume(run_dir, resume)
-            loaded, adapters = (*ckpt.load_checkpoint(path), ckpt.load_masters(path)), ckpt.holds_adapters(path)
+            path, loaded = ckpt.read_for_resume(run_dir, resume, world.print)
+            adapters = ckpt.holds_adapters(path)
+            changed = ckpt.config_changes(path, trainer.cfg)
+            if changed:
+                error = (f"--resume: {path} was written with other settings that change the run: "
+                         f"{', '.join(changed)}; resume with its config ({path / 'config.resolved.json'}) or "
+                         "start a new run (another run_name). Only logging, eval, saving and timeouts may change")
     except UserError as exc:
         error = str(exc)
     world.agree(error, "resume")
@@ -133,6 +138,9 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
     world.agree(error, "resume")
     if world.is_main:
         logger.truncate_after(trainer.counters.update_step)
+        for name in ckpt.set_aside_later(run_dir, trainer.counters.update_step):
+            world.print(f"[mlx-grpo] {name}: a checkpoint after the resumed one, moved aside so that a later "
+                        "--resume cannot return to the abandoned branch")
     world.print(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}")
 
 

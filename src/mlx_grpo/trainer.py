@@ -343,15 +343,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict:
+        # Sampling keys derive from (seed, counters.draws, row): the counters are the whole random state.
         return {"counters": vars(self.counters).copy(), "data_cursor": self.sampler.state(),
-                "seed": self.cfg.seed, "rng": {"kind": "derived", "seed": self.cfg.seed,
-                                               "next_draw": self.counters.draws},
                 "total_updates": self.total_updates, "world_size": self.world.size}
 
     def restore(self, path: Path, loaded: tuple, adapters: bool) -> None:
         """Continue from the checkpoint at `path`, as rank 0 read it: loaded is load_checkpoint's tuple,
         adapters holds_adapters' answer (other ranks get both sent and may have no `path` of their own)."""
         weights, opt_state, state, old, masters = loaded
+        if state.get("total_updates", self.total_updates) != self.total_updates:
+            raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} updates and this config "
+                            f"gives {self.total_updates}: the data, epochs or batch shape differ; resume with the "
+                            "run's own config (config.resolved.json)")
         saved = state.get("world_size", 1)
         if saved != self.world.size:
             # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
@@ -364,7 +367,12 @@ class Trainer:
         elif adapters:
             raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
                             "run's own config (config.resolved.json)")
-        self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
+        try:
+            self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
+        except ValueError as exc:  # another model's checkpoint: one line, not mlx's list of every tensor
+            first = str(exc).splitlines()[0][:200]
+            raise UserError(f"--resume: {path} does not fit model {self.cfg.model_name!r} ({first}); resume with "
+                            "the model the run was trained from") from None
         if self.masters.active:  # a checkpoint without masters (written without them) widens its weights
             self.masters.adopt(masters or dict(tree_flatten(self.model.trainable_parameters())))
             self.masters.sync(self.model)
