@@ -59,7 +59,7 @@ def test_save_total_limit_keeps_the_newest_and_stale_temporaries_are_cleaned(tin
     run_dir.mkdir()
     (run_dir / ".tmp-checkpoint-dead").mkdir()  # left by a run killed while saving
     run = run_mod.train(build_config("train", overrides=parse_set(items)))
-    assert sorted(p.name for p in Path(run).iterdir() if p.name.startswith(("checkpoint-", "."))) == \
+    assert sorted(p.name for p in Path(run).iterdir() if p.name.startswith(("checkpoint-", ".tmp", ".old"))) == \
         ["checkpoint-3", "checkpoint-4"]
     assert "removed the unfinished .tmp-checkpoint-dead" in capsys.readouterr().out
 
@@ -107,3 +107,26 @@ def test_resume_with_another_model_is_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match=r"model_name") as info:
         run_mod.train(_cfg(*_items(other, tmp_path, "max_train_samples=2")), resume=str(run / "checkpoint-1"))
     assert "\n" not in str(info.value) and len(str(info.value)) < 600
+
+
+def test_one_run_per_run_directory_and_a_fresh_start_moves_old_logs_aside(tiny_model_dir, tmp_path, capsys):
+    import fcntl
+
+    run_dir = tmp_path / "grpo"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"update_step": 1}\n')  # an earlier run killed before a checkpoint
+    with open(run_dir / ".lock", "a+") as held:  # another run holds the directory
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UserError, match="is in use by another mlx-grpo run"):
+            run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "max_train_samples=2")))
+    run = Path(run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "max_train_samples=2"))))
+    assert "held the logs of an earlier run without a checkpoint" in capsys.readouterr().out
+    assert (run / "previous-1" / "metrics.jsonl").read_text() == '{"update_step": 1}\n'
+    steps = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 1  # the new run's own update only
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tiny_model_dir, tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(UserError, match=r"cannot use the run directory .*taken/grpo"):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path / "taken", "max_train_samples=2")))

@@ -3,10 +3,12 @@ checkpoints, alone or as one rank of the processes mlx.launch started (trainer.p
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -152,14 +154,73 @@ def _tree(flat: dict):
     return tree_unflatten(list(flat.items()))
 
 
+LOGS = ("metrics.jsonl", "completions.jsonl", "eval.jsonl")
+
+
+def _lock(run_dir: Path):
+    """Hold an exclusive lock on the run directory for this process's lifetime (released by the OS when
+    it dies, however it dies): a second run in the same directory is refused instead of interleaving."""
+    lock = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "?"
+        lock.close()
+        raise UserError(f"run directory {run_dir} is in use by another mlx-grpo run (pid {owner}); wait for it, "
+                        "or choose another run_name") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def _prepare(run_dir: Path, resume: str | None, world) -> object:
+    """Rank 0: create and lock the run directory, clean up after a killed checkpoint write, and move the
+    logs of an earlier run that never reached a checkpoint aside (a fresh start must not append to them).
+    -> the lock to hold."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock(run_dir)
+    # A run killed while writing a checkpoint leaves its temporary (or a checkpoint moved aside).
+    for line in recover_staged(run_dir, ckpt.TMP_PREFIX):
+        world.print(f"[mlx-grpo] {run_dir}: {line} (left by an interrupted checkpoint write)")
+    old_logs = [run_dir / n for n in LOGS if (run_dir / n).is_file()]
+    if resume is None and old_logs and not ckpt.list_checkpoints(run_dir):
+        n = 1
+        while (run_dir / f"previous-{n}").exists():
+            n += 1
+        (run_dir / f"previous-{n}").mkdir()
+        for path in old_logs:
+            path.rename(run_dir / f"previous-{n}" / path.name)
+        world.print(f"[mlx-grpo] {run_dir} held the logs of an earlier run without a checkpoint: moved to "
+                    f"{run_dir / f'previous-{n}'}")
+    return lock
+
+
 def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> Path:
     run_dir, world = trainer.run_dir, trainer.world
     main = world.is_main  # rank 0 alone writes the run directory and the console
+    error = lock = None
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # A run killed while writing a checkpoint leaves its temporary (or a checkpoint moved aside).
-        for line in recover_staged(run_dir, ckpt.TMP_PREFIX):
-            world.print(f"[mlx-grpo] {run_dir}: {line} (left by an interrupted checkpoint write)")
+        try:
+            lock = _prepare(run_dir, resume, world)
+        except UserError as exc:
+            error = str(exc)
+        except OSError as exc:  # read-only, a file in the way, permissions: one line, every rank stops
+            error = f"cannot use the run directory {run_dir}: {exc.strerror or exc}" + (
+                f" ({exc.filename})" if exc.filename else "")
+    world.agree(error, "the run directory")
+    try:
+        return _run_locked(trainer, cfg, resume, started)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _run_locked(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> Path:
+    run_dir, world = trainer.run_dir, trainer.world
+    main = world.is_main
     logger = RunLogger(run_dir, cfg.log_jsonl and main)
     _resume(trainer, run_dir, resume, logger)
     if main:
