@@ -130,3 +130,30 @@ def test_an_output_dir_that_is_a_file_is_one_line(tiny_model_dir, tmp_path):
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(UserError, match=r"cannot use the run directory .*taken/grpo"):
         run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path / "taken", "max_train_samples=2")))
+
+
+def test_sequences_longer_than_the_context_window_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match=r"exceed .*context window of 2048"):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "max_prompt_length=2000", "max_new_tokens=100")))
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    """A full disk while saving: the staged copy is removed, earlier checkpoints stay, one line."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    real = ckpt.mx.save_safetensors
+    calls = {"n": 0}
+
+    def full_disk(path, *args, **kwargs):
+        calls["n"] += 1
+        if "checkpoint" in str(path) and calls["n"] > 2:  # the first checkpoint (model, optimizer) is written
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.mx, "save_safetensors", full_disk)
+    with pytest.raises(UserError, match=r"could not write checkpoint-2 .*No space left on device"):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)))
+    run = tmp_path / "grpo"
+    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]

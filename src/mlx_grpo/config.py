@@ -119,8 +119,8 @@ class Config:
     reward_executor: str = _f("thread", "Kind of reward workers: thread (shares memory; for I/O-bound or "
                               "GIL-releasing rewards, e.g. reward_url) or process (spawned processes that "
                               "re-import reward files; for CPU-bound Python rewards).", TRAIN)
-    stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one.",
-                         TRAIN)
+    stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one (in "
+                         "training rollouts and in evaluation).", DATA)
     # --- run ---
     distributed_backend: str = _f("any", "Backend joining the processes that mlx.launch started: any (the one "
                                   "the launcher set up), ring (TCP: Macs, CPUs), mpi, nccl (NVIDIA GPUs) or jaccl "

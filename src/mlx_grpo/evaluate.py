@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from mlx_grpo.config import Config, save_json
 from mlx_grpo.data import Example, load_examples, subset
+from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
 from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
 
@@ -47,7 +48,7 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
     an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations.
     progress: show a progress bar over the examples (on a terminal only)."""
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
-                            cfg.min_p)
+                            cfg.min_p, tuple(cfg.stop))
     records = []
     key = mx.random.key(cfg.seed if seed is None else seed)
     bar = tqdm(total=len(examples), desc="eval", unit="example", leave=False, disable=None if progress else True)
@@ -89,15 +90,24 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
     examples = subset(load_examples(cfg.dataset, split, cfg.eval_dataset_path or None, cfg.seed,
                                     arith_max_steps=cfg.arith_max_steps),
                       cfg.eval_subset_size, cfg.seed)
-    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
-    result = evaluate_model(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
-                            num_samples=cfg.eval_num_samples, temperature=cfg.temperature, progress=True)
     if output is None:
         output = f"eval-{Path(cfg.model_name).name}-{split}.jsonl"
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
-    save_json(cfg, f"{output}.config.json", {"split": split})
+    # Checked before the (slow) evaluation; the write itself can still fail (a full disk): one line then.
+    if out.is_dir():
+        raise UserError(f"--output {out} is a directory: give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
+    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    result = evaluate_model(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
+                            num_samples=cfg.eval_num_samples, temperature=cfg.temperature, progress=True)
+    try:
+        out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
+        save_json(cfg, f"{output}.config.json", {"split": split})
+    except OSError as exc:
+        raise UserError(f"--output {out}: cannot write the results: {exc.strerror or exc}") from None
     metric = "accuracy" if cfg.eval_num_samples == 1 else f"pass@{cfg.eval_num_samples}"
     print(f"{metric}: {result.accuracy:.4f} ({sum(r['correct'] for r in result.records)}/{len(result.records)})"
           f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}")

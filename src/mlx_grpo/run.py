@@ -345,4 +345,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
 def _save(trainer: Trainer) -> None:
     """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients)."""
     if trainer.world.is_main:
-        trainer.save()
+        try:
+            trainer.save()
+        except OSError as exc:  # a full disk, a lost mount: the staged copy is gone, the earlier ones intact
+            raise UserError(f"could not write checkpoint-{trainer.counters.update_step} in {trainer.run_dir}: "
+                            f"{exc.strerror or exc}; the earlier checkpoints are intact (--resume continues "
+                            "from the latest)") from None

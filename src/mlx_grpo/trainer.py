@@ -426,6 +426,11 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         source_dir = Path(hf_repo_to_path(cfg.model_name))
     model, tokenizer = load_model(cfg.model_name, cfg.model_dtype, cast=False)
     dtype = compute_dtype(cfg.model_name, cfg.model_dtype, model)
+    context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if isinstance(context, int) and cfg.max_prompt_length + cfg.max_new_tokens > context:
+        raise UserError(f"max_prompt_length ({cfg.max_prompt_length}) + max_new_tokens ({cfg.max_new_tokens}) = "
+                        f"{cfg.max_prompt_length + cfg.max_new_tokens} tokens exceed {cfg.model_name!r}'s context "
+                        f"window of {context}: lower them (prompts are cut to max_prompt_length from the left)")
     mixed = cfg.master_weights and dtype != mx.float32  # float32 masters of the trained weights
     if any(isinstance(m, ADAPTER_LAYERS) for _, m in model.named_modules()):
         raise UserError(f"model {cfg.model_name!r} carries lora/dora adapters: continue its run with --resume, "

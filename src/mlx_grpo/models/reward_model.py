@@ -179,12 +179,17 @@ class RewardModelReward:
     def __call__(self, prompts, completions, completion_ids, **columns) -> list[float]:
         from mlx_grpo.rewards import _text, extract_answer
 
+        def clip(s: float) -> float:
+            return min(max(s, -self.clip), self.clip)
+
         texts = [_text(c) for c in completions]
-        scores = self.score_ids([render(self.tokenizer, p, t) for p, t in zip(prompts, texts)])
+        scores = [clip(s) for s in self.score_ids([render(self.tokenizer, p, t) for p, t in zip(prompts, texts)])]
         if self.answer_weight > 0:  # a completion without an <answer> block gets the lowest answer score
             answers = [extract_answer(t) for t in texts]
             answer_scores = self.score_ids([render(self.tokenizer, p, a or "") for p, a in zip(prompts, answers)])
             w = self.answer_weight
-            scores = [(1 - w) * s + w * (a if ans is not None else -self.clip)
+            # Both scores clipped before mixing: a disliked answer (below -clip unclipped) must not mix
+            # below a missing one, which gets exactly -clip.
+            scores = [(1 - w) * s + w * (clip(a) if ans is not None else -self.clip)
                       for s, a, ans in zip(scores, answer_scores, answers)]
-        return [min(max(s, -self.clip), self.clip) for s in scores]
+        return scores
