@@ -176,3 +176,66 @@ def test_proxy_variables_do_not_carry_loopback_traffic_away(server, monkeypatch)
     monkeypatch.setenv("HTTP_PROXY", "http://192.0.2.3:3128")
     assert _score(HttpReward(server.url, timeout_s=2, retries=0)) == [2.0, 4.0]
     assert len(server.requests) == 1
+
+
+def _raw_server(handler):
+    """A one-shot TCP server on 127.0.0.1 that runs handler(conn) for each connection."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handler, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, sock.getsockname()[1]
+
+
+def test_a_server_that_trickles_bytes_hits_the_total_deadline():
+    def trickle(conn):
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+            for _ in range(50):  # one byte every 0.1 s: each read resets a socket timeout of 0.5 s
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    sock, port = _raw_server(trickle)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match=r"did not answer after 1 tries \(timed out after 0.5 s\)"):
+            _score(HttpReward(f"http://127.0.0.1:{port}/", timeout_s=0.5, retries=0))
+        assert time.monotonic() - t0 < 2.0  # not the 5 s the trickle would take
+    finally:
+        sock.close()
+
+
+def test_retry_after_is_honoured(server, monkeypatch):
+    waits = []
+    monkeypatch.setattr(http_reward.time, "sleep", lambda s: waits.append(s))
+    server.fail_first, server.fail_status = 1, 429
+    real = server.httpd.RequestHandlerClass.send_response
+
+    def with_retry_after(self, code, message=None):
+        real(self, code, message)
+        if code == 429:
+            self.send_header("Retry-After", "2")
+
+    monkeypatch.setattr(server.httpd.RequestHandlerClass, "send_response", with_retry_after)
+    assert _score(HttpReward(server.url, timeout_s=5, retries=1)) == [2.0, 4.0]
+    assert waits[0] == 2.0  # (the test server sleeps through the same time module: its 0 s waits follow)
+
+
+def test_tls_errors_are_named_and_not_retried(server):
+    url = server.url.replace("http://", "https://")  # a plain-HTTP server: the TLS handshake fails
+    with pytest.raises(UserError, match=r"TLS error \(SSL"):
+        _score(HttpReward(url, timeout_s=2, retries=3))
+    assert server.requests == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,33 @@ BACKOFF_S = 0.5
 MAX_ANSWER_BYTES = 64 * 2 ** 20
 # HTTP statuses worth retrying: the server is overloaded or restarting.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# Longest Retry-After honoured (seconds): a server asking for more is treated as down for now.
+MAX_RETRY_AFTER_S = 60.0
+READ_CHUNK = 2 ** 16
+
+
+def _read_by(response, deadline: float) -> bytes:
+    """The answer body, read chunk by chunk until `deadline` (time.monotonic): a server that trickles
+    bytes resets the socket timeout with each one, so the socket timeout alone never ends the request."""
+    parts, size = [], 0
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the answer did not arrive in time")
+        chunk = response.read1(READ_CHUNK)
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            return b"".join(parts)
+
+
+def _retry_after(error: urllib.error.HTTPError) -> float:
+    """Seconds the server asked to wait (Retry-After in seconds), 0 when it did not say."""
+    try:
+        return max(0.0, float(error.headers.get("Retry-After", "")))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -79,23 +107,35 @@ class HttpReward:
         return rewards  # RewardSet checks the count and the values
 
     def _post(self, body: bytes) -> Any:
-        last = ""
+        """POST with retries; each try has a total deadline of timeout_s seconds, however the server
+        sends its bytes; 429/503 answers' Retry-After is honoured (up to MAX_RETRY_AFTER_S)."""
+        last, wait = "", 0.0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+                time.sleep(max(BACKOFF_S * 2 ** (attempt - 1), wait))
+            wait = 0.0
             request = urllib.request.Request(self.url, data=body, method="POST",
                                              headers={"Content-Type": "application/json"})
             try:
+                deadline = time.monotonic() + self.timeout_s
                 with _OPENER.open(request, timeout=self.timeout_s) as response:
-                    text = response.read(MAX_ANSWER_BYTES + 1)
+                    text = _read_by(response, deadline)
             except urllib.error.HTTPError as e:
                 detail = e.read(500).decode(errors="replace").strip()
                 last = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
                 if e.code not in RETRY_STATUSES:  # the request itself is wrong: retrying will not help
                     raise UserError(f"reward server {self.url} refused the batch ({last})") from None
+                wait = _retry_after(e)
+                if wait > MAX_RETRY_AFTER_S:
+                    raise UserError(f"reward server {self.url} asked to retry after {wait:g} s ({last}); more "
+                                    f"than {MAX_RETRY_AFTER_S:g} s: stopping") from None
                 continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
+            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException,
+                    ssl.SSLError) as e:
                 reason = getattr(e, "reason", e)
+                if isinstance(reason, ssl.SSLError):  # retrying cannot fix a certificate or protocol problem
+                    raise UserError(f"reward server {self.url}: TLS error ({type(reason).__name__}: "
+                                    f"{getattr(reason, 'reason', None) or reason})") from None
                 last = f"timed out after {self.timeout_s:g} s" if isinstance(reason, TimeoutError) \
                     or "timed out" in str(reason) else f"{type(reason).__name__}: {reason}"
                 continue
