@@ -231,7 +231,7 @@ def test_retry_after_is_honoured(server, monkeypatch):
 
     monkeypatch.setattr(server.httpd.RequestHandlerClass, "send_response", with_retry_after)
     assert _score(HttpReward(server.url, timeout_s=5, retries=1)) == [2.0, 4.0]
-    assert waits[0] == 2.0  # (the test server sleeps through the same time module: its 0 s waits follow)
+    assert 2.0 in waits  # (server threads sleep through the same time module: their waits are recorded too)
 
 
 def test_tls_errors_are_named_and_not_retried(server):
