@@ -157,3 +157,9 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_pat
         run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)))
     run = tmp_path / "grpo"
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+
+
+def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match=r"400000 rollout rows .* need at least .* GB .* more than this machine's"):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "batch_size=4", "num_generations=100000",
+                                   "max_new_tokens=1000")))

@@ -339,3 +339,31 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_id:
                    truncated=np.array([rollouts[i].truncated[r] for i, r in rows], dtype=bool),
                    texts=[rollouts[i].texts[r] for i, r in rows], group_size=G,
                    entropies=gather("entropies", 0.0))
+
+
+def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:
+    """Bytes a rollout of `rows` rows of up to `length` tokens needs at least: its KV cache (every layer's
+    keys and values in the compute dtype) plus the float32 logits of one decode step, three times over
+    (softmax, sampling). None for a model whose shape the config does not give."""
+    args = getattr(model, "args", None)
+    layers, heads = getattr(args, "num_hidden_layers", None), getattr(args, "num_attention_heads", None)
+    hidden, vocab = getattr(args, "hidden_size", None), getattr(args, "vocab_size", None)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden, vocab)):
+        return None
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or hidden // heads
+    itemsize = model.model.embed_tokens.weight.dtype.size if hasattr(model, "model") else 2
+    return rows * length * layers * 2 * kv_heads * head_dim * itemsize + 3 * rows * vocab * 4
+
+
+def machine_memory_bytes() -> int | None:
+    """The accelerator's memory (Metal, CUDA) or, on a CPU, the machine's RAM; None when unknown."""
+    import os
+
+    size = mx.device_info().get("memory_size")
+    if size:
+        return int(size)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

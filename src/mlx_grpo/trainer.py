@@ -36,7 +36,8 @@ from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_g
                              make_grad_fn)
 from mlx_grpo.reward_workers import RewardRunner, build_reward_set
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
-from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout, select_groups
+from mlx_grpo.rollout import (SamplingParams, encode_chat_prompt, generate_rollout, machine_memory_bytes,
+                              rollout_memory_bytes, select_groups)
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
@@ -459,6 +460,14 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         masters = MasterWeights(model, mixed)  # mlx-lm creates the adapters in float32
         cast_floats(model, dtype)
         reference = None  # the KL reference is `model` with its adapters switched off
+    rows = cfg.batch_size // (world.size if world else 1) * cfg.num_generations
+    need, have = rollout_memory_bytes(model, rows, cfg.max_prompt_length + cfg.max_new_tokens), machine_memory_bytes()
+    if need and have and need > have:  # found up front, not by the OOM killer a minute in
+        raise UserError(f"{rows} rollout rows (batch_size {cfg.batch_size} x num_generations {cfg.num_generations}"
+                        f"{' per rank' if world and world.size > 1 else ''}) of up to "
+                        f"{cfg.max_prompt_length + cfg.max_new_tokens} tokens need at least {need / 1e9:.1f} GB for "
+                        f"their KV cache and logits, more than this machine's {have / 1e9:.1f} GB: lower "
+                        "num_generations, batch_size or max_new_tokens")
     if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
         print(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
               f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it",
