@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -202,6 +203,7 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
     run_dir, world = trainer.run_dir, trainer.world
     main = world.is_main  # rank 0 alone writes the run directory and the console
     error = lock = None
+    created = main and not run_dir.exists()
     if main:
         try:
             lock = _prepare(run_dir, resume, world)
@@ -213,6 +215,11 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
     world.agree(error, "the run directory")
     try:
         return _run_locked(trainer, cfg, resume, started)
+    except BaseException:
+        # A run refused before it wrote anything (a bad --resume, say) leaves no empty directory behind.
+        if created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".lock", "config.resolved.json"}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     finally:
         if lock is not None:
             lock.close()

@@ -1,0 +1,109 @@
+"""A table of inputs people get wrong, run through the command line as a user would: each one ends with
+exit status 2, one error line, no traceback and nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_grpo.cli import main
+
+
+@pytest.fixture
+def files(tmp_path, tiny_model_dir):
+    d = tmp_path / "inputs"
+    d.mkdir()
+    (d / "bad.jsonl").write_text('{"question": "q", "answer": "#### 1"}\nnot json\n')
+    (d / "empty.jsonl").write_text("")
+    (d / "noanswer.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
+    (d / "rw.py").write_text("def f(prompts, completions, completion_ids, **k):\n    return [0.0] * len(completions)\n")
+    (d / "broken.py").write_text("def f(:\n")
+    (d / "bad.toml").write_text("x = [\n")
+    (d / "unknown.toml").write_text("learnin_rate = 1e-5\n")
+    (d / "a_file").write_text("not a directory")
+    (d / "noconfig").mkdir()
+    (d / "notckpt").mkdir()
+    (d / "run" / "grpo").mkdir(parents=True)
+    return {"d": d, "model": str(tiny_model_dir)}
+
+
+# (command line after `mlx-grpo`, a regex the one error line must match). {d}: the inputs folder,
+# {model}: a tiny model, {out}: the output folder that must stay empty.
+TRAIN = ["train", "--set", "model_name={model}", "--set", "output_dir={out}", "--set", "system_prompt="]
+CASES = {
+    # config
+    "unknown key": (TRAIN + ["--set", "learnin_rate=1"], r"unknown config key 'learnin_rate'.*learning_rate"),
+    "unknown key in a file": (TRAIN + ["--config", "{d}/unknown.toml"], r"unknown config key 'learnin_rate'"),
+    "config file missing": (TRAIN + ["--config", "{d}/nope.toml"], r"config file not found"),
+    "config not TOML": (TRAIN + ["--config", "{d}/bad.toml"], r"is not valid TOML"),
+    "wrong type": (TRAIN + ["--set", "learning_rate=fast"], r"learning_rate' expects a number"),
+    "set without =": (TRAIN + ["--set", "learning_rate"], r"--set expects key=value"),
+    "one completion per group": (TRAIN + ["--set", "num_generations=1"], r"num_generations must be >= 2"),
+    "greedy training": (TRAIN + ["--set", "temperature=0"], r"temperature must be > 0"),
+    "empty stop string": (TRAIN + ["--set", 'stop=[""]'], r"stop strings must not be empty"),
+    "top_p in training": (TRAIN + ["--set", "top_p=0.9"], r"off-policy"),
+    "removed alias": (TRAIN + ["--set", "max_completion_length=64"], r"is gone: set max_new_tokens"),
+    "misspelt loss": (TRAIN + ["--set", "loss_type=dr-grpo"], r"did you mean 'dr_grpo'"),
+    "weights per reward": (TRAIN + ["--set", "reward_weights=1,2"], r"reward_weights has 2 entries"),
+    "zero batch": (TRAIN + ["--set", "batch_size=0"], r"batch_size must be >= 1"),
+    "unknown dtype": (TRAIN + ["--set", "model_dtype=fp8"], r"model_dtype must be"),
+    "unknown correction": (TRAIN + ["--set", "rollout_correction=tis"], r"rollout_correction must be one of"),
+    "arith steps": (TRAIN + ["--set", "arith_max_steps=9"], r"arith_max_steps must be 1-4"),
+    "train key for eval": (["eval", "--set", "learning_rate=1"], r"does not apply to 'eval'"),
+    "abbreviated flag": (TRAIN + ["--learning-rat", "1"], r"unrecognized arguments: --learning-rat"),
+    # data
+    "unknown dataset": (TRAIN + ["--set", "dataset=gsm9k"], r"dataset must be 'arith' or 'gsm8k'"),
+    "data file missing": (TRAIN + ["--set", "dataset_path={d}/nope.jsonl"], r"data file not found"),
+    "data line not JSON": (TRAIN + ["--set", "dataset_path={d}/bad.jsonl"], r"bad.jsonl:2: invalid JSON"),
+    "empty data file": (TRAIN + ["--set", "dataset_path={d}/empty.jsonl"], r"the data set is empty"),
+    "row without answer": (TRAIN + ["--set", "dataset_path={d}/noanswer.jsonl"], r"noanswer.jsonl"),
+    # rewards
+    "unknown reward": (TRAIN + ["--set", "reward_funcs=correctnes"], r"unknown reward function 'correctnes'"),
+    "reward file missing": (TRAIN + ["--set", "reward_funcs={d}/nope.py:f"], r"reward file not found"),
+    "reward function missing": (TRAIN + ["--set", "reward_funcs={d}/rw.py:g"], r"has no function 'g'.*found: f"),
+    "reward file broken": (TRAIN + ["--set", "reward_funcs={d}/broken.py:f"], r"failed to import: SyntaxError"),
+    "reward url scheme": (TRAIN + ["--set", "reward_url=ftp://127.0.0.1/x"], r"http:// or https://"),
+    "reward url off the machine": (TRAIN + ["--set", "reward_url=http://scorer.example.com/"], r"is not loopback"),
+    # models
+    "model missing": (["train", "--set", "model_name={d}/nope", "--set", "output_dir={out}"], r"not found"),
+    "model without config": (["train", "--set", "model_name={d}/noconfig", "--set", "output_dir={out}"],
+                             r"has no config.json"),
+    "longer than the context": (TRAIN + ["--set", "max_prompt_length=2000", "--set", "max_new_tokens=100"],
+                                r"exceed .*context window of 2048"),
+    "rollout too large": (TRAIN + ["--set", "num_generations=100000", "--set", "max_new_tokens=1000"],
+                          r"need at least .* GB"),
+    # checkpoints and output
+    "resume without checkpoint": (TRAIN + ["--resume"], r"--resume: no checkpoint found"),
+    "resume a non-checkpoint": (TRAIN + ["--resume", "{d}/notckpt"], r"is not a checkpoint directory"),
+    "output dir is a file": (["train", "--set", "model_name={model}", "--set", "output_dir={d}/a_file"],
+                             r"cannot use the run directory"),
+    "eval output is a directory": (["eval", "--set", "model_name={model}", "--samples", "1", "-o", "{d}/notckpt"],
+                                   r"is a directory"),
+    "plot without metrics": (["plot", "{d}/notckpt"], r"metrics.jsonl"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_exit_2_nothing_written(case, files, tmp_path, capsys):
+    argv, pattern = CASES[case]
+    out = tmp_path / "out"
+    argv = [a.format(d=files["d"], model=files["model"], out=out) for a in argv]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    err_lines = [line for line in captured.err.splitlines() if line.strip() and not line.startswith("usage:")
+                 and not line.startswith("  ")]
+    assert code == 2, (case, captured.err)
+    assert len(err_lines) == 1 and "error" in err_lines[0], (case, captured.err)
+    import re
+
+    assert re.search(pattern, err_lines[0]), (case, err_lines[0])
+    assert "Traceback" not in captured.out + captured.err
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    new = [p for p in after if p not in before and not str(p).startswith("out")]
+    assert new == [] and not any((out / "grpo").glob("*")), (case, new)
