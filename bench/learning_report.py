@@ -37,9 +37,15 @@ def accuracy_row(name: str, path: Path) -> str:
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
-def empty_reasoning(text: str) -> bool:
-    """No reasoning of substance (fewer than MIN_REASONING_WORDS words or no written computation)."""
-    return not substantive(reasoning_text(text))
+def empty_reasoning(text: str, prompt) -> bool:
+    """No reasoning of substance by the reward's own test (substantive)."""
+    return not substantive(reasoning_text(text), prompt)
+
+
+def short_reasoning(text: str) -> bool:
+    """An independent check of the same thing: fewer than 5 words before the first </reasoning> or <answer>."""
+    reasoning = reasoning_text(text) or ""
+    return len(reasoning.split()) < 5
 
 
 def collapse_row(name: str, run: Path) -> str:
@@ -51,10 +57,12 @@ def collapse_row(name: str, run: Path) -> str:
     length = sum(m["completion_length_mean"] for m in tail) / len(tail)
     entropy = sum(m["entropy"] for m in tail) / len(tail)
     first_entropy = metrics[0]["entropy"]
-    empty = sum(empty_reasoning(c["completion"]) for c in last) / len(last)
+    empty = sum(empty_reasoning(c["completion"], c["prompt"]) for c in last) / len(last)
+    short = sum(short_reasoning(c["completion"]) for c in last) / len(last)
     times = sorted(m["time_step_s"] for m in metrics)
     return (f"| {name} | {len(metrics)} | {metrics[0]['completion_length_mean']:.0f} -> {length:.0f} | "
-            f"{100 * empty:.1f}% (update {last_step}, {len(last)} completions) | {first_entropy:.2f} -> {entropy:.2f} | "
+            f"{100 * empty:.1f}% ({100 * short:.1f}% under 5 words; update {last_step}, {len(last)} completions) | "
+            f"{first_entropy:.2f} -> {entropy:.2f} | "
             f"{sum(m['time_step_s'] for m in metrics) / 60:.1f} min, median {times[len(times) // 2]:.1f} s |")
 
 

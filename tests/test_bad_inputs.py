@@ -51,6 +51,10 @@ CASES = {
     "unknown dtype": (TRAIN + ["--set", "model_dtype=fp8"], r"model_dtype must be"),
     "unknown correction": (TRAIN + ["--set", "rollout_correction=tis"], r"rollout_correction must be one of"),
     "arith steps": (TRAIN + ["--set", "arith_max_steps=9"], r"arith_max_steps must be 1-4"),
+    "arith steps for gsm8k": (TRAIN + ["--set", "dataset=gsm8k", "--set", "arith_max_steps=2"],
+                              r"arith_max_steps only applies with dataset = arith"),
+    "correction with dropout": (TRAIN + ["--set", "train_type=lora", "--set", "lora_dropout=0.1", "--set",
+                                         "rollout_correction=token_truncate"], r"would weight dropout noise"),
     "train key for eval": (["eval", "--set", "learning_rate=1"], r"does not apply to 'eval'"),
     "abbreviated flag": (TRAIN + ["--learning-rat", "1"], r"unrecognized arguments: --learning-rat"),
     # data

@@ -168,3 +168,23 @@ def test_resume_equals_uninterrupted_with_master_weights(tiny_model_dir, tmp_pat
         assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
     assert all(v.dtype == mx.float32 for v in mx.load(str(full / "checkpoint-4" / "master_weights.safetensors")).values())
     assert all(v.dtype == mx.bfloat16 for v in mx.load(str(full / "checkpoint-4" / "model.safetensors")).values())
+
+
+def test_resume_in_another_compute_dtype_is_refused(tiny_model_dir, tmp_path):
+    run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "learning_rate=1e-4",
+                                 "max_train_samples=4"))
+    # model_dtype itself is a setting that changes the run: refused by the config check, naming it
+    with pytest.raises(UserError, match="model_dtype"):
+        run_mod.train(make_cfg(tiny_model_dir, tmp_path, "model_dtype=float32", "learning_rate=1e-4",
+                               "max_train_samples=4"), resume="latest")
+    # the same config, but `auto` resolving to another dtype (another machine): refused by the weights' dtype
+    cfg = make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "learning_rate=1e-4", "max_train_samples=4")
+    from mlx_grpo.trainer import build_trainer as build
+    from mlx_grpo import checkpoint as ckpt
+
+    trainer = build(make_cfg(tiny_model_dir, tmp_path, "model_dtype=float32", "learning_rate=1e-4",
+                             "max_train_samples=4"))
+    path = run / "checkpoint-2"
+    with pytest.raises(UserError, match="holds bfloat16 weights and this run computes in float32"):
+        trainer.restore(path, (*ckpt.load_checkpoint(path), ckpt.load_masters(path)), False)
+    assert cfg.model_dtype == "bfloat16"

@@ -212,3 +212,22 @@ def test_reporters_close_when_the_run_fails(tiny_model_dir, tmp_path, fake_wandb
 def test_no_reporters_by_default(tiny_model_dir, tmp_path, fake_wandb):
     run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2"))
     assert not fake_wandb.calls and not (run / "tensorboard").exists() and not (run / "wandb").exists()
+
+
+def test_a_failing_reporter_is_dropped_with_one_line_and_training_goes_on(tmp_path, capsys):
+    from mlx_grpo.reporting import Reporters
+
+    class Broken:
+        def log(self, values, step):
+            raise OSError(28, "No space left on device")
+
+        def close(self, failed):
+            raise AssertionError("a dropped reporter is not closed again")
+
+    reporters = Reporters([], tmp_path, {})
+    reporters._backends = [Broken()]
+    reporters.log({"loss": 1.0}, 1)
+    reporters.log({"loss": 2.0}, 2)  # already dropped: no second warning
+    reporters.close()
+    out = capsys.readouterr().out
+    assert out.count("report_to broken stopped (OSError") == 1

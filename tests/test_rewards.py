@@ -312,7 +312,11 @@ GAMED = {
     "answer without reasoning": "<answer>\n15\n</answer>",
     "tags repeated": "<reasoning>\n<reasoning>\n</reasoning>\n</reasoning>\n<answer>\n15\n</answer>",
     "rambling after the answer": REASONED + " and more" * 40,
+    "one template for every question": "<reasoning>\na a a a a a a a a 1+1=2\n</reasoning>\n<answer>\n2\n</answer>",
+    "filler words and the right number": "<reasoning>\nthe quick brown fox jumps over a lazy dog and 1+1=2\n"
+                                         "</reasoning>\n<answer>\n15\n</answer>",
 }
+QUESTION = "She has 12 apples and buys 3 more. How many apples does she have?"
 
 
 def _preset_rewards(text: str, gold: str = "15") -> float:
@@ -321,7 +325,7 @@ def _preset_rewards(text: str, gold: str = "15") -> float:
     cfg = build_config("train", str(Path(__file__).resolve().parents[1] / "configs" / "prod.toml"))
     total = 0.0
     for name, weight in zip(cfg.reward_funcs, cfg.reward_weights):
-        total += weight * BUILTIN_REWARDS[name](["q"], [text], [[1]], answer=[gold])[0]
+        total += weight * BUILTIN_REWARDS[name]([QUESTION], [text], [[1]], answer=[gold])[0]
     return total
 
 
@@ -331,7 +335,7 @@ def test_prod_preset_pays_a_gamed_completion_less_than_a_correct_reasoned_one(ca
     assert best == pytest.approx(2.5)
     assert _preset_rewards(GAMED[case]) < best
     if case in ("empty reasoning", "dots as reasoning", "words, no computation", "answer without reasoning",
-                "tags repeated"):
+                "tags repeated", "one template for every question", "filler words and the right number"):
         assert _preset_rewards(GAMED[case]) == 0.0  # not a cent for empty reasoning
     if case == "constant answer":
         assert _preset_rewards(GAMED[case]) == pytest.approx(0.25)  # only the reasoning tags: no answer credit
@@ -342,3 +346,11 @@ def test_correctness_compares_answers_of_any_length():
     huge = "9" * 5000
     assert correctness(None, [f"<answer>{huge}</answer>"], None, answer=[huge]) == [2.0]
     assert correctness(None, [f"<answer>{huge}1</answer>"], None, answer=[huge]) == [0.0]
+
+
+def test_reasoned_format_keeps_the_sign_of_a_negative_answer():
+    from mlx_grpo.rewards import reasoned_format
+
+    text = ("<reasoning>\nThe temperature was 3 degrees and fell by 8 degrees, so it is 3 - 8 = -5 degrees now.\n"
+            "</reasoning>\n<answer>\n-5\n</answer>")
+    assert reasoned_format(["It was 3 degrees and fell by 8. What is it now?"], [text], [[1]]) == [0.5]

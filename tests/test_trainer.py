@@ -46,7 +46,8 @@ def weights(path):
 def assert_same_weights(a, b, atol=0.0):
     assert a.keys() == b.keys()
     for k in a:
-        np.testing.assert_allclose(np.array(a[k]), np.array(b[k]), atol=atol, rtol=0, err_msg=k)
+        np.testing.assert_allclose(np.array(a[k].astype(mx.float32)), np.array(b[k].astype(mx.float32)), atol=atol,
+                                   rtol=0, err_msg=k)
 
 
 def test_schedule_warmup_cosine_linear_constant():
@@ -218,7 +219,8 @@ def test_checkpoint_loads_in_generate(tiny_model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra", [[], ["train_type=lora", "kl_coeff=0.1", "learning_rate=1e-2"],
                                    ["train_type=lora", "lora_dropout=0.3"],
-                                   ["train_type=dora", "grad_checkpoint=true", "learning_rate=1e-2"]])
+                                   ["train_type=dora", "grad_checkpoint=true", "learning_rate=1e-2"],
+                                   ["kl_coeff=0"], ["model_dtype=bfloat16", "kl_coeff=0.1"]])
 def test_compiled_step_matches_eager(tiny_model_dir, tmp_path, extra):
     eager = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=e", "max_train_samples=4", *extra))
     compiled = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=c", "max_train_samples=4",

@@ -80,7 +80,7 @@ class Config:
                       "(openai/gsm8k from the Hugging Face hub). Ignored where a *_dataset_path is set.", DATA)
     arith_max_steps: int = _f(4, "Built-in arith: most operations per problem. 4 = the mix of every template "
                               "(2-4 steps); 1-3 = running-count stories of 1 to N steps, which a small model "
-                              "can learn (configs/arith.toml uses 2).", DATA)
+                              "can learn (configs/arith.toml uses 1).", DATA)
     dataset_path: str = _f("", "Local JSONL/Parquet training file (GSM8K form or prompt/answer); overrides "
                            "`dataset` for training.", TRAIN)
     eval_dataset_path: str = _f("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA)
@@ -208,9 +208,11 @@ class Config:
                                  "vllm_importance_sampling_mode, verl's rollout_is): none; token_truncate = each "
                                  "token's loss times min(ratio, cap); token_mask = times the ratio, 0 where it "
                                  "exceeds cap; sequence_truncate / sequence_mask = the same with one ratio per "
-                                 "completion (exp of the summed token differences). Corrects for the sampler's "
-                                 "weights or kernels differing from the trained ones (quantize_for_rollouts, half "
-                                 "precision decoding). The mismatch is logged either way (sampler_kl).", TRAIN)
+                                 "completion (exp of the summed token differences). Corrects for the rollout engine's "
+                                 "decoding differing from the training pass (half-precision kernels); with "
+                                 "quantize_for_rollouts the old policy is the quantized copy, whose difference "
+                                 "enters the clipped PPO ratio instead. The mismatch is logged either way "
+                                 "(sampler_kl). Not with lora_dropout.", TRAIN)
     rollout_correction_cap: float = _f(2.0, "Cap C of rollout_correction's ratio (TRL's default 2.0).", TRAIN)
     num_iterations: int = _f(1, "Optimizer passes over each rollout batch.", TRAIN)
     update_every: int = _f(1, "Refresh the sampling (old) policy from the trained model every N updates.",

@@ -127,7 +127,9 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
     high = (ratio > 1 + obj.clip_high) & (adv > 0)
     if obj.delta > 0:
         high = high | ((ratio > obj.delta) & (adv < 0))
-    weight, capped = mx.ones_like(logp), mx.zeros_like(logp)
+    # Off: weight 1 and no capped token, written as expressions of logp: mx.compile fails on two outputs
+    # that are the same constant (this zero and the KL's when there is no reference).
+    weight, capped = mx.ones_like(logp), 0.0 * logp
     if obj.rollout_correction != "none" and sampler_logp is not None:
         weight, capped = sampler_weights(old_logp, sampler_logp, mask, obj.rollout_correction, obj.rollout_cap)
     return LossTerms(loss=-(weight * pg - obj.kl_coeff * kl), kl=kl, ratio=ratio,
@@ -224,7 +226,10 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
         sampler_kl, diff_max = mx.array(0.0), mx.array(-mx.inf)
     else:  # tokens drawn from the sampler: k3 = exp(t - s) - (t - s) - 1 estimates KL(sampler || trainer)
         d = mx.stop_gradient(old_logp) - sampler_logp
-        sampler_kl = (mx.maximum(mx.exp(d) - d - 1, 0.0) * kept).sum()  # >= 0; rounding could dip below
+        # expm1(d) - d keeps small differences (exp(d) - 1 - d cancels to 0 below ~1e-3 in float32);
+        # the clamp keeps a wild token finite; >= 0 up to rounding
+        dc = mx.clip(d, -20.0, 20.0)
+        sampler_kl = (mx.maximum(mx.expm1(dc) - dc, 0.0) * kept).sum()
         diff_max = mx.where(present, mx.abs(d), -mx.inf).max()
     return LossSums(loss=loss, tokens=kept.sum(), kl=(terms.kl * kept).sum(),
                     clipped_low=(terms.clipped_low * kept).sum(), clipped_high=(terms.clipped_high * kept).sum(),

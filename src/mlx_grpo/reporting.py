@@ -141,18 +141,26 @@ class Reporters:
             self.close(failed=True)
             raise
 
+    def _each(self, call) -> None:
+        """Call every reporter; one that fails (a full disk, a W&B outage) is dropped with one line: the
+        metrics.jsonl record is written already and training goes on."""
+        for backend in list(self._backends):
+            try:
+                call(backend)
+            except Exception as exc:
+                self._backends.remove(backend)
+                print(f"[mlx-grpo] warning: report_to {type(backend).__name__.strip('_').lower()} stopped "
+                      f"({type(exc).__name__}: {exc}); metrics.jsonl has every record", flush=True)
+
     def log(self, record: dict, step: int) -> None:
         values = scalars(record)
-        for backend in self._backends:
-            backend.log(values, step)
+        self._each(lambda backend: backend.log(values, step))
 
     def log_eval(self, record: dict, step: int) -> None:
         values = scalars(record, "eval/")
-        for backend in self._backends:
-            backend.log(values, step)
+        self._each(lambda backend: backend.log(values, step))
 
     def close(self, failed: bool = False) -> None:
         """Flush and close every reporter (failed: the run stopped on an error); safe to call twice."""
-        backends, self._backends = self._backends, []
-        for backend in backends:
-            backend.close(failed)
+        self._each(lambda backend: backend.close(failed))
+        self._backends = []

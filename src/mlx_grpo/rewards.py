@@ -142,8 +142,9 @@ def think_tags(prompts, completions, completion_ids, **columns) -> list[float]:
     return [sum(0.25 for tag in _THINK_TAGS if t.count(tag) == 1) for t in map(_text, completions)]
 
 
-# Reasoning that earns the reasoned_* rewards: at least this many words and one written computation
-# ("12 * 3 = 36", "40 - 4"), so "..." or one line of filler earns nothing (docs/learning.md).
+# Reasoning that earns the reasoned_* rewards: at least this many distinct words, one written computation
+# ("12 * 3 = 36", "40 - 4") and a number of the question, so "...", filler or one memorised template
+# earns nothing (docs/learning.md).
 MIN_REASONING_WORDS = 10
 _COMPUTATION = re.compile(r"\d\s*(?:[-+*/x×÷=]|times|plus|minus|divided by)\s*\$?\d")
 _WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
@@ -162,15 +163,23 @@ def reasoning_text(text: str) -> str | None:
     return body if end < 0 else body[:end]
 
 
-def substantive(reasoning: str | None) -> bool:
-    """Reasoning with MIN_REASONING_WORDS words and at least one written computation."""
-    return (reasoning is not None and len(_WORD.findall(reasoning)) >= MIN_REASONING_WORDS
-            and _COMPUTATION.search(reasoning) is not None)
+def _numbers(text: str) -> list[str]:
+    return [m.group(0) for m in _NUMBER.finditer(_normalize_number(text))]  # with their signs
+
+
+def substantive(reasoning: str | None, prompt: Any = "") -> bool:
+    """Reasoning with MIN_REASONING_WORDS distinct words, a written computation and, when the question has
+    numbers, at least one of them: a constant template that fits every question does not pass."""
+    if reasoning is None or len({w.lower() for w in _WORD.findall(reasoning)}) < MIN_REASONING_WORDS \
+            or _COMPUTATION.search(reasoning) is None:
+        return False
+    given = {n.lstrip("+") for n in _numbers(_text(prompt))}
+    return not given or any(n.lstrip("+") in given for n in _numbers(reasoning))
 
 
 def _grounded(text: str, reasoning: str) -> bool:
     """The answer is the number the reasoning arrived at: the value of its last number."""
-    pred, numbers = extract_answer(text), _NUMBER.findall(_normalize_number(reasoning))
+    pred, numbers = extract_answer(text), _numbers(reasoning)
     return pred is not None and bool(numbers) and answers_match(pred, numbers[-1])
 
 
@@ -179,8 +188,8 @@ def reasoned_correctness(prompts, completions, completion_ids, answer=None, **co
     a right answer after empty reasoning earns nothing."""
     if answer is None:
         raise ValueError("needs an 'answer' column with the gold answers")
-    return [2.0 if substantive(reasoning_text(t)) and answers_match(extract_answer(t), a) else 0.0
-            for t, a in zip(map(_text, completions), answer)]
+    return [2.0 if substantive(reasoning_text(t), p) and answers_match(extract_answer(t), a) else 0.0
+            for p, t, a in zip(prompts, map(_text, completions), answer)]
 
 
 def reasoned_format(prompts, completions, completion_ids, **columns) -> list[float]:
@@ -189,9 +198,9 @@ def reasoned_format(prompts, completions, completion_ids, **columns) -> list[flo
     for each of <answer> and </answer> present once when the answer is the reasoning's last number;
     minus 0.001 per character after </answer> (as xmlcount), never below 0."""
     out = []
-    for text in map(_text, completions):
+    for prompt, text in zip(prompts, map(_text, completions)):
         reasoning = reasoning_text(text)
-        if not substantive(reasoning):
+        if not substantive(reasoning, prompt):
             out.append(0.0)
             continue
         score = sum(0.125 for tag in _XML_TAGS[:2] if text.count(tag) == 1)

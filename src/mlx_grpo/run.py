@@ -354,7 +354,9 @@ def _save(trainer: Trainer) -> None:
     if trainer.world.is_main:
         try:
             trainer.save()
-        except OSError as exc:  # a full disk, a lost mount: the staged copy is gone, the earlier ones intact
+        except (OSError, RuntimeError) as exc:  # a full disk, a lost mount (MLX's writer raises RuntimeError):
+            # the staged copy is gone, the earlier checkpoints are intact
+            reason = getattr(exc, "strerror", None) or str(exc)
             raise UserError(f"could not write checkpoint-{trainer.counters.update_step} in {trainer.run_dir}: "
-                            f"{exc.strerror or exc}; the earlier checkpoints are intact (--resume continues "
-                            "from the latest)") from None
+                            f"{reason}; the earlier checkpoints are intact (--resume continues from the latest "
+                            "once there is room)") from None

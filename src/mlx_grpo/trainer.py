@@ -368,6 +368,15 @@ class Trainer:
         elif adapters:
             raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
                             "run's own config (config.resolved.json)")
+        current = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())}
+        saved = sorted({dtype_name(v.dtype) for k, v in weights.items() if k in current and v.dtype != current[k]})
+        if saved:  # loading would silently train in the checkpoint's dtype (or round it to this one's)
+            raise UserError(f"--resume: {path} holds {'/'.join(saved)} weights and this run computes in "
+                            f"{dtype_name(next(iter(current.values())))}: set model_dtype = {saved[0]} to resume "
+                            "it (model_dtype = auto resolves per machine)")
+        if masters is not None and not self.masters.active:
+            raise UserError(f"--resume: {path} holds float32 master weights but this run keeps none "
+                            "(master_weights = false or float32 compute): resume with the run's own config")
         try:
             self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
         except ValueError as exc:  # another model's checkpoint: one line, not mlx's list of every tensor

@@ -137,6 +137,11 @@ def _validate_objective(c: Config) -> None:
                  "1 the sampler is the policy being trained, every importance ratio is exactly 1 and nothing is "
                  "clipped; set num_iterations >= 2 (several optimizer passes per rollout) or update_every >= 2")
     _unused_unless(c, "kl_estimator", c.kl_coeff > 0, "kl_coeff > 0")
+    _unused_unless(c, "arith_max_steps", c.dataset == "arith" and not (c.dataset_path and c.eval_dataset_path),
+                   "dataset = arith without both dataset files")
+    _require(c.rollout_correction == "none" or c.lora_dropout == 0,
+             "rollout_correction with lora_dropout: on-policy the trainer's log-probs come from the dropout pass, "
+             "so the sampler ratio would weight dropout noise; set lora_dropout = 0")
     _unused_unless(c, "overlong_buffer", c.overlong_penalty > 0, "overlong_penalty > 0")
     _unused_unless(c, "max_resample_batches", c.dynamic_sampling, "dynamic_sampling = true")
 

@@ -86,7 +86,7 @@ def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
 
     # Imported here: adapters loads its base through this function.
     from mlx_grpo.models.adapters import is_adapter_checkpoint, load_with_adapters
-    from mlx_grpo.models.precision import cast_floats, compute_dtype, stored_dtype
+    from mlx_grpo.models.precision import cast_floats, compute_dtype
 
     if model_name != DEFAULT_MODEL and is_adapter_checkpoint(Path(model_name).expanduser()):
         return load_with_adapters(Path(model_name).expanduser(), dtype)
@@ -97,7 +97,6 @@ def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
         raise
     except Exception as exc:  # hub errors, unsupported model types: one clear line
         raise UserError(f"could not load model {model_name!r} from {path}: {type(exc).__name__}: {exc}") from None
-    target = compute_dtype(model_name, dtype, model)
-    if cast and target != stored_dtype(model):
-        cast_floats(model, target)
+    if cast:  # every float tensor, also a minority dtype among them: the KL reference must equal the policy
+        cast_floats(model, compute_dtype(model_name, dtype, model))
     return model, tokenizer
