@@ -7,6 +7,8 @@ Checks, printed as one JSON record (exit 1 if any fails):
 - after every kill, every checkpoint in the run directory is readable (none left half written).
 
 usage: python bench/crash_resume.py --model MODEL_DIR --kills 20 [--workdir DIR] [--seed 0] [--set key=value ...]
+Random kills land anywhere in a run's wall time, start-up included: give the run enough updates
+(--set max_train_samples=400) for most of them to interrupt training.
 MODEL_DIR: any model; a tiny random one keeps it fast (tests/conftest.py's write_tiny_model makes one).
 """
 
@@ -86,13 +88,15 @@ def kill_once(cmd: list[str], run_dir: Path, rng: random.Random, budget_s: float
     """Start the run and SIGKILL it: at a random moment, or (in_save) as soon as a checkpoint write is
     under way. -> how it ended."""
     delay = rng.uniform(0.5, budget_s)
+    # a temporary left by the previous kill is not a write of this run (which cleans it up at start)
+    stale = {p.name for p in run_dir.glob(f"{ckpt.TMP_PREFIX}*")} if run_dir.exists() else set()
     proc = subprocess.Popen(cmd, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     while proc.poll() is None:
         elapsed = time.monotonic() - t0
         # a checkpoint write of a tiny model lasts a few ms: poll often, and wait for one however long
         # the start-up takes (up to 4x the uninterrupted run)
-        saving = in_save and any(run_dir.glob(f"{ckpt.TMP_PREFIX}*"))
+        saving = in_save and any(p.name not in stale for p in run_dir.glob(f"{ckpt.TMP_PREFIX}*"))
         if saving or elapsed > (4 * budget_s if in_save else delay):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -126,8 +130,8 @@ def main() -> int:
     events, damaged = [], []
     for i in range(args.kills):
         resume = bool(ckpt.list_checkpoints(run_dir)) if run_dir.exists() else False
-        # every third kill (the 2nd, 5th, ...) waits for a checkpoint write and strikes inside it
-        events.append(kill_once(command(cmd, resume), run_dir, rng, clean_s, in_save=i % 3 == 1))
+        # every third kill (the 1st, 4th, ...) waits for a checkpoint write and strikes inside it
+        events.append(kill_once(command(cmd, resume), run_dir, rng, clean_s, in_save=i % 3 == 0))
         damaged += unreadable(run_dir) if run_dir.exists() else []
     subprocess.run(command(cmd, bool(ckpt.list_checkpoints(run_dir))), env=environment(), check=True,
                    stdout=subprocess.DEVNULL)

@@ -12,9 +12,36 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_sigkill_and_resume_equal_the_uninterrupted_run(tiny_model_dir, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "crash_resume.py"), "--model", str(tiny_model_dir),
-                           "--kills", "2", "--workdir", str(tmp_path), "--seed", "1"],
+                           "--kills", "2", "--workdir", str(tmp_path), "--seed", "1",
+                           "--set", "max_train_samples=32"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
     assert result["killed_while_saving"] == 1 and result["metrics_equal"] and result["state_differs"] == []
     assert result["unreadable_checkpoints_seen"] == []
+
+
+def test_ctrl_c_stops_a_run_whose_reward_hangs(tiny_model_dir, tmp_path):
+    """A scorer that never returns, in a reward worker: Ctrl-C ends the run at once (exit 130) instead of
+    waiting for the worker thread at exit."""
+    import signal
+    import time
+
+    marker = tmp_path / "scoring"
+    (tmp_path / "hang.py").write_text(
+        "import pathlib, time\n"
+        "def hang(prompts, completions, completion_ids, **columns):\n"
+        f"    pathlib.Path({str(marker)!r}).touch()\n"
+        "    time.sleep(600)\n")
+    cmd = [sys.executable, "-m", "mlx_grpo", "train", "--set", f"model_name={tiny_model_dir}",
+           "--set", f"output_dir={tmp_path}", "--set", "max_train_samples=8", "--set", "system_prompt=",
+           "--set", f"reward_funcs={tmp_path / 'hang.py'}:hang", "--set", "reward_workers=1",
+           "--set", "gradient_accumulation_steps=2", "--set", "max_new_tokens=8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate(timeout=5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err

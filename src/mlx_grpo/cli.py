@@ -7,6 +7,7 @@ its help and default come from config.py.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mlx_grpo import __version__
@@ -140,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"mlx-grpo {args.command}: interrupted", file=sys.stderr)
-        return 130
+        # Leave now: a reward still running in a worker thread (a hung scorer) would otherwise hold the exit
+        # (Python joins worker threads at exit). Checkpoints are written atomically; nothing is lost.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     return 0
 
 
