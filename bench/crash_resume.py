@@ -7,8 +7,8 @@ Checks, printed as one JSON record (exit 1 if any fails):
 - after every kill, every checkpoint in the run directory is readable (none left half written).
 
 usage: python bench/crash_resume.py --model MODEL_DIR --kills 20 [--workdir DIR] [--seed 0] [--set key=value ...]
-Random kills land anywhere in a run's wall time, start-up included: give the run enough updates
-(--set max_train_samples=400) for most of them to interrupt training.
+The other kills strike a random 0-50 ms after the run logs a chosen update, spread over the updates
+still to do, so every kill interrupts training.
 MODEL_DIR: any model; a tiny random one keeps it fast (tests/conftest.py's write_tiny_model makes one).
 """
 
@@ -84,23 +84,31 @@ def same_state(a: Path, b: Path) -> list[str]:
     return differ
 
 
-def kill_once(cmd: list[str], run_dir: Path, rng: random.Random, budget_s: float, in_save: bool) -> str:
-    """Start the run and SIGKILL it: at a random moment, or (in_save) as soon as a checkpoint write is
-    under way. -> how it ended."""
-    delay = rng.uniform(0.5, budget_s)
+def updates_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count("\n") if path.is_file() else 0
+
+
+def kill_once(cmd: list[str], run_dir: Path, rng: random.Random, total: int, kills_left: int, in_save: bool) -> str:
+    """Start the run and SIGKILL it: at the first checkpoint write (in_save), or once it has logged an
+    update past its checkpoint (spread so that the remaining kills fit before the run ends), then a
+    random 0-50 ms later, so kills land in rollouts, passes, updates and logging alike. -> how it ended."""
+    checkpoints = ckpt.list_checkpoints(run_dir) if run_dir.exists() else []
+    done = int(checkpoints[-1].name[len(ckpt.PREFIX):]) if checkpoints else 0
+    target = done + max(1, (total - done) // (kills_left + 1))
     # a temporary left by the previous kill is not a write of this run (which cleans it up at start)
     stale = {p.name for p in run_dir.glob(f"{ckpt.TMP_PREFIX}*")} if run_dir.exists() else set()
     proc = subprocess.Popen(cmd, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    t0 = time.monotonic()
     while proc.poll() is None:
-        elapsed = time.monotonic() - t0
-        # a checkpoint write of a tiny model lasts a few ms: poll often, and wait for one however long
-        # the start-up takes (up to 4x the uninterrupted run)
+        # a checkpoint write of a tiny model lasts a few ms: poll often
         saving = in_save and any(p.name not in stale for p in run_dir.glob(f"{ckpt.TMP_PREFIX}*"))
-        if saving or elapsed > (4 * budget_s if in_save else delay):
+        reached = not in_save and updates_logged(run_dir) >= target
+        if saving or reached:
+            if reached:
+                time.sleep(rng.uniform(0.0, 0.05))
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            return "killed while saving" if saving else f"killed at {elapsed:.1f} s"
+            return "killed while saving" if saving else f"killed after update {target}"
         time.sleep(0.0005)
     if proc.returncode != 0:
         raise SystemExit(f"the run failed on its own (exit {proc.returncode}): {proc.stderr.read()[-2000:]}")
@@ -128,10 +136,11 @@ def main() -> int:
     run_dir = workdir / "killed"
     cmd = items + ["run_name=killed"]
     events, damaged = [], []
+    total = updates_logged(reference)
     for i in range(args.kills):
         resume = bool(ckpt.list_checkpoints(run_dir)) if run_dir.exists() else False
         # every third kill (the 1st, 4th, ...) waits for a checkpoint write and strikes inside it
-        events.append(kill_once(command(cmd, resume), run_dir, rng, clean_s, in_save=i % 3 == 0))
+        events.append(kill_once(command(cmd, resume), run_dir, rng, total, args.kills - i, in_save=i % 3 == 0))
         damaged += unreadable(run_dir) if run_dir.exists() else []
     subprocess.run(command(cmd, bool(ckpt.list_checkpoints(run_dir))), env=environment(), check=True,
                    stdout=subprocess.DEVNULL)
