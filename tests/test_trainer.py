@@ -140,7 +140,8 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
                                    ["train_type=lora", "kl_coeff=0.1", "learning_rate=1e-2"],
                                    ["train_type=dora", "update_every=2", "lora_dropout=0.2", "lora_rank=4"],
                                    ["dynamic_sampling=true", "max_train_samples=16",
-                                    f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"]])
+                                    f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"],
+                                   ["model_dtype=bfloat16", "learning_rate=1e-4"]])
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
     full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *extra)
@@ -162,6 +163,11 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extr
     assert metrics(resumed) == metrics(full)
     last = max(int(p.name.split("-")[1]) for p in full.glob("checkpoint-*"))
     assert_same_weights(weights(full / f"checkpoint-{last}"), weights(resumed / f"checkpoint-{last}"))
+    masters = full / f"checkpoint-{last}" / "master_weights.safetensors"
+    if "model_dtype=bfloat16" in extra:  # bfloat16 compute: float32 masters, resumed exactly too
+        assert all(v.dtype == mx.float32 for v in mx.load(str(masters)).values())
+        assert all(v.dtype == mx.bfloat16 for v in weights(full / f"checkpoint-{last}").values())
+        assert_same_weights(mx.load(str(masters)), mx.load(str(resumed / f"checkpoint-{last}" / masters.name)))
 
 
 def test_nan_update_is_skipped_and_reported(tiny_model_dir, tmp_path, monkeypatch):
