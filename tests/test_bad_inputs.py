@@ -4,7 +4,6 @@ exit status 2, one error line, no traceback and nothing written."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 run whose updates would round away is refused with the share lost; the sampler/trainer mismatch metric."""
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +16,6 @@ from mlx_grpo.policy import StepData
 from mlx_grpo.rollout import SamplingParams, generate_rollout
 from mlx_grpo.trainer import build_trainer
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def make_cfg(model_dir, out, *items):
