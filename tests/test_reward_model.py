@@ -140,3 +140,18 @@ def test_training_run_with_a_reward_model(rm_dir, tiny_model_dir, tmp_path):
     assert record["reward/reward_model"] == pytest.approx(float(np.mean(rewards)), abs=1e-6)
     with pytest.raises(UserError, match="keep reward_workers = 0"):
         build_config("train", overrides=parse_set([f"reward_model={rm_dir}", "reward_workers=2"]))
+
+
+def test_answer_mixing_clips_both_scores_first(rm_dir):
+    """A disliked answer (scored below -clip) must not mix below a missing one, which gets exactly -clip."""
+    raw = RewardModelReward(str(rm_dir), clip=1e9, answer_weight=0.0, batch_size=4)
+    tok = raw.tokenizer
+    full = np.array(raw.score_ids([render(tok, p, c) for p, c in zip(PROMPTS, COMPLETIONS)]))
+    answer = raw.score_ids([render(tok, PROMPTS[0], "5")])[0]
+    clip = max(abs(answer) / 2, 1e-3)  # the answer's score lies outside [-clip, clip]
+    got = RewardModelReward(str(rm_dir), clip=clip, answer_weight=0.25, batch_size=4)(
+        prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 4)
+    expected = [0.75 * np.clip(full[0], -clip, clip) + 0.25 * np.clip(answer, -clip, clip)] + \
+        [0.75 * np.clip(f, -clip, clip) - 0.25 * clip for f in full[1:]]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert all(-clip - 1e-6 <= g <= clip + 1e-6 for g in got)
