@@ -22,6 +22,7 @@ def files(tmp_path, tiny_model_dir):
     (d / "bad.toml").write_text("x = [\n")
     (d / "unknown.toml").write_text("learnin_rate = 1e-5\n")
     (d / "a_file").write_text("not a directory")
+    (d / "long.jsonl").write_text(json.dumps({"prompt": "x " * 1500, "answer": "1"}) + "\n")
     (d / "noconfig").mkdir()
     (d / "notckpt").mkdir()
     (d / "run" / "grpo").mkdir(parents=True)
@@ -73,8 +74,9 @@ CASES = {
     "model missing": (["train", "--set", "model_name={d}/nope", "--set", "output_dir={out}"], r"not found"),
     "model without config": (["train", "--set", "model_name={d}/noconfig", "--set", "output_dir={out}"],
                              r"has no config.json"),
-    "longer than the context": (TRAIN + ["--set", "max_prompt_length=2000", "--set", "max_new_tokens=100"],
-                                r"exceed .*context window of 2048"),
+    "longer than the context": (TRAIN + ["--set", "dataset_path={d}/long.jsonl", "--set", "max_prompt_length=4000",
+                                         "--set", "max_new_tokens=100", "--set", "batch_size=1"],
+                                r"a prompt of \d+ tokens .* exceed .*context window of 2048"),
     "rollout too large": (TRAIN + ["--set", "num_generations=100000", "--set", "max_new_tokens=1000"],
                           r"need at least .* GB"),
     # checkpoints and output

@@ -138,6 +138,12 @@ class Trainer:
         encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
                                       cfg.max_prompt_length) for e in examples]
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
+        context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
+        longest = max(len(ids) for ids, _ in encoded)
+        if isinstance(context, int) and longest + cfg.max_new_tokens > context:  # would train past the window
+            raise UserError(f"a prompt of {longest} tokens + max_new_tokens ({cfg.max_new_tokens}) exceed "
+                            f"{cfg.model_name!r}'s context window of {context} tokens: lower max_prompt_length "
+                            "(prompts are cut to it from the left) or max_new_tokens")
         share = self.world.share(len(examples))
         examples = examples[share]
         keys = row_keys(cfg.seed, self.counters.draws, len(encoded) * G, slice(share.start * G, share.stop * G))
@@ -436,11 +442,6 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         source_dir = Path(hf_repo_to_path(cfg.model_name))
     model, tokenizer = load_model(cfg.model_name, cfg.model_dtype, cast=False)
     dtype = compute_dtype(cfg.model_name, cfg.model_dtype, model)
-    context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-    if isinstance(context, int) and cfg.max_prompt_length + cfg.max_new_tokens > context:
-        raise UserError(f"max_prompt_length ({cfg.max_prompt_length}) + max_new_tokens ({cfg.max_new_tokens}) = "
-                        f"{cfg.max_prompt_length + cfg.max_new_tokens} tokens exceed {cfg.model_name!r}'s context "
-                        f"window of {context}: lower them (prompts are cut to max_prompt_length from the left)")
     mixed = cfg.master_weights and dtype != mx.float32  # float32 masters of the trained weights
     if any(isinstance(m, ADAPTER_LAYERS) for _, m in model.named_modules()):
         raise UserError(f"model {cfg.model_name!r} carries lora/dora adapters: continue its run with --resume, "
