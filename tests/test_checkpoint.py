@@ -132,17 +132,19 @@ def test_an_output_dir_that_is_a_file_is_one_line(tiny_model_dir, tmp_path):
         run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path / "taken", "max_train_samples=2")))
 
 
-def test_sequences_longer_than_the_context_window_are_refused(tiny_model_dir, tmp_path):
+def test_sequences_longer_than_the_context_window_are_said_once(tiny_model_dir, tmp_path, capsys):
     import json
 
     data = tmp_path / "long.jsonl"
-    data.write_text(json.dumps({"prompt": "x " * 1500, "answer": "1"}) + "\n" + json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
-    with pytest.raises(UserError, match=r"a prompt of \d+ tokens .* exceed .*context window of 2048"):
-        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, f"dataset_path={data}", "max_prompt_length=4000",
-                                   "max_new_tokens=100")))
-    # the same prompts cut to fit train
+    data.write_text("".join(json.dumps({"prompt": "x " * 1500 + str(i), "answer": "1"}) + "\n" for i in range(4)))
+    run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, f"dataset_path={data}", "max_prompt_length=4000",
+                               "max_new_tokens=8", "max_train_samples=4")))
+    out = capsys.readouterr().out
+    assert out.count("exceed") == 1 and "context window of 2048 tokens" in out
+    # the same prompts cut to fit: no word
     run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, f"dataset_path={data}", "max_prompt_length=1000",
                                "max_new_tokens=8", "max_train_samples=2", "run_name=fits")))
+    assert "exceed" not in capsys.readouterr().out
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path, monkeypatch):

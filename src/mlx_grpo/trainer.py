@@ -125,6 +125,7 @@ class Trainer:
                                      tuple(cfg.stop))
         self._batches = iter(self.sampler)
         self.reward_runner = RewardRunner(self.rewards, cfg, Path.cwd())
+        self._warned_context = False
         # Dropout (lora_dropout) acts only in the gradient pass: rollouts and log-prob passes see the
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
@@ -140,10 +141,13 @@ class Trainer:
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         longest = max(len(ids) for ids, _ in encoded)
-        if isinstance(context, int) and longest + cfg.max_new_tokens > context:  # would train past the window
-            raise UserError(f"a prompt of {longest} tokens + max_new_tokens ({cfg.max_new_tokens}) exceed "
-                            f"{cfg.model_name!r}'s context window of {context} tokens: lower max_prompt_length "
-                            "(prompts are cut to it from the left) or max_new_tokens")
+        if isinstance(context, int) and longest + cfg.max_new_tokens > context and not self._warned_context:
+            # RoPE models run past it, on positions they never saw in training: say so once, do not stop
+            self._warned_context = True
+            self.world.print(f"[mlx-grpo] warning: a prompt of {longest} tokens + max_new_tokens "
+                             f"({cfg.max_new_tokens}) exceed {cfg.model_name!r}'s context window of {context} "
+                             "tokens: the model works past positions it was trained on; lower max_prompt_length "
+                             "(prompts are cut to it from the left) or max_new_tokens")
         share = self.world.share(len(examples))
         examples = examples[share]
         keys = row_keys(cfg.seed, self.counters.draws, len(encoded) * G, slice(share.start * G, share.stop * G))
