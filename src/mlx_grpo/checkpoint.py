@@ -90,12 +90,15 @@ def read_for_resume(run_dir: Path, resume: str, say=print) -> tuple[Path, tuple]
     """The checkpoint to resume and what it holds: (path, (weights, optimizer state, trainer state, old
     policy, masters)). 'latest' takes the newest readable checkpoint of run_dir, saying which it skipped
     and why; an explicit directory that cannot be read is a one-line error."""
+    def read(path: Path) -> tuple[Path, tuple]:
+        return path, (*load_checkpoint(path), load_masters(path))
+
     if resume != "latest":
         path = Path(resume)
         if not (path / "trainer_state.json").is_file():
             raise UserError(f"--resume: {path} is not a checkpoint directory (no trainer_state.json)")
         try:
-            return path, (*load_checkpoint(path), load_masters(path))
+            return read(path)
         except Exception as exc:  # a truncated or corrupted file: name it, no traceback
             raise UserError(f"--resume: {path} cannot be read ({type(exc).__name__}: {exc})") from None
     checkpoints = list_checkpoints(run_dir)
@@ -103,7 +106,7 @@ def read_for_resume(run_dir: Path, resume: str, say=print) -> tuple[Path, tuple]
         raise UserError(f"--resume: no checkpoint found in {run_dir}")
     for path in reversed(checkpoints):
         try:
-            return path, (*load_checkpoint(path), load_masters(path))
+            return read(path)
         except Exception as exc:
             say(f"[mlx-grpo] --resume: skipping {path.name}, which cannot be read ({type(exc).__name__}: {exc})")
     raise UserError(f"--resume: none of the {len(checkpoints)} checkpoints in {run_dir} can be read")

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from mlx_grpo.errors import UserError
+from mlx_grpo.models.precision import cast_floats
 from mlx_grpo.models.writing import QUANT_GROUP_SIZES, copy_model_files, exists_error, staged_output
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
@@ -208,8 +209,6 @@ def load_with_adapters(path, dtype: str = "auto"):
         raise UserError(f"adapter checkpoint {path}: its config does not fit the base {base!r}: {exc!r}") from None
     _load_adapter_weights(model, path)
     if dtype != "auto":
-        from mlx_grpo.models.precision import cast_floats
-
         cast_floats(model, getattr(mx, dtype))
     model.eval()  # the adapter layers were created in training mode (dropout on)
     mx.eval(model.parameters())
@@ -221,8 +220,7 @@ def _fused(module: nn.Module, dequantize: bool) -> nn.Module:
     dtype = base.scales.dtype if "scales" in base else base.weight.dtype
     fused = module.fuse(dequantize=dequantize)
     # DoRA's float32 magnitude promotes the fused weight; keep the base's float dtype.
-    fused.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          fused.parameters()))
+    cast_floats(fused, dtype)
     return fused
 
 

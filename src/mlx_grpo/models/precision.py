@@ -128,6 +128,3 @@ class MasterWeights:
 
     def arrays(self) -> list[mx.array]:
         return list(self.masters.values()) if self.masters is not None else []
-
-    def memory_bytes(self) -> int:
-        return sum(m.nbytes for m in self.arrays())
