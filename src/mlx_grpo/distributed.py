@@ -24,9 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
-from tqdm import tqdm
 
 from mlx_grpo.errors import UserError
+from mlx_grpo.logs import console
 from mlx_grpo.loss import SUM_MAX, SUM_MIN, LossSums
 
 LAUNCH_HINT = "start every rank with MLX's launcher, e.g. `mlx.launch -n 2 -- mlx-grpo train ...` (README)"
@@ -56,12 +56,11 @@ class World:
         run's seed: rank 0 keeps it, so a single process is unchanged; reproducible for a world size."""
         return (seed + self.rank * 1_000_000_007) % 2 ** 63
 
-    def print(self, *args, sep: str = " ", end: str = "\n", file=None, **_) -> None:
-        """Console output of the run: rank 0's only, so N ranks don't print N copies; through tqdm.write,
+    def print(self, *args, sep: str = " ") -> None:
+        """Console output of the run: rank 0's only, so N ranks don't print N copies; through logs.console,
         so a progress bar is redrawn below the line instead of being broken."""
         if self.is_main:
-            tqdm.write(sep.join(map(str, args)), file=file, end=end)
-            (file or sys.stdout).flush()
+            console(sep.join(map(str, args)))
 
     def fail(self, message: str):
         """Stop every rank for a problem all of them found: rank 0 reports it, the others leave quietly
