@@ -17,6 +17,15 @@ XML system prompt, B=16, G=16, max_new_tokens=256, temperature 1.0:
 
     python bench/grpo_bench.py --data ../shared/data/gsm8k/train.jsonl --out bench-results
 
+Other models: --shape qwen2.5-0.5b or qwen2.5-1.5b (bench/shapes.py) swaps in a random-weight model of
+that architecture, written once as an MLX model directory in a temporary folder with the tokenizer of
+--tokenizer (default: the embedded model's) next to it, so every section, the trainer's `step` included,
+loads it as it would a real checkpoint. --train-type lora (or dora) wraps the model in the adapters the
+config's lora_* fields describe (apply_adapters, as the trainer does) in every section:
+
+    python bench/grpo_bench.py --shape qwen2.5-0.5b --train-type lora --sections rollout,step \
+        --data ../shared/data/gsm8k/train.jsonl --out bench-results
+
 Prints a markdown table, then the ratios against the baselines; writes the JSON record to --out.
 """
 
@@ -26,10 +35,9 @@ import argparse
 import datetime as dt
 from dataclasses import replace
 import json
-import platform
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,62 +51,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.data import load_examples
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import group_advantages, pack
+from mlx_grpo.loss import group_advantages
+from mlx_grpo.models.forward import pack
 from mlx_grpo.models.loading import load_model
 from mlx_grpo.policy import (StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
 from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
 
-GB = 1024 ** 3
+import shapes
+from bench_util import GB, device_name, nbytes, peak_during, timed, versions
+
 SECTIONS = ("rollout", "logprob", "train", "memory", "step")
-
-
-# ----------------------------------------------------------------------------- helpers
-
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of `repeats` calls after one warm-up call (compilation, kernel JIT)."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
-
-
-def peak_during(fn) -> tuple[float, float, object]:
-    """-> (peak bytes above what was allocated before, seconds, result)."""
-    mx.eval(mx.zeros(1))
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    t0 = time.perf_counter()
-    result = fn()
-    seconds = time.perf_counter() - t0
-    return mx.get_peak_memory() - base, seconds, result
-
-
-def nbytes(tree) -> int:
-    return sum(a.nbytes for _, a in tree_flatten(tree))
-
-
-def device_name() -> str:
-    if mx.default_device() == mx.gpu:
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
-            if out.returncode == 0 and out.stdout.strip():
-                return out.stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError):
-            pass
-        return f"{platform.machine()} GPU (Metal)" if sys.platform == "darwin" else "GPU"
-    return f"CPU ({platform.processor() or platform.machine()})"
-
-
-def versions() -> dict:
-    import mlx_lm
-
-    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version()}
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -184,7 +147,7 @@ ROLLOUT_VARIANTS = {  # name -> generate_rollout options; "ours" is what the tra
 def check_attention_kernel() -> dict:
     """The CUDA decode kernel against MLX's masked attention in float32 on random left-padded rows, for
     each head dim it serves."""
-    from mlx_grpo.decode_attention import HEAD_DIMS, kernel_available, left_padded_attention
+    from mlx_grpo.models.decode_attention import HEAD_DIMS, kernel_available, left_padded_attention
 
     if not kernel_available():
         return {"kernel": False}
@@ -217,6 +180,7 @@ def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> lis
         row = {"B": b, "G": g, "N": b * g}
         runs = [(name, opts, False) for name, opts in ROLLOUT_VARIANTS.items()] + [("ours", ROLLOUT_VARIANTS["ours"], True)]
         for name, opts, eos in runs:
+            mx.reset_peak_memory()
             params = SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=not eos)
             key = mx.random.key(cfg.seed)
             sec, r = timed(lambda: generate_rollout(model, tokenizer, batch, g, params, key, **opts), repeats)
@@ -225,6 +189,8 @@ def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> lis
             row[f"{tag}_steps"] = int(r.completion_ids.shape[1])
             row[f"{tag}_s"] = sec
             row[f"{tag}_tok_s"] = r.lengths.sum() / sec
+            if name == "ours" and not eos:  # process peak (weights included) over its calls
+                row["ours_peak_gb"] = mx.get_peak_memory() / GB
         rows = [p for p in batch for _ in range(g)]
         sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.max_new_tokens, cfg.temperature, pad_id), repeats)
         row["plain_s"], row["plain_tok_s"] = sec, n_tokens / sec
@@ -321,6 +287,7 @@ def bench_step(cfg, repeats: int) -> dict:
     measured = records[1:] or records
     summary = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
     summary["peak_memory_gb"] = mx.get_peak_memory() / GB
+    summary["trainable_parameters"] = sum(p.size for _, p in tree_flatten(trainer.model.trainable_parameters()))
     summary["steps"] = records
     return summary
 
@@ -335,6 +302,8 @@ def markdown(result: dict) -> str:
         for name, label in labels.items():
             lines.append(f"| rollout {r['B']}x{r['G']} tok/s, no EOS: {label} | {r[f'{name}_noeos_tok_s']:,.0f} | "
                          f"{r['plain_tok_s']:,.0f} (plain loop) | {r[f'ratio_{name}_vs_plain']:.2f}x |")
+        lines.append(f"| rollout {r['B']}x{r['G']} peak memory, ours, no EOS (weights included) | "
+                     f"{r['ours_peak_gb']:.2f} GB | | |")
         lines.append(f"| rollout {r['B']}x{r['G']} tok/s, EOS stopping (real lengths, {r['ours_eos_tokens']} tokens "
                      f"in {r['ours_eos_steps']} steps) | {r['ours_eos_tok_s']:,.0f} | | |")
     if "logprob" in result:
@@ -378,6 +347,12 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or MLX directory")
+    ap.add_argument("--shape", default="", choices=["", *shapes.SHAPES],
+                    help="a random-weight model of this architecture instead of --model (bench/shapes.py)")
+    ap.add_argument("--tokenizer", default="",
+                    help="model directory whose tokenizer --shape uses (default: the embedded default model's)")
+    ap.add_argument("--train-type", default="full", choices=["full", "lora", "dora"],
+                    help="train every weight, or adapters as the config's lora_* fields say (--set lora_rank=...)")
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--data", default="", help="GSM8K-style JSONL/Parquet file (default: --dataset)")
     ap.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "arith"],
@@ -408,8 +383,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, sections: list[str], argv: list[str] | None) -> int:
-    overrides = [f"model_name={args.model}", f"model_dtype={args.dtype}", f"batch_size={args.batch}",
-                 f"num_generations={args.group}", f"max_new_tokens={args.max_new_tokens}",
+    if not args.shape:
+        return run_model(args, sections, argv, args.model)
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else shapes.default_tokenizer_dir()
+    dtype = mx.float32 if args.dtype == "float32" else mx.float16 if args.dtype == "float16" else mx.bfloat16
+    with tempfile.TemporaryDirectory(prefix="grpo_bench-shape-") as tmp:
+        model_dir = shapes.write_model_dir(args.shape, Path(tmp) / args.shape, tokenizer_dir, dtype, seed=0)
+        print(f"model: shape {args.shape}, random weights in {args.dtype if args.dtype != 'auto' else 'bfloat16'}, "
+              f"tokenizer of {tokenizer_dir}", flush=True)
+        return run_model(args, sections, argv, str(model_dir))
+
+
+def adapt(model, cfg) -> dict | None:
+    """train_type lora/dora: wrap the loaded model in adapters as the trainer does (QLoRA's quantized base
+    with load_in_bits, adapters from the seeded global generator, then cast to the compute dtype)."""
+    from mlx_grpo.models.adapters import apply_adapters, quantize_base
+    from mlx_grpo.models.precision import cast_floats, compute_dtype
+
+    if cfg.train_type == "full":
+        return None
+    if cfg.load_in_bits:
+        quantize_base(model, cfg.load_in_bits)
+    mx.random.seed(cfg.seed)
+    adapters = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                              cfg.lora_layers, cfg.lora_keys)
+    cast_floats(model, compute_dtype(cfg.model_name, cfg.model_dtype, model))
+    mx.eval(model.parameters())
+    return adapters
+
+
+def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | None, model_name: str) -> int:
+    overrides = [f"model_name={model_name}", f"train_type={args.train_type}", f"model_dtype={args.dtype}",
+                 f"batch_size={args.batch}", f"num_generations={args.group}", f"max_new_tokens={args.max_new_tokens}",
                  f"temperature={args.temperature}", "save_steps=0", "num_epochs=1000",
                  "output_dir=" + str(Path(args.out) / "runs"),
                  f"run_name=bench-{dt.datetime.now():%Y%m%d-%H%M%S}"] + args.set
@@ -419,6 +424,7 @@ def run(args: argparse.Namespace, sections: list[str], argv: list[str] | None) -
         overrides.append(f"dataset={args.dataset}")
     cfg = build_config("train", overrides=parse_set(overrides))
     model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    adapters = adapt(model, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
     examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
     n_prompts = max(b for b, _ in parse_sizes(args.sizes) + [(args.batch, 0)])
@@ -426,12 +432,18 @@ def run(args: argparse.Namespace, sections: list[str], argv: list[str] | None) -
 
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
               "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
-              "workload": {"model": cfg.model_name, "dtype": cfg.model_dtype, "B": args.batch, "G": args.group,
+              "workload": {"model": args.shape or cfg.model_name, "random_weights": bool(args.shape),
+                           "train_type": cfg.train_type, "adapters": adapters,
+                           "parameters": shapes.parameter_count(model),
+                           "trainable_parameters": sum(p.size for _, p in tree_flatten(model.trainable_parameters())),
+                           "dtype": cfg.model_dtype, "B": args.batch, "G": args.group,
                            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                            "micro_batch_size": cfg.micro_batch_size, "micro_batch_tokens": cfg.micro_batch_tokens,
                            "data": args.data or args.dataset}}
-    print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}",
-          flush=True)
+    w = result["workload"]
+    print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "
+          f"model {w['model']}, {w['train_type']}: {w['trainable_parameters']:,} of {w['parameters']:,} parameters "
+          "trained", flush=True)
     if "rollout" in sections:
         result["attention_kernel"] = check_attention_kernel()
         result["rollout"] = bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg, args.repeats, pad_id)

@@ -166,3 +166,80 @@ def test_dp_bench_compares_two_ranks_with_one(tiny_model_dir, tmp_path):
     assert weak["s_per_update"] > 0 and weak["throughput_ratio"] == pytest.approx(
         weak["completions_per_s"] / base["completions_per_s"])
     assert len(weak["per_update"]) == 2 and "2 ranks give" in proc.stdout
+
+
+def test_grpo_bench_swaps_in_a_random_weight_shape_with_lora(tiny_model_dir, tmp_path):
+    """--shape writes a random-weight qwen2 model directory (tokenizer from --tokenizer) that every section,
+    the trainer's step included, loads; --train-type lora puts adapters on it in the bench and the trainer."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--shape", "tiny-qwen2",
+                           "--tokenizer", str(tiny_model_dir), "--train-type", "lora", "--dtype", "float32",
+                           "--data", str(data), "--batch", "2", "--group", "2", "--max-new-tokens", "5",
+                           "--sizes", "2x2", "--sections", "rollout,step", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
+    workload = record["workload"]
+    assert workload["model"] == "tiny-qwen2" and workload["random_weights"] and workload["train_type"] == "lora"
+    assert workload["adapters"]["lora_parameters"]["rank"] == 16  # the config's default lora_rank
+    assert 0 < workload["trainable_parameters"] < workload["parameters"]
+    assert record["rollout"][0]["ours_noeos_tokens"] == 2 * 2 * 5 and record["rollout"][0]["ours_peak_gb"] > 0
+    assert record["step"]["trainable_parameters"] == workload["trainable_parameters"]  # the trainer's own LoRA
+    assert record["step"]["peak_memory_gb"] > 0 and "model: shape tiny-qwen2" in proc.stdout
+
+
+def _load_bench_module(name: str):
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+def test_decode_profile_times_the_trainers_decode_step(tiny_model_dir):
+    """The profiled "trainer" step is generate_rollout's decode: the same row keys give the same tokens."""
+    import mlx.core as mx
+
+    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.rollout import SamplingParams, generate_rollout
+
+    profile = _load_bench_module("decode_profile")
+    shapes = _load_bench_module("shapes")
+    model = shapes.build("tiny-qwen2", mx.float32)
+    prompts = profile.make_prompts(2, 12, 300, seed=0)
+    assert {len(p) for p in prompts} != {12}  # rows of different lengths: left padding
+    with profile.trainer_step(model, prompts, 3, 10, seed=5) as decoder:
+        got = [decoder.step()[0] for _ in range(6)]
+        assert decoder.info == {"cache": "BatchKVCache", "attention_kernel": False}  # on a CPU
+    tokenizer = load_model(str(tiny_model_dir), "float32")[1]  # pad id 0, as the profile's rows
+    want = generate_rollout(model, tokenizer, prompts, 3, SamplingParams(10, 1.0, ignore_eos=True), mx.random.key(5))
+    assert mx.array_equal(mx.stack(got, axis=1), want.completion_ids[:, 1:7])
+
+
+def test_decode_profile_runs_on_tiny_sizes(tmp_path):
+    out = tmp_path / "profile.json"
+    script = str(ROOT / "bench" / "decode_profile.py")
+    proc = subprocess.run([sys.executable, script, "--shape", "tiny-qwen2", "--dtype", "float32", "--rows", "4,8",
+                           "--group", "4", "--steps", "3", "--warmup", "1", "--max-new-tokens", "12",
+                           "--prompt-len", "16", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["device"] and record["versions"]["mlx"] and record["workload"]["steps"] == 3
+    assert [(r["rows"], r["B"], r["G"]) for r in record["rows"]] == [(4, 1, 4), (8, 2, 4)]
+    for r in record["rows"]:
+        assert all(r[k] > 0 for k in ("build_ms", "dispatch_ms", "wait_ms", "eval_ms", "serial_ms", "steady_ms"))
+        assert 0 < r["host_share"] <= 1 and r["steady_tok_s"] == pytest.approx(r["rows"] / r["steady_ms"] * 1e3)
+        assert r["primitives"] > 20 and sum(r["by_type"].values()) == r["primitives"] and "Matmul" in r["by_type"]
+    assert "| trainer | 8 (2x4) |" in proc.stdout
+    bad = subprocess.run([sys.executable, script, "--shape", "tiny-qwen2", "--rows", "6", "--group", "4", "--steps",
+                          "1", "--warmup", "0", "--max-new-tokens", "8", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.strip() == "decode_profile: error: --rows 6 is not a multiple of --group 4"

@@ -1,0 +1,60 @@
+"""Helpers the bench scripts share: timing, peak memory, the device and library versions of a record."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+GB = 1024 ** 3
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """Median wall time of `repeats` calls after one warm-up call (compilation, kernel JIT)."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def peak_during(fn) -> tuple[float, float, object]:
+    """-> (peak bytes above what was allocated before, seconds, result)."""
+    mx.eval(mx.zeros(1))
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    return mx.get_peak_memory() - base, seconds, result
+
+
+def nbytes(tree) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(tree))
+
+
+def device_name() -> str:
+    if mx.default_device() == mx.gpu:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+        return f"{platform.machine()} GPU (Metal)" if sys.platform == "darwin" else "GPU"
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def versions() -> dict:
+    import mlx_lm
+
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version()}

@@ -1,0 +1,281 @@
+"""Where a rollout decode step's time goes, at 64, 256 and 1,024 rows: host graph building, dispatch, and
+waiting for the device, next to the per-step time of the trainer's own pipelined loop.
+
+A step builder (STEP_BUILDERS; --builders picks) prefills the rows and hands back a Decoder whose
+`step()` builds one decode step's lazy graph (the model on the KV cache, then the sampler) and returns
+the arrays to evaluate. "trainer" is what mlx_grpo.rollout.generate_rollout runs today: each prompt
+prefilled once and its cache repeated G times, then the fixed-capacity StaticBatchCache with the CUDA
+decode-attention kernel (route_attention) where the kernel serves the model, mlx-lm's BatchKVCache
+elsewhere, the compiled sampler, no EOS (every row decodes). Another decode step (a new engine) plugs in
+as another entry of STEP_BUILDERS.
+
+Per row count, after --warmup steps, over --steps steps each (milliseconds per step, medians):
+  build     wall time of building the step's graph, nothing evaluated (Python + MLX graph construction)
+  dispatch  wall time of mx.async_eval on it (graph walk, kernel launches; returns before the device ends)
+  wait      from async_eval's return until mx.eval returns: device work still running
+  eval      dispatch + wait: from async_eval to completion
+  serial    build + eval: one step with nothing overlapped
+  steady    the trainer's loop: step i+1 built while step i runs (async_eval, a sync every 8 steps as
+            rollout._decode does), total wall time / steps
+  host %    (build + dispatch) / serial: the share of a serial step the host spends
+and the primitives (graph nodes) of one step: mx.export_to_dot of its outputs, unique primitive nodes
+(weights and the cache are evaluated inputs, not nodes), with a count per primitive type in the JSON.
+The graph is the one the device runs: on a CPU, mx.fast's RMSNorm/RoPE/attention build their unfused
+fallbacks, so it has more nodes than on a GPU, and "dispatch" includes compute run on the host.
+
+    python bench/decode_profile.py --out bench-results                        # SmolLM2-135M, bf16
+    python bench/decode_profile.py --shape qwen2.5-0.5b --out bench-results
+    python bench/decode_profile.py --shape tiny-qwen2 --rows 4,8 --dtype float32 --steps 4 --warmup 2 \\
+        --max-new-tokens 16 --out /tmp/profile.json                            # a CPU smoke run
+
+Prints a markdown table; writes the JSON record to --out (a .json file, or a directory for
+decode_profile-<time>.json). The timings are wall-clock timers, not a trace: for kernel-level detail run
+the same command under `nsys profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+from mlx_grpo.blas import use_optimized_blas
+from mlx_grpo.errors import UserError
+
+PROG = "decode_profile"
+try:
+    BLAS = use_optimized_blas()  # before mlx.core is imported, as the CLI does
+except UserError as exc:
+    print(f"{PROG}: error: {exc}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+import re  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from contextlib import contextmanager, nullcontext  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import shapes  # noqa: E402
+from bench_util import device_name, versions  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class Decoder:
+    """One rollout's decode state. step() builds the next step's lazy graph and returns the arrays to
+    evaluate, the last of them being what the loop synchronises on every `sync_every` steps."""
+
+    def __init__(self, step, sync_every: int, info: dict):
+        self._step, self.sync_every, self.info = step, sync_every, info
+        self.index = 1  # the prefill's logits gave token 0
+
+    def step(self) -> list[mx.array]:
+        outputs = self._step(self.index)
+        self.index += 1
+        return outputs
+
+
+@contextmanager
+def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+    """The decode step of mlx_grpo.rollout.generate_rollout (default settings, ignore_eos, temperature 1,
+    no top-k/top-p), from its own pieces; yields a Decoder over N = len(prompts) * group rows."""
+    from mlx_grpo import rollout as R
+
+    params = R.SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
+    eos = mx.array([-1], dtype=mx.int32)  # as generate_rollout with ignore_eos: no row ends
+    logits, caches = R._prefill(model, prompts, pad_id=0)
+    logits = mx.repeat(logits, group, axis=0)  # [N, V]
+    n = logits.shape[0]
+    row_keys = mx.random.split(mx.random.key(seed), n)
+    plain = R.supports_static_cache(model)
+    kernel = plain and R.kernel_serves(model, caches[0].keys.shape[-1])
+    static = plain and kernel  # generate_rollout's default (static_cache=None)
+    with R.route_attention(model, R.StaticBatchCache) if static else nullcontext(False) as routed:
+        if static:
+            caches = R._static_caches(caches, group, caches[0]._idx + max_new_tokens, bool(routed))
+        else:
+            R._repeat_caches(caches, group)
+        keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys)  # [N, T, 2]
+        sampler = R.make_sampler(params, eos)
+        state = list(sampler(logits, keys[:, 0], mx.zeros((n,), dtype=mx.bool_)))
+        mx.eval(state, keys)
+
+        def step(index: int) -> list[mx.array]:
+            token, ended = state[0], state[3]
+            out = model(token[:, None], cache=caches)[:, -1, :]
+            state[:] = sampler(out, keys[:, index], ended)  # token, logprob, entropy, ended
+            return list(state)
+
+        yield Decoder(step, sync_every=8, info={"cache": "StaticBatchCache" if static else "BatchKVCache",
+                                                "attention_kernel": bool(static and routed)})
+
+
+STEP_BUILDERS = {"trainer": trainer_step}  # name -> context manager yielding a Decoder
+
+
+def count_primitives(outputs: list[mx.array]) -> dict:
+    """Unique primitive nodes of the graph that computes `outputs` (not yet evaluated), by type."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "step.dot"
+        mx.export_to_dot(str(path), *outputs)
+        text = path.read_text()
+    nodes = dict(re.findall(r'\{ (\d+) \[label ="([^"]*)", shape=rectangle\]', text))
+    kinds = Counter(nodes.values())
+    return {"primitives": len(nodes), "by_type": dict(kinds.most_common())}
+
+
+def profile(decoder: Decoder, warmup: int, steps: int) -> dict:
+    for _ in range(warmup):  # kernel compiles, the sampler's trace, allocator growth
+        mx.eval(decoder.step())
+    # the trainer's loop: build step i+1 while step i runs on the device
+    outputs = decoder.step()
+    mx.eval(outputs)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        if decoder.sync_every and decoder.index % decoder.sync_every == 0:
+            mx.eval(outputs[-1])
+        outputs = decoder.step()
+        mx.async_eval(outputs)
+    mx.eval(outputs)
+    steady = (time.perf_counter() - t0) / steps
+    # one step at a time, nothing overlapped: build | dispatch | wait
+    build, dispatch, wait = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outputs = decoder.step()
+        t1 = time.perf_counter()
+        mx.async_eval(outputs)
+        t2 = time.perf_counter()
+        mx.eval(outputs)
+        t3 = time.perf_counter()
+        build.append(t1 - t0)
+        dispatch.append(t2 - t1)
+        wait.append(t3 - t2)
+    try:
+        graph = count_primitives(decoder.step())
+    except Exception as exc:  # noqa: BLE001 - a primitive export_to_dot cannot print: keep the timings
+        graph = {"primitives": None, "error": f"{type(exc).__name__}: {exc}"}
+    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    serial = [b + d + w for b, d, w in zip(build, dispatch, wait)]
+    return {"build_ms": ms(build), "dispatch_ms": ms(dispatch), "wait_ms": ms(wait),
+            "eval_ms": ms([d + w for d, w in zip(dispatch, wait)]), "serial_ms": ms(serial),
+            "steady_ms": 1e3 * steady, "host_share": statistics.median(
+                (b + d) / s for b, d, s in zip(build, dispatch, serial)),
+            "build_ms_mean": 1e3 * statistics.mean(build), "eval_ms_mean": 1e3 * statistics.mean(
+                [d + w for d, w in zip(dispatch, wait)]), **graph}
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of random ids, lengths spread over [length / 2, length]: rows with left padding."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max(1, length // 2), length + 1, size=n)
+    return [rng.integers(3, vocab, size=int(k)).tolist() for k in lengths]
+
+
+def load(args):
+    """-> (model, description)."""
+    dtype = getattr(mx, args.dtype)
+    if args.shape:
+        return shapes.build(args.shape, dtype), f"{args.shape} (random weights)"
+    from mlx_grpo.models.loading import load_model
+
+    return load_model(args.model, args.dtype)[0], args.model
+
+
+def markdown(result: dict) -> str:
+    lines = ["| step | rows (BxG) | build ms | dispatch ms | wait ms | eval ms | serial ms | steady ms | "
+             "steady tok/s | host % | primitives |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "---: | ---: | ---: |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['builder']} | {r['rows']} ({r['B']}x{r['G']}) | {r['build_ms']:.2f} | "
+                     f"{r['dispatch_ms']:.2f} | {r['wait_ms']:.2f} | {r['eval_ms']:.2f} | {r['serial_ms']:.2f} | "
+                     f"{r['steady_ms']:.2f} | {r['steady_tok_s']:,.0f} | {100 * r['host_share']:.0f}% | "
+                     f"{r['primitives'] if r['primitives'] is not None else 'n/a'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or MLX directory")
+    ap.add_argument("--shape", default="", choices=["", *shapes.SHAPES],
+                    help="a random-weight model of this architecture instead of --model (bench/shapes.py)")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--rows", default="64,256,1024", help="decode rows N = B x G, comma-separated")
+    ap.add_argument("--group", type=int, default=16, help="G completions per prompt (B = N / G prompts)")
+    ap.add_argument("--prompt-len", type=int, default=160, help="longest prompt; lengths spread over [1/2, 1]x")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="the rollout's length: the cache capacity")
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=32, help="steps timed in each mode")
+    ap.add_argument("--builders", default=",".join(STEP_BUILDERS), help=f"any of {', '.join(STEP_BUILDERS)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench-results", help="JSON file (*.json) or directory for the record")
+    args = ap.parse_args(argv)
+    builders = [b.strip() for b in args.builders.split(",") if b.strip()]
+    if set(builders) - set(STEP_BUILDERS) or not builders:
+        ap.error(f"--builders: choose from {', '.join(STEP_BUILDERS)}")
+    try:
+        rows = [int(x) for x in args.rows.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--rows: comma-separated integers, got {args.rows!r}")
+    needed = args.warmup + 2 * args.steps + 3
+    if not rows or min(rows) < 1 or args.steps < 1 or args.warmup < 0 or args.group < 1:
+        ap.error("--rows, --steps and --group must be positive, --warmup not negative")
+    if args.max_new_tokens < needed:
+        ap.error(f"--max-new-tokens {args.max_new_tokens} is shorter than the {needed} steps profiled "
+                 "(warm-up + 2 x steps + 3)")
+    try:
+        return run(args, rows, builders, argv)
+    except UserError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args, rows: list[int], builders: list[str], argv) -> int:
+    model, name = load(args)
+    vocab = model.args.vocab_size
+    result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(), "blas": BLAS,
+              "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
+              "workload": {"model": name, "dtype": args.dtype, "parameters": shapes.parameter_count(model),
+                           "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+                           "warmup": args.warmup, "steps": args.steps, "group": args.group},
+              "rows": []}
+    print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "
+          f"model {name}, {args.dtype}", flush=True)
+    for builder in builders:
+        for n in rows:
+            g = min(args.group, n)
+            b = n // g
+            if b * g != n:
+                raise UserError(f"--rows {n} is not a multiple of --group {g}")
+            prompts = make_prompts(b, args.prompt_len, min(vocab, 49152), args.seed)
+            with STEP_BUILDERS[builder](model, prompts, g, args.max_new_tokens, args.seed) as decoder:
+                r = {"builder": builder, "rows": n, "B": b, "G": g, **decoder.info,
+                     **profile(decoder, args.warmup, args.steps)}
+            r["steady_tok_s"] = n / (r["steady_ms"] / 1e3)
+            print(f"{builder} {n} rows: build {r['build_ms']:.2f} + eval {r['eval_ms']:.2f} ms serial; steady "
+                  f"{r['steady_ms']:.2f} ms/step ({r['steady_tok_s']:,.0f} tok/s); {r['primitives']} primitives",
+                  flush=True)
+            result["rows"].append(r)
+            mx.clear_cache()
+    out = Path(args.out)
+    if out.suffix != ".json":
+        out = out / f"decode_profile-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    print()
+    print(markdown(result))
+    for r in result["rows"]:
+        top = ", ".join(f"{k} {v}" for k, v in list(r.get("by_type", {}).items())[:6])
+        print(f"{r['builder']} {r['rows']} rows, primitives per step by type: {top or r.get('error', 'n/a')}")
+    print(f"\nJSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
