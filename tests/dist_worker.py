@@ -20,7 +20,7 @@ def main(out: str, items: list[str]) -> None:
     trainer = build_trainer(cfg, world)
     steps = [trainer.batch_step(trainer.next_examples())[0] for _ in range(cfg.gradient_accumulation_steps)]
     for step in steps:
-        step.resolve()
+        trainer.resolve(step)
     grads, sums = trainer.gradients(steps)
     if world.is_main:
         arrays = {f"grad/{k}": np.array(v) for k, v in tree_flatten(grads)}

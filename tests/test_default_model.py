@@ -74,5 +74,5 @@ def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, 
     cfg = build_config("train", str(root / "configs" / "smoke_test.toml"), parse_set([f"output_dir={tmp_path}"]))
     trainer = build_trainer(cfg)
     step, stats = trainer.batch_step(trainer.next_examples())
-    step.resolve()
+    trainer.resolve(step)
     assert stats["zero_std"] < 1.0 and float(np.std(stats["rewards"])) > 0

@@ -11,7 +11,7 @@ from mlx.utils import tree_map_with_path
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from mlx_grpo.loss import completion_logprobs, pack
+from mlx_grpo.models.forward import completion_logprobs, pack
 from mlx_grpo.policy import logprob_pass
 from mlx_grpo.rollout import Rollout, SamplingParams, _finish, encode_chat_prompt, generate_rollout
 
@@ -89,7 +89,7 @@ def test_sampler_logprobs_equal_padded_full_forward(tiny, temperature):
     # policy.logprob_pass: right-padded, length-sorted micro-batches, no cache
     recomputed = _np(logprob_pass(model, r, temperature, micro_batch=4, pad_id=PAD))
     np.testing.assert_allclose(recomputed * mask, sampler * mask, atol=1e-4, rtol=0)
-    # loss.completion_logprobs on the whole packed batch
+    # forward.completion_logprobs on the whole packed batch
     batch = pack(r.row_prompts, r.completion_ids, r.mask, PAD)
     direct = _np(completion_logprobs(model, batch, temperature))
     np.testing.assert_allclose(direct * mask, sampler * mask, atol=1e-4, rtol=0)
@@ -440,7 +440,7 @@ def test_kernel_routing_decodes_like_the_growing_cache(tiny, monkeypatch):
 def test_attention_routing_is_restored_after_an_error(tiny):
     import mlx_lm.models.llama as llama_module
 
-    from mlx_grpo.decode_attention import route_attention
+    from mlx_grpo.models.decode_attention import route_attention
     from mlx_grpo.rollout import StaticBatchCache
 
     model, _ = tiny

@@ -1,7 +1,8 @@
-"""The GRPO objective as pure array functions: advantages, token log-probs, the clipped loss with KL.
+"""The GRPO objective as pure array functions: advantages, the clipped loss with KL, its per-row weights.
 
-Notation: N = B*G sequences (B prompts, G completions each), T completion tokens, V vocabulary.
-Log-probs are taken under logits / temperature, the distribution the sampler drew from.
+Notation: N = B*G sequences (B prompts, G completions each), T completion tokens.
+Log-probs come in as arrays (models/forward.py computes them under logits / temperature, the
+distribution the sampler drew from); nothing here touches a model.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 ADV_EPS = 1e-4
@@ -38,13 +38,6 @@ def group_advantages(rewards: mx.array, group_size: int, scale: str = "group") -
     flat = grouped.max(axis=1, keepdims=True) == grouped.min(axis=1, keepdims=True)  # [B, 1]
     adv = mx.where(flat, 0.0, centered / denom)  # [B, G]
     return adv.reshape(-1)  # [N]
-
-
-def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx.array:
-    """log softmax(logits / temperature)[token], in float32. logits [..., V], tokens [...] -> [...]."""
-    scaled = logits.astype(mx.float32) / temperature  # [..., V]
-    picked = mx.take_along_axis(scaled, tokens[..., None], axis=-1).squeeze(-1)  # [...]
-    return picked - mx.logsumexp(scaled, axis=-1)  # [...]
 
 
 @dataclass(frozen=True)
@@ -237,211 +230,3 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
                     ratio_max=mx.where(present, terms.ratio, -mx.inf).max(), sampler_kl=sampler_kl,
                     sampler_diff_max=diff_max, is_weight=(terms.is_weight * kept).sum(),
                     is_capped=(terms.is_capped * kept).sum())
-
-
-# ----------------------------------------------------------------------------- model passes
-
-@dataclass
-class PackedBatch:
-    """Prompt + completion rows, right-padded, with where each completion token's logit sits.
-
-    inputs [n, L] token ids; positions [n, T] index of the logit that predicts completion token t;
-    targets [n, T] the sampled completion ids; mask [n, T] 1 for real completion tokens.
-    """
-
-    inputs: mx.array
-    positions: mx.array
-    targets: mx.array
-    mask: mx.array
-
-
-# Sequence lengths are rounded up to a multiple of this: the GPU backend builds (and caches) kernels and
-# attention plans per shape, and a new plan for every micro-batch costs more than the padding.
-SHAPE_BUCKET = 64
-
-
-def bucket(length: int) -> int:
-    return -(-length // SHAPE_BUCKET) * SHAPE_BUCKET
-
-
-def packed_width(widest_prompt: int, completion_width: int) -> int:
-    """Columns of a packed batch: the widest prompt plus the completion width, bucketed."""
-    return bucket(widest_prompt + completion_width)
-
-
-def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id: int) -> PackedBatch:
-    """Right-pad each prompt+completion row; padding sits after every real token, so a causal model
-    gives the real tokens exactly the logits they would get unpadded. prompts: one per row."""
-    n, T = completions.shape
-    lengths = [len(p) for p in prompts]
-    width = packed_width(max(lengths), T)
-    rows = []
-    comp = completions.tolist()
-    for prompt, completion in zip(prompts, comp):
-        row = prompt + completion
-        rows.append(row + [pad_id] * (width - len(row)))
-    inputs = mx.array(rows, dtype=mx.int32)  # [n, L]
-    positions = mx.array(lengths, dtype=mx.int32)[:, None] - 1 + mx.arange(T, dtype=mx.int32)[None]  # [n, T]
-    return PackedBatch(inputs, positions, completions.astype(mx.int32), mask.astype(mx.float32))
-
-
-class LogitSplit(NamedTuple):
-    """How a model family computes its logits: u = head(inner(inputs)), then logits = cap * tanh(u / cap)
-    when softcap is set, else u. The head is _head(model): the untied lm_head, else the tied embedding."""
-
-    inner: str  # attribute holding the inner model: inputs [n, L] -> final hidden states [n, L, D]
-    softcap: float | None
-
-
-# mlx-lm's nanochat applies `softcap(logits)` with its default cap=15.0 (mlx_lm/models/nanochat.py); the
-# cap is neither a config field nor a module attribute there, so it is restated here.
-NANOCHAT_SOFTCAP = 15.0
-
-# The model families whose logits completion_logprobs computes from hidden states at the completion
-# positions only (llama/mistral/qwen2/qwen3: exactly head(model.model(x)), no cap or scaling after it);
-# any other model_type takes the full-logits path, model(inputs).
-LOGIT_SPLITS = {
-    **{kind: LogitSplit("model", None) for kind in ("llama", "mistral", "qwen2", "qwen3")},
-    "nanochat": LogitSplit("transformer", NANOCHAT_SOFTCAP),  # untied lm_head
-}
-
-
-# Tokens per output-head chunk are chosen so one chunk's float32 logits stay near this many elements
-# (2^25 floats = 128 MB): memory for log-probs is then bounded whatever the batch or vocabulary size.
-LOGIT_CHUNK_ELEMENTS = 2 ** 25
-
-
-def _head(model: nn.Module) -> tuple[nn.Module, callable]:
-    """The output head as (module owning its weights, function hidden [..., D] -> logits [..., V])."""
-    if hasattr(model, "lm_head"):
-        return model.lm_head, model.lm_head
-    embed = model.model.embed_tokens
-    return embed, embed.as_linear
-
-
-def soft_capped(logits: mx.array, softcap: float | None) -> mx.array:
-    """softcap * tanh(logits / softcap) in float32; logits unchanged without a cap. [..., V] -> [..., V]"""
-    if softcap is None:
-        return logits
-    return softcap * mx.tanh(logits.astype(mx.float32) / softcap)
-
-
-def linear_head_logprobs(hidden: mx.array, weight: mx.array, targets: mx.array, temperature: float,
-                         chunk: int, softcap: float | None = None) -> mx.array:
-    """log softmax(z)[targets] with z = u / temperature, u = hidden @ weight.T, or z = cap * tanh(u / cap)
-    / temperature with a soft cap; chunk by chunk, with a hand-written backward pass.
-    hidden [M, D], weight [V, D], targets [M] -> [M].
-
-    Each chunk's logits are recomputed in the backward pass and fully consumed (both gradients) before
-    the next chunk starts (mx.depends orders them), so at most one chunk of [chunk, V] logits exists,
-    forward or backward. Autograd over separate chunks would keep every chunk's probabilities alive
-    until the hidden-state gradient is assembled."""
-    M = hidden.shape[0]
-    bounds = [(i, min(M, i + chunk)) for i in range(0, M, chunk)]
-
-    def chunk_logits(h, w):
-        """z [C, V], and tanh(u / cap) [C, V] for the backward pass (None without a cap)."""
-        u = (h @ w.T).astype(mx.float32)  # [C, V]
-        if softcap is None:
-            return u / temperature, None
-        t = mx.tanh(u / softcap)  # [C, V]
-        return t * (softcap / temperature), t
-
-    @mx.custom_function
-    def head(h, w):
-        parts, previous = [], None
-        for lo, hi in bounds:
-            h_i = h[lo:hi] if previous is None else mx.depends(h[lo:hi], previous)
-            z, _ = chunk_logits(h_i, w)
-            picked = mx.take_along_axis(z, targets[lo:hi, None], axis=-1).squeeze(-1)
-            previous = picked - mx.logsumexp(z, axis=-1)  # [C]
-            parts.append(previous)
-        return mx.concatenate(parts)
-
-    @head.vjp
-    def head_vjp(primals, cotangent, output):
-        h, w = primals
-        d_h, d_w, previous = [], mx.zeros(w.shape, dtype=mx.float32), None
-        for lo, hi in bounds:
-            h_i = h[lo:hi] if previous is None else mx.depends(h[lo:hi], previous)
-            z, t = chunk_logits(h_i, w)
-            # d lp / d u = (onehot(target) - softmax(z)) / T, scaled by the cotangent of lp
-            probs = mx.softmax(z, axis=-1)  # [C, V]
-            onehot = mx.arange(z.shape[-1])[None, :] == targets[lo:hi, None]
-            g = (onehot.astype(mx.float32) - probs) * (cotangent[lo:hi, None] / temperature)  # [C, V]
-            if t is not None:  # chain rule through the cap: d(cap * tanh(u / cap)) / du = 1 - tanh^2
-                g = g * (1 - t * t)
-            g = g.astype(w.dtype)
-            d_h.append(g @ w)  # [C, D]
-            d_w = d_w + (g.T @ h_i).astype(mx.float32)  # [V, D]
-            previous = [d_h[-1], d_w]
-        return mx.concatenate(d_h).astype(h.dtype), d_w.astype(w.dtype)
-
-    return head(hidden, weight)
-
-
-def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, temperature: float,
-                  chunk_tokens: int | None = None, softcap: float | None = None) -> mx.array:
-    """Log-probs of targets under the model's output head applied to hidden (then the soft cap, if
-    any), in token chunks. hidden [n, T, D], targets [n, T] -> [n, T]."""
-    n, T, D = hidden.shape
-    module, project = _head(model)
-    vocab = module.weight.shape[0]
-    chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    flat_h, flat_t = hidden.reshape(n * T, D), targets.reshape(n * T)  # [n*T, D], [n*T]
-    if n * T <= chunk:
-        return token_logprobs(soft_capped(project(flat_h), softcap), flat_t, temperature).reshape(n, T)
-    if isinstance(module, (nn.Linear, nn.Embedding)) and "bias" not in module:
-        return linear_head_logprobs(flat_h, module.weight, flat_t, temperature, chunk, softcap).reshape(n, T)
-    # Other heads (quantized: rollout copies, QLoRA bases; frozen) are projected chunk by chunk by autograd.
-    parts = [token_logprobs(soft_capped(project(flat_h[i:i + chunk]), softcap), flat_t[i:i + chunk],
-                            temperature) for i in range(0, n * T, chunk)]
-    return mx.concatenate(parts).reshape(n, T)
-
-
-def _layer_stack(inner: nn.Module):
-    """(embed, layers, final norm) of an inner model whose layers take (x, mask, cache) under full causal
-    attention, so each layer can be recomputed alone; None for other shapes (sliding windows, ...)."""
-    if all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm")):
-        if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
-            return None
-        return inner.embed_tokens, inner.layers, inner.norm
-    if all(hasattr(inner, name) for name in ("wte", "h")):  # nanochat: weightless norms after the embedding
-        from mlx_lm.models.nanochat import rms_norm
-
-        return (lambda x: rms_norm(inner.wte(x))), inner.h, rms_norm
-    return None
-
-
-def supports_layer_checkpointing(model: nn.Module) -> bool:
-    """Whether checkpoint_layers has an effect for this model (the trainer warns when it has none)."""
-    split = LOGIT_SPLITS.get(getattr(model, "model_type", None))
-    return split is not None and _layer_stack(getattr(model, split.inner)) is not None
-
-
-def hidden_states(inner: nn.Module, inputs: mx.array, checkpoint_layers: bool = False) -> mx.array:
-    """The inner model's final hidden states [n, L, D]. With checkpoint_layers each transformer layer is
-    recomputed in the backward pass, so training keeps only the layers' inputs, not their activations."""
-    stack = _layer_stack(inner) if checkpoint_layers else None
-    if stack is None:
-        return inner(inputs)
-    embed, layers, norm = stack
-    h = embed(inputs)  # [n, L, D]
-    for layer in layers:
-        h = nn.utils.checkpoint(layer, lambda x, layer=layer: layer(x, "causal", None))(h)
-    return norm(h)
-
-
-def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float,
-                        chunk_tokens: int | None = None, checkpoint_layers: bool = False) -> mx.array:
-    """Log-probs [n, T] of the completion tokens. For the families in LOGIT_SPLITS only the T completion
-    positions go through the output head, in chunks, so [n, L, V] logits never exist."""
-    split = LOGIT_SPLITS.get(getattr(model, "model_type", None))
-    if split is not None:
-        hidden = hidden_states(getattr(model, split.inner), batch.inputs, checkpoint_layers)  # [n, L, D]
-        idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
-        picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
-        return head_logprobs(model, picked, batch.targets, temperature, chunk_tokens, split.softcap)  # [n, T]
-    full = model(batch.inputs)  # [n, L, V]
-    logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
-    return token_logprobs(logits, batch.targets, temperature)  # [n, T]

@@ -19,9 +19,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import Config
 from mlx_grpo.distributed import World
-from mlx_grpo.loss import (LossSums, Objective, PackedBatch, bucket, combine_sums, completion_logprobs,
-                           objective_sums, pack, packed_width, row_scales)
+from mlx_grpo.loss import LossSums, Objective, combine_sums, objective_sums, row_scales
 from mlx_grpo.models.adapters import adapters_disabled
+from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
 from mlx_grpo.rollout import Rollout
 
 ROLLOUT_QUANT_BITS = 4
@@ -33,10 +33,10 @@ class StepData:
     """One batch step's rollout with everything the loss needs."""
 
     rollout: Rollout
-    advantages: mx.array | None  # [N]; None until resolve() has run
+    advantages: mx.array | None  # [N]; None while `pending`
     old_logprobs: mx.array | None  # [N, T]; None: the sampler is the current model (ratio 1 at start)
     ref_logprobs: mx.array | None  # [N, T]; None when kl_coeff = 0
-    resolve: object = None  # set while the rewards (hence advantages) are still being computed
+    pending: object = None  # trainer.PendingRewards while the rewards are still being computed; then None
 
 
 class Policies:

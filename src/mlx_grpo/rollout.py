@@ -24,8 +24,8 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_grpo.decode_attention import kernel_serves, left_padded_attention, route_attention
-from mlx_grpo.loss import bucket
+from mlx_grpo.models.decode_attention import kernel_serves, left_padded_attention, route_attention
+from mlx_grpo.models.forward import bucket
 
 
 @dataclass

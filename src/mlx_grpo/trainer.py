@@ -28,8 +28,9 @@ from mlx_grpo.config import Config
 from mlx_grpo.distributed import World, zero_gradients
 from mlx_grpo.data import EpochSampler, Example, load_examples, reward_columns, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.loss import LossSums, empty_sums, group_advantages, supports_layer_checkpointing
+from mlx_grpo.loss import LossSums, empty_sums, group_advantages
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, adapter_parameters, apply_adapters, quantize_base
+from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
@@ -81,6 +82,16 @@ class Draw:
     t_rollout: float
     t_reward: float
     flags: np.ndarray | None = None  # [B] groups with reward variance, over all ranks (dynamic sampling)
+
+
+@dataclass
+class PendingRewards:
+    """What a batch step still needs from its rewards, which may be computing in the reward workers;
+    Trainer.resolve collects them."""
+
+    draws: list[Draw]  # every draw of the batch step (dynamic sampling may draw more than one)
+    stats: dict  # the batch step's stats: resolve adds their reward part
+    selected: RewardScores | None = None  # dynamic sampling: the scores of the groups trained on
 
 
 @dataclass
@@ -202,8 +213,8 @@ class Trainer:
 
     def batch_step(self, examples: list[Example]) -> tuple[StepData, dict]:
         """Generate (and, with dynamic sampling, filter) one batch step and run its old/reference log-prob
-        passes. Its rewards may still be computing: `resolve` (called by update) collects them and sets
-        the advantages and the reward stats."""
+        passes. Its rewards may still be computing: the step holds them as `pending`, and `resolve`
+        (called by update) collects them and sets the advantages and the reward stats."""
         cfg = self.cfg
         draws = [self._draw(examples)]
         selected = None
@@ -235,21 +246,24 @@ class Trainer:
                  "groups_trained": len(examples), "entropy_sum": float(sum(e.sum() for e in entropies)),
                  "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,
                  "tokens": int(sum(r.lengths.sum() for r in drawn))}
-        step = StepData(rollout, None, old, ref)
-        step.resolve = lambda: self._resolve(step, stats, draws, selected)
-        return step, stats
+        return StepData(rollout, None, old, ref, PendingRewards(draws, stats, selected)), stats
 
-    def _resolve(self, step: StepData, stats: dict, draws: list[Draw], selected) -> None:
-        """Collect a batch step's rewards: its advantages and the reward part of its stats."""
-        G = self.cfg.num_generations
-        scores = selected if selected is not None else self._scores(draws[0])
+    def resolve(self, step: StepData) -> None:
+        """Collect a batch step's pending rewards (waiting for them if the workers are still at it): its
+        advantages and the reward part of its stats. Does nothing for a resolved step."""
+        pending = step.pending
+        if pending is None:
+            return
+        G, draws = self.cfg.num_generations, pending.draws
+        scores = pending.selected if pending.selected is not None else self._scores(draws[0])
         step.advantages = self._advantages(scores.total)  # [N]
         drawn = RewardScores.concat([self._scores(d) for d in draws])
         grouped = drawn.total.reshape(-1, G)
-        stats.update(rewards=scores.total, per_func=scores.per_func, advantages=np.array(step.advantages.tolist()),
-                     drawn_scores=drawn, zero_std=float(np.mean(grouped.max(1) == grouped.min(1))),
-                     t_reward=sum(d.t_reward for d in draws))
-        step.resolve = None
+        pending.stats.update(rewards=scores.total, per_func=scores.per_func,
+                             advantages=np.array(step.advantages.tolist()),
+                             drawn_scores=drawn, zero_std=float(np.mean(grouped.max(1) == grouped.min(1))),
+                             t_reward=sum(d.t_reward for d in draws))
+        step.pending = None
 
     def _advantages(self, totals: np.ndarray) -> mx.array:
         """Group-normalised advantages [N] of this rank's rows; scale_rewards = batch takes its std over
@@ -288,8 +302,7 @@ class Trainer:
         lr = learning_rate_at(self.schedule_position(), self.total_updates, cfg)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         for s in steps:  # waiting for rewards counts in time_reward_s, not in the training time
-            if s.resolve is not None:
-                s.resolve()
+            self.resolve(s)
         t0 = time.perf_counter()
         grads, sums = self.gradients(steps)
         result = {"lr": lr, "loss": None, "grad_norm": None, "kl": None, "clip_fraction": None,
