@@ -122,16 +122,16 @@ def test_a_sampler_that_differs_shows_the_mismatch_and_tis_truncates_it(tiny_mod
     """A sampler whose log-probs are 0.05 below the trainer's on every sampled token: the logged k3 KL is
     exp(0.05) - 0.05 - 1 per token and the largest difference 0.05; token_truncate caps every ratio
     exp(0.05) at the cap."""
-    from mlx_grpo import trainer as trainer_mod
+    from mlx_grpo.engine import RolloutEngine
 
-    real = trainer_mod.generate_rollout
+    real = RolloutEngine.generate
 
     def shifted(*args, **kwargs):
         rollout = real(*args, **kwargs)
         rollout.sampler_logprobs = (rollout.sampler_logprobs - 0.05) * rollout.mask
         return rollout
 
-    monkeypatch.setattr(trainer_mod, "generate_rollout", shifted)
+    monkeypatch.setattr(RolloutEngine, "generate", shifted)
     run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "learning_rate=1e-3", "max_train_samples=4",
                                  "rollout_correction=token_truncate", "rollout_correction_cap=1.01"))
     for row in _metrics(run):

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_grpo.models.forward import completion_logprobs, pack
 from mlx_grpo.policy import logprob_pass
-from mlx_grpo.rollout import Rollout, SamplingParams, _finish, encode_chat_prompt, generate_rollout
+from mlx_grpo.rollout import Rollout, SamplingParams, finish_rollout, encode_chat_prompt, generate_rollout
 
 EOS = 2  # <|im_end|> in the conftest tokenizer
 PAD = 0  # <|endoftext|>
@@ -229,7 +229,7 @@ def test_finish_cuts_after_first_eos(tiny):
     ids = mx.array(rows, dtype=mx.int32)
     lps = mx.array(-np.arange(1, 26, dtype=np.float32).reshape(5, 5) / 10)
     params = SamplingParams(max_new_tokens=T, temperature=1.0)
-    r = _finish(tok, [[5, 6]], ids, lps, mx.zeros(ids.shape), [EOS], PAD, params, 5, "pre:")
+    r = finish_rollout(tok, [[5, 6]], ids, lps, mx.zeros(ids.shape), [EOS], PAD, params, 5, "pre:")
     lengths = [3, 1, 5, 5, 2]
     assert r.lengths.tolist() == lengths
     assert r.truncated.tolist() == [False, False, False, True, False]
@@ -253,7 +253,7 @@ def test_finish_stop_strings(tiny):
     ids = mx.array(rows, dtype=mx.int32)
     lps = mx.full((5, 5), -0.5)
     params = SamplingParams(max_new_tokens=5, temperature=1.0, stop=("x",))
-    r = _finish(tok, [[5]], ids, lps, mx.zeros(ids.shape), [EOS], PAD, params, 5, "")
+    r = finish_rollout(tok, [[5]], ids, lps, mx.zeros(ids.shape), [EOS], PAD, params, 5, "")
     assert r.lengths.tolist() == [3, 1, 3, 3, 5]
     assert r.texts == ["abx", "x", "ab", "a x", "abcde"]
     assert r.truncated.tolist() == [False, False, False, False, True]
@@ -267,7 +267,7 @@ def test_finish_multi_token_stop_string(tiny):
     T = max(len(x) for x in rows)
     rows = [x + _ids(tok, "z") * (T - len(x)) for x in rows]
     params = SamplingParams(max_new_tokens=T, temperature=1.0, stop=("</answer>", "QQ"))
-    r = _finish(tok, [[5]], mx.array(rows, dtype=mx.int32), mx.zeros((2, T)), mx.zeros((2, T)), [EOS], PAD, params, 2, "P")
+    r = finish_rollout(tok, [[5]], mx.array(rows, dtype=mx.int32), mx.zeros((2, T)), mx.zeros((2, T)), [EOS], PAD, params, 2, "P")
     assert r.lengths.tolist() == [len(_ids(tok, "aa</answer>")), T]
     assert r.texts[0] == "Paa</answer>" and r.texts[0].endswith("</answer>")
     assert r.truncated.tolist() == [False, True]

@@ -20,7 +20,8 @@ from mlx_grpo.config import Config, save_json
 from mlx_grpo.data import Example, load_examples, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
-from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
+from mlx_grpo.engine import RolloutEngine
+from mlx_grpo.rollout import SamplingParams, encode_chat_prompt
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
@@ -50,6 +51,7 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
                             cfg.min_p, tuple(cfg.stop))
     records = []
+    engine = RolloutEngine(tokenizer).refresh(model)
     key = mx.random.key(cfg.seed if seed is None else seed)
     bar = tqdm(total=len(examples), desc="eval", unit="example", leave=False, disable=None if progress else True)
     for start in range(0, len(examples), cfg.eval_batch_size):
@@ -57,7 +59,7 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
         prompts = [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
                                       cfg.max_prompt_length)[0] for e in chunk]
         key, sub = mx.random.split(key)
-        rollout = generate_rollout(model, tokenizer, prompts, num_samples, params, sub, cfg.prefill)
+        rollout = engine.generate(prompts, num_samples, params, sub, cfg.prefill)
         for i, example in enumerate(chunk):
             texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
             correct = [answers_match(extract_answer(t), example.answer) for t in texts]

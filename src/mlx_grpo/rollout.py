@@ -124,7 +124,7 @@ def _repeat_caches(caches: list, group_size: int) -> None:
         cache.left_padding = mx.repeat(cache.left_padding, group_size, axis=0)
 
 
-def _stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
+def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
     """Number of tokens up to and including the one that completes the first stop string, if any."""
     if not stops or not any(s in tokenizer.decode(ids) for s in stops):
         return None
@@ -262,7 +262,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
         else:
             _repeat_caches(caches, group_size)
         ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every)
-    return _finish(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
+    return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
 def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int):
@@ -292,10 +292,10 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
 
 def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...]) -> bool:
     ids = mx.stack(tokens, axis=1).tolist()
-    return all(done or _stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
+    return all(done or stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
 
 
-def _finish(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
+def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
             params: SamplingParams, group_size: int, prefill_text: str) -> Rollout:
     """Cut each row after its EOS (or stop string), build the mask and the texts."""
     rows = ids.tolist()
@@ -304,7 +304,7 @@ def _finish(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eo
     lengths, texts, truncated = [], [], []
     for row in rows:
         end = next((i + 1 for i, t in enumerate(row) if t in eos_set), None)
-        cut = _stop_cut(tokenizer, row[:end] if end else row, params.stop)
+        cut = stop_cut(tokenizer, row[:end] if end else row, params.stop)
         if cut is not None:
             end = cut
         truncated.append(end is None)

@@ -37,7 +37,8 @@ from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_g
                              make_grad_fn)
 from mlx_grpo.reward_workers import RewardRunner, build_reward_set
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
-from mlx_grpo.rollout import (SamplingParams, encode_chat_prompt, generate_rollout, machine_memory_bytes,
+from mlx_grpo.engine import RolloutEngine
+from mlx_grpo.rollout import (SamplingParams, encode_chat_prompt, machine_memory_bytes,
                               rollout_memory_bytes, select_groups)
 
 
@@ -140,6 +141,8 @@ class Trainer:
         # Dropout (lora_dropout) acts only in the gradient pass: rollouts and log-prob passes see the
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
+        # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
+        self.engine = RolloutEngine(self.tokenizer).refresh(self.policies.sampler)
 
     # ------------------------------------------------------------------ one batch step
     def _draw(self, examples: list[Example]) -> Draw:
@@ -163,8 +166,7 @@ class Trainer:
         examples = examples[share]
         keys = row_keys(cfg.seed, self.counters.draws, len(encoded) * G, slice(share.start * G, share.stop * G))
         t0 = time.perf_counter()
-        rollout = generate_rollout(self.policies.sampler, self.tokenizer, [ids for ids, _ in encoded[share]], G,
-                                   self.params, keys, cfg.prefill)
+        rollout = self.engine.generate([ids for ids, _ in encoded[share]], G, self.params, keys, cfg.prefill)
         self.counters.draws += 1
         t1 = time.perf_counter()
         columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
@@ -314,8 +316,11 @@ class Trainer:
                              "(every group was dropped or every completion truncated and masked); update skipped")
         else:
             self._apply(grads, sums, result)
-        if self.policies.separate_old and self.counters.update_step % cfg.update_every == 0:
+        refresh_old = self.policies.separate_old and self.counters.update_step % cfg.update_every == 0
+        if refresh_old:
             self.policies.refresh()
+        if refresh_old or not (self.policies.separate_old or result["skipped"]):  # the sampler's weights changed
+            self.engine.refresh(self.policies.sampler)
         train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
         dt = time.perf_counter() - t0
         return {**result, "t_train": dt, "train_tokens": train_tokens,
@@ -419,6 +424,7 @@ class Trainer:
                                            **dict(tree_flatten(old))}.items()))
             self.policies.refresh(old)
         mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
+        self.engine.refresh(self.policies.sampler)
 
     def _check_adapter_keys(self, weights: dict, path: Path) -> None:
         expected = set(adapter_parameters(self.model))

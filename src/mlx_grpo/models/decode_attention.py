@@ -80,16 +80,33 @@ _SOURCE = """
         float a = acc[i] * own;
         #pragma unroll
         for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(a / denom);
+        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(OUT_VALUE);
     }
 """
+
+_OUT_PLAIN = "a / denom"
+# With the log-sum-exp output a row may see no slot at all (its caller adds the token's own slot):
+# out is then 0 and lse -inf, which the caller's merge weighs by exp(-inf) = 0.
+_OUT_LSE = "(denom > 0.0f ? a / denom : 0.0f)"
+_LSE_STORE = """
+    if (lane == 0) lse[warp] = denom > 0.0f ? global_m + logf(denom) : -INFINITY;
+"""
+
+
+_INPUTS = ["queries", "keys", "values", "start", "stop", "scale", "sizes"]
 
 
 @lru_cache(maxsize=1)
 def _kernel():
-    return mx.fast.cuda_kernel(name="mlx_grpo_left_padded_decode_attention",
-                               input_names=["queries", "keys", "values", "start", "stop", "scale", "sizes"],
-                               output_names=["out"], source=_SOURCE)
+    return mx.fast.cuda_kernel(name="mlx_grpo_left_padded_decode_attention", input_names=_INPUTS,
+                               output_names=["out"], source=_SOURCE.replace("OUT_VALUE", _OUT_PLAIN))
+
+
+@lru_cache(maxsize=1)
+def _kernel_lse():
+    return mx.fast.cuda_kernel(name="mlx_grpo_left_padded_decode_attention_lse", input_names=_INPUTS,
+                               output_names=["out", "lse"],
+                               source=_SOURCE.replace("OUT_VALUE", _OUT_LSE) + _LSE_STORE)
 
 
 def kernel_available() -> bool:
@@ -124,6 +141,23 @@ def left_padded_attention(queries: mx.array, keys: mx.array, values: mx.array, s
         template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv)],
         grid=(threads, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
+
+
+def left_padded_attention_lse(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                              start: mx.array, stop: mx.array) -> tuple[mx.array, mx.array]:
+    """left_padded_attention plus each (row, head)'s log-sum-exp of the scaled scores, so a caller can
+    merge in slots the cache does not hold yet. -> (out [N, Hq, 1, D], lse [N, Hq, 1] float32); a row
+    with no slot in [start, stop) gives out 0 and lse -inf."""
+    N, Hq, L, D = queries.shape
+    _, Hkv, S, _ = keys.shape
+    assert L == 1 and D in HEAD_DIMS and values.shape[-1] == D and Hq % Hkv == 0, \
+        f"decode attention: one query, equal key/value head dims in {HEAD_DIMS}"
+    out, lse = _kernel_lse()(
+        inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), mx.array([N, S], dtype=mx.int32)],
+        template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv)],
+        grid=(N * Hq * 32, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[queries.shape, (N, Hq, 1)], output_dtypes=[queries.dtype, mx.float32])
+    return out, lse
 
 
 @contextlib.contextmanager

@@ -1,0 +1,205 @@
+"""The sampling copy of a llama-family policy and its decode step (model plumbing for engine.py).
+
+The copy holds plain arrays in the compute dtype: q/k/v fused into one matrix and gate/up into another
+(two matmuls per layer instead of five), LoRA/DoRA adapters merged into their base weights (an adapter
+rollout costs what a full one does), quantized bases dequantized. It computes exactly mlx-lm's
+llama/mistral/qwen2/qwen3 forward (same norms, RoPE module, biases, tied head); only the order of the
+matmuls' columns differs, so its logits match the training forward to within the dtype's rounding.
+
+A decode step is one pure function of (weights, token, cache) that the engine compiles whole: it only
+*reads* the KV cache. The new token's own key/value enter attention through a log-sum-exp merge with
+the cached slots' attention, and come back as outputs, which the engine writes into the cache outside
+the compiled graph (inside one, MLX's slice_update copies the whole buffer every step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_grpo.models.decode_attention import kernel_available, left_padded_attention_lse
+
+FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The shape facts the step needs, and the model's own RoPE module (it holds no trained weights)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float  # the attention modules' own score scale
+    eps: float
+    rope: object
+    qk_norm: bool  # qwen3: RMSNorm over each head's queries and keys before RoPE
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether this model's forward is the one the copy computes: a llama-family decoder whose layers all
+    attend over the whole context (no sliding windows, no recurrent state)."""
+    if getattr(model, "model_type", None) not in FAMILIES or not hasattr(model, "model"):
+        return False
+    if hasattr(model, "make_cache"):
+        from mlx_lm.models.cache import KVCache
+
+        if not all(type(c) is KVCache for c in model.make_cache()):
+            return False
+    return all(not getattr(layer, "use_sliding", False) for layer in model.model.layers)
+
+
+def _dense(module: nn.Module) -> tuple[mx.array, mx.array | None]:
+    """(weight [out, in], bias or None) of a linear layer, with a LoRA/DoRA adapter merged in and a
+    quantized weight dequantized."""
+    if hasattr(module, "fuse") and hasattr(module, "linear"):  # mlx-lm's LoRALinear / DoRALinear
+        module = module.fuse(dequantize=True)
+    weight = module.weight
+    if isinstance(module, nn.QuantizedLinear):
+        weight = mx.dequantize(weight, module.scales, module.biases, group_size=module.group_size,
+                               bits=module.bits, mode=getattr(module, "mode", "affine"))
+    return weight, module.get("bias") if "bias" in module else None
+
+
+def _stack(parts: list[tuple[mx.array, mx.array | None]], dtype) -> tuple[mx.array, mx.array | None]:
+    weight = mx.concatenate([w for w, _ in parts]).astype(dtype)
+    biases = [b for _, b in parts]
+    if all(b is None for b in biases):
+        return weight, None
+    filled = [b if b is not None else mx.zeros((w.shape[0],), dtype=dtype) for (w, _), b in zip(parts, biases)]
+    return weight, mx.concatenate(filled).astype(dtype)
+
+
+def build(model: nn.Module, dtype) -> tuple[Spec, dict]:
+    """The sampling copy of `model`'s current weights: (spec, weights), weights a tree of arrays."""
+    inner = model.model
+    attn0 = inner.layers[0].self_attn
+    heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
+    rows = _dense(attn0.q_proj)[0].shape[0]  # heads x head_dim (qwen2's modules keep no head_dim)
+    spec = Spec(heads=heads, kv_heads=kv_heads, head_dim=rows // heads, scale=attn0.scale,
+                eps=inner.layers[0].input_layernorm.eps, rope=attn0.rope, qk_norm=hasattr(attn0, "q_norm"))
+    layers = []
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv, qkv_b = _stack([_dense(a.q_proj), _dense(a.k_proj), _dense(a.v_proj)], dtype)
+        o, o_b = _stack([_dense(a.o_proj)], dtype)
+        gate_up, gate_up_b = _stack([_dense(m.gate_proj), _dense(m.up_proj)], dtype)
+        down, down_b = _stack([_dense(m.down_proj)], dtype)
+        entry = {"ln1": layer.input_layernorm.weight.astype(dtype), "qkv": qkv, "o": o,
+                 "ln2": layer.post_attention_layernorm.weight.astype(dtype), "gate_up": gate_up, "down": down}
+        for name, bias in (("qkv_b", qkv_b), ("o_b", o_b), ("gate_up_b", gate_up_b), ("down_b", down_b)):
+            if bias is not None:
+                entry[name] = bias
+        if spec.qk_norm:
+            entry["q_norm"], entry["k_norm"] = a.q_norm.weight.astype(dtype), a.k_norm.weight.astype(dtype)
+        layers.append(entry)
+    embed, _ = _dense(inner.embed_tokens) if isinstance(inner.embed_tokens, nn.QuantizedEmbedding) \
+        else (inner.embed_tokens.weight, None)
+    weights = {"embed": embed.astype(dtype), "norm": inner.norm.weight.astype(dtype), "layers": layers}
+    if hasattr(model, "lm_head"):
+        weights["head"] = _dense(model.lm_head)[0].astype(dtype)
+    mx.eval(weights)
+    return spec, weights
+
+
+def _linear(x: mx.array, w: dict, name: str) -> mx.array:
+    bias = w.get(name + "_b")
+    return x @ w[name].T if bias is None else mx.addmm(bias, x, w[name].T)
+
+
+def _qkv(spec: Spec, w: dict, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+    """Queries [n, H, L, Dh] and keys, values [n, Hkv, L, Dh] of hidden states x [n, L, D], with RoPE at
+    positions offset + 0..L-1 (offset: int or [n])."""
+    n, L, _ = x.shape
+    H, Hkv, Dh = spec.heads, spec.kv_heads, spec.head_dim
+    qkv = _linear(mx.fast.rms_norm(x, w["ln1"], spec.eps), w, "qkv")  # [n, L, (H + 2 Hkv) Dh]
+    q, k, v = mx.split(qkv, [H * Dh, (H + Hkv) * Dh], axis=-1)
+    q, k, v = q.reshape(n, L, H, Dh), k.reshape(n, L, Hkv, Dh), v.reshape(n, L, Hkv, Dh)
+    if spec.qk_norm:
+        q, k = mx.fast.rms_norm(q, w["q_norm"], spec.eps), mx.fast.rms_norm(k, w["k_norm"], spec.eps)
+    q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return spec.rope(q, offset=offset), spec.rope(k, offset=offset), v
+
+
+def _finish_layer(w: dict, x: mx.array, attended: mx.array, eps: float) -> mx.array:
+    """Output projection, residual, MLP, residual. attended [n, H, L, Dh], x [n, L, D] -> [n, L, D]."""
+    n, _, L, _ = attended.shape
+    x = x + _linear(attended.transpose(0, 2, 1, 3).reshape(n, L, -1), w, "o")
+    gate, up = mx.split(_linear(mx.fast.rms_norm(x, w["ln2"], eps), w, "gate_up"), 2, axis=-1)
+    return x + _linear(nn.silu(gate) * up, w, "down")
+
+
+def _logits(w: dict, spec: Spec, x: mx.array) -> mx.array:
+    x = mx.fast.rms_norm(x, w["norm"], spec.eps)
+    return x @ w.get("head", w["embed"]).T
+
+
+def prefill(spec: Spec, w: dict, tokens: mx.array, left_padding: mx.array):
+    """Run left-padded prompts tokens [n, L] (row r has left_padding[r] pads first) -> (last logits
+    [n, V], keys and values per layer [n, Hkv, L, Dh]). Positions start at 0 on each row's first real
+    token, as mlx-lm's BatchKVCache gives them."""
+    n, L = tokens.shape
+    slots = mx.arange(L)
+    mask = (slots[None, :] <= slots[:, None])[None, None] & (slots >= left_padding[:, None, None, None])
+    x = w["embed"][tokens]  # [n, L, D]
+    keys, values = [], []
+    for lw in w["layers"]:
+        q, k, v = _qkv(spec, lw, x, -left_padding)
+        attended = mx.fast.scaled_dot_product_attention(q, k, v, scale=spec.scale, mask=mask)
+        x = _finish_layer(lw, x, attended, spec.eps)
+        keys.append(k)
+        values.append(v)
+    return _logits(w, spec, x[:, -1, :]), keys, values
+
+
+def cache_attention(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, stop: mx.array,
+                    scale: float, kernel: bool) -> tuple[mx.array, mx.array]:
+    """Attention of one query per row over cache slots [start[r], stop[0]), with its log-sum-exp.
+    q [n, H, 1, Dh]; keys, values [n, Hkv, S, Dh] -> (out [n, H, 1, Dh], lse [n, H, 1] float32)."""
+    if kernel:
+        return left_padded_attention_lse(q, keys, values, scale, start, stop)
+    n, H, _, Dh = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    qg = q.reshape(n, Hkv, H // Hkv, Dh).astype(mx.float32)  # the query heads of each kv head
+    scores = (qg @ keys.astype(mx.float32).transpose(0, 1, 3, 2)) * scale  # [n, Hkv, H/Hkv, S]
+    slots = mx.arange(S)
+    visible = (slots[None, :] >= start[:, None]) & (slots[None, :] < stop)  # [n, S]
+    scores = mx.where(visible[:, None, None, :], scores, -mx.inf)
+    lse = mx.logsumexp(scores, axis=-1, keepdims=True)  # [n, Hkv, H/Hkv, 1]
+    seen = lse > -mx.inf  # a row with no slot gives out 0 and lse -inf, as the kernel does
+    out = mx.where(seen, mx.exp(scores - mx.where(seen, lse, 0)), 0) @ values.astype(mx.float32)  # [n, Hkv, H/Hkv, Dh]
+    return out.reshape(n, H, 1, Dh).astype(q.dtype), lse.reshape(n, H, 1)
+
+
+def decode_step(spec: Spec, w: dict, token: mx.array, keys: list, values: list, offset: mx.array,
+                start: mx.array, stop: mx.array, kernel: bool):
+    """One token per row: token [n] at RoPE position offset [n], attending cache slots [start, stop) plus
+    itself. -> (logits [n, V], the token's keys and values per layer [n, Hkv, 1, Dh]). Reads the caches
+    only: the caller writes the returned keys/values at slot stop."""
+    n = token.shape[0]
+    H, Hkv, Dh = spec.heads, spec.kv_heads, spec.head_dim
+    scale = spec.scale
+    x = w["embed"][token][:, None, :]  # [n, 1, D]
+    new_keys, new_values = [], []
+    for lw, cached_k, cached_v in zip(w["layers"], keys, values):
+        q, k, v = _qkv(spec, lw, x, offset)  # [n, H, 1, Dh], [n, Hkv, 1, Dh] x2
+        out, lse = cache_attention(q, cached_k, cached_v, start, stop, scale, kernel)
+        # merge the cached slots' softmax with the token's own slot: weights exp(lse) and exp(q.k)
+        qg = q.reshape(n, Hkv, H // Hkv, Dh).astype(mx.float32)
+        own = ((qg * k.astype(mx.float32)).sum(-1) * scale).reshape(n, H, 1)  # [n, H, 1]
+        top = mx.maximum(lse, own)
+        a, b = mx.exp(lse - top), mx.exp(own - top)
+        v_rep = mx.repeat(v, H // Hkv, axis=1).astype(mx.float32)  # [n, H, 1, Dh]
+        merged = (out.astype(mx.float32) * a[..., None] + v_rep * b[..., None]) / (a + b)[..., None]
+        x = _finish_layer(lw, x, merged.astype(x.dtype), spec.eps)
+        new_keys.append(k)
+        new_values.append(v)
+    return _logits(w, spec, x[:, 0, :]), new_keys, new_values
+
+
+def kernel_serves(spec: Spec) -> bool:
+    """Whether the CUDA cache-attention kernel serves this shape (else the reference attention runs)."""
+    from mlx_grpo.models.decode_attention import HEAD_DIMS
+
+    return kernel_available() and spec.head_dim in HEAD_DIMS
