@@ -205,3 +205,24 @@ def test_cache_attention_reference_equals_masked_softmax():
             p = np.exp(s - s.max())
             np.testing.assert_allclose(np.array(out[r, h, 0]), p @ vn[r, h // 2, int(start[r]):9] / p.sum(), atol=1e-5)
             np.testing.assert_allclose(float(lse[r, h, 0]), s.max() + np.log(p.sum()), atol=1e-5)
+
+
+def test_rope_angles_are_read_off_the_models_rope():
+    """The fused CUDA kernel applies RoPE as p * theta; theta comes from the module and is checked against it
+    (plain and llama3-scaled RoPE); a RoPE of another layout (traditional pairs) gets none (graph path)."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    plain = initialize_rope(16, 10000.0, False, None, 2048)
+    llama3 = initialize_rope(16, 500000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192}, 131072)
+    for rope in (plain, llama3):
+        theta = decoder.rope_angles(rope, 16)
+        assert theta is not None and theta.shape == (8,)
+        x = mx.random.normal((1, 2, 1, 16))
+        angle = 77 * theta
+        want = mx.concatenate([x[..., :8] * mx.cos(angle) - x[..., 8:] * mx.sin(angle),
+                               x[..., 8:] * mx.cos(angle) + x[..., :8] * mx.sin(angle)], axis=-1)
+        np.testing.assert_allclose(np.array(rope(x, offset=77)), np.array(want), atol=1e-4)
+    np.testing.assert_allclose(np.array(decoder.rope_angles(plain, 16)), 10000.0 ** (-np.arange(8) / 8), rtol=1e-5)
+    assert decoder.rope_angles(initialize_rope(16, 10000.0, True, None, 2048), 16) is None

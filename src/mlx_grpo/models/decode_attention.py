@@ -185,3 +185,132 @@ def route_attention(model, cache_type: type):
         yield True
     finally:
         module.scaled_dot_product_attention = original
+
+
+# The decode step's whole attention for one layer of the rollout engine's copy (models/decoder.py), in one
+# launch: RoPE on the token's query and key (rotate-half layout, angles pos * theta), attention over the
+# cache slots [start, stop) plus the token's own slot, and the token's key/value for the cache write.
+# It replaces ~8 launches per layer (split copies, two RoPEs, attention, the own-slot merge).
+_FUSED_SOURCE = """
+    constexpr int PER = 16;
+    constexpr int G = D / PER;  // lanes per slot
+    constexpr int P = 32 / G;   // slots per iteration
+    constexpr int HALF = D / 2;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    const int ROWS = sizes[0], S = sizes[1];
+    if (warp >= ROWS * HQ) return;
+    const int sub = lane % G, slot = lane / G;
+    const int row = warp / HQ, head = warp % HQ;
+    const int kv_head = head / (HQ / HKV);
+    const T* token = qkv + (size_t)row * (HQ + 2 * HKV) * D;  // [q heads | k heads | v heads]
+    const float position = static_cast<float>(pos[row]);
+    const float sc = scale[0];
+    float q[PER], k_new[PER], v_new[PER], acc[PER];
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int j = sub * PER + i;
+        const int pair = j < HALF ? j + HALF : j - HALF;
+        const float sign = j < HALF ? -1.0f : 1.0f;
+        float s, c;
+        sincosf(position * theta[j < HALF ? j : j - HALF], &s, &c);
+        // rounded to T as the graph's RoPE output is, so the cache holds what the training forward computes
+        const float qr = static_cast<float>(static_cast<T>(
+            static_cast<float>(token[head * D + j]) * c + sign * static_cast<float>(token[head * D + pair]) * s));
+        const float kr = static_cast<float>(static_cast<T>(
+            static_cast<float>(token[(HQ + kv_head) * D + j]) * c
+            + sign * static_cast<float>(token[(HQ + kv_head) * D + pair]) * s));
+        q[i] = qr * sc;
+        k_new[i] = kr;
+        v_new[i] = static_cast<float>(token[(HQ + HKV + kv_head) * D + j]);
+        acc[i] = 0.0f;
+    }
+    const T* kbase = keys + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
+    const T* vbase = values + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
+    float m = -INFINITY, denom = 0.0f;
+    const int last = stop[0];
+    for (int base = start[row]; base < last; base += P) {
+        const int s = base + slot;
+        const bool valid = s < last;
+        float dot = 0.0f;
+        if (valid) {
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) dot += q[i] * static_cast<float>(kbase[(size_t)s * D + i]);
+        }
+        #pragma unroll
+        for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+        if (valid) {
+            const float new_m = fmaxf(m, dot);
+            const float correction = __expf(m - new_m);
+            const float p = __expf(dot - new_m);
+            denom = denom * correction + p;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
+            m = new_m;
+        }
+    }
+    {  // the token's own slot, taken by slot group 0 (every lane reduces: shuffles need them all)
+        float dot = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) dot += q[i] * k_new[i];
+        #pragma unroll
+        for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+        if (slot == 0) {
+            const float new_m = fmaxf(m, dot);
+            const float correction = __expf(m - new_m);
+            const float p = __expf(dot - new_m);
+            denom = denom * correction + p;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v_new[i];
+            m = new_m;
+        }
+    }
+    float global_m = m;
+    #pragma unroll
+    for (int off = G; off < 32; off <<= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
+    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);
+    denom *= own;
+    #pragma unroll
+    for (int off = G; off < 32; off <<= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        float a = acc[i] * own;
+        #pragma unroll
+        for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
+        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(a / denom);
+    }
+    if (slot == 0 && head % (HQ / HKV) == 0) {  // one warp per kv head writes the token's key and value
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const size_t at = (size_t)(row * HKV + kv_head) * D + sub * PER + i;
+            new_keys[at] = static_cast<T>(k_new[i]);
+            new_values[at] = static_cast<T>(v_new[i]);
+        }
+    }
+"""
+
+
+@lru_cache(maxsize=1)
+def _fused_kernel():
+    return mx.fast.cuda_kernel(name="mlx_grpo_fused_decode_attention",
+                               input_names=["qkv", "keys", "values", "start", "stop", "pos", "theta", "scale",
+                                            "sizes"],
+                               output_names=["out", "new_keys", "new_values"], source=_FUSED_SOURCE)
+
+
+def fused_decode_attention(qkv: mx.array, keys: mx.array, values: mx.array, start: mx.array, stop: mx.array,
+                           positions: mx.array, theta: mx.array, scale: float, heads: int):
+    """RoPE + attention of each row's new token over cache slots [start[r], stop[0]) and itself.
+    qkv [N, (Hq + 2 Hkv) D] the token's projections (pre-RoPE); keys, values [N, Hkv, S, D]; positions [N]
+    int32 RoPE positions; theta [D / 2] float32 angles per position. -> (out [N, Hq, 1, D], the token's
+    RoPE'd key and its value, each [N, Hkv, 1, D])."""
+    N = qkv.shape[0]
+    _, Hkv, S, D = keys.shape
+    assert D in HEAD_DIMS and heads % Hkv == 0 and qkv.shape[1] == (heads + 2 * Hkv) * D
+    return _fused_kernel()(
+        inputs=[qkv, keys, values, start, stop, positions, theta, _scale_array(float(scale)),
+                mx.array([N, S], dtype=mx.int32)],
+        template=[("T", qkv.dtype), ("D", D), ("HQ", heads), ("HKV", Hkv)],
+        grid=(N * heads * 32, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(N, heads, 1, D), (N, Hkv, 1, D), (N, Hkv, 1, D)],
+        output_dtypes=[qkv.dtype] * 3)

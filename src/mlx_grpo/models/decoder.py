@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_grpo.models.decode_attention import kernel_available, left_padded_attention_lse
+from mlx_grpo.models.decode_attention import (HEAD_DIMS, fused_decode_attention, kernel_available,
+                                              left_padded_attention_lse)
 
 FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -35,6 +36,7 @@ class Spec:
     eps: float
     rope: object
     qk_norm: bool  # qwen3: RMSNorm over each head's queries and keys before RoPE
+    theta: mx.array | None = None  # [Dh / 2] RoPE angle per position, when `rope` is a plain rotation
 
 
 def supports(model: nn.Module) -> bool:
@@ -78,7 +80,8 @@ def build(model: nn.Module, dtype) -> tuple[Spec, dict]:
     heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
     rows = _dense(attn0.q_proj)[0].shape[0]  # heads x head_dim (qwen2's modules keep no head_dim)
     spec = Spec(heads=heads, kv_heads=kv_heads, head_dim=rows // heads, scale=attn0.scale,
-                eps=inner.layers[0].input_layernorm.eps, rope=attn0.rope, qk_norm=hasattr(attn0, "q_norm"))
+                eps=inner.layers[0].input_layernorm.eps, rope=attn0.rope, qk_norm=hasattr(attn0, "q_norm"),
+                theta=rope_angles(attn0.rope, rows // heads))
     layers = []
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
@@ -103,6 +106,27 @@ def build(model: nn.Module, dtype) -> tuple[Spec, dict]:
     return spec, weights
 
 
+def rope_angles(rope, head_dim: int) -> mx.array | None:
+    """theta [Dh / 2] such that rope(x, offset=p) turns each pair of dims (j, j + Dh/2) by p * theta[j] (the
+    rotate-half layout of nn.RoPE, Llama3RoPE, ...), read off the module itself; None for a RoPE that is
+    not such a rotation (traditional pairing, magnitude scaling), which the fused kernel cannot apply."""
+    half = head_dim // 2
+    # one position per vector: RoPE turns axis -2 as consecutive positions, so the probes go in the batch axis
+    probe = mx.concatenate([mx.eye(half), mx.zeros((half, half))], axis=1)[:, None, None]  # e_j, j < Dh/2
+    turned = rope(probe, offset=1)[:, 0, 0]  # row j: cos at j, sin at j + Dh/2
+    idx = mx.arange(half)
+    theta = mx.arctan2(turned[idx, idx + half], turned[idx, idx]).astype(mx.float32)
+    x = mx.random.normal((3, 2, 1, head_dim), key=mx.random.key(0))
+    for p in (0, 5, 1000):
+        angle = p * theta
+        c, s = mx.cos(angle), mx.sin(angle)
+        a, b = x[..., :half], x[..., half:]
+        mine = mx.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+        if not mx.allclose(mine, rope(x, offset=p), atol=1e-3).item():
+            return None
+    return theta
+
+
 def _linear(x: mx.array, w: dict, name: str) -> mx.array:
     bias = w.get(name + "_b")
     return x @ w[name].T if bias is None else mx.addmm(bias, x, w[name].T)
@@ -125,7 +149,9 @@ def _qkv(spec: Spec, w: dict, x: mx.array, offset) -> tuple[mx.array, mx.array, 
 def _finish_layer(w: dict, x: mx.array, attended: mx.array, eps: float) -> mx.array:
     """Output projection, residual, MLP, residual. attended [n, H, L, Dh], x [n, L, D] -> [n, L, D]."""
     n, _, L, _ = attended.shape
-    x = x + _linear(attended.transpose(0, 2, 1, 3).reshape(n, L, -1), w, "o")
+    # one position: [n, H, 1, Dh] is already laid out as [n, 1, H * Dh] (no transpose copy)
+    flat = attended.reshape(n, 1, -1) if L == 1 else attended.transpose(0, 2, 1, 3).reshape(n, L, -1)
+    x = x + _linear(flat, w, "o")
     gate, up = mx.split(_linear(mx.fast.rms_norm(x, w["ln2"], eps), w, "gate_up"), 2, axis=-1)
     return x + _linear(nn.silu(gate) * up, w, "down")
 
@@ -182,7 +208,15 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: list, values: list, 
     scale = spec.scale
     x = w["embed"][token][:, None, :]  # [n, 1, D]
     new_keys, new_values = [], []
+    fused = kernel and spec.theta is not None and not spec.qk_norm
     for lw, cached_k, cached_v in zip(w["layers"], keys, values):
+        if fused:  # RoPE, attention and the own slot in one launch
+            qkv = _linear(mx.fast.rms_norm(x, lw["ln1"], spec.eps), lw, "qkv")[:, 0, :]  # [n, (H + 2 Hkv) Dh]
+            out, k, v = fused_decode_attention(qkv, cached_k, cached_v, start, stop, offset, spec.theta, scale, H)
+            x = _finish_layer(lw, x, out, spec.eps)
+            new_keys.append(k)
+            new_values.append(v)
+            continue
         q, k, v = _qkv(spec, lw, x, offset)  # [n, H, 1, Dh], [n, Hkv, 1, Dh] x2
         out, lse = cache_attention(q, cached_k, cached_v, start, stop, scale, kernel)
         # merge the cached slots' softmax with the token's own slot: weights exp(lse) and exp(q.k)
@@ -199,7 +233,5 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: list, values: list, 
 
 
 def kernel_serves(spec: Spec) -> bool:
-    """Whether the CUDA cache-attention kernel serves this shape (else the reference attention runs)."""
-    from mlx_grpo.models.decode_attention import HEAD_DIMS
-
+    """Whether the CUDA cache-attention kernels serve this shape (else the reference attention runs)."""
     return kernel_available() and spec.head_dim in HEAD_DIMS
