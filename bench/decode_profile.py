@@ -3,11 +3,14 @@ waiting for the device, next to the per-step time of the trainer's own pipelined
 
 A step builder (STEP_BUILDERS; --builders picks) prefills the rows and hands back a Decoder whose
 `step()` builds one decode step's lazy graph (the model on the KV cache, then the sampler) and returns
-the arrays to evaluate. "trainer" is what mlx_grpo.rollout.generate_rollout runs today: each prompt
-prefilled once and its cache repeated G times, then the fixed-capacity StaticBatchCache with the CUDA
-decode-attention kernel (route_attention) where the kernel serves the model, mlx-lm's BatchKVCache
-elsewhere, the compiled sampler, no EOS (every row decodes). Another decode step (a new engine) plugs in
-as another entry of STEP_BUILDERS.
+the arrays to evaluate. "trainer" is mlx_grpo.rollout.generate_rollout (the loop before the rollout
+engine; what models without a sampling copy still use): each prompt prefilled once and its cache repeated
+G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention kernel (route_attention)
+where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the compiled sampler. "engine" is
+mlx_grpo.engine.RolloutEngine's step, what the trainer now samples with: the fused sampling copy, one
+compiled graph per step (model + sampler; it reads the cache), the token's keys/values written into the
+cache outside it. Both run with no EOS (every row decodes). Another decode step plugs in as another
+entry of STEP_BUILDERS.
 
 Per row count, after --warmup steps, over --steps steps each (milliseconds per step, medians):
   build     wall time of building the step's graph, nothing evaluated (Python + MLX graph construction)
@@ -116,7 +119,74 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
                                                 "attention_kernel": bool(static and routed)})
 
 
-STEP_BUILDERS = {"trainer": trainer_step}  # name -> context manager yielding a Decoder
+@contextmanager
+def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+    """The decode step of mlx_grpo.engine.RolloutEngine (its defaults, ignore_eos, temperature 1), from the
+    engine's own pieces as RolloutEngine._generate_fused puts them together: the sampling copy's prefill
+    (decoder.prefill, each prompt once, its cache repeated G times into buffers with room for every token,
+    laid out as the step reads them), then per step the engine's compiled step (model step + sampler) and
+    the new keys/values written into the cache outside it. No row ends, so compaction never drops one; yields a Decoder over N rows."""
+    from mlx_grpo.engine import RolloutEngine
+    from mlx_grpo.models import decoder as D
+    from mlx_grpo.models.forward import bucket
+    from mlx_grpo.rollout import SamplingParams, make_sampler
+
+    engine = RolloutEngine(None).refresh(model)  # the tokenizer is used only to end and decode rows
+    if not engine.uses_copy:
+        raise UserError(f"the engine has no sampling copy of this model ({type(model).__module__}): "
+                        "no engine step to profile")
+    spec, weights = engine.spec, engine.weights
+    params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
+    width = bucket(max(len(p) for p in prompts))
+    padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
+    tokens = mx.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)  # pad id 0
+    logits, keys, values = D.prefill(spec, weights, tokens, padding)  # per layer [B, Hkv, width, Dh]
+    tail = [(0, 0), (0, 0), (0, max_new_tokens), (0, 0)]  # room for every generated token
+    keys = [mx.repeat(mx.pad(k, tail), group, axis=0) for k in keys]  # lazy: [N, Hkv, width + T, Dh] per layer
+    values = [mx.repeat(mx.pad(v, tail), group, axis=0) for v in values]
+    start = mx.repeat(padding, group)
+    logits = mx.repeat(logits, group, axis=0)
+    n = logits.shape[0]
+    row_keys = mx.random.split(mx.random.key(seed), n)
+    step_keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys).transpose(1, 0, 2)  # [T, N, 2]
+    eos = mx.array([-1], dtype=mx.int32)
+    state = list(make_sampler(params, eos)(logits, step_keys[0], mx.zeros((n,), dtype=mx.bool_)))
+    kernel = D.kernel_serves(spec)
+    compiled = engine._step_fn(params, (), kernel)
+    # The cache layout is the step's: one buffer for all layers [layers, N, Hkv, S, Dh] or one per layer.
+    # Tracing the step on the stacked buffer (lazily: nothing is computed) tells which: a per-layer step
+    # reads the stacked buffer's slices just as well, and hands back its new keys as a list.
+    stacked = mx.stack(keys), mx.stack(values)
+    probe = compiled(weights, state[0], *stacked, width - start, start, mx.array([width], dtype=mx.int32),
+                     step_keys[1], state[3])
+    per_layer = isinstance(probe[4], (list, tuple))
+    del probe
+    if not per_layer:
+        keys, values = stacked
+    mx.eval(keys, values, step_keys, state)
+
+    def step(index: int) -> list[mx.array]:
+        idx = width + index - 1  # the slot the fed token (generated at index - 1) is written to
+        token, ended = state[0], state[3]
+        token, logprob, entropy, ended, new_k, new_v = compiled(
+            weights, token, keys, values, idx - start, start, mx.array([idx], dtype=mx.int32), step_keys[index],
+            ended)
+        if per_layer:  # in place, outside the compiled graph
+            for layer, (k, v) in enumerate(zip(new_k, new_v)):
+                keys[layer][..., idx:idx + 1, :] = k
+                values[layer][..., idx:idx + 1, :] = v
+        else:
+            keys[..., idx:idx + 1, :] = new_k
+            values[..., idx:idx + 1, :] = new_v
+        state[:] = [token, logprob, entropy, ended]
+        return list(state)
+
+    yield Decoder(step, sync_every=engine.sync_every, info={"cache": "engine (fused copy, compiled step)",
+                                                            "attention_kernel": bool(kernel),
+                                                            "cache_layout": "per layer" if per_layer else "stacked"})
+
+
+STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step}  # name -> context manager yielding a Decoder
 
 
 def count_primitives(outputs: list[mx.array]) -> dict:

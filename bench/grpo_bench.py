@@ -2,10 +2,14 @@
 same process on the same model, device and batch.
 
 Sections (all by default; pick with --sections):
-  rollout  generated tokens/s of B x G sampled completions: our rollout (fixed-capacity cache with the
-           CUDA decode-attention kernel; the same cache with masked attention; mlx-lm's BatchKVCache)
-           against a plain mlx-lm KV-cache loop with categorical sampling; with EOS stopping (real
-           lengths) and without (equal lengths)
+  rollout  generated tokens/s of B x G sampled completions (bench/rollout_bench.py): the rollout engine
+           the trainer uses (fused sampling copy, compiled step, ended rows dropped), the engine
+           without compaction, generate_rollout on the model (the loop before the engine: fixed cache +
+           CUDA decode kernel), against a plain mlx-lm KV-cache loop with categorical sampling; with
+           EOS stopping (real lengths) and without (equal lengths)
+  short    rollout time follows generated tokens (bench/short_answers.py): a batch of --short-rows rows
+           with a mean answer of --short-mean tokens and one full-length row, against the same rows at
+           full length
   logprob  tokens/s and peak memory of the no-gradient log-prob pass
   train    tokens/s of forward+backward+AdamW update against a plain nn.value_and_grad + AdamW loop
   memory   peak memory of the log-prob and training passes on a large synthetic batch (default
@@ -46,7 +50,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.data import load_examples
@@ -58,31 +61,15 @@ from mlx_grpo.policy import (StepData, accumulate_gradients, clip_by_global_norm
                              make_grad_fn)
 from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
 
+import rollout_bench
 import shapes
+import short_answers
 from bench_util import GB, device_name, nbytes, peak_during, timed, versions
 
-SECTIONS = ("rollout", "logprob", "train", "memory", "step")
+SECTIONS = ("rollout", "short", "logprob", "train", "memory", "step")
 
 
 # ----------------------------------------------------------------------------- baselines
-
-def plain_decode(model, rows: list[list[int]], max_new_tokens: int, temperature: float, pad_id: int) -> int:
-    """The baseline: every row prefilled on its own (left-padded, no mask), then the model called step
-    by step on an mlx-lm KV cache with categorical sampling and no stopping. -> tokens generated."""
-    width = max(len(r) for r in rows)
-    tokens = mx.array([[pad_id] * (width - len(r)) + r for r in rows], dtype=mx.int32)
-    cache = make_prompt_cache(model)
-    logits = model(tokens, cache=cache)[:, -1, :]
-    y = mx.random.categorical(logits * (1 / temperature))
-    out = [y]
-    for _ in range(max_new_tokens - 1):
-        logits = model(y[:, None], cache=cache)[:, -1, :]
-        y = mx.random.categorical(logits * (1 / temperature))
-        mx.async_eval(y)
-        out.append(y)
-    mx.eval(out)
-    return len(rows) * max_new_tokens
-
 
 def plain_train_step(model, optimizer, batches, advantages: list[mx.array], temperature: float, n_rows: int):
     """The baseline: nn.value_and_grad of the token-level GRPO loss (ratio 1, no KL) on full logits of
@@ -136,71 +123,6 @@ def our_train_step(model, optimizer, grad_fn, steps: list[StepData], cfg, pad_id
 
 
 # ----------------------------------------------------------------------------- sections
-
-ROLLOUT_VARIANTS = {  # name -> generate_rollout options; "ours" is what the trainer uses
-    "ours": {},
-    "static_masked": {"static_cache": True, "attention_kernel": False},
-    "batchkv": {"static_cache": False},
-}
-
-
-def check_attention_kernel() -> dict:
-    """The CUDA decode kernel against MLX's masked attention in float32 on random left-padded rows, for
-    each head dim it serves."""
-    from mlx_grpo.models.decode_attention import HEAD_DIMS, kernel_available, left_padded_attention
-
-    if not kernel_available():
-        return {"kernel": False}
-    mx.random.seed(0)
-    errors = {}
-    for D in HEAD_DIMS:
-        N, Hq, Hkv, S, stop = 64, 9, 3, 300, 211
-        q = mx.random.normal((N, Hq, 1, D)).astype(mx.bfloat16)
-        k = mx.random.normal((N, Hkv, S, D)).astype(mx.bfloat16)
-        v = mx.random.normal((N, Hkv, S, D)).astype(mx.bfloat16)
-        start = mx.random.randint(0, 150, (N,))
-        pos = mx.arange(S)
-        mask = ((pos >= start[:, None]) & (pos < stop))[:, None, None, :]
-        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
-                                                   v.astype(mx.float32), scale=D ** -0.5, mask=mask)
-        got = left_padded_attention(q, k, v, D ** -0.5, start.astype(mx.int32), mx.array([stop], dtype=mx.int32))
-        errors[D] = mx.abs(got.astype(mx.float32) - ref).max().item()
-        print(f"decode attention kernel, head dim {D}, vs masked attention (float32): max abs error "
-              f"{errors[D]:.2e}", flush=True)
-        # bf16 output of values ~N(0, 1): a rounding error of ~2^-8 relative; anything larger is a bug
-        if not errors[D] < 1e-2:
-            raise SystemExit(f"decode attention kernel (head dim {D}) disagrees with masked attention: {errors[D]}")
-    return {"kernel": True, "max_abs_error": errors}
-
-
-def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> list[dict]:
-    out = []
-    for b, g in sizes:
-        batch = (prompts * (b // len(prompts) + 1))[:b]
-        row = {"B": b, "G": g, "N": b * g}
-        runs = [(name, opts, False) for name, opts in ROLLOUT_VARIANTS.items()] + [("ours", ROLLOUT_VARIANTS["ours"], True)]
-        for name, opts, eos in runs:
-            mx.reset_peak_memory()
-            params = SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=not eos)
-            key = mx.random.key(cfg.seed)
-            sec, r = timed(lambda: generate_rollout(model, tokenizer, batch, g, params, key, **opts), repeats)
-            tag = f"{name}_{'eos' if eos else 'noeos'}"
-            row[f"{tag}_tokens"] = int(r.lengths.sum())
-            row[f"{tag}_steps"] = int(r.completion_ids.shape[1])
-            row[f"{tag}_s"] = sec
-            row[f"{tag}_tok_s"] = r.lengths.sum() / sec
-            if name == "ours" and not eos:  # process peak (weights included) over its calls
-                row["ours_peak_gb"] = mx.get_peak_memory() / GB
-        rows = [p for p in batch for _ in range(g)]
-        sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.max_new_tokens, cfg.temperature, pad_id), repeats)
-        row["plain_s"], row["plain_tok_s"] = sec, n_tokens / sec
-        for name in ROLLOUT_VARIANTS:
-            row[f"ratio_{name}_vs_plain"] = row[f"{name}_noeos_tok_s"] / row["plain_tok_s"]
-        print(f"rollout {b}x{g}: " + ", ".join(f"{name} {row[f'{name}_noeos_tok_s']:.0f}" for name in ROLLOUT_VARIANTS)
-              + f", plain loop {row['plain_tok_s']:.0f} tok/s; ours with EOS {row['ours_eos_tok_s']:.0f}", flush=True)
-        out.append(row)
-    return out
-
 
 def bench_logprob(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
     tokens = int(rollout.lengths.sum())
@@ -296,16 +218,9 @@ def bench_step(cfg, repeats: int) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["| measurement | ours | baseline | ratio |", "| --- | ---: | ---: | ---: |"]
-    labels = {"ours": "ours (static cache, decode kernel on CUDA)", "static_masked": "static cache, masked attention",
-              "batchkv": "mlx-lm BatchKVCache decode"}
-    for r in result.get("rollout", []):
-        for name, label in labels.items():
-            lines.append(f"| rollout {r['B']}x{r['G']} tok/s, no EOS: {label} | {r[f'{name}_noeos_tok_s']:,.0f} | "
-                         f"{r['plain_tok_s']:,.0f} (plain loop) | {r[f'ratio_{name}_vs_plain']:.2f}x |")
-        lines.append(f"| rollout {r['B']}x{r['G']} peak memory, ours, no EOS (weights included) | "
-                     f"{r['ours_peak_gb']:.2f} GB | | |")
-        lines.append(f"| rollout {r['B']}x{r['G']} tok/s, EOS stopping (real lengths, {r['ours_eos_tokens']} tokens "
-                     f"in {r['ours_eos_steps']} steps) | {r['ours_eos_tok_s']:,.0f} | | |")
+    lines += rollout_bench.markdown_rows(result.get("rollout", []))
+    if "short" in result:
+        lines += short_answers.markdown_rows(result["short"])
     if "logprob" in result:
         r = result["logprob"]
         lines.append(f"| log-prob pass tok/s (peak +{r['peak_gb']:.2f} GB) | {r['tok_s']:,.0f} | | |")
@@ -330,7 +245,9 @@ def markdown(result: dict) -> str:
 
 
 def ratios(result: dict) -> list[str]:
-    out = [f"rollout {r['B']}x{r['G']} vs plain decode loop: {r['ratio_ours_vs_plain']:.2f}x" for r in result.get("rollout", [])]
+    out = rollout_bench.ratio_lines(result.get("rollout", []))
+    if "short" in result:
+        out.append(short_answers.ratio_line(result["short"]))
     if "train" in result:
         out.append(f"train step vs plain value_and_grad + AdamW: {result['train']['ratio_vs_plain']:.2f}x")
     for m in result.get("memory", []):
@@ -365,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-shape", default="256x512", help="rows x completion tokens for the memory section")
     ap.add_argument("--memory-budgets", default="",
                     help="micro_batch_tokens values to measure in the memory section (default: the config's)")
+    ap.add_argument("--short-pool", default="16x64", help="short section: pool of prompts x samples")
+    ap.add_argument("--short-rows", type=int, default=256, help="short section: rows of the timed batch")
+    ap.add_argument("--short-mean", type=float, default=20.0, help="short section: the batch's mean answer length")
+    ap.add_argument("--short-ends", default="", help="short section: extra end strings as a JSON list, e.g. "
+                    "'[\"\\n\", \".\"]' (default: the candidate whose median pool length is nearest --short-mean)")
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats after one warm-up")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -427,7 +349,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
     adapters = adapt(model, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
     examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
-    n_prompts = max(b for b, _ in parse_sizes(args.sizes) + [(args.batch, 0)])
+    n_prompts = max(b for b, _ in parse_sizes(args.sizes) + [(args.batch, 0), (int(args.short_pool.split("x")[0]), 0)])
     prompts = encode_prompts(tokenizer, examples[:n_prompts], cfg)
 
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
@@ -445,8 +367,17 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
           f"model {w['model']}, {w['train_type']}: {w['trainable_parameters']:,} of {w['parameters']:,} parameters "
           "trained", flush=True)
     if "rollout" in sections:
-        result["attention_kernel"] = check_attention_kernel()
-        result["rollout"] = bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg, args.repeats, pad_id)
+        result["attention_kernel"] = rollout_bench.check_attention_kernel()
+        result["rollout"] = rollout_bench.bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg,
+                                                        args.repeats, pad_id)
+    if "short" in sections:
+        pool = tuple(int(x) for x in args.short_pool.lower().split("x"))
+        ends = json.loads(args.short_ends) if args.short_ends else None
+        try:
+            result["short"] = short_answers.bench_short(model, tokenizer, prompts, cfg, args.repeats, pool,
+                                                        args.short_rows, args.short_mean, ends)
+        except ValueError as exc:
+            raise UserError(f"short section: {exc}") from None
     if "logprob" in sections or "train" in sections:
         full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,
                                 SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=True),

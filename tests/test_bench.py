@@ -23,16 +23,21 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--model", str(model),
                            "--dtype", "float32", "--data", str(data), "--batch", "2", "--group", "2",
                            "--max-new-tokens", "6", "--sizes", "2x2", "--memory-shape", "4x6", "--memory-budgets", "0,16", "--repeats", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--short-pool", "4x8", "--short-rows", "8", "--short-mean", "3", "--short-ends",
+                           json.dumps(list("abcdefghijklmnopqrstuvwxyz")), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
-    assert set(record) >= {"rollout", "logprob", "train", "memory", "step", "device", "versions", "date"}
+    assert set(record) >= {"rollout", "short", "logprob", "train", "memory", "step", "device", "versions", "date"}
     rollout = record["rollout"][0]
-    assert rollout["ours_noeos_tokens"] == 2 * 2 * 6  # no EOS: every row decodes max_new_tokens
-    assert rollout["ratio_ours_vs_plain"] > 0 and record["train"]["ratio_vs_plain"] > 0
+    for name in ("engine", "engine_nocompact", "model"):
+        assert rollout[f"{name}_noeos_tokens"] == 2 * 2 * 6  # no EOS: every row decodes max_new_tokens
+        assert rollout[f"ratio_{name}_vs_plain"] > 0 and 0 < rollout[f"{name}_eos_tokens"] <= 2 * 2 * 6
+    assert rollout["engine_uses_copy"] and not rollout["model_uses_copy"]
+    assert rollout["engine_noeos_row_steps"] == 2 * 2 * 6 and record["train"]["ratio_vs_plain"] > 0
     assert [m["micro_batch_tokens"] for m in record["memory"]] == [0, 16]
     assert record["step"]["tokens"] > 0 and len(record["step"]["steps"]) == 2
-    assert "vs plain decode loop" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("JSON:")
+    assert "vs plain decode loop: engine" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("JSON:")
 
 
 def _load_trl_script():
@@ -186,7 +191,9 @@ def test_grpo_bench_swaps_in_a_random_weight_shape_with_lora(tiny_model_dir, tmp
     assert workload["model"] == "tiny-qwen2" and workload["random_weights"] and workload["train_type"] == "lora"
     assert workload["adapters"]["lora_parameters"]["rank"] == 16  # the config's default lora_rank
     assert 0 < workload["trainable_parameters"] < workload["parameters"]
-    assert record["rollout"][0]["ours_noeos_tokens"] == 2 * 2 * 5 and record["rollout"][0]["ours_peak_gb"] > 0
+    rollout = record["rollout"][0]
+    assert rollout["engine_noeos_tokens"] == 2 * 2 * 5 and rollout["engine_noeos_peak_gb"] > 0
+    assert rollout["engine_uses_copy"]  # the adapters merged into the sampling copy
     assert record["step"]["trainable_parameters"] == workload["trainable_parameters"]  # the trainer's own LoRA
     assert record["step"]["peak_memory_gb"] > 0 and "model: shape tiny-qwen2" in proc.stdout
 
@@ -224,22 +231,106 @@ def test_decode_profile_times_the_trainers_decode_step(tiny_model_dir):
     assert mx.array_equal(mx.stack(got, axis=1), want.completion_ids[:, 1:7])
 
 
+def test_decode_profile_engine_step_is_the_engines_decode(tiny_model_dir):
+    """The profiled "engine" step is RolloutEngine's decode (its compiled step and cache writes): the same
+    row keys give the tokens engine.generate samples."""
+    import mlx.core as mx
+
+    from mlx_grpo.engine import RolloutEngine
+    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.rollout import SamplingParams
+
+    profile = _load_bench_module("decode_profile")
+    shapes = _load_bench_module("shapes")
+    model = shapes.build("tiny-qwen2", mx.float32)
+    prompts = profile.make_prompts(2, 12, 300, seed=0)
+    with profile.engine_step(model, prompts, 3, 10, seed=5) as decoder:
+        got = [decoder.step()[0] for _ in range(6)]
+        assert decoder.info["cache"] == "engine (fused copy, compiled step)" and not decoder.info["attention_kernel"]
+    tokenizer = load_model(str(tiny_model_dir), "float32")[1]  # pad id 0, as the profile's rows
+    want = RolloutEngine(tokenizer).refresh(model).generate(prompts, 3, SamplingParams(10, 1.0, ignore_eos=True),
+                                                            mx.random.key(5))
+    assert mx.array_equal(mx.stack(got, axis=1), want.completion_ids[:, 1:7])
+
+
 def test_decode_profile_runs_on_tiny_sizes(tmp_path):
     out = tmp_path / "profile.json"
     script = str(ROOT / "bench" / "decode_profile.py")
     proc = subprocess.run([sys.executable, script, "--shape", "tiny-qwen2", "--dtype", "float32", "--rows", "4,8",
                            "--group", "4", "--steps", "3", "--warmup", "1", "--max-new-tokens", "12",
-                           "--prompt-len", "16", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--prompt-len", "16", "--builders", "trainer,engine", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["device"] and record["versions"]["mlx"] and record["workload"]["steps"] == 3
-    assert [(r["rows"], r["B"], r["G"]) for r in record["rows"]] == [(4, 1, 4), (8, 2, 4)]
+    assert [(r["builder"], r["rows"], r["B"], r["G"]) for r in record["rows"]] == [
+        ("trainer", 4, 1, 4), ("trainer", 8, 2, 4), ("engine", 4, 1, 4), ("engine", 8, 2, 4)]
     for r in record["rows"]:
         assert all(r[k] > 0 for k in ("build_ms", "dispatch_ms", "wait_ms", "eval_ms", "serial_ms", "steady_ms"))
         assert 0 < r["host_share"] <= 1 and r["steady_tok_s"] == pytest.approx(r["rows"] / r["steady_ms"] * 1e3)
         assert r["primitives"] > 20 and sum(r["by_type"].values()) == r["primitives"] and "Matmul" in r["by_type"]
-    assert "| trainer | 8 (2x4) |" in proc.stdout
+    assert "| trainer | 8 (2x4) |" in proc.stdout and "| engine | 8 (2x4) |" in proc.stdout
     bad = subprocess.run([sys.executable, script, "--shape", "tiny-qwen2", "--rows", "6", "--group", "4", "--steps",
                           "1", "--warmup", "0", "--max-new-tokens", "8", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip() == "decode_profile: error: --rows 6 is not a multiple of --group 4"
+
+
+def test_short_answers_picks_one_full_row_and_the_mean(tiny_model_dir):
+    """The short-answers batch: exactly one row that reached the limit, the rest a window of the pool
+    whose total brings the batch's mean closest to the target; lengths read off tokens at the first end;
+    the extra ends: the candidate whose median length is nearest the target, single tokens only."""
+    import numpy as np
+
+    from mlx_grpo.models.loading import load_model
+
+    short = _load_bench_module("short_answers")
+    tokenizer = load_model(str(tiny_model_dir), "float32")[1]
+    newline, dot = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("\n", "."))
+    pool = np.full((6, 40), 100)  # row 0 never ends: full length under every set
+    pool[1:, 5], pool[1:, 20] = dot, newline  # rows 1-5: 6 tokens if "." ends them, 21 if "\n" alone does
+    assert short.pick_ends(tokenizer, pool, 30.0, 2, 40) == (["\n"], {2, newline}, True)  # (40 + 21) / 2
+    assert short.pick_ends(tokenizer, pool, 23.0, 2, 40) == (["."], {2, dot}, True)  # (40 + 6) / 2
+    assert short.pick_ends(tokenizer, pool, 10.0, 2, 40) == (["."], {2, dot}, False)  # none holds: nearest median
+    assert short.given_ends(tokenizer, ["."]) == {2, dot}
+    with pytest.raises(ValueError, match="not single tokens"):
+        short.given_ends(tokenizer, [" the"])  # 4 bytes: 4 tokens of the byte-level tokenizer
+    ids = np.array([[5, 9, 7, 1], [9, 5, 5, 5], [5, 5, 5, 5]])
+    assert short.lengths_under(ids, {9}).tolist() == [2, 1, 4]
+    assert short.lengths_under(ids, {1, 7}).tolist() == [3, 4, 4]
+    picked, long_row, reached = short.choose_rows(np.array([3, 16, 2, 5, 9, 16, 1, 4]), 4, 6.0, 16)
+    assert picked.tolist() == [0, 1, 2, 7] and long_row == 1 and reached  # 16 + 3 + 2 + 4: mean 6.25
+    picked, long_row, reached = short.choose_rows(np.array([3, 12, 2, 5]), 3, 5.0, 16)
+    assert long_row == 1 and not reached and picked.tolist() == [0, 1, 2]  # the longest stands in: 12 + 3 + 2
+    with pytest.raises(ValueError, match="rows shorter"):
+        short.choose_rows(np.array([16, 16, 3]), 3, 5.0, 16)
+
+
+def test_grpo_bench_short_section_times_a_short_batch_against_full_rows(tiny_model_dir, tmp_path):
+    """grpo_bench --sections short on the tiny model: letters as extra ends give short rows; the batch has
+    the pool's lengths, one full-length row, and compaction computes fewer row-steps than full rows do."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "out"
+    ends = json.dumps(list("abcdefghijklmnopqrstuvwxyz"))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--model", str(tiny_model_dir),
+                           "--dtype", "float32", "--data", str(data), "--max-new-tokens", "16", "--sizes", "2x2",
+                           "--sections", "short", "--short-pool", "4x32", "--short-rows", "32", "--short-mean", "5",
+                           "--short-ends", ends, "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(next(out.glob("grpo_bench-*.json")).read_text())["short"]
+    assert r["pool_rows"] == 128 and r["rows"] == 32 and r["long_row_reached_limit"] and r["pool_holds_scenario"]
+    assert r["short_uses_copy"] and r["ends"] == list("abcdefghijklmnopqrstuvwxyz")
+    assert abs(r["predicted_mean"] - 5) < 1 and r["predicted_max"] == 16
+    assert r["matches_pool"] == 32  # float32 on a CPU: every row's length is the pool's
+    assert (r["short_mean"], r["short_max"], r["short_full_rows"]) == (r["predicted_mean"], 16, 1)
+    assert r["full_tokens"] == r["full_row_steps"] == r["short_nocompact_row_steps"] == 32 * 16
+    assert r["short_row_steps"] < r["full_row_steps"] and r["short_tokens"] == r["short_model_tokens"]
+    assert r["ratio_short_vs_full"] == pytest.approx(r["short_s"] / r["full_s"])
+    assert "short answers (mean" in proc.stdout and "| short answers, 32 rows" in proc.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--model", str(tiny_model_dir),
+                          "--dtype", "float32", "--data", str(data), "--sections", "short", "--short-ends",
+                          '["not one token"]', "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "short section: --short-ends" in bad.stderr and "Traceback" not in bad.stderr
