@@ -181,8 +181,8 @@ def test_copy_computes_the_families_forward(kind):
     padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
     tokens = mx.array([[0] * (width - len(p)) + p for p in prompts])
     logits, keys, values = decoder.prefill(spec, weights, tokens, padding)
-    tail = [(0, 0), (0, 0), (0, 2), (0, 0)]
-    keys, values = [mx.pad(k, tail) for k in keys], [mx.pad(v, tail) for v in values]
+    tail = [(0, 0), (0, 0), (0, 0), (0, 2), (0, 0)]
+    keys, values = mx.pad(mx.stack(keys), tail), mx.pad(mx.stack(values), tail)
     step, _, _ = decoder.decode_step(spec, weights, mx.array([20, 21]), keys, values, width - padding, padding,
                                      mx.array([width]), kernel=False)
     for i, p in enumerate(prompts):
@@ -195,7 +195,8 @@ def test_cache_attention_reference_equals_masked_softmax():
     mx.random.seed(0)
     q, k, v = mx.random.normal((3, 4, 1, 8)), mx.random.normal((3, 2, 10, 8)), mx.random.normal((3, 2, 10, 8))
     start, stop = mx.array([0, 3, 9], dtype=mx.int32), mx.array([9], dtype=mx.int32)
-    out, lse = decoder.cache_attention(q, k, v, start, stop, 0.3, kernel=False)
+    out, lse = decoder.cache_attention(q, mx.stack([k * 0, k]), mx.stack([v * 0, v]), start, stop, 0.3,
+                                       kernel=False, layer=1)
     qn, kn, vn = np.array(q), np.array(k), np.array(v)
     np.testing.assert_array_equal(np.array(out[2]), 0)  # no slot in [9, 9): nothing attended
     assert np.all(np.array(lse[2]) == -np.inf)

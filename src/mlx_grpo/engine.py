@@ -101,9 +101,10 @@ class RolloutEngine:
         padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)  # [B]
         tokens = mx.array([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(spec, weights, tokens, padding)  # [B, V], [B, Hkv, width, Dh]
-        tail = [(0, 0), (0, 0), (0, T), (0, 0)]  # room for every generated token
-        keys = [mx.repeat(mx.pad(k, tail), G, axis=0) for k in keys]  # [N, Hkv, width + T, Dh]
-        values = [mx.repeat(mx.pad(v, tail), G, axis=0) for v in values]
+        # one buffer for all layers [layers, N, Hkv, width + T, Dh]: a step writes every layer's key at once
+        tail = [(0, 0), (0, 0), (0, 0), (0, T), (0, 0)]  # room for every generated token
+        keys = mx.repeat(mx.pad(mx.stack(keys), tail), G, axis=1)
+        values = mx.repeat(mx.pad(mx.stack(values), tail), G, axis=1)
         start = mx.repeat(padding, G)  # [N] first real slot of each row
         logits = mx.repeat(logits, G, axis=0)  # [N, V]
         n = logits.shape[0]
@@ -134,16 +135,15 @@ class RolloutEngine:
                     segments.append((rows, first, columns))
                     first, rows = s, rows[keep]
                     pick = mx.array(keep)
-                    keys, values = [k[pick] for k in keys], [v[pick] for v in values]
+                    keys, values = keys[:, pick], values[:, pick]
                     start, step_keys, ended = start[pick], step_keys[:, pick], ended[pick]
                     token = token[pick]
                     columns = ([], [], [])
             stop = mx.array([idx], dtype=mx.int32)
             token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
                                                                 stop, step_keys[s], ended)
-            for layer, (k, v) in enumerate(zip(new_k, new_v)):  # in place, outside the compiled graph
-                keys[layer][..., idx:idx + 1, :] = k
-                values[layer][..., idx:idx + 1, :] = v
+            keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph (inside, it would copy)
+            values[..., idx:idx + 1, :] = new_v
             idx += 1
             self.row_steps += len(rows)
             for column, value in zip(columns, (token, logprob, entropy)):

@@ -36,8 +36,8 @@ _SOURCE = """
     const int sub = lane % G, slot = lane / G;
     const int row = warp / HQ;
     const int kv_head = (warp % HQ) / (HQ / HKV);
-    const T* kbase = keys + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
-    const T* vbase = values + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
+    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
+    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
     const float sc = scale[0];
     float q[PER], acc[PER];
     #pragma unroll
@@ -94,19 +94,24 @@ _LSE_STORE = """
 
 
 _INPUTS = ["queries", "keys", "values", "start", "stop", "scale", "sizes"]
+# The lse and fused kernels read layer `layer[0]` of one [layers, N, Hkv, S, D] cache for every layer, so a
+# decode step writes all layers' new keys with one update (and no per-layer slice view pins the buffer).
+_ONE_LAYER, _LAYER_OF_STACK = "0", "layer[0] * ROWS"
 
 
 @lru_cache(maxsize=1)
 def _kernel():
     return mx.fast.cuda_kernel(name="mlx_grpo_left_padded_decode_attention", input_names=_INPUTS,
-                               output_names=["out"], source=_SOURCE.replace("OUT_VALUE", _OUT_PLAIN))
+                               output_names=["out"],
+                               source=_SOURCE.replace("OUT_VALUE", _OUT_PLAIN).replace("LAYER_BASE", _ONE_LAYER))
 
 
 @lru_cache(maxsize=1)
 def _kernel_lse():
-    return mx.fast.cuda_kernel(name="mlx_grpo_left_padded_decode_attention_lse", input_names=_INPUTS,
+    return mx.fast.cuda_kernel(name="mlx_grpo_left_padded_decode_attention_lse", input_names=_INPUTS + ["layer"],
                                output_names=["out", "lse"],
-                               source=_SOURCE.replace("OUT_VALUE", _OUT_LSE) + _LSE_STORE)
+                               source=(_SOURCE.replace("OUT_VALUE", _OUT_LSE) + _LSE_STORE)
+                               .replace("LAYER_BASE", _LAYER_OF_STACK))
 
 
 def kernel_available() -> bool:
@@ -144,16 +149,17 @@ def left_padded_attention(queries: mx.array, keys: mx.array, values: mx.array, s
 
 
 def left_padded_attention_lse(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                              start: mx.array, stop: mx.array) -> tuple[mx.array, mx.array]:
-    """left_padded_attention plus each (row, head)'s log-sum-exp of the scaled scores, so a caller can
-    merge in slots the cache does not hold yet. -> (out [N, Hq, 1, D], lse [N, Hq, 1] float32); a row
-    with no slot in [start, stop) gives out 0 and lse -inf."""
+                              start: mx.array, stop: mx.array, layer: int) -> tuple[mx.array, mx.array]:
+    """left_padded_attention over layer `layer` of keys, values [layers, N, Hkv, S, D], plus each (row,
+    head)'s log-sum-exp of the scaled scores, so a caller can merge in slots the cache does not hold yet.
+    -> (out [N, Hq, 1, D], lse [N, Hq, 1] float32); a row with no slot in [start, stop) gives out 0, lse -inf."""
     N, Hq, L, D = queries.shape
-    _, Hkv, S, _ = keys.shape
+    _, _, Hkv, S, _ = keys.shape
     assert L == 1 and D in HEAD_DIMS and values.shape[-1] == D and Hq % Hkv == 0, \
         f"decode attention: one query, equal key/value head dims in {HEAD_DIMS}"
     out, lse = _kernel_lse()(
-        inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), mx.array([N, S], dtype=mx.int32)],
+        inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), mx.array([N, S], dtype=mx.int32),
+                mx.array([layer], dtype=mx.int32)],
         template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv)],
         grid=(N * Hq * 32, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[queries.shape, (N, Hq, 1)], output_dtypes=[queries.dtype, mx.float32])
@@ -225,8 +231,8 @@ _FUSED_SOURCE = """
         v_new[i] = static_cast<float>(token[(HQ + HKV + kv_head) * D + j]);
         acc[i] = 0.0f;
     }
-    const T* kbase = keys + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
-    const T* vbase = values + ((size_t)(row * HKV + kv_head) * S) * D + sub * PER;
+    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
+    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
     float m = -INFINITY, denom = 0.0f;
     const int last = stop[0];
     for (int base = start[row]; base < last; base += P) {
@@ -294,22 +300,23 @@ _FUSED_SOURCE = """
 def _fused_kernel():
     return mx.fast.cuda_kernel(name="mlx_grpo_fused_decode_attention",
                                input_names=["qkv", "keys", "values", "start", "stop", "pos", "theta", "scale",
-                                            "sizes"],
-                               output_names=["out", "new_keys", "new_values"], source=_FUSED_SOURCE)
+                                            "sizes", "layer"],
+                               output_names=["out", "new_keys", "new_values"],
+                               source=_FUSED_SOURCE.replace("LAYER_BASE", _LAYER_OF_STACK))
 
 
 def fused_decode_attention(qkv: mx.array, keys: mx.array, values: mx.array, start: mx.array, stop: mx.array,
-                           positions: mx.array, theta: mx.array, scale: float, heads: int):
-    """RoPE + attention of each row's new token over cache slots [start[r], stop[0]) and itself.
-    qkv [N, (Hq + 2 Hkv) D] the token's projections (pre-RoPE); keys, values [N, Hkv, S, D]; positions [N]
-    int32 RoPE positions; theta [D / 2] float32 angles per position. -> (out [N, Hq, 1, D], the token's
-    RoPE'd key and its value, each [N, Hkv, 1, D])."""
+                           positions: mx.array, theta: mx.array, scale: float, heads: int, layer: int):
+    """RoPE + attention of each row's new token over cache slots [start[r], stop[0]) of layer `layer` and
+    itself. qkv [N, (Hq + 2 Hkv) D] the token's projections (pre-RoPE); keys, values [layers, N, Hkv, S, D];
+    positions [N] int32 RoPE positions; theta [D / 2] float32 angles per position. -> (out [N, Hq, 1, D],
+    the token's RoPE'd key and its value, each [N, Hkv, 1, D])."""
     N = qkv.shape[0]
-    _, Hkv, S, D = keys.shape
+    _, _, Hkv, S, D = keys.shape
     assert D in HEAD_DIMS and heads % Hkv == 0 and qkv.shape[1] == (heads + 2 * Hkv) * D
     return _fused_kernel()(
         inputs=[qkv, keys, values, start, stop, positions, theta, _scale_array(float(scale)),
-                mx.array([N, S], dtype=mx.int32)],
+                mx.array([N, S], dtype=mx.int32), mx.array([layer], dtype=mx.int32)],
         template=[("T", qkv.dtype), ("D", D), ("HQ", heads), ("HKV", Hkv)],
         grid=(N * heads * 32, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, heads, 1, D), (N, Hkv, 1, D), (N, Hkv, 1, D)],

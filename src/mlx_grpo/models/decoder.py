@@ -146,14 +146,21 @@ def _qkv(spec: Spec, w: dict, x: mx.array, offset) -> tuple[mx.array, mx.array, 
     return spec.rope(q, offset=offset), spec.rope(k, offset=offset), v
 
 
+def _plus_linear(x: mx.array, inputs: mx.array, w: dict, name: str) -> mx.array:
+    """x + linear(inputs): the residual add rides in the matmul (addmm) when there is no bias."""
+    if name + "_b" in w:
+        return x + _linear(inputs, w, name)
+    return mx.addmm(x, inputs, w[name].T)
+
+
 def _finish_layer(w: dict, x: mx.array, attended: mx.array, eps: float) -> mx.array:
     """Output projection, residual, MLP, residual. attended [n, H, L, Dh], x [n, L, D] -> [n, L, D]."""
     n, _, L, _ = attended.shape
     # one position: [n, H, 1, Dh] is already laid out as [n, 1, H * Dh] (no transpose copy)
     flat = attended.reshape(n, 1, -1) if L == 1 else attended.transpose(0, 2, 1, 3).reshape(n, L, -1)
-    x = x + _linear(flat, w, "o")
+    x = _plus_linear(x, flat, w, "o")
     gate, up = mx.split(_linear(mx.fast.rms_norm(x, w["ln2"], eps), w, "gate_up"), 2, axis=-1)
-    return x + _linear(nn.silu(gate) * up, w, "down")
+    return _plus_linear(x, nn.silu(gate) * up, w, "down")
 
 
 def _logits(w: dict, spec: Spec, x: mx.array) -> mx.array:
@@ -180,11 +187,13 @@ def prefill(spec: Spec, w: dict, tokens: mx.array, left_padding: mx.array):
 
 
 def cache_attention(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, stop: mx.array,
-                    scale: float, kernel: bool) -> tuple[mx.array, mx.array]:
-    """Attention of one query per row over cache slots [start[r], stop[0]), with its log-sum-exp.
-    q [n, H, 1, Dh]; keys, values [n, Hkv, S, Dh] -> (out [n, H, 1, Dh], lse [n, H, 1] float32)."""
+                    scale: float, kernel: bool, layer: int) -> tuple[mx.array, mx.array]:
+    """Attention of one query per row over cache slots [start[r], stop[0]) of layer `layer`, with its
+    log-sum-exp. q [n, H, 1, Dh]; keys, values [layers, n, Hkv, S, Dh] -> (out [n, H, 1, Dh], lse [n, H, 1]
+    float32)."""
     if kernel:
-        return left_padded_attention_lse(q, keys, values, scale, start, stop)
+        return left_padded_attention_lse(q, keys, values, scale, start, stop, layer)
+    keys, values = keys[layer], values[layer]
     n, H, _, Dh = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     qg = q.reshape(n, Hkv, H // Hkv, Dh).astype(mx.float32)  # the query heads of each kv head
@@ -198,27 +207,27 @@ def cache_attention(q: mx.array, keys: mx.array, values: mx.array, start: mx.arr
     return out.reshape(n, H, 1, Dh).astype(q.dtype), lse.reshape(n, H, 1)
 
 
-def decode_step(spec: Spec, w: dict, token: mx.array, keys: list, values: list, offset: mx.array,
+def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx.array, offset: mx.array,
                 start: mx.array, stop: mx.array, kernel: bool):
     """One token per row: token [n] at RoPE position offset [n], attending cache slots [start, stop) plus
-    itself. -> (logits [n, V], the token's keys and values per layer [n, Hkv, 1, Dh]). Reads the caches
-    only: the caller writes the returned keys/values at slot stop."""
+    itself; keys, values [layers, n, Hkv, S, Dh]. -> (logits [n, V], the token's keys and values
+    [layers, n, Hkv, 1, Dh]). Reads the cache only: the caller writes the returned keys/values at slot stop."""
     n = token.shape[0]
     H, Hkv, Dh = spec.heads, spec.kv_heads, spec.head_dim
     scale = spec.scale
     x = w["embed"][token][:, None, :]  # [n, 1, D]
     new_keys, new_values = [], []
     fused = kernel and spec.theta is not None and not spec.qk_norm
-    for lw, cached_k, cached_v in zip(w["layers"], keys, values):
+    for layer, lw in enumerate(w["layers"]):
         if fused:  # RoPE, attention and the own slot in one launch
             qkv = _linear(mx.fast.rms_norm(x, lw["ln1"], spec.eps), lw, "qkv")[:, 0, :]  # [n, (H + 2 Hkv) Dh]
-            out, k, v = fused_decode_attention(qkv, cached_k, cached_v, start, stop, offset, spec.theta, scale, H)
+            out, k, v = fused_decode_attention(qkv, keys, values, start, stop, offset, spec.theta, scale, H, layer)
             x = _finish_layer(lw, x, out, spec.eps)
             new_keys.append(k)
             new_values.append(v)
             continue
         q, k, v = _qkv(spec, lw, x, offset)  # [n, H, 1, Dh], [n, Hkv, 1, Dh] x2
-        out, lse = cache_attention(q, cached_k, cached_v, start, stop, scale, kernel)
+        out, lse = cache_attention(q, keys, values, start, stop, scale, kernel, layer)
         # merge the cached slots' softmax with the token's own slot: weights exp(lse) and exp(q.k)
         qg = q.reshape(n, Hkv, H // Hkv, Dh).astype(mx.float32)
         own = ((qg * k.astype(mx.float32)).sum(-1) * scale).reshape(n, H, 1)  # [n, H, 1]
@@ -229,7 +238,7 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: list, values: list, 
         x = _finish_layer(lw, x, merged.astype(x.dtype), spec.eps)
         new_keys.append(k)
         new_values.append(v)
-    return _logits(w, spec, x[:, 0, :]), new_keys, new_values
+    return _logits(w, spec, x[:, 0, :]), mx.stack(new_keys), mx.stack(new_values)
 
 
 def kernel_serves(spec: Spec) -> bool:
