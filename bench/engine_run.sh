@@ -7,6 +7,8 @@
 #   bash bench/engine_run.sh step [OUT]       # ~4-5 min
 #   bash bench/engine_run.sh qwen-0.5b [OUT]  # ~3 min
 #   bash bench/engine_run.sh qwen-1.5b [OUT]  # ~5 min
+#   bash bench/engine_run.sh prod [OUT]       # the prod preset's update time: ~3 min
+#   bash bench/engine_run.sh trl [OUT]        # TRL's GRPOTrainer, same workload: ~2 min (needs trl)
 #   bash bench/engine_run.sh qwen [OUT]       # both Qwen parts in one go: ~8 min, too close to the limit
 #                                             # for one device command; run the two parts apart there
 # OUT defaults to $OUT (the device machine's output folder). Environment: PYTHON (default python3), DATA
@@ -96,9 +98,25 @@ if short:
           f"{s['short_mean']:.1f}, max {s['short_max']}, {s['short_s']:.3f} s vs {s['full_s']:.3f} s")
 PY
     ;;
+  prod)  # the prod preset's own updates (bf16 compute, float32 masters): median time_step_s of updates 3-16
+    run prod-preset $PY -m mlx_grpo train --config configs/prod.toml --set "dataset_path=$DATA" \
+      --set max_train_samples=256 --set eval_every_updates=0 --set save_steps=0 --set log_completions_steps=0 \
+      --set "output_dir=$out/prodrun"
+    $PY - "$out/prodrun/prod/metrics.jsonl" <<'PY' | tee "$out/prod-summary.txt"
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])][2:]
+keys = ("time_step_s", "time_rollout_s", "time_logprob_s", "time_train_s", "completion_length_mean")
+print(f"prod preset, updates 3-{len(rows) + 2}: median " + ", ".join(
+    f"{k} {statistics.median(r[k] for r in rows):.3f}" for k in keys if k in rows[0]))
+PY
+    ;;
+  trl)  # TRL's GRPOTrainer on the same workload (needs trl, accelerate, datasets on the machine)
+    run trl $PY bench/trl_grpo.py --model "$MLX_GRPO_CACHE/models/smollm2-135m-instruct-float32" --data "$DATA" \
+      --steps 5 --out "$out/trl_grpo.json"
+    ;;
   qwen-0.5b) qwen qwen2.5-0.5b ;;
   qwen-1.5b) qwen qwen2.5-1.5b ;;
   qwen) qwen qwen2.5-0.5b; qwen qwen2.5-1.5b ;;
-  *) echo "engine_run.sh: unknown part '$part' (decode, step, qwen, qwen-0.5b, qwen-1.5b)" >&2; exit 2 ;;
+  *) echo "engine_run.sh: unknown part '$part' (decode, step, prod, trl, qwen, qwen-0.5b, qwen-1.5b)" >&2; exit 2 ;;
 esac
 exit $failed

@@ -251,7 +251,8 @@ _FUSED_SOURCE = """
             const float p = __expf(dot - new_m);
             denom = denom * correction + p;
             #pragma unroll
-            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
+            for (int i = 0; i < PER; ++i)
+                acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
             m = new_m;
         }
     }
