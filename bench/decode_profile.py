@@ -131,7 +131,7 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
     from mlx_grpo.models.forward import bucket
     from mlx_grpo.rollout import SamplingParams, make_sampler
 
-    engine = RolloutEngine(None).refresh(model)  # the tokenizer is used only to end and decode rows
+    engine = RolloutEngine(None, mode="copy").refresh(model)  # the tokenizer is used only to end and decode rows
     if not engine.uses_copy:
         raise UserError(f"the engine has no sampling copy of this model ({type(model).__module__}): "
                         "no engine step to profile")

@@ -45,7 +45,7 @@ def make_sampler_fn(name: str, model, tokenizer):
     if name == "model":
         return (lambda prompts, g, params, key: generate_rollout(model, tokenizer, prompts, g, params, key)), \
             {"uses_copy": False}
-    engine = RolloutEngine(tokenizer, compact=name == "engine").refresh(model)
+    engine = RolloutEngine(tokenizer, mode="copy", compact=name == "engine").refresh(model)
     return engine.generate, {"uses_copy": engine.uses_copy, "engine": engine}
 
 

@@ -136,7 +136,7 @@ def bench_short(model, tokenizer, prompts: list[list[int]], cfg, repeats: int, p
     n_prompts, samples = pool
     pool_prompts = (prompts * (n_prompts // len(prompts) + 1))[:n_prompts]
     fixed = given_ends(tokenizer, ends) if ends else None  # checked before the pool is drawn
-    engine = RolloutEngine(tokenizer).refresh(model)
+    engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
     ids, keys = draw_pool(engine, pool_prompts, samples, limit, temperature, cfg.seed + 1)
     row_prompt = [p for p in pool_prompts for _ in range(samples)]
     drawn = 1
@@ -172,7 +172,7 @@ def bench_short(model, tokenizer, prompts: list[list[int]], cfg, repeats: int, p
     runs = {"short": (True, short_params), "full": (True, full_params),  # name -> (compact, params)
             "short_nocompact": (False, short_params), "short_model": (None, short_params)}
     for name, (compact, params) in runs.items():
-        eng = None if compact is None else RolloutEngine(short_tok, compact=compact).refresh(model)
+        eng = None if compact is None else RolloutEngine(short_tok, mode="copy", compact=compact).refresh(model)
         if eng is None:  # the loop before the engine, on the model itself
             generate = lambda: generate_rollout(model, short_tok, batch, 1, params, batch_keys)  # noqa: E731
         else:

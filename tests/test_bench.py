@@ -248,7 +248,7 @@ def test_decode_profile_engine_step_is_the_engines_decode(tiny_model_dir):
         got = [decoder.step()[0] for _ in range(6)]
         assert decoder.info["cache"] == "engine (fused copy, compiled step)" and not decoder.info["attention_kernel"]
     tokenizer = load_model(str(tiny_model_dir), "float32")[1]  # pad id 0, as the profile's rows
-    want = RolloutEngine(tokenizer).refresh(model).generate(prompts, 3, SamplingParams(10, 1.0, ignore_eos=True),
+    want = RolloutEngine(tokenizer, mode="copy").refresh(model).generate(prompts, 3, SamplingParams(10, 1.0, ignore_eos=True),
                                                             mx.random.key(5))
     assert mx.array_equal(mx.stack(got, axis=1), want.completion_ids[:, 1:7])
 

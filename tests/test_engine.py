@@ -50,7 +50,7 @@ def _many_ends(tok, vocab: int) -> ManyEnds:
 def test_fused_copy_samples_what_generate_rollout_samples(tiny, temperature):
     model, tok = tiny
     params = SamplingParams(24, temperature)
-    engine = RolloutEngine(tok).refresh(model)
+    engine = RolloutEngine(tok, mode="copy").refresh(model)
     assert engine.uses_copy
     got = engine.generate(PROMPTS, 4, params, mx.random.key(3))
     want = generate_rollout(model, tok, PROMPTS, 4, params, mx.random.key(3))
@@ -71,13 +71,14 @@ def test_merged_adapters_give_the_adapter_models_logprobs(tiny, tiny_model_dir, 
         if hasattr(module, "lora_b"):
             module.lora_b = mx.random.normal(module.lora_b.shape) * 0.2
     model.eval()
-    engine = RolloutEngine(tok).refresh(model)
+    engine = RolloutEngine(tok, mode="copy").refresh(model)
     assert engine.uses_copy
     rollout = engine.generate(PROMPTS, 3, SamplingParams(20, 1.0), mx.random.key(0))
     np.testing.assert_allclose(np.array(rollout.sampler_logprobs), np.array(_training_logprobs(model, rollout)),
                                atol=5e-5)
     base_model, _ = load(str(tiny_model_dir))
-    differs = RolloutEngine(tok).refresh(base_model).generate(PROMPTS, 3, SamplingParams(20, 1.0), mx.random.key(0))
+    differs = RolloutEngine(tok, mode="copy").refresh(base_model).generate(PROMPTS, 3, SamplingParams(20, 1.0),
+                                                                           mx.random.key(0))
     assert differs.completion_ids.tolist() != rollout.completion_ids.tolist()  # the adapters were merged in
 
 
@@ -87,8 +88,8 @@ def test_compaction_keeps_every_rows_tokens(tiny, stop):
     ends = _many_ends(tok, model.args.vocab_size)
     params = SamplingParams(48, 1.0, stop=stop)
     prompts = PROMPTS * 4  # 12 prompts x 4 = 48 rows: compaction goes 48 -> ... -> 8
-    compacted = RolloutEngine(ends, sync_every=2).refresh(model)
-    full = RolloutEngine(ends, compact=False, sync_every=2).refresh(model)
+    compacted = RolloutEngine(ends, mode="copy", sync_every=2).refresh(model)
+    full = RolloutEngine(ends, mode="copy", compact=False, sync_every=2).refresh(model)
     a = compacted.generate(prompts, 4, params, mx.random.key(7))
     b = full.generate(prompts, 4, params, mx.random.key(7))
     c = generate_rollout(model, ends, prompts, 4, params, mx.random.key(7))
@@ -106,7 +107,7 @@ def test_compaction_keeps_every_rows_tokens(tiny, stop):
 
 def test_refresh_follows_the_policy(tiny):
     model, tok = tiny
-    engine = RolloutEngine(tok).refresh(model)
+    engine = RolloutEngine(tok, mode="copy").refresh(model)
     before = engine.generate(PROMPTS, 2, SamplingParams(16, 1.0), mx.random.key(0))
     model.update(tree_map(lambda w: w * 1.5 if w.ndim == 2 else w, model.parameters()))
     stale = engine.generate(PROMPTS, 2, SamplingParams(16, 1.0), mx.random.key(0))
@@ -126,7 +127,7 @@ def test_the_trainers_engine_holds_the_updated_weights(tiny_model_dir, tmp_path)
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=4", "batch_size=2",
         "num_generations=2", "max_new_tokens=8", "learning_rate=1e-2", "warmup_ratio=0", "system_prompt=",
-        "max_prompt_length=96"]))
+        "max_prompt_length=96", "rollout_engine=copy"]))
     trainer = build_trainer(cfg)
     step, _ = trainer.batch_step(trainer.next_examples())
     mlp = trainer.model.model.layers[0].mlp
@@ -142,7 +143,7 @@ def test_the_trainers_engine_holds_the_updated_weights(tiny_model_dir, tmp_path)
 def test_quantized_models_decode_the_model_itself(tiny):
     model, tok = tiny
     nn.quantize(model, group_size=32, bits=4)
-    engine = RolloutEngine(tok).refresh(model)
+    engine = RolloutEngine(tok, mode="copy").refresh(model)
     assert not engine.uses_copy
     got = engine.generate(PROMPTS, 2, SamplingParams(12, 1.0), mx.random.key(0))
     want = generate_rollout(model, tok, PROMPTS, 2, SamplingParams(12, 1.0), mx.random.key(0))
@@ -227,3 +228,86 @@ def test_rope_angles_are_read_off_the_models_rope():
         np.testing.assert_allclose(np.array(rope(x, offset=77)), np.array(want), atol=1e-4)
     np.testing.assert_allclose(np.array(decoder.rope_angles(plain, 16)), 10000.0 ** (-np.arange(8) / 8), rtol=1e-5)
     assert decoder.rope_angles(initialize_rope(16, 10000.0, True, None, 2048), 16) is None
+
+
+def test_bfloat16_copy_logprobs_are_the_training_forwards_within_rounding(tiny):
+    """In bfloat16 the copy's fused matrices, addmm residuals and float32 attention round differently from
+    the model's modules: log-probs agree to bfloat16's rounding, not bit for bit (a wrong RoPE, norm or
+    merge would be off by far more)."""
+    model, tok = tiny
+    model.set_dtype(mx.bfloat16)
+    rollout = RolloutEngine(tok, mode="copy").refresh(model).generate(PROMPTS, 4, SamplingParams(24, 1.0),
+                                                                      mx.random.key(2))
+    diff = np.abs(np.array(rollout.sampler_logprobs) - np.array(_training_logprobs(model, rollout)))
+    mask = np.array(rollout.mask) > 0
+    assert diff[mask].mean() < 0.01 and diff.max() < 0.08
+
+
+def test_an_old_policy_kept_apart_is_what_the_engine_samples(tiny_model_dir, tmp_path):
+    """update_every = 2: after the first update the engine still samples the old policy (the model has
+    moved on); after the second it samples the refreshed one."""
+    from mlx_grpo.config import build_config, parse_set
+    from mlx_grpo.trainer import build_trainer
+
+    cfg = build_config("train", overrides=parse_set([
+        f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=8", "batch_size=2",
+        "num_generations=2", "max_new_tokens=8", "learning_rate=1e-2", "warmup_ratio=0", "system_prompt=",
+        "max_prompt_length=96", "rollout_engine=copy", "update_every=2", "max_grad_norm=0",
+        "weight_decay=0.5"]))  # decay moves the weights whatever the (here often zero) gradient
+    trainer = build_trainer(cfg)
+
+    def gate_up(module):
+        mlp = module.model.layers[0].mlp
+        return mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+    first = gate_up(trainer.model)
+    for _ in range(2):
+        step, _ = trainer.batch_step(trainer.next_examples())
+        trainer.update([step])
+        held = trainer.engine.weights["layers"][0]["gate_up"]
+        assert mx.array_equal(held, gate_up(trainer.policies.sampler))
+        if trainer.counters.update_step == 1:
+            assert mx.array_equal(held, first) and not mx.array_equal(held, gate_up(trainer.model))
+    assert mx.array_equal(trainer.engine.weights["layers"][0]["gate_up"], gate_up(trainer.model))
+
+
+def test_copy_bytes_counts_the_fused_and_merged_matrices(tiny):
+    model, _ = tiny
+    layers = model.model.layers
+    fused = sum(m.weight.size for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                            layer.self_attn.v_proj, layer.mlp.gate_proj,
+                                                            layer.mlp.up_proj))
+    assert decoder.copy_bytes(model, mx.float32) == fused * 4
+    spec, weights = decoder.build(model, mx.float32)
+    assert weights["layers"][0]["o"] is not None and sum(w["qkv"].size + w["gate_up"].size
+                                                         for w in weights["layers"]) == fused
+    apply_adapters(model, "lora", rank=2, alpha=4.0, dropout=0.0, num_layers=0, keys=[])
+    everything = fused + sum(layer.self_attn.o_proj.linear.weight.size + layer.mlp.down_proj.linear.weight.size
+                             for layer in layers)
+    assert decoder.copy_bytes(model, mx.float32) == everything * 4
+
+
+@pytest.mark.parametrize("stop,ignore_eos", [((), False), (("a",), False), ((), True)])
+def test_refill_decodes_later_batch_steps_in_freed_slots_with_the_same_tokens(tiny, stop, ignore_eos):
+    """generate_many: three batch steps decoded together give each row the tokens that generating each
+    step alone gives it, in fewer row-steps, with the later steps' rows joining freed slots."""
+    model, tok = tiny
+    ends = _many_ends(tok, model.args.vocab_size)
+    params = SamplingParams(40, 1.0, stop=stop, ignore_eos=ignore_eos)  # ignore_eos: no slot frees early
+    engine = RolloutEngine(ends, mode="copy", sync_every=2).refresh(model)
+    jobs = [(PROMPTS * 2, mx.random.split(mx.random.key(10 + j), 24)) for j in range(2)]
+    jobs.append(([[9] * 130, [4, 5]], mx.random.split(mx.random.key(30), 8)))  # longer than any slot before it
+    together = engine.generate_many(jobs, 4, params)
+    together_steps = engine.steps
+    alone_steps = 0
+    for (prompts, keys), got in zip(jobs, together):
+        want = engine.generate(prompts, 4, params, keys)
+        alone_steps += engine.steps
+        assert got.lengths.tolist() == want.lengths.tolist() and got.texts == want.texts
+        assert got.truncated.tolist() == want.truncated.tolist() and got.prompt_ids == want.prompt_ids
+        width = min(got.completion_ids.shape[1], want.completion_ids.shape[1])
+        assert got.completion_ids[:, :width].tolist() == want.completion_ids[:, :width].tolist()
+        np.testing.assert_allclose(np.array(got.sampler_logprobs[:, :width]),
+                                   np.array(want.sampler_logprobs[:, :width]), atol=2e-5)
+    assert together_steps < alone_steps or ignore_eos
+    assert [r.completion_ids.shape[1] for r in together] == [40, 40, 40] if ignore_eos else True

@@ -141,7 +141,12 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
                                    ["train_type=dora", "update_every=2", "lora_dropout=0.2", "lora_rank=4"],
                                    ["dynamic_sampling=true", "max_train_samples=16",
                                     f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"],
-                                   ["model_dtype=bfloat16", "learning_rate=1e-4"]])
+                                   ["model_dtype=bfloat16", "learning_rate=1e-4"],
+                                   # the rollout engine's sampling copy, refreshed after updates and on resume
+                                   ["rollout_engine=copy", "learning_rate=1e-2"],
+                                   ["rollout_engine=copy", "train_type=lora", "update_every=2", "kl_coeff=0.1",
+                                    "learning_rate=1e-2"],
+                                   ["rollout_engine=copy", "model_dtype=bfloat16", "learning_rate=1e-4"]])
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
     full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *extra)
@@ -463,3 +468,25 @@ def test_sampling_filters_are_refused_in_training(tiny_model_dir, tmp_path):
     for item in ("top_p=0.9", "top_k=5", "min_p=0.1"):
         with pytest.raises(UserError, match="off-policy"):
             make_cfg(tiny_model_dir, tmp_path, item)
+
+
+def test_refilled_batch_steps_train_as_one_by_one(tiny_model_dir, tmp_path, monkeypatch):
+    """gradient_accumulation_steps = 3 with the engine's copy: the update's batch steps decode together
+    (refill) and the run logs exactly what drawing them one by one logs."""
+    extra = ["rollout_engine=copy", "gradient_accumulation_steps=3", "max_train_samples=12", "max_new_tokens=24",
+             "save_steps=0", "learning_rate=1e-2"]
+    together = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=together", *extra))
+    calls = {"many": 0}
+    original = trainer_mod.RolloutEngine.generate_many
+
+    def counted(self, jobs, *args, **kwargs):
+        calls["many"] += len(jobs) > 1
+        return original(self, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod.RolloutEngine, "generate_many", counted)
+    run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=counted", *extra))
+    assert calls["many"] == 2  # 12 samples / (2 x 3) = 2 updates, each decoded together
+    monkeypatch.setattr(trainer_mod.Trainer, "batch_steps",
+                        lambda self, batches: [self.batch_step(b) for b in batches])
+    one_by_one = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=single", *extra))
+    assert metrics(together) == metrics(one_by_one)

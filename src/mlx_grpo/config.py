@@ -220,6 +220,11 @@ class Config:
     quantize_for_rollouts: bool = _f(False, "Sample from a 4-bit (group 64) copy of the old policy, "
                                      "re-quantized at each refresh. Measured 20x slower than float weights "
                                      "on MLX 0.32's CUDA backend (BENCHMARKS.md).", TRAIN)
+    rollout_engine: str = _f("auto", "Where rollouts (and eval) decode. copy: a sampling copy of the policy (q/k/v "
+                             "and gate/up fused, LoRA/DoRA merged, one compiled graph per step; llama, mistral, "
+                             "qwen2, qwen3 with unquantized weights; costs one more copy of the layer weights); "
+                             "model: the model itself through mlx-lm's modules; auto: copy on NVIDIA GPUs, model "
+                             "elsewhere (off CUDA the copy has no fused attention kernel yet).", TRAIN)
     # --- parameter-efficient training ---
     train_type: str = _f("full", "full: train every weight; lora: low-rank adapters on the chosen "
                          "projections (Hu et al. 2021); dora: weight-decomposed adapters (Liu et al. 2024). "

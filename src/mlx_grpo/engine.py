@@ -8,8 +8,11 @@ shrinks to the next power of two, so few shapes are ever compiled). A row's toke
 own key and context, so dropping other rows leaves them unchanged.
 
 Models the copy does not cover (other families, quantized weights: QLoRA bases and
-quantize_for_rollouts, whose memory saving the copy would undo) decode through rollout.py's
-generate_rollout on the model itself.
+quantize_for_rollouts, whose memory saving the copy would undo), and every model under rollout_engine =
+model (the default off CUDA), decode through rollout.py's generate_rollout on the model itself.
+A compacted batch changes the matmuls' row count, which on a GPU can move a logit's last bits: a row's
+tokens then depend on its key, its context and (very rarely, at a near-tie) when other rows ended; a
+resumed run still reproduces the same tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_grpo.models import decoder
+from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout import (Rollout, SamplingParams, finish_rollout, generate_rollout, make_sampler, sample,
                               stop_cut)
@@ -31,51 +35,84 @@ def _quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
+def uses_copy(mode: str, model: nn.Module) -> bool:
+    """Whether rollout_engine = mode samples `model` through the sampling copy (auto: on NVIDIA GPUs)."""
+    wanted = mode == "copy" or (mode == "auto" and kernel_available())
+    return wanted and decoder.supports(model) and not _quantized(model)
+
+
 class RolloutEngine:
     """Samples rollouts from the policy it was last refreshed with.
 
-    compact: drop ended rows from the batch (False: every row decodes to the end, for comparisons).
-    fused: use the sampling copy where it serves the model (False: always decode the model itself).
+    mode: rollout_engine (copy, model or auto: the copy on NVIDIA GPUs). compact: drop ended rows from the
+    batch (False: every row decodes to the end, for comparisons).
     """
 
-    def __init__(self, tokenizer, *, compact: bool = True, fused: bool = True, sync_every: int = 8):
+    def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8):
         self.tokenizer = tokenizer
+        self.mode = mode
         self.compact = compact
-        self.fused = fused
         self.sync_every = sync_every
         self.model = None
-        self.spec = self.weights = None
+        self._copy = None  # (spec, weights), built on first use after each refresh
+        self._stale = False
         self._steps = {}
         self.row_steps = 0  # rows x decode steps the last fused rollout computed (what compaction saves)
+        self.steps = 0  # decode steps it ran (what refill saves: a step costs about the same at any row count)
 
     def refresh(self, model: nn.Module) -> "RolloutEngine":
-        """Sample from `model`'s current weights from now on (rebuilds the sampling copy)."""
+        """Sample from `model`'s current weights from now on. The copy is rebuilt when next needed, so
+        several updates between two rollouts (num_iterations > 1) and a resume build it once."""
         self.model = model
-        self.spec = self.weights = None
-        if self.fused and decoder.supports(model) and not _quantized(model):
-            self.spec, self.weights = decoder.build(model, _compute_dtype(model))
+        self._copy = None  # free the old copy now: its memory is the new one's
+        self._stale = uses_copy(self.mode, model)
         return self
+
+    def _current(self):
+        if self._stale:
+            self._copy = decoder.build(self.model, _compute_dtype(self.model))
+            self._stale = False
+        return self._copy
 
     @property
     def uses_copy(self) -> bool:
-        return self.weights is not None
+        return self._current() is not None
+
+    @property
+    def spec(self):
+        return self._current()[0]
+
+    @property
+    def weights(self) -> dict:
+        return self._current()[1]
 
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams, key: mx.array,
                  prefill_text: str = "") -> Rollout:
         """G completions for each of the B prompts. key: one key (split into the N = B*G row keys) or the row
         keys themselves, [N, 2]."""
+        keys = key if key.ndim == 2 else mx.random.split(key, len(prompts) * group_size)
+        return self.generate_many([(prompts, keys)], group_size, params, prefill_text)[0]
+
+    def generate_many(self, jobs: list[tuple[list[list[int]], mx.array]], group_size: int, params: SamplingParams,
+                      prefill_text: str = "") -> list[Rollout]:
+        """The rollouts of several batch steps, jobs = [(prompts, row keys [B*G, 2])], decoded together: the
+        first job fills the batch, and when rows end, the next jobs' prompts take their slots (refill), so
+        one long row no longer holds a batch step. Each row samples the tokens generate() gives it alone."""
         if self.model is None:
             raise RuntimeError("RolloutEngine.generate before refresh(model)")
         if not self.uses_copy:
-            return generate_rollout(self.model, self.tokenizer, prompts, group_size, params, key, prefill_text,
-                                    sync_every=self.sync_every)
-        return self._generate_fused(prompts, group_size, params, key, prefill_text)
+            return [generate_rollout(self.model, self.tokenizer, prompts, group_size, params, keys, prefill_text,
+                                     sync_every=self.sync_every) for prompts, keys in jobs]
+        return self._generate_fused(jobs, group_size, params, prefill_text)
 
     # ------------------------------------------------------------------ the fused decode loop
     def _step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
         """The compiled decode step for these sampling settings (traced once per batch shape)."""
-        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel)
-        if cache_key not in self._steps:
+        spec = self.spec
+        shape = (spec.heads, spec.kv_heads, spec.head_dim, spec.scale, spec.eps, spec.qk_norm,
+                 None if spec.theta is None else tuple(spec.theta.tolist()))
+        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel, shape)
+        if cache_key not in self._steps:  # a refresh with the same shapes keeps the traced step
             spec, eos_array = self.spec, mx.array(list(eos) or [-1], dtype=mx.int32)
 
             def step(weights, token, keys, values, offset, start, stop, row_keys, ended):
@@ -88,93 +125,152 @@ class RolloutEngine:
             self._steps[cache_key] = mx.compile(step)
         return self._steps[cache_key]
 
-    def _generate_fused(self, prompts, group_size: int, params: SamplingParams, key: mx.array,
-                        prefill_text: str) -> Rollout:
-        tokenizer, spec, weights = self.tokenizer, self.spec, self.weights
+    def _prefill(self, prompts: list[list[int]], groups: list[int], at: int, capacity: int, G: int, pad_id: int):
+        """Prefill the prompts of `groups` into their G rows each, the prompts ending at slot `at` of a
+        [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows], last logits [rows, V])."""
+        spec, weights = self._current()
+        longest = max(len(prompts[g]) for g in groups)
+        width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
+        padding = mx.array([width - len(prompts[g]) for g in groups], dtype=mx.int32)
+        tokens = mx.array([[pad_id] * (width - len(prompts[g])) + list(prompts[g]) for g in groups], dtype=mx.int32)
+        logits, keys, values = decoder.prefill(spec, weights, tokens, padding)  # [b, V], [b, Hkv, width, Dh] each
+        slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
+        keys = mx.repeat(mx.pad(mx.stack(keys), slots), G, axis=1)
+        values = mx.repeat(mx.pad(mx.stack(values), slots), G, axis=1)
+        mx.eval(keys, values)
+        return keys, values, mx.repeat(padding + (at - width), G), mx.repeat(logits, G, axis=0)
+
+    def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str) -> list[Rollout]:
+        tokenizer, (spec, weights) = self.tokenizer, self._current()
         eos_ids = sorted(tokenizer.eos_token_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         if params.ignore_eos:
             eos_ids = []
-        eos = mx.array(eos_ids or [-1], dtype=mx.int32)
-        G, T = group_size, params.max_new_tokens
-        width = bucket(max(len(p) for p in prompts))
-        padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)  # [B]
-        tokens = mx.array([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)
-        logits, keys, values = decoder.prefill(spec, weights, tokens, padding)  # [B, V], [B, Hkv, width, Dh]
-        # one buffer for all layers [layers, N, Hkv, width + T, Dh]: a step writes every layer's key at once
-        tail = [(0, 0), (0, 0), (0, 0), (0, T), (0, 0)]  # room for every generated token
-        keys = mx.repeat(mx.pad(mx.stack(keys), tail), G, axis=1)
-        values = mx.repeat(mx.pad(mx.stack(values), tail), G, axis=1)
-        start = mx.repeat(padding, G)  # [N] first real slot of each row
-        logits = mx.repeat(logits, G, axis=0)  # [N, V]
-        n = logits.shape[0]
-        row_keys = key if key.ndim == 2 else mx.random.split(key, n)  # [N, 2]
-        step_keys = mx.vmap(lambda k: mx.random.split(k, T))(row_keys).transpose(1, 0, 2)  # [T, N, 2]
-        mx.eval(keys, values, step_keys)
-        token, logprob, entropy, ended = make_sampler(params, eos)(logits, step_keys[0],
-                                                                  mx.zeros((n,), dtype=mx.bool_))
-        kernel = decoder.kernel_serves(spec)
-        step = self._step_fn(params, tuple(eos_ids), kernel)
-        rows = np.arange(n)  # the rollout row of each batch slot
-        self.row_steps = n
-        segments, columns = [], ([token], [logprob], [entropy])
-        first = 0  # the column where the current segment starts
-        idx = width  # the slot the next fed token is written to
-        for s in range(1, T):
-            if s % self.sync_every == 0:
+        T = params.max_new_tokens
+        sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
+        step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
+        prompts = [p for job, _ in jobs for p in job]  # group g (prompt g) owns rows g*G .. g*G + G - 1
+        n_rows = len(prompts) * G
+        # every row's T step keys, as generate_rollout splits them: [rows, T, 2]
+        all_keys = mx.concatenate([mx.vmap(lambda k: mx.random.split(k, T))(keys) for _, keys in jobs])
+        join = np.zeros(n_rows, dtype=np.int64)  # the step (column) of each row's first token
+        queue = list(range(len(jobs[0][0]), len(prompts)))  # groups waiting for free slots
+        first_job = list(range(len(jobs[0][0])))
+        idx = bucket(max(len(prompts[g]) for g in first_job))  # the slot the next fed token is written to
+        keys, values, start, logits = self._prefill(prompts, first_job, idx, idx + T, G, pad_id)
+        rows = np.arange(len(first_job) * G)  # the rollout row of each batch slot (-1: a filler slot)
+        target = len(rows)  # refills fill the batch back up to its first size
+        token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0], mx.zeros((len(rows),), mx.bool_))
+        kstep = mx.ones((len(rows),), dtype=mx.int32)  # each slot's next step key
+        segments, columns, first = [], ([token], [logprob], [entropy]), 0
+        self.row_steps, self.steps = len(rows), 0
+        s, last = 1, T  # decode steps until every admitted row has T tokens
+        while s < last or queue:
+            if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
                 mx.eval(ended)
-                done = np.array(ended)
+                done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= T)
                 if params.stop:
-                    done |= self._stopped(segments, (rows, first, columns), n, params.stop)
-                if done.all():
+                    done |= self._stopped(segments + [(rows, first, columns)], join, n_rows, T, rows, params.stop)
+                if done.all() and not queue:
                     break
                 live = np.flatnonzero(~done)
-                if self.compact and len(rows) > MIN_ROWS and len(live) <= len(rows) // 2:
-                    size = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(len(live), 1)))))
-                    keep = np.concatenate([live, np.flatnonzero(done)[:size - len(live)]])
+                admit = []  # refill once a quarter of the batch is free (each refill copies the cache once)
+                if queue and not len(live) and len(prompts[queue[0]]) > idx:
+                    idx = bucket(len(prompts[queue[0]]))  # nothing live: skip ahead to slots its prompt fits in
+                if target - len(live) >= max(G, target // 4):
+                    while queue and len(live) + (len(admit) + 1) * G <= target and len(prompts[queue[0]]) <= idx:
+                        admit.append(queue.pop(0))
+                if admit or (self.compact and len(rows) > MIN_ROWS and len(live) <= len(rows) // 2):
                     segments.append((rows, first, columns))
-                    first, rows = s, rows[keep]
+                    first, columns = s, ([], [], [])
+                    size = len(live) + len(admit) * G
+                    fill = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(size, 1))))) - size
+                    spare = np.flatnonzero(done)
+                    keep = np.concatenate([live, spare[:fill], np.zeros(max(0, fill - len(spare)), np.int64)])
+                    new_rows = np.concatenate([rows[live], np.full(len(keep) - len(live), -1)])
                     pick = mx.array(keep)
-                    keys, values = keys[:, pick], values[:, pick]
-                    start, step_keys, ended = start[pick], step_keys[:, pick], ended[pick]
-                    token = token[pick]
-                    columns = ([], [], [])
+                    keys = keys[:, pick]
+                    mx.eval(keys)  # the old keys go before the values are gathered: at most 1.25x the cache
+                    values = values[:, pick]
+                    start, token, kstep = start[pick], token[pick], kstep[pick]
+                    ended = mx.where(mx.array(new_rows >= 0), ended[pick], True)
+                    if admit:
+                        keys, values, start, token, ended, kstep, new_rows = self._refill(
+                            admit, prompts, idx, T, G, pad_id, keys, values, start, token, ended, kstep, new_rows,
+                            all_keys, sampler, join, s, segments)
+                        last = max(last, s - 1 + T)
+                    rows = new_rows
             stop = mx.array([idx], dtype=mx.int32)
+            row_keys = all_keys[mx.array(np.maximum(rows, 0)), mx.minimum(kstep, T - 1)]
             token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
-                                                                stop, step_keys[s], ended)
+                                                                stop, row_keys, ended)
             keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph (inside, it would copy)
             values[..., idx:idx + 1, :] = new_v
-            idx += 1
+            idx, s, kstep = idx + 1, s + 1, kstep + 1
             self.row_steps += len(rows)
+            self.steps += 1
             for column, value in zip(columns, (token, logprob, entropy)):
                 column.append(value)
             mx.async_eval(token, logprob, entropy, ended)
         segments.append((rows, first, columns))
-        ids, lps, ents = _assemble(segments, n, pad_id)
-        return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, G, prefill_text)
+        ids, lps, ents, filled = _assemble(segments, join, n_rows, T, pad_id)
+        out, row = [], 0
+        for job, _ in jobs:
+            n = len(job) * G
+            width = max(1, int(filled[row:row + n].max()))
+            out.append(finish_rollout(tokenizer, job, mx.array(ids[row:row + n, :width]),
+                                      mx.array(lps[row:row + n, :width]), mx.array(ents[row:row + n, :width]),
+                                      eos_ids, pad_id, params, G, prefill_text))
+            row += n
+        return out
 
-    def _stopped(self, segments, current, n: int, stops) -> np.ndarray:
-        """Which of the batch's current rows have generated a stop string so far."""
-        ids, _, _ = _assemble(segments + [current], n, -1)
-        return np.array([stop_cut(self.tokenizer, [t for t in row if t >= 0], stops) is not None
-                         for row in np.array(ids)[current[0]].tolist()])
+    def _refill(self, admit, prompts, idx, T, G, pad_id, keys, values, start, token, ended, kstep, rows,
+                all_keys, sampler, join, s, segments):
+        """Append the rows of the `admit` groups to the batch: their prompts' cache ends at slot idx (the
+        cache grows when idx + T passes its end) and their first token is sampled from the prefill."""
+        capacity = max(keys.shape[3], bucket(idx + T))
+        if capacity > keys.shape[3]:
+            grow = [(0, 0), (0, 0), (0, 0), (0, capacity - keys.shape[3]), (0, 0)]
+            keys, values = mx.pad(keys, grow), mx.pad(values, grow)
+        new_keys, new_values, new_start, logits = self._prefill(prompts, admit, idx, capacity, G, pad_id)
+        added = np.concatenate([g * G + np.arange(G) for g in admit])
+        first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
+                                                             mx.zeros((len(added),), mx.bool_))
+        join[added] = s - 1  # their first token sits in the column before this step's
+        segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
+        keys, values = mx.concatenate([keys, new_keys], axis=1), mx.concatenate([values, new_values], axis=1)
+        mx.eval(keys, values)
+        return (keys, values, mx.concatenate([start, new_start]), mx.concatenate([token, first_token]),
+                mx.concatenate([ended, first_ended]), mx.concatenate([kstep, mx.ones((len(added),), mx.int32)]),
+                np.concatenate([rows, added]))
+
+    def _stopped(self, segments, join, n_rows: int, T: int, rows, stops) -> np.ndarray:
+        """Which of the batch's current slots have generated a stop string so far (fillers: True)."""
+        ids, _, _, _ = _assemble(segments, join, n_rows, T, -1)
+        return np.array([r < 0 or stop_cut(self.tokenizer, [t for t in ids[r].tolist() if t >= 0], stops)
+                         is not None for r in rows])
 
 
-def _assemble(segments, n: int, pad_id: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Scatter the segments' columns back to rollout rows: -> ids, log-probs, entropies, each [n, T];
-    a row's columns after it left the batch hold pad_id / 0 (it had ended)."""
-    width = max(first + len(cols[0]) for _, first, cols in segments)
-    ids = np.full((n, width), pad_id, dtype=np.int64)
-    lps = np.zeros((n, width), dtype=np.float32)
-    ents = np.zeros((n, width), dtype=np.float32)
+def _assemble(segments, join: np.ndarray, n_rows: int, T: int, pad_id: int):
+    """Scatter the segments' columns back to rollout rows (a slot's step goes to column step - join[row]):
+    -> ids, log-probs, entropies as numpy [rows, T] (pad_id / 0 where a row wrote nothing) and each row's
+    number of columns written."""
+    ids = np.full((n_rows, T), pad_id, dtype=np.int32)
+    lps = np.zeros((n_rows, T), dtype=np.float32)
+    ents = np.zeros((n_rows, T), dtype=np.float32)
+    filled = np.zeros(n_rows, dtype=np.int64)
     for rows, first, (t, lp, ent) in segments:
         if not t:
             continue
-        stop = first + len(t)
-        ids[rows, first:stop] = np.array(mx.stack(t, axis=1))
-        lps[rows, first:stop] = np.array(mx.stack(lp, axis=1))
-        ents[rows, first:stop] = np.array(mx.stack(ent, axis=1))
-    return mx.array(ids.astype(np.int32)), mx.array(lps), mx.array(ents)
+        real = np.flatnonzero(rows >= 0)
+        r = rows[real]
+        cols = first - join[r][:, None] + np.arange(len(t))[None, :]  # [slots, steps]
+        ok = (cols >= 0) & (cols < T)
+        rr = np.broadcast_to(r[:, None], cols.shape)
+        for out, part in ((ids, t), (lps, lp), (ents, ent)):
+            out[rr[ok], cols[ok]] = np.array(mx.stack(part, axis=1))[real][ok]
+        np.maximum.at(filled, rr[ok], cols[ok] + 1)
+    return ids, lps, ents, filled
 
 
 def _compute_dtype(model: nn.Module):

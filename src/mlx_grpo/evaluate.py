@@ -44,14 +44,15 @@ def _lenient(text: str, gold: str) -> bool:
 
 def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
                    num_samples: int = 1, temperature: float = 0.0, seed: int | None = None,
-                   progress: bool = False) -> list[dict]:
+                   progress: bool = False, engine: RolloutEngine | None = None) -> list[dict]:
     """One record per example: its completions and whether they are right (greedy when num_samples == 1;
     an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations.
-    progress: show a progress bar over the examples (on a terminal only)."""
+    progress: show a progress bar over the examples (on a terminal only). engine: one already sampling from
+    `model` (the trainer's), so evaluation builds no second copy of the weights."""
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
                             cfg.min_p, tuple(cfg.stop))
     records = []
-    engine = RolloutEngine(tokenizer).refresh(model)
+    engine = engine or RolloutEngine(tokenizer, mode=cfg.rollout_engine).refresh(model)
     key = mx.random.key(cfg.seed if seed is None else seed)
     bar = tqdm(total=len(examples), desc="eval", unit="example", leave=False, disable=None if progress else True)
     for start in range(0, len(examples), cfg.eval_batch_size):

@@ -37,8 +37,11 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
     its eval record."""
     cfg, world = trainer.cfg, trainer.world
     per = -(-len(examples) // world.size)
+    # the trainer's engine samples the trained model itself unless an old policy is kept apart
+    engine = trainer.engine if trainer.policies.sampler is trainer.model else None
     mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
-                          max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main)
+                          max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main,
+                          engine=engine)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
     if not world.is_main:
         return None
@@ -293,18 +296,26 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
     start_update = c.update_step
     while c.update_step < trainer.total_updates and data_left:
         steps, stats = [], []
-        for i in range(cfg.gradient_accumulation_steps):
-            examples = trainer.next_examples()
-            if examples is None:  # dynamic sampling drew extra prompts: the data ran out early
+        # Dynamic sampling draws more prompts inside a batch step, so its steps go one by one; otherwise
+        # the update's batch steps are taken first and their rollouts decode together (engine refill).
+        together = 1 if cfg.dynamic_sampling else cfg.gradient_accumulation_steps
+        for i in range(0, cfg.gradient_accumulation_steps, together):
+            batches = []
+            while len(batches) < together and (examples := trainer.next_examples()) is not None:
+                batches.append(examples)
+            if len(batches) < together:  # dynamic sampling drew extra prompts: the data ran out early
                 data_left = False
+            if not batches:
                 break
             _phase(bar, "rollout", i, cfg.gradient_accumulation_steps)  # and the batch's log-prob passes
-            step, st = trainer.batch_step(examples)
-            steps.append(step)
-            stats.append(st)
-            if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
-                _phase(bar, "eval")
-                last_eval = _evaluate(trainer, logger, reporters, legacy_subset, "eval_steps") or last_eval
+            for step, st in trainer.batch_steps(batches):
+                steps.append(step)
+                stats.append(st)
+                if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
+                    _phase(bar, "eval")
+                    last_eval = _evaluate(trainer, logger, reporters, legacy_subset, "eval_steps") or last_eval
+            if not data_left:
+                break
         if not steps:
             break
         save_due = False

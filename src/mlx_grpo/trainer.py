@@ -37,7 +37,8 @@ from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_g
                              make_grad_fn)
 from mlx_grpo.reward_workers import RewardRunner, build_reward_set
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
-from mlx_grpo.engine import RolloutEngine
+from mlx_grpo.engine import RolloutEngine, uses_copy
+from mlx_grpo.models import decoder
 from mlx_grpo.rollout import (SamplingParams, encode_chat_prompt, machine_memory_bytes,
                               rollout_memory_bytes, select_groups)
 
@@ -142,12 +143,11 @@ class Trainer:
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
         # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
-        self.engine = RolloutEngine(self.tokenizer).refresh(self.policies.sampler)
+        self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine).refresh(self.policies.sampler)
 
     # ------------------------------------------------------------------ one batch step
-    def _draw(self, examples: list[Example]) -> Draw:
-        """Generate G completions for each of this rank's share of the batch's examples and submit them
-        for scoring (inline or to the reward workers); _scores collects the result."""
+    def _encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
+        """This rank's share of a draw: (its prompts' ids, their row keys, its examples)."""
         cfg, G = self.cfg, self.cfg.num_generations
         # Every rank encodes the whole batch (cheap), so prompts_cut counts it without a collective.
         encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
@@ -163,18 +163,26 @@ class Trainer:
                              "tokens: the model works past positions it was trained on; lower max_prompt_length "
                              "(prompts are cut to it from the left) or max_new_tokens")
         share = self.world.share(len(examples))
-        examples = examples[share]
         keys = row_keys(cfg.seed, self.counters.draws, len(encoded) * G, slice(share.start * G, share.stop * G))
-        t0 = time.perf_counter()
-        rollout = self.engine.generate([ids for ids, _ in encoded[share]], G, self.params, keys, cfg.prefill)
         self.counters.draws += 1
-        t1 = time.perf_counter()
+        return [ids for ids, _ in encoded[share]], keys, examples[share]
+
+    def _submit(self, examples: list[Example], rollout, t_rollout: float) -> Draw:
+        """Submit a draw's completions for scoring (inline or to the reward workers); _scores collects them."""
+        G, t1 = self.cfg.num_generations, time.perf_counter()
         columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
         prompts = [e.prompt for e in examples for _ in range(G)]
         # Each completion's own ids, up to and including its end token (as TRL passes them), not padded rows.
         ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), rollout.lengths.tolist())]
         pending = self.reward_runner.submit(prompts, rollout.texts, ids, columns)
-        return Draw(examples, rollout, pending, t1 - t0, time.perf_counter() - t1)
+        return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
+
+    def _draw(self, examples: list[Example]) -> Draw:
+        """Generate G completions for each of this rank's share of the batch's examples, submitted for scoring."""
+        prompts, keys, mine = self._encode(examples)
+        t0 = time.perf_counter()
+        rollout = self.engine.generate(prompts, self.cfg.num_generations, self.params, keys, self.cfg.prefill)
+        return self._submit(mine, rollout, time.perf_counter() - t0)
 
     def _scores(self, draw: Draw) -> RewardScores:
         """A draw's rewards plus the length penalty, waiting for them if the workers are still at it."""
@@ -213,13 +221,27 @@ class Trainer:
             if picks else draws[0].scores.select([])
         return [draws[i].examples[g] for i, g in picks], rollout, scores
 
+    def batch_steps(self, batches: list[list[Example]]) -> list[tuple[StepData, dict]]:
+        """An update's batch steps. Without dynamic sampling their rollouts decode together (the engine
+        refills slots freed by ended rows with the next steps' prompts), each row with its own keys, so
+        every step samples what it would alone; with it, each step draws in turn (more draws depend on
+        the rewards of earlier ones)."""
+        if self.cfg.dynamic_sampling or len(batches) == 1:
+            return [self.batch_step(examples) for examples in batches]
+        encoded = [self._encode(examples) for examples in batches]
+        t0 = time.perf_counter()
+        rollouts = self.engine.generate_many([(prompts, keys) for prompts, keys, _ in encoded],
+                                             self.cfg.num_generations, self.params, self.cfg.prefill)
+        share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
+        draws = [self._submit(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, rollouts)]
+        return [self._step_from([draw]) for draw in draws]
+
     def batch_step(self, examples: list[Example]) -> tuple[StepData, dict]:
         """Generate (and, with dynamic sampling, filter) one batch step and run its old/reference log-prob
         passes. Its rewards may still be computing: the step holds them as `pending`, and `resolve`
         (called by update) collects them and sets the advantages and the reward stats."""
         cfg = self.cfg
         draws = [self._draw(examples)]
-        selected = None
         if cfg.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
             def informative() -> int:
                 return sum(int(self._flags(d).sum()) for d in draws)
@@ -229,6 +251,14 @@ class Trainer:
                 if more is None:  # the data is exhausted: train on what there is
                     break
                 draws.append(self._draw(more))
+        return self._step_from(draws)
+
+    def _step_from(self, draws: list[Draw]) -> tuple[StepData, dict]:
+        """A batch step from its draws (several: dynamic sampling keeps their informative groups): the
+        old/reference log-prob passes and the stats."""
+        cfg = self.cfg
+        selected = None
+        if cfg.dynamic_sampling:
             examples, rollout, selected = self._informative_batch(draws)
         else:
             examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
@@ -495,12 +525,15 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         reference = None  # the KL reference is `model` with its adapters switched off
     rows = cfg.batch_size // (world.size if world else 1) * cfg.num_generations
     need, have = rollout_memory_bytes(model, rows, cfg.max_prompt_length + cfg.max_new_tokens), machine_memory_bytes()
-    if need and have and need > have:  # found up front, not by the OOM killer a minute in
+    copy = decoder.copy_bytes(model, dtype) if need and uses_copy(cfg.rollout_engine, model) else 0
+    if need and have and need + copy > have:  # found up front, not by the OOM killer a minute in
         raise UserError(f"{rows} rollout rows (batch_size {cfg.batch_size} x num_generations {cfg.num_generations}"
                         f"{' per rank' if world and world.size > 1 else ''}) of up to "
                         f"{cfg.max_prompt_length + cfg.max_new_tokens} tokens need at least {need / 1e9:.1f} GB for "
-                        f"their KV cache and logits, more than this machine's {have / 1e9:.1f} GB: lower "
-                        "num_generations, batch_size or max_new_tokens")
+                        f"their KV cache and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
+                                                       "of the weights" if copy else "")
+                        + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
+                        "max_new_tokens" + (", or set rollout_engine = model" if copy else ""))
     if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
         print(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
               f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it",

@@ -10,6 +10,7 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.reporting import REPORTERS
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ROLLOUT_ENGINES = ("auto", "copy", "model")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -65,6 +66,8 @@ def _validate_train(c: Config) -> None:
     _require(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
     _require(c.rollout_correction in ROLLOUT_CORRECTIONS, f"rollout_correction must be one of "
              f"{', '.join(ROLLOUT_CORRECTIONS)}, got {c.rollout_correction!r}")
+    _require(c.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, "
+             f"got {c.rollout_engine!r}")
     _require(c.rollout_correction_cap > 1, "rollout_correction_cap must be > 1 (TRL uses 2.0)")
     _require(c.lr_scheduler_type in ("cosine", "linear", "constant"),
              f"lr_scheduler_type must be cosine, linear or constant, got {c.lr_scheduler_type!r}")
