@@ -189,7 +189,7 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
 
 def bench_step(cfg, repeats: int) -> dict:
     """Full GRPO steps through the trainer itself: rollout, rewards, old/ref log-probs, update."""
-    from mlx_grpo.trainer import build_trainer
+    from mlx_grpo.assembly import build_trainer
 
     trainer = build_trainer(cfg)
     records = []

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.distributed import init_world
-from mlx_grpo.trainer import build_trainer
+from mlx_grpo.assembly import build_trainer
 
 
 def main(out: str, items: list[str]) -> None:

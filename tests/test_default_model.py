@@ -67,7 +67,7 @@ def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, 
     import numpy as np
 
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.trainer import build_trainer
+    from mlx_grpo.assembly import build_trainer
 
     monkeypatch.setenv(loading.CACHE_ENV, str(default_model[3]))
     root = loading.Path(__file__).resolve().parents[1]

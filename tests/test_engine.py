@@ -122,7 +122,7 @@ def test_refresh_follows_the_policy(tiny):
 
 def test_the_trainers_engine_holds_the_updated_weights(tiny_model_dir, tmp_path):
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.trainer import build_trainer
+    from mlx_grpo.assembly import build_trainer
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=4", "batch_size=2",
@@ -247,7 +247,7 @@ def test_an_old_policy_kept_apart_is_what_the_engine_samples(tiny_model_dir, tmp
     """update_every = 2: after the first update the engine still samples the old policy (the model has
     moved on); after the second it samples the refreshed one."""
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.trainer import build_trainer
+    from mlx_grpo.assembly import build_trainer
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=8", "batch_size=2",

@@ -14,7 +14,7 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.models.precision import MasterWeights, rounding_share
 from mlx_grpo.policy import StepData
 from mlx_grpo.rollout import SamplingParams, generate_rollout
-from mlx_grpo.trainer import build_trainer
+from mlx_grpo.assembly import build_trainer
 
 
 
@@ -149,7 +149,7 @@ def test_resume_in_another_compute_dtype_is_refused(tiny_model_dir, tmp_path):
                                "max_train_samples=4"), resume="latest")
     # the same config, but `auto` resolving to another dtype (another machine): refused by the weights' dtype
     cfg = make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "learning_rate=1e-4", "max_train_samples=4")
-    from mlx_grpo.trainer import build_trainer as build
+    from mlx_grpo.assembly import build_trainer as build
     from mlx_grpo import checkpoint as ckpt
 
     trainer = build(make_cfg(tiny_model_dir, tmp_path, "model_dtype=float32", "learning_rate=1e-4",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_grpo import assembly as assembly_mod
 from mlx_grpo import run as run_mod
 from mlx_grpo import trainer as trainer_mod
 from mlx_grpo.cli import main
@@ -249,10 +250,10 @@ def test_quantized_rollouts_run(tiny_model_dir, tmp_path):
 
 
 def test_grad_checkpoint_without_effect_is_reported(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    trainer_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
+    assembly_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
     assert "grad_checkpoint has no effect" not in capsys.readouterr().out  # llama layers are recomputed
-    monkeypatch.setattr(trainer_mod, "supports_layer_checkpointing", lambda model: False)
-    trainer_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
+    monkeypatch.setattr(assembly_mod, "supports_layer_checkpointing", lambda model: False)
+    assembly_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
     assert "grad_checkpoint has no effect for model type 'llama'" in capsys.readouterr().out
 
 
@@ -265,7 +266,7 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir,
 
     cfg = make_cfg(tiny_model_dir, tmp_path, "train_type=lora", "kl_coeff=0.04", "learning_rate=1e-2",
                    f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")
-    t = trainer_mod.build_trainer(cfg)
+    t = assembly_mod.build_trainer(cfg)
     before = {k: mx.array(v) for k, v in tree_flatten(t.model.parameters())}
     trainable = {k for k, _ in tree_flatten(t.model.trainable_parameters())}
     assert trainable and all(k.endswith(("lora_a", "lora_b")) for k in trainable)
@@ -302,7 +303,7 @@ def wider_model_dir(tmp_path_factory):
 def test_qlora_run_generate_and_fuse(wider_model_dir, tmp_path, capsys):
     cfg = make_cfg(wider_model_dir, tmp_path, "train_type=lora", "load_in_bits=4", "kl_coeff=0.04",
                    "max_train_samples=4", "learning_rate=1e-2", "save_steps=0")
-    t = trainer_mod.build_trainer(cfg)
+    t = assembly_mod.build_trainer(cfg)
     assert any(k.endswith(".scales") for k, _ in tree_flatten(t.model.parameters()))  # the base is 4-bit
     run = run_mod.train(cfg)
     rows = metrics(run)

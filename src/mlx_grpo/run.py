@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
+from mlx_grpo.assembly import build_trainer
 from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
@@ -26,7 +27,7 @@ from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.models.writing import recover_staged
-from mlx_grpo.trainer import Trainer, build_trainer
+from mlx_grpo.trainer import Trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
 
