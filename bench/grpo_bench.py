@@ -7,6 +7,8 @@ Sections (all by default; pick with --sections):
            without compaction, generate_rollout on the model (the loop before the engine: fixed cache +
            CUDA decode kernel), against a plain mlx-lm KV-cache loop with categorical sampling; with
            EOS stopping (real lengths) and without (equal lengths)
+  refill   an update's batch steps decoded together (later steps refill freed slots) vs one by one
+  overlap  a rollout decoding while the previous batch step's log-prob pass runs on a second stream
   short    rollout time follows generated tokens (bench/short_answers.py): a batch of --short-rows rows
            with a mean answer of --short-mean tokens and one full-length row, against the same rows at
            full length
@@ -66,7 +68,7 @@ import shapes
 import short_answers
 from bench_util import GB, device_name, nbytes, peak_during, timed, versions
 
-SECTIONS = ("rollout", "short", "logprob", "train", "memory", "step")
+SECTIONS = ("rollout", "short", "refill", "overlap", "logprob", "train", "memory", "step")
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -288,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-ends", default="", help="short section: extra end strings as a JSON list, e.g. "
                     "'[\"\\n\", \".\"]' (default: the candidate whose median pool length is nearest --short-mean)")
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats after one warm-up")
+    ap.add_argument("--refill", default="4x16x16", help="refill section: batch steps x B x G of one update")
+    ap.add_argument("--refill-ends", default='["."]', help="refill section: extra end strings (JSON list)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="trainer config overrides (e.g. micro_batch_tokens=4096)")
@@ -378,6 +382,13 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
                                                         args.short_rows, args.short_mean, ends)
         except ValueError as exc:
             raise UserError(f"short section: {exc}") from None
+    if "refill" in sections:
+        n_steps, b, g = (int(x) for x in args.refill.lower().split("x"))
+        result["refill"] = rollout_bench.bench_refill(model, tokenizer, prompts, cfg, n_steps, b, g,
+                                                      json.loads(args.refill_ends), args.repeats)
+    if "overlap" in sections:
+        result["overlap"] = rollout_bench.bench_overlap(model, tokenizer, prompts, cfg, args.batch, args.group,
+                                                        args.repeats, pad_id)
     if "logprob" in sections or "train" in sections:
         full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,
                                 SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=True),

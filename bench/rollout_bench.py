@@ -137,3 +137,90 @@ def markdown_rows(rows: list[dict]) -> list[str]:
 def ratio_lines(rows: list[dict]) -> list[str]:
     return [f"rollout {r['B']}x{r['G']} vs plain decode loop: engine {r['ratio_engine_vs_plain']:.2f}x, "
             f"model {r['ratio_model_vs_plain']:.2f}x" for r in rows]
+
+
+def bench_refill(model, tokenizer, prompts, cfg, steps: int, b: int, g: int, ends: list[str], repeats: int) -> dict:
+    """An update of `steps` batch steps of b x g rows: RolloutEngine.generate_many (the later steps'
+    prompts refill slots freed by ended rows) against generating the steps one after another, same row
+    keys, so both sample the same tokens (checked). `ends`: strings that also end a row, so that most
+    rows end early and a few run long, as in the issue's case of one long row holding a batch."""
+    from short_answers import EndsAt, given_ends
+
+    short_tok = EndsAt(tokenizer, given_ends(tokenizer, ends)) if ends else tokenizer
+    engine = RolloutEngine(short_tok, mode="copy").refresh(model)
+    params = SamplingParams(cfg.max_new_tokens, cfg.temperature)
+    jobs = [((prompts * (steps * b // len(prompts) + 1))[i * b:(i + 1) * b],
+             mx.random.split(mx.random.key(cfg.seed + i), b * g)) for i in range(steps)]
+    one_by_one = lambda: [engine.generate(p, g, params, k) for p, k in jobs]  # noqa: E731
+    sec_alone, alone = timed(one_by_one, repeats)
+    steps_alone = 0
+    for p, k in jobs:
+        engine.generate(p, g, params, k)
+        steps_alone += engine.steps
+    sec_together, together = timed(lambda: engine.generate_many(jobs, g, params), repeats)
+    pairs = [(x, y) for a, t in zip(alone, together) for x, y in zip(a.texts, t.texts)]
+    same = all(x == y for x, y in pairs)
+    # on a GPU a row's logits can move in the last bits with the batch's row count (bf16 matmuls), and a
+    # near-tie then picks another token: the share of rows whose text is unchanged says how often
+    row = {"batch_steps": steps, "B": b, "G": g, "ends": ends, "same_texts": same,
+           "same_rows_fraction": sum(x == y for x, y in pairs) / len(pairs),
+           "mean_length": float(sum(r.lengths.sum() for r in alone) / (steps * b * g)),
+           "max_length": int(max(r.lengths.max() for r in alone)),
+           "one_by_one_s": sec_alone, "one_by_one_steps": steps_alone,
+           "together_s": sec_together, "together_steps": engine.steps, "ratio": sec_together / sec_alone}
+    print(f"refill, {steps} batch steps of {b}x{g}: together {sec_together:.2f} s ({engine.steps} decode steps) vs "
+          f"one by one {sec_alone:.2f} s ({steps_alone} steps): {row['ratio']:.2f}x; mean length "
+          f"{row['mean_length']:.1f}, max {row['max_length']}; rows with the same text: "
+          f"{row['same_rows_fraction']:.1%}", flush=True)
+    return row
+
+
+def bench_overlap(model, tokenizer, prompts, cfg, b: int, g: int, repeats: int, pad_id: int) -> dict:
+    """The issue's overlap question: one batch step's rollout decoding while the previous step's log-prob
+    pass runs (a second thread on its own MLX stream), against the two one after the other."""
+    import threading
+
+    from mlx_grpo.policy import logprob_pass
+
+    engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
+    params = SamplingParams(cfg.max_new_tokens, cfg.temperature)
+    previous = engine.generate(prompts[:b], g, params, mx.random.key(cfg.seed))
+    nxt = (prompts * 2)[b:2 * b]
+
+    def logprobs():
+        return logprob_pass(model, previous, cfg.temperature, cfg.micro_batch_size, pad_id, cfg.micro_batch_tokens)
+
+    def rollout():
+        return engine.generate(nxt, g, params, mx.random.key(cfg.seed + 1))
+
+    sec_lp, want = timed(logprobs, repeats)
+    sec_roll, _ = timed(rollout, repeats)
+    sec_seq, _ = timed(lambda: (logprobs(), rollout()), repeats)
+    out = {}
+
+    def both():
+        def side():
+            try:  # MLX streams belong to the thread that makes them
+                with mx.stream(mx.new_stream(mx.default_device())):
+                    out["lp"] = logprobs()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                out["error"] = exc
+        thread = threading.Thread(target=side)
+        thread.start()
+        rollout()
+        thread.join()
+        if "error" in out:
+            raise out.pop("error")
+
+    row = {"B": b, "G": g, "logprob_s": sec_lp, "rollout_s": sec_roll, "sequential_s": sec_seq}
+    try:
+        row["overlapped_s"], _ = timed(both, repeats)
+        row["same_logprobs"] = bool(mx.allclose(out["lp"], want).item())
+        row["ratio"] = row["overlapped_s"] / sec_seq
+        print(f"overlap {b}x{g}: rollout {sec_roll:.2f} s + log-probs {sec_lp:.2f} s: sequential {sec_seq:.2f} s, "
+              f"overlapped {row['overlapped_s']:.2f} s ({row['ratio']:.2f}x); same log-probs: "
+              f"{row['same_logprobs']}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - the finding is that it does not run
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"overlap {b}x{g}: failed: {row['error']}", flush=True)
+    return row

@@ -24,11 +24,17 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
                            "--dtype", "float32", "--data", str(data), "--batch", "2", "--group", "2",
                            "--max-new-tokens", "6", "--sizes", "2x2", "--memory-shape", "4x6", "--memory-budgets", "0,16", "--repeats", "1",
                            "--short-pool", "4x8", "--short-rows", "8", "--short-mean", "3", "--short-ends",
-                           json.dumps(list("abcdefghijklmnopqrstuvwxyz")), "--out", str(out)],
+                           json.dumps(list("abcdefghijklmnopqrstuvwxyz")), "--refill", "3x2x2",
+                           "--refill-ends", json.dumps(list("abcdefghijklm")), "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
-    assert set(record) >= {"rollout", "short", "logprob", "train", "memory", "step", "device", "versions", "date"}
+    assert set(record) >= {"rollout", "short", "refill", "overlap", "logprob", "train", "memory", "step", "device", "versions",
+                           "date"}
+    assert record["overlap"]["sequential_s"] > 0 and ("overlapped_s" in record["overlap"]
+                                                       or "error" in record["overlap"])
+    refill = record["refill"]
+    assert refill["same_texts"] and refill["together_steps"] <= refill["one_by_one_steps"] and refill["ratio"] > 0
     rollout = record["rollout"][0]
     for name in ("engine", "engine_nocompact", "model"):
         assert rollout[f"{name}_noeos_tokens"] == 2 * 2 * 6  # no EOS: every row decodes max_new_tokens

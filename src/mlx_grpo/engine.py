@@ -160,11 +160,13 @@ class RolloutEngine:
         keys, values, start, logits = self._prefill(prompts, first_job, idx, idx + T, G, pad_id)
         rows = np.arange(len(first_job) * G)  # the rollout row of each batch slot (-1: a filler slot)
         target = len(rows)  # refills fill the batch back up to its first size
-        token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0], mx.zeros((len(rows),), mx.bool_))
+        token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0],
+                                                 mx.zeros((len(rows),), mx.bool_))
         kstep = mx.ones((len(rows),), dtype=mx.int32)  # each slot's next step key
         segments, columns, first = [], ([token], [logprob], [entropy]), 0
         self.row_steps, self.steps = len(rows), 0
         s, last = 1, T  # decode steps until every admitted row has T tokens
+        slot_rows = None
         while s < last or queue:
             if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
                 mx.eval(ended)
@@ -199,9 +201,11 @@ class RolloutEngine:
                             admit, prompts, idx, T, G, pad_id, keys, values, start, token, ended, kstep, new_rows,
                             all_keys, sampler, join, s, segments)
                         last = max(last, s - 1 + T)
-                    rows = new_rows
+                    rows, slot_rows = new_rows, None
             stop = mx.array([idx], dtype=mx.int32)
-            row_keys = all_keys[mx.array(np.maximum(rows, 0)), mx.minimum(kstep, T - 1)]
+            if slot_rows is None or len(slot_rows) != len(rows):  # after a rebuild: the slots' rows on the device
+                slot_rows = mx.array(np.maximum(rows, 0))
+            row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
             token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
                                                                 stop, row_keys, ended)
             keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph (inside, it would copy)
