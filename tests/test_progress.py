@@ -67,7 +67,8 @@ def test_bar_shows_the_phase(tiny_model_dir, tmp_path, monkeypatch):
     run_mod.train(make_cfg(tiny_model_dir, tmp_path, "gradient_accumulation_steps=2", "num_iterations=2",
                            "eval_every_updates=1", "eval_subset_size=1", "eval_max_new_tokens=4"))
     shown = buf.getvalue()
-    for phase in ("grpo [rollout 1/2]", "grpo [rollout 2/2]", "grpo [train 1/2]", "grpo [train 2/2]", "grpo [eval]"):
+    # the update's two batch steps decode together (refill), then train twice (num_iterations)
+    for phase in ("grpo [rollout 1-2/2]", "grpo [train 1/2]", "grpo [train 2/2]", "grpo [eval]"):
         assert phase in shown, phase
     assert shown.rstrip().split("\r")[-1].startswith("grpo: 100%|")  # the closed bar names no phase
 

@@ -272,10 +272,12 @@ def _curves(run_dir: Path) -> str | None:
         return f"[mlx-grpo]   could not draw the curves ({type(exc).__name__}: {exc}); try mlx-grpo plot {run_dir}"
 
 
-def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1) -> None:
-    """Show what the update is doing in the progress bar's description (text only: no device sync)."""
+def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1, span: int = 1) -> None:
+    """Show what the update is doing in the progress bar's description (text only: no device sync);
+    span > 1: steps i+1 .. i+span at once (batch steps whose rollouts decode together)."""
     if not bar.disable:
-        bar.set_description_str(f"grpo [{name}{f' {i + 1}/{n}' if n > 1 else ''}]")
+        steps = f"{i + 1}-{i + span}" if span > 1 else f"{i + 1}"
+        bar.set_description_str(f"grpo [{name}{f' {steps}/{n}' if n > 1 else ''}]")
 
 
 def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
@@ -308,7 +310,7 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                 data_left = False
             if not batches:
                 break
-            _phase(bar, "rollout", i, cfg.gradient_accumulation_steps)  # and the batch's log-prob passes
+            _phase(bar, "rollout", i, cfg.gradient_accumulation_steps, len(batches))  # and their log-prob passes
             for step, st in trainer.batch_steps(batches):
                 steps.append(step)
                 stats.append(st)
