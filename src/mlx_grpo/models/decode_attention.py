@@ -21,6 +21,50 @@ HEAD_DIMS = (64, 128)  # D / 16 lanes per slot must divide the warp's 32; D = 64
 # (others, e.g. block-sparse phi3small, compute attention themselves and must not get a maskless cache).
 KERNEL_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
+# The pieces both kernels share: the online softmax over cache slots [start[row], stop) by groups of G lanes,
+# and the merge of the groups' softmaxes into the output (OUT_VALUE: what a lane writes).
+_SLOT_LOOP = """
+    float m = -INFINITY, denom = 0.0f;
+    const int last = stop[0];
+    for (int base = start[row]; base < last; base += P) {  // uniform trip count: shuffles need every lane
+        const int s = base + slot;
+        const bool valid = s < last;
+        float dot = 0.0f;
+        if (valid) {
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) dot += q[i] * static_cast<float>(kbase[(size_t)s * D + i]);
+        }
+        #pragma unroll
+        for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+        if (valid) {
+            const float new_m = fmaxf(m, dot);
+            const float correction = __expf(m - new_m);
+            const float p = __expf(dot - new_m);
+            denom = denom * correction + p;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i)
+                acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
+            m = new_m;
+        }
+    }
+"""
+_MERGE_GROUPS = """
+    float global_m = m;
+    #pragma unroll
+    for (int off = G; off < 32; off <<= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
+    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);  // slot groups that saw no slot add 0
+    denom *= own;
+    #pragma unroll
+    for (int off = G; off < 32; off <<= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        float a = acc[i] * own;
+        #pragma unroll
+        for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
+        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(OUT_VALUE);
+    }
+"""
+
 _SOURCE = """
     // One warp per (row, query head). The warp takes 32 / G slots per iteration; the G lanes of a slot
     // split its head dims (16 each), reduce the dot product with log2(G) shuffles and run an online
@@ -45,44 +89,8 @@ _SOURCE = """
         q[i] = static_cast<float>(queries[(size_t)warp * D + sub * PER + i]) * sc;
         acc[i] = 0.0f;
     }
-    float m = -INFINITY, denom = 0.0f;
-    const int last = stop[0];
-    for (int base = start[row]; base < last; base += P) {  // uniform trip count: shuffles need every lane
-        const int s = base + slot;
-        const bool valid = s < last;
-        float dot = 0.0f;
-        if (valid) {
-            #pragma unroll
-            for (int i = 0; i < PER; ++i) dot += q[i] * static_cast<float>(kbase[(size_t)s * D + i]);
-        }
-        #pragma unroll
-        for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-        if (valid) {
-            const float new_m = fmaxf(m, dot);
-            const float correction = __expf(m - new_m);
-            const float p = __expf(dot - new_m);
-            denom = denom * correction + p;
-            #pragma unroll
-            for (int i = 0; i < PER; ++i)
-                acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
-            m = new_m;
-        }
-    }
-    float global_m = m;
-    #pragma unroll
-    for (int off = G; off < 32; off <<= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
-    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);  // slot groups that saw no slot add 0
-    denom *= own;
-    #pragma unroll
-    for (int off = G; off < 32; off <<= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
-    #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        float a = acc[i] * own;
-        #pragma unroll
-        for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(OUT_VALUE);
-    }
-"""
+""" + _SLOT_LOOP + _MERGE_GROUPS
+
 
 _OUT_PLAIN = "a / denom"
 # With the log-sum-exp output a row may see no slot at all (its caller adds the token's own slot):
@@ -233,29 +241,7 @@ _FUSED_SOURCE = """
     }
     const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
     const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
-    float m = -INFINITY, denom = 0.0f;
-    const int last = stop[0];
-    for (int base = start[row]; base < last; base += P) {
-        const int s = base + slot;
-        const bool valid = s < last;
-        float dot = 0.0f;
-        if (valid) {
-            #pragma unroll
-            for (int i = 0; i < PER; ++i) dot += q[i] * static_cast<float>(kbase[(size_t)s * D + i]);
-        }
-        #pragma unroll
-        for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-        if (valid) {
-            const float new_m = fmaxf(m, dot);
-            const float correction = __expf(m - new_m);
-            const float p = __expf(dot - new_m);
-            denom = denom * correction + p;
-            #pragma unroll
-            for (int i = 0; i < PER; ++i)
-                acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
-            m = new_m;
-        }
-    }
+""" + _SLOT_LOOP + """
     {  // the token's own slot, taken by slot group 0 (every lane reduces: shuffles need them all)
         float dot = 0.0f;
         #pragma unroll
@@ -272,20 +258,7 @@ _FUSED_SOURCE = """
             m = new_m;
         }
     }
-    float global_m = m;
-    #pragma unroll
-    for (int off = G; off < 32; off <<= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
-    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);
-    denom *= own;
-    #pragma unroll
-    for (int off = G; off < 32; off <<= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
-    #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        float a = acc[i] * own;
-        #pragma unroll
-        for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(a / denom);
-    }
+""" + _MERGE_GROUPS.replace("OUT_VALUE", "a / denom") + """
     if (slot == 0 && head % (HQ / HKV) == 0) {  // one warp per kv head writes the token's key and value
         #pragma unroll
         for (int i = 0; i < PER; ++i) {
@@ -295,6 +268,7 @@ _FUSED_SOURCE = """
         }
     }
 """
+
 
 
 @lru_cache(maxsize=1)
