@@ -12,17 +12,8 @@ import sys
 
 from mlx_grpo import __version__
 from mlx_grpo.blas import use_optimized_blas
-from mlx_grpo.config import (
-    COMMAND_OPTIONS,
-    FIELDS,
-    COMMAND_FLAG_ALIASES,
-    FLAG_ALIASES,
-    Option,
-    build_config,
-    command_default,
-    fields_for,
-    parse_set,
-)
+from mlx_grpo.config import FIELDS, build_config, command_default, fields_for, parse_set
+from mlx_grpo.options import COMMAND_FLAG_ALIASES, COMMAND_OPTIONS, FLAG_ALIASES, Option
 from mlx_grpo.errors import UserError
 
 DESCRIPTIONS = {
