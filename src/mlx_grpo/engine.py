@@ -27,8 +27,8 @@ import numpy as np
 from mlx_grpo.models import decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout import (Rollout, SamplingParams, finish_rollout, generate_rollout, make_sampler, sample,
-                              stop_cut)
+from mlx_grpo.rollout import (Rollout, SamplingParams, end_ids, finish_rollout, generate_rollout, make_sampler,
+                              sample, stop_cut)
 
 # A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.
 MIN_ROWS = 8
@@ -73,7 +73,8 @@ class RolloutEngine:
 
     def _current(self):
         if self._stale:
-            self._copy = decoder.build(self.model, _compute_dtype(self.model))
+            # its compute dtype is the embedding's (quantized models never get a copy)
+            self._copy = decoder.build(self.model, self.model.model.embed_tokens.weight.dtype)
             self._stale = False
         return self._copy
 
@@ -145,10 +146,7 @@ class RolloutEngine:
 
     def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str) -> list[Rollout]:
         tokenizer, (spec, weights) = self.tokenizer, self._current()
-        eos_ids = sorted(tokenizer.eos_token_ids)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-        if params.ignore_eos:
-            eos_ids = []
+        eos_ids, pad_id = end_ids(tokenizer, params)
         T = params.max_new_tokens
         sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
         step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
@@ -278,10 +276,3 @@ def _assemble(segments, join: np.ndarray, n_rows: int, T: int, pad_id: int):
             out[rr[ok], cols[ok]] = np.array(mx.stack(part, axis=1))[real][ok]
         np.maximum.at(filled, rr[ok], cols[ok] + 1)
     return ids, lps, ents, filled
-
-
-def _compute_dtype(model: nn.Module):
-    """The dtype the sampling copy computes in: that of the model's embedding (its compute dtype)."""
-    inner = model.model
-    weight = inner.embed_tokens.weight
-    return inner.embed_tokens.scales.dtype if isinstance(inner.embed_tokens, nn.QuantizedEmbedding) else weight.dtype

@@ -124,6 +124,13 @@ def _repeat_caches(caches: list, group_size: int) -> None:
         cache.left_padding = mx.repeat(cache.left_padding, group_size, axis=0)
 
 
+def end_ids(tokenizer, params: SamplingParams) -> tuple[list[int], int]:
+    """(the ids that end a row: none with ignore_eos, the pad id written after a row's end)."""
+    eos_ids = sorted(tokenizer.eos_token_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    return ([] if params.ignore_eos else eos_ids), pad_id
+
+
 def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
     """Number of tokens up to and including the one that completes the first stop string, if any."""
     if not stops or not any(s in tokenizer.decode(ids) for s in stops):
@@ -244,10 +251,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     By default (static_cache=None) rows decode on the fixed-capacity cache with our CUDA kernel where it
     serves the model, else on mlx-lm's growing BatchKVCache (faster than masked attention over a fixed
     buffer). static_cache=True/False and attention_kernel=False force a path (tests, benchmarks)."""
-    eos_ids = sorted(tokenizer.eos_token_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    if params.ignore_eos:
-        eos_ids = []
+    eos_ids, pad_id = end_ids(tokenizer, params)
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]

@@ -116,9 +116,8 @@ def build(model: nn.Module, dtype) -> tuple[Spec, dict]:
         if spec.qk_norm:
             entry["q_norm"], entry["k_norm"] = a.q_norm.weight.astype(dtype), a.k_norm.weight.astype(dtype)
         layers.append(entry)
-    embed, _ = _dense(inner.embed_tokens) if isinstance(inner.embed_tokens, nn.QuantizedEmbedding) \
-        else (inner.embed_tokens.weight, None)
-    weights = {"embed": embed.astype(dtype), "norm": inner.norm.weight.astype(dtype), "layers": layers}
+    # a quantized embedding never gets here: the engine decodes quantized models themselves
+    weights = {"embed": inner.embed_tokens.weight.astype(dtype), "norm": inner.norm.weight.astype(dtype), "layers": layers}
     if hasattr(model, "lm_head"):
         weights["head"] = _dense(model.lm_head)[0].astype(dtype)
     mx.eval(weights)
