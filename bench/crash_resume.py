@@ -85,8 +85,12 @@ def same_state(a: Path, b: Path) -> list[str]:
 
 
 def updates_logged(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return path.read_text().count("\n") if path.is_file() else 0
+    # a fresh start moves the logs of a run killed before its first checkpoint aside: the file can
+    # vanish between a check and the read, so only the read decides
+    try:
+        return (run_dir / "metrics.jsonl").read_text().count("\n")
+    except FileNotFoundError:
+        return 0
 
 
 def kill_once(cmd: list[str], run_dir: Path, rng: random.Random, total: int, kills_left: int, in_save: bool) -> str:
