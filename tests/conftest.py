@@ -16,17 +16,20 @@ CHATML = (
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tokenizer(path: Path) -> int:
-    """A byte-level BPE tokenizer without merges (one token per byte) plus ChatML specials."""
+def write_tokenizer(path: Path, extra_specials: tuple[str, ...] = ()) -> int:
+    """A byte-level BPE tokenizer without merges (one token per byte) plus ChatML specials (and
+    extra_specials, given ids after the bytes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):  # alphabet() order varies per process
         vocab[ch] = len(vocab)
+    for special in extra_specials:
+        vocab[special] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL)
+    tok.add_special_tokens(SPECIAL + list(extra_specials))
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",

@@ -121,6 +121,18 @@ class Config:
                               "re-import reward files; for CPU-bound Python rewards).", TRAIN)
     stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one (in "
                          "training rollouts and in evaluation).", DATA)
+    # --- tools and environments (multiturn.py) ---
+    tools: list[str] = _f([], "Tools the model may call during rollouts and evaluation: calculator (safe "
+                          "arithmetic), python (code in a sandboxed subprocess), 'module:function' or "
+                          "'file.py:function' (a typed, documented function). Empty = single-turn.", DATA)
+    tool_format: str = _f("auto", "Tool-call syntax: auto (nanochat's python tokens for nanochat models, the chat "
+                          "template's <tool_call> JSON where it has one, else plain <calc>/<tool> tags), "
+                          "hermes, nanochat or plain.", DATA)
+    max_tool_turns: int = _f(4, "Tool calls per completion; the model's turn after the last one gets no tool "
+                             "answer. max_new_tokens counts every token of every turn, tool output included.", DATA)
+    environment: str = _f("", "Multi-turn environment 'file.py:ClassName' (a subclass of "
+                          "mlx_grpo.environments.Environment); list the reward 'environment_reward' in reward_funcs to "
+                          "train on the rewards it gives. Empty = none.", DATA)
     # --- run ---
     distributed_backend: str = _f("any", "Backend joining the processes that mlx.launch started: any (the one "
                                   "the launcher set up), ring (TCP: Macs, CPUs), mpi, nccl (NVIDIA GPUs) or jaccl "

@@ -91,23 +91,30 @@ class RolloutEngine:
         return self._current()[1]
 
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams, key: mx.array,
-                 prefill_text: str = "") -> Rollout:
+                 prefill_text: str = "", on_stop=None) -> Rollout:
         """G completions for each of the B prompts. key: one key (split into the N = B*G row keys) or the row
         keys themselves, [N, 2]."""
         keys = key if key.ndim == 2 else mx.random.split(key, len(prompts) * group_size)
-        return self.generate_many([(prompts, keys)], group_size, params, prefill_text)[0]
+        return self.generate_many([(prompts, keys)], group_size, params, prefill_text, on_stop)[0]
 
     def generate_many(self, jobs: list[tuple[list[list[int]], mx.array]], group_size: int, params: SamplingParams,
-                      prefill_text: str = "") -> list[Rollout]:
+                      prefill_text: str = "", on_stop=None) -> list[Rollout]:
         """The rollouts of several batch steps, jobs = [(prompts, row keys [B*G, 2])], decoded together: the
         first job fills the batch, and when rows end, the next jobs' prompts take their slots (refill), so
-        one long row no longer holds a batch step. Each row samples the tokens generate() gives it alone."""
+        one long row no longer holds a batch step. Each row samples the tokens generate() gives it alone.
+        on_stop(row, ids): called during decoding with each row (numbered over all jobs) seen stopped by a
+        stop string, and its ids up to the stop; it may be called again for the same row."""
         if self.model is None:
             raise RuntimeError("RolloutEngine.generate before refresh(model)")
         if not self.uses_copy:
-            return [generate_rollout(self.model, self.tokenizer, prompts, group_size, params, keys, prefill_text,
-                                     sync_every=self.sync_every) for prompts, keys in jobs]
-        return self._generate_fused(jobs, group_size, params, prefill_text)
+            out, first = [], 0
+            for prompts, keys in jobs:
+                watch = None if on_stop is None else (lambda r, ids, first=first: on_stop(first + r, ids))
+                out.append(generate_rollout(self.model, self.tokenizer, prompts, group_size, params, keys,
+                                            prefill_text, sync_every=self.sync_every, on_stop=watch))
+                first += len(prompts) * group_size
+            return out
+        return self._generate_fused(jobs, group_size, params, prefill_text, on_stop)
 
     # ------------------------------------------------------------------ the fused decode loop
     def _step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
@@ -144,7 +151,7 @@ class RolloutEngine:
         mx.eval(keys, values)
         return keys, values, mx.repeat(padding + (at - width), G), mx.repeat(logits, G, axis=0)
 
-    def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str) -> list[Rollout]:
+    def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str, on_stop=None) -> list[Rollout]:
         tokenizer, (spec, weights) = self.tokenizer, self._current()
         eos_ids, pad_id = end_ids(tokenizer, params)
         T = params.max_new_tokens
@@ -173,7 +180,8 @@ class RolloutEngine:
                 mx.eval(ended)
                 done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= T)
                 if params.stop:
-                    done |= self._stopped(segments + [(rows, first, columns)], join, n_rows, T, rows, params.stop)
+                    done |= self._stopped(segments + [(rows, first, columns)], join, n_rows, T, rows, params.stop,
+                                          on_stop)
                 if done.all() and not queue:
                     break
                 live = np.flatnonzero(~done)
@@ -249,11 +257,18 @@ class RolloutEngine:
                 mx.concatenate([ended, first_ended]), mx.concatenate([kstep, mx.ones((len(added),), mx.int32)]),
                 np.concatenate([rows, added]))
 
-    def _stopped(self, segments, join, n_rows: int, T: int, rows, stops) -> np.ndarray:
-        """Which of the batch's current slots have generated a stop string so far (fillers: True)."""
+    def _stopped(self, segments, join, n_rows: int, T: int, rows, stops, on_stop=None) -> np.ndarray:
+        """Which of the batch's current slots have generated a stop string so far (fillers: True); on_stop
+        hears of each stopped row."""
         ids, _, _, _ = _assemble(segments, join, n_rows, T, -1)
-        return np.array([r < 0 or stop_cut(self.tokenizer, [t for t in ids[r].tolist() if t >= 0], stops)
-                         is not None for r in rows])
+        out = []
+        for r in rows:
+            row = [] if r < 0 else [t for t in ids[r].tolist() if t >= 0]
+            cut = None if r < 0 else stop_cut(self.tokenizer, row, stops)
+            if cut is not None and on_stop is not None:
+                on_stop(int(r), row[:cut])
+            out.append(r < 0 or cut is not None)
+        return np.array(out)
 
 
 def _assemble(segments, join: np.ndarray, n_rows: int, T: int, pad_id: int):

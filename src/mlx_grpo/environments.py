@@ -22,7 +22,7 @@ TRL's environments (reset / step), kept to plain methods and one record. Example
 
 `Episode` runs the protocol for one row: it records every turn in a `Transcript` with its origin
 ("model", "tool" or "environment"), and ends the episode after `max_turns` model turns. The decode
-loop's integration (pausing rows, forcing observation tokens) lives in rollout.py, not here.
+loop's integration (pausing rows, feeding observations back as context) lives in multiturn.py.
 """
 
 from __future__ import annotations
@@ -136,7 +136,9 @@ class ToolEnvironment(Environment):
         return self.fmt.render_prompt(messages, self.tools)
 
     def step(self, transcript: Transcript) -> StepResult:
-        call = self.fmt.find_call(transcript.last_model_turn)
+        # a turn the model closed with its end-of-turn token is its answer, whatever it wrote before
+        ended = transcript.turns[-1].info.get("ended") if transcript.turns else None
+        call = None if ended == "eos" else self.fmt.find_call(transcript.last_model_turn)
         if call is None:
             return StepResult(done=True)
         output = call_output(call, self.tools, self.max_output_chars)
@@ -161,13 +163,14 @@ class Episode:
     def done(self) -> bool:
         return self.transcript.done
 
-    def step(self, model_text: str) -> StepResult:
-        """Record the model's turn, ask the environment, record its answer. After `max_turns` model
-        turns the episode ends whatever the answer (info["max_turns"] is set, the reward is kept)."""
+    def step(self, model_text: str, **info) -> StepResult:
+        """Record the model's turn (info: how it ended, "eos" or "stop"), ask the environment, record its
+        answer. After `max_turns` model turns the episode ends whatever the answer (info["max_turns"] is
+        set, the reward is kept)."""
         if self.done:
             raise RuntimeError("step() on an episode that has ended")
         transcript = self.transcript
-        transcript.add("model", model_text)
+        transcript.add("model", model_text, **info)
         result = self.env.step(transcript)
         if not result.done and len(transcript.model_turns) >= self.env.max_turns:
             result = replace(result, done=True, info={**result.info, "max_turns": True})

@@ -21,6 +21,7 @@ from mlx_grpo.data import Example, load_examples, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
 from mlx_grpo.engine import RolloutEngine
+from mlx_grpo.multiturn import MultiTurn, data_row, multiturn_for
 from mlx_grpo.rollout import SamplingParams, encode_chat_prompt
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
@@ -32,6 +33,7 @@ class EvalResult:
     lenient_accuracy: float
     format_rate: float
     records: list[dict]
+    tool_call_rate: float | None = None  # with tools: share of first answers that made at least one call
 
 
 def _lenient(text: str, gold: str) -> bool:
@@ -44,29 +46,45 @@ def _lenient(text: str, gold: str) -> bool:
 
 def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
                    num_samples: int = 1, temperature: float = 0.0, seed: int | None = None,
-                   progress: bool = False, engine: RolloutEngine | None = None) -> list[dict]:
+                   progress: bool = False, engine: RolloutEngine | None = None,
+                   multiturn: MultiTurn | None = None) -> list[dict]:
     """One record per example: its completions and whether they are right (greedy when num_samples == 1;
     an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations.
     progress: show a progress bar over the examples (on a terminal only). engine: one already sampling from
-    `model` (the trainer's), so evaluation builds no second copy of the weights."""
+    `model` (the trainer's), so evaluation builds no second copy of the weights. multiturn: the run's tools or
+    environment (default: built from cfg); answers are then scored on the model's own turns."""
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
                             cfg.min_p, tuple(cfg.stop))
     records = []
     engine = engine or RolloutEngine(tokenizer, mode=cfg.rollout_engine).refresh(model)
+    if multiturn is None:
+        multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     key = mx.random.key(cfg.seed if seed is None else seed)
     bar = tqdm(total=len(examples), desc="eval", unit="example", leave=False, disable=None if progress else True)
     for start in range(0, len(examples), cfg.eval_batch_size):
         chunk = examples[start:start + cfg.eval_batch_size]
-        prompts = [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
-                                      cfg.max_prompt_length)[0] for e in chunk]
         key, sub = mx.random.split(key)
-        rollout = engine.generate(prompts, num_samples, params, sub, cfg.prefill)
+        if multiturn is None:
+            prompts = [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
+                                          cfg.max_prompt_length)[0] for e in chunk]
+            rollout = engine.generate(prompts, num_samples, params, sub, cfg.prefill)
+        else:
+            rows = [data_row(e) for e in chunk]
+            prompts = [multiturn.encode(r, cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)[0] for r in rows]
+            keys = mx.random.split(sub, len(prompts) * num_samples)
+            rollout = multiturn.generate_many(engine, [(prompts, keys, rows)], num_samples, params, cfg.prefill)[0]
         for i, example in enumerate(chunk):
             texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
-            correct = [answers_match(extract_answer(t), example.answer) for t in texts]
-            records.append({"prompt": example.prompt, "answer": example.answer, "completions": texts,
-                            "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in texts),
-                            "formatted": extract_answer(texts[0]) is not None})
+            # with tools, only what the model wrote counts: a tool's output is not the model's answer
+            scored = texts if rollout.transcripts is None else [
+                cfg.prefill + t.completion for t in rollout.transcripts[i * num_samples:(i + 1) * num_samples]]
+            correct = [answers_match(extract_answer(t), example.answer) for t in scored]
+            record = {"prompt": example.prompt, "answer": example.answer, "completions": texts,
+                      "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in scored),
+                      "formatted": extract_answer(scored[0]) is not None}
+            if rollout.transcripts is not None:
+                record["tool_calls"] = sum(t.origin == "tool" for t in rollout.transcripts[i * num_samples].turns)
+            records.append(record)
         bar.update(len(chunk))
     bar.close()
     return records
@@ -75,8 +93,9 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
 def summarize(records: list[dict]) -> EvalResult:
     """Accuracy, lenient accuracy and format rate of answer_records' records."""
     n = max(len(records), 1)
+    calls = None if not records or "tool_calls" not in records[0] else sum(r["tool_calls"] > 0 for r in records) / n
     return EvalResult(sum(r["correct"] for r in records) / n, sum(r["lenient"] for r in records) / n,
-                      sum(r["formatted"] for r in records) / n, records)
+                      sum(r["formatted"] for r in records) / n, records, calls)
 
 
 def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
@@ -113,6 +132,7 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
         raise UserError(f"--output {out}: cannot write the results: {exc.strerror or exc}") from None
     metric = "accuracy" if cfg.eval_num_samples == 1 else f"pass@{cfg.eval_num_samples}"
     print(f"{metric}: {result.accuracy:.4f} ({sum(r['correct'] for r in result.records)}/{len(result.records)})"
-          f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}")
+          f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}"
+          + ("" if result.tool_call_rate is None else f"  tool calls: {result.tool_call_rate:.4f}"))
     print(f"wrote {len(result.records)} records to {out}", file=sys.stderr)
     return result

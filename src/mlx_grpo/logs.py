@@ -96,6 +96,8 @@ def merge_ranks(ranks: list[tuple[list[dict], dict]]) -> tuple[list[dict], dict]
         sizes = [len(d.total) for d in drawn]
         merged.append({
             "examples": [e for p in parts for e in p["examples"]], "texts": [t for p in parts for t in p["texts"]],
+            "transcripts": None if parts[0].get("transcripts") is None
+            else [t for p in parts for t in p["transcripts"]],
             **{k: np.concatenate([p[k] for p in parts]) for k in ("lengths", "truncated", "rewards", "advantages")},
             "per_func": {k: np.concatenate([p["per_func"][k] for p in parts]) for k in parts[0]["per_func"]},
             "drawn_scores": type(drawn[0]).concat(drawn),
@@ -168,7 +170,8 @@ class RunLogger:
     def log_eval(self, record: dict) -> None:
         self._append("eval.jsonl", record)
         console(f"[mlx-grpo] eval at update {record['update_step']}: accuracy {record['accuracy']:.3f} "
-                f"(lenient {record['accuracy_lenient']:.3f}, format {record['format_rate']:.3f}) "
+                f"(lenient {record['accuracy_lenient']:.3f}, format {record['format_rate']:.3f}"
+                + (f", tool calls {record['tool_call_rate']:.3f}" if "tool_call_rate" in record else "") + ") "
                 f"on {record['num_examples']} examples")
 
     def log_completions(self, update_step: int, stats: dict) -> None:
@@ -176,13 +179,16 @@ class RunLogger:
         if not stats["examples"]:  # dynamic sampling found no informative group
             return
         G = len(stats["texts"]) // len(stats["examples"])
+        transcripts = stats.get("transcripts")
         for row, text in enumerate(stats["texts"]):
             example = stats["examples"][row // G]
             rewards = {n: (None if np.isnan(v[row]) else float(v[row])) for n, v in stats["per_func"].items()}
-            self._append("completions.jsonl", {
-                "update_step": update_step, "prompt": example.prompt, "answer": example.answer,
-                "completion": text, "rewards": rewards, "reward": float(stats["rewards"][row]),
-                "advantage": float(stats["advantages"][row])})
+            record = {"update_step": update_step, "prompt": example.prompt, "answer": example.answer,
+                      "completion": text, "rewards": rewards, "reward": float(stats["rewards"][row]),
+                      "advantage": float(stats["advantages"][row])}
+            if transcripts is not None:  # multi-turn: each turn with its origin (model, tool, environment)
+                record["turns"] = [{"origin": t.origin, "text": t.text, **t.info} for t in transcripts[row].turns]
+            self._append("completions.jsonl", record)
 
     def truncate_after(self, update_step: int) -> None:
         """On resume, drop records of updates after the checkpoint (they will be redone)."""

@@ -98,7 +98,7 @@ def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0, rows: list[int]
     """Row indices (of `rows`, default all) in micro-batches of at most `size` rows and (if max_tokens) at
     most max_tokens padded tokens, counted exactly as _chunk_batch/pack() lay them out (bucketed widths);
     longest completions first, so an out-of-memory shows at once. A single row is never split."""
-    completion = [int(n) for n in rollout.lengths]
+    completion = [int(n) for n in rollout.extents]  # fed context inside a multi-turn completion included
     prompt = [len(p) for p in rollout.row_prompts]
     order = sorted(range(len(completion)) if rows is None else rows, key=lambda r: -completion[r])
     chunks, current, widest_prompt = [], [], 0
@@ -117,7 +117,7 @@ def row_chunks(rollout: Rollout, size: int, max_tokens: int = 0, rows: list[int]
 
 
 def _chunk_batch(rollout: Rollout, rows: mx.array, pad_id: int):
-    width = _completion_width(rollout, max(int(rollout.lengths[r]) for r in rows.tolist()))
+    width = _completion_width(rollout, max(int(rollout.extents[r]) for r in rows.tolist()))
     prompts = rollout.row_prompts
     return pack([prompts[r] for r in rows.tolist()], rollout.completion_ids[rows, :width],
                 rollout.mask[rows, :width], pad_id), width

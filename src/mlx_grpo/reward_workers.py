@@ -46,8 +46,8 @@ def _init_process_worker(cfg, base_dir: Path) -> None:
     _worker_rewards = build_reward_set(cfg, base_dir)
 
 
-def _score_in_process(prompts, completions, completion_ids, columns) -> RewardScores:
-    return _worker_rewards.score(prompts, completions, completion_ids, columns)
+def _score_in_process(prompts, completions, completion_ids, columns, transcripts) -> RewardScores:
+    return _worker_rewards.score(prompts, completions, completion_ids, columns, transcripts)
 
 
 class RewardRunner:
@@ -63,17 +63,17 @@ class RewardRunner:
                                             initializer=_init_process_worker, initargs=(cfg, base_dir))
 
     def submit(self, prompts: list[Any], completions: list[str], completion_ids: list[list[int]],
-               columns: dict[str, list]) -> Future:
+               columns: dict[str, list], transcripts: list | None = None) -> Future:
         if self.pool is None:
             done: Future = Future()
             try:
-                done.set_result(self.rewards.score(prompts, completions, completion_ids, columns))
+                done.set_result(self.rewards.score(prompts, completions, completion_ids, columns, transcripts))
             except UserError as e:
                 done.set_exception(e)
             return done
         if isinstance(self.pool, ThreadPoolExecutor):
-            return self.pool.submit(self.rewards.score, prompts, completions, completion_ids, columns)
-        return self.pool.submit(_score_in_process, prompts, completions, completion_ids, columns)
+            return self.pool.submit(self.rewards.score, prompts, completions, completion_ids, columns, transcripts)
+        return self.pool.submit(_score_in_process, prompts, completions, completion_ids, columns, transcripts)
 
     def close(self, wait: bool = True) -> None:
         """Stop the workers; wait=False (leaving on an error or Ctrl-C) does not wait for running rewards."""

@@ -42,7 +42,7 @@ _THINK = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DO
 _THINK_SPACED = re.compile(r"^<think>\n.*?\n</think>\n\n<answer>\n.*?\n</answer>$", re.DOTALL)
 _THINK_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 # Keyword names the reward call itself uses; a data column may not reuse them.
-RESERVED_ARGS = frozenset({"prompts", "completions", "completion_ids"})
+RESERVED_ARGS = frozenset({"prompts", "completions", "completion_ids", "transcripts"})
 
 
 # ---------------------------------------------------------------- parsing
@@ -213,6 +213,13 @@ def reasoned_format(prompts, completions, completion_ids, **columns) -> list[flo
     return out
 
 
+def environment_reward(prompts, completions, completion_ids, transcripts=None, **columns) -> list[float | None]:
+    """The reward the run's environment gave each episode when it ended it (None where it gave none)."""
+    if transcripts is None:
+        raise UserError("environment_reward reads the episodes of a multi-turn run: set `environment` (or tools)")
+    return [t.reward for t in transcripts]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correctness": correctness,
     "int": int_reward,
@@ -223,6 +230,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "think_tags": think_tags,
     "reasoned_correctness": reasoned_correctness,
     "reasoned_format": reasoned_format,
+    "environment_reward": environment_reward,
 }
 
 
@@ -383,14 +391,18 @@ class RewardSet:
         completions: Sequence[str],
         completion_ids: Sequence[Sequence[int]],
         columns: dict[str, list],
+        transcripts: Sequence[Any] | None = None,
     ) -> RewardScores:
-        """Run every function on the N completions; columns hold one value per completion. Functions
+        """Run every function on the N completions; columns hold one value per completion; transcripts (a
+        multi-turn run's episodes, environments.Transcript) are passed as `transcripts=` when given. Functions
         that return awaitables (`async def`) are awaited concurrently, so network-bound scorers overlap."""
         n = len(completions)
         clash = sorted(RESERVED_ARGS & set(columns))
         if clash:
             raise UserError(f"data column '{clash[0]}' clashes with a reward-function argument; rename it")
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if transcripts is not None:
+            kwargs["transcripts"] = transcripts
         outputs = {}
         for name, fn in self.functions.items():
             try:

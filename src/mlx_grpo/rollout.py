@@ -51,6 +51,10 @@ class Rollout:
     texts: list[str]  # N texts: prefill + decoded completion (without the ending EOS token)
     group_size: int
     entropies: mx.array | None = None  # [N, T] float32 entropy of the sampler's softmax(logits/T) per token
+    # Multi-turn rollouts (multiturn.py): each row's episode, and its number of completion tokens, sampled
+    # or fed (mask 0 marks tool output and environment text, which sit inside the completion)
+    transcripts: list | None = None
+    ends: np.ndarray | None = None
 
     @property
     def row_prompts(self) -> list[list[int]]:
@@ -59,7 +63,13 @@ class Rollout:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Tokens the model sampled, per row."""
         return np.array(self.mask.sum(axis=1).tolist(), dtype=np.int64)
+
+    @property
+    def extents(self) -> np.ndarray:
+        """Completion tokens per row, up to and including its last one (fed context included)."""
+        return self.ends if self.ends is not None else self.lengths
 
 
 def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, prefill: str,
@@ -244,13 +254,15 @@ def make_sampler(params: SamplingParams, eos: mx.array):
 def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
                      sync_every: int = 8, static_cache: bool | None = None,
-                     attention_kernel: bool = True) -> Rollout:
+                     attention_kernel: bool = True, on_stop=None) -> Rollout:
     """Sample G completions for each of the B prompts; decoding stops once every row has ended. key is
     one key (split into the N = B*G row keys) or the row keys themselves, [N, 2].
 
     By default (static_cache=None) rows decode on the fixed-capacity cache with our CUDA kernel where it
     serves the model, else on mlx-lm's growing BatchKVCache (faster than masked attention over a fixed
-    buffer). static_cache=True/False and attention_kernel=False force a path (tests, benchmarks)."""
+    buffer). static_cache=True/False and attention_kernel=False force a path (tests, benchmarks).
+    on_stop(row, ids): called at the loop's stop-string checks with each row seen stopped and its ids up
+    to the stop (multiturn.py starts the row's tool call then)."""
     eos_ids, pad_id = end_ids(tokenizer, params)
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
@@ -265,11 +277,12 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
             caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
         else:
             _repeat_caches(caches, group_size)
-        ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every)
+        ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop)
     return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
-def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int):
+def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
+            on_stop=None):
     """The sampling loop from the prefill logits [N, V] with row keys [N, 2]. -> (ids, log-probs,
     entropies), each [N, T]."""
     keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
@@ -279,7 +292,7 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
     for step in range(1, params.max_new_tokens):
         if step % sync_every == 0:
             mx.eval(ended)
-            if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop)):
+            if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop, on_stop)):
                 break
         logits = model(token[:, None], cache=caches)[:, -1, :]
         token, logprob, entropy, ended = sampler(logits, keys[:, step], ended)
@@ -294,9 +307,17 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
     return ids, lps, ents
 
 
-def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...]) -> bool:
+def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...], on_stop=None) -> bool:
     ids = mx.stack(tokens, axis=1).tolist()
-    return all(done or stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
+    if on_stop is None:
+        return all(done or stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
+    stopped = True
+    for r, (row, done) in enumerate(zip(ids, ended.tolist())):
+        cut = None if done else stop_cut(tokenizer, row, stops)
+        if cut is not None:
+            on_stop(r, row[:cut])
+        stopped = stopped and (done or cut is not None)
+    return stopped
 
 
 def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
@@ -342,7 +363,9 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_id:
                    sampler_logprobs=gather("sampler_logprobs", 0.0),
                    truncated=np.array([rollouts[i].truncated[r] for i, r in rows], dtype=bool),
                    texts=[rollouts[i].texts[r] for i, r in rows], group_size=G,
-                   entropies=gather("entropies", 0.0))
+                   entropies=gather("entropies", 0.0),
+                   transcripts=None if rollouts[0].transcripts is None else [rollouts[i].transcripts[r] for i, r in rows],
+                   ends=None if rollouts[0].ends is None else np.array([rollouts[i].ends[r] for i, r in rows], np.int64))
 
 
 def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:

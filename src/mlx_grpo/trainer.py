@@ -36,6 +36,7 @@ from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_g
 from mlx_grpo.reward_workers import RewardRunner
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.engine import RolloutEngine
+from mlx_grpo.multiturn import data_row, multiturn_for
 from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, select_groups
 
 
@@ -140,14 +141,21 @@ class Trainer:
         self.model.eval()
         # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
         self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine).refresh(self.policies.sampler)
+        # Tools or an environment: rollouts are episodes (multiturn.py) over the same engine.
+        self.multiturn = multiturn_for(cfg, self.tokenizer, getattr(getattr(self.model, "args", None),
+                                                                    "model_type", None))
 
     # ------------------------------------------------------------------ one batch step
     def _encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
         """This rank's share of a draw: (its prompts' ids, their row keys, its examples)."""
         cfg, G = self.cfg, self.cfg.num_generations
         # Every rank encodes the whole batch (cheap), so prompts_cut counts it without a collective.
-        encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
-                                      cfg.max_prompt_length) for e in examples]
+        if self.multiturn is not None:
+            encoded = [self.multiturn.encode(data_row(e), cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)
+                       for e in examples]
+        else:
+            encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
+                                          cfg.max_prompt_length) for e in examples]
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         longest = max(len(ids) for ids, _ in encoded)
@@ -169,16 +177,26 @@ class Trainer:
         columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
         prompts = [e.prompt for e in examples for _ in range(G)]
         # Each completion's own ids, up to and including its end token (as TRL passes them), not padded rows.
-        ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), rollout.lengths.tolist())]
-        pending = self.reward_runner.submit(prompts, rollout.texts, ids, columns)
+        ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), rollout.extents.tolist())]
+        # multi-turn: rewards may read each episode whole (transcripts)
+        pending = self.reward_runner.submit(prompts, rollout.texts, ids, columns, rollout.transcripts)
         return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
 
     def _draw(self, examples: list[Example]) -> Draw:
         """Generate G completions for each of this rank's share of the batch's examples, submitted for scoring."""
         prompts, keys, mine = self._encode(examples)
         t0 = time.perf_counter()
-        rollout = self.engine.generate(prompts, self.cfg.num_generations, self.params, keys, self.cfg.prefill)
+        rollout = self._generate([(prompts, keys, mine)])[0]
         return self._submit(mine, rollout, time.perf_counter() - t0)
+
+    def _generate(self, jobs: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list:
+        """The rollouts of batch steps [(prompts, row keys, examples)], decoded together: episodes with
+        tools or an environment, else plain completions."""
+        G, params, prefill = self.cfg.num_generations, self.params, self.cfg.prefill
+        if self.multiturn is not None:
+            return self.multiturn.generate_many(self.engine, [(p, k, [data_row(e) for e in mine])
+                                                             for p, k, mine in jobs], G, params, prefill)
+        return self.engine.generate_many([(p, k) for p, k, _ in jobs], G, params, prefill)
 
     def _scores(self, draw: Draw) -> RewardScores:
         """A draw's rewards plus the length penalty, waiting for them if the workers are still at it."""
@@ -194,7 +212,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.overlong_penalty > 0:
             scores = scores.with_penalty("overlong_penalty", overlong_penalty(
-                draw.rollout.lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
+                draw.rollout.extents, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
         draw.scores = scores
         return scores
 
@@ -226,8 +244,7 @@ class Trainer:
             return [self.batch_step(examples) for examples in batches]
         encoded = [self._encode(examples) for examples in batches]
         t0 = time.perf_counter()
-        rollouts = self.engine.generate_many([(prompts, keys) for prompts, keys, _ in encoded],
-                                             self.cfg.num_generations, self.params, self.cfg.prefill)
+        rollouts = self._generate(encoded)
         share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
         draws = [self._submit(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, rollouts)]
         return [self._step_from([draw]) for draw in draws]
@@ -269,7 +286,7 @@ class Trainer:
         self.counters.batch_step += 1
         drawn = [d.rollout for d in draws]
         entropies = [np.array(r.entropies) for r in drawn]
-        stats = {"examples": examples, "texts": rollout.texts, "lengths": np.concatenate([r.lengths for r in drawn]),
+        stats = {"examples": examples, "texts": rollout.texts, "transcripts": rollout.transcripts, "lengths": np.concatenate([r.lengths for r in drawn]),
                  "truncated": np.concatenate([r.truncated for r in drawn]), "draws": len(draws),
                  "groups_trained": len(examples), "entropy_sum": float(sum(e.sum() for e in entropies)),
                  "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,

@@ -32,6 +32,11 @@ def check(c: Config, command: str) -> None:
              "completion after its first token")
     if command not in DATA:
         return
+    _require(c.max_tool_turns >= 1, "max_tool_turns must be >= 1")
+    _require(c.tool_format in ("auto", "hermes", "nanochat", "plain"),
+             f"tool_format must be auto, hermes, nanochat or plain, got {c.tool_format!r}")
+    _require(not (c.tools and c.environment), "set tools or environment, not both (an environment that wants "
+             "tools builds a ToolEnvironment itself)")
     _require(c.dataset in ("arith", "gsm8k"), f"dataset must be 'arith' or 'gsm8k', got {c.dataset!r}; "
              "for a local file set dataset_path / eval_dataset_path")
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")

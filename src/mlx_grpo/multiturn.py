@@ -1,0 +1,246 @@
+"""Multi-turn rollouts: tool calls and environments inside the batched decode.
+
+Owns `MultiTurn`, which runs one episode per row over the rollout engine and returns ordinary Rollout
+records whose mask says where each token came from: 1 for tokens the model sampled, 0 for tool output
+and environment text, which the model reads as context but is never trained on.
+
+The flow of a batch:
+1. Every row decodes its first turn in one batch (the engine's batching, refill across batch steps).
+   A turn ends at the end-of-turn token, a stop string, or the stop string that closes a tool call.
+2. As rows end their turn, the environment answers them on a thread pool, off the decode loop: while
+   the batch is still decoding, the engine reports each row it sees stopped and that row's call starts
+   at once (the python tool runs in a subprocess meanwhile); the rest start when the batch ends.
+3. The answer is rendered in the model's syntax (tool_calls.py), tokenized, and appended to the row.
+   Every row that goes on then decodes its next turn in the next batch, its context (prompt and turns
+   so far) prefilled in one chunk, up to the episode's turn limit or the completion budget
+   (max_new_tokens counts every token of every turn, tool output included).
+
+A row's tokens depend only on its context and its keys (turn w samples with split(row key, w + 1)[w];
+the first turn with the row key itself), so which rows share a batch, and when a tool finishes, never
+changes them: a multi-turn run is as reproducible, and resumes as exactly, as a single-turn one
+(provided the tools are deterministic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
+from mlx_grpo.errors import UserError
+from mlx_grpo.rewards import _import_file
+from mlx_grpo.rollout import Rollout, SamplingParams, end_ids
+from mlx_grpo.tool_calls import ToolFormat, tool_format_for
+
+# Environment.step calls at once: tools are mostly waiting (subprocesses, HTTP), not computing.
+TOOL_THREADS = 8
+
+
+@dataclass
+class _Row:
+    """One episode's tokens so far: the completion is every turn's tokens, sampled or forced."""
+
+    prompt: list[int]
+    episode: Episode
+    key: mx.array  # [2]
+    ids: list[int] = field(default_factory=list)
+    mask: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    turn: int = 0  # model turns decoded
+    done: bool = False
+    truncated: bool = False
+    answer: Future | None = None  # the environment's step on the last turn, running on the pool
+    answered_text: str | None = None  # the turn text `answer` was started for
+
+    def add(self, ids, mask: float, logprobs=None, entropies=None) -> None:
+        self.ids += list(ids)
+        self.mask += [mask] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.entropies += list(entropies) if entropies is not None else [0.0] * len(ids)
+
+
+class MultiTurn:
+    """Episodes of `env` over the rollout engine. fmt: the model's tool-call syntax (tool_calls.py), which
+    renders observations; tokenizer: the model's."""
+
+    def __init__(self, env: Environment, fmt: ToolFormat, tokenizer):
+        self.env, self.fmt, self.tokenizer = env, fmt, tokenizer
+        # A tool call ends at the stop string that closes it; other environments end turns at end-of-turn.
+        self.stop_strings = tuple(fmt.stop_strings) if isinstance(env, ToolEnvironment) else ()
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_text(self, row: Mapping, system_prompt: str) -> str:
+        """The first messages of a data row's episode, rendered (with the tools, for tool environments)."""
+        messages = self.env.reset(row)
+        if system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        if isinstance(self.env, ToolEnvironment):
+            return self.env.prompt_text(messages)
+        return self.fmt.render_prompt(messages, {})
+
+    def encode(self, row: Mapping, system_prompt: str, prefill: str, max_prompt_length: int) -> tuple[list[int], bool]:
+        """The prompt ids of a data row (the prefill appended; the last max_prompt_length kept). -> (ids, cut)."""
+        ids = list(self.tokenizer.encode(self.prompt_text(row, system_prompt) + prefill, add_special_tokens=False))
+        if len(ids) > max_prompt_length:
+            return ids[-max_prompt_length:], True
+        return ids, False
+
+    # ------------------------------------------------------------------ rollouts
+    def generate_many(self, engine, jobs: list[tuple[list[list[int]], mx.array, list[Mapping]]], group_size: int,
+                      params: SamplingParams, prefill_text: str = "") -> list[Rollout]:
+        """The episodes of several batch steps, jobs = [(prompts, row keys [B*G, 2], data rows [B])]: one
+        Rollout per job, as engine.generate_many returns them, with `transcripts` and `ends` set."""
+        G, T = group_size, params.max_new_tokens
+        rows = [_Row(prompts[i // G], Episode(self.env, data[i // G]), keys[i])
+                for prompts, keys, data in jobs for i in range(len(prompts) * G)]
+        eos = set(end_ids(self.tokenizer, params)[0])
+        stops = tuple(params.stop) + self.stop_strings
+        with ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="mlx-grpo-tool") as pool:
+            live = list(range(len(rows)))
+            while live:
+                budget = max(T - len(rows[r].ids) for r in live)
+                wave = replace(params, max_new_tokens=budget, stop=stops)
+                watch = self._watcher(rows, live, pool, eos, T)
+                if rows[live[0]].turn == 0:  # the first turn: the prompts' groups share their prefill
+                    outs = engine.generate_many([(p, k) for p, k, _ in jobs], G, wave, prefill_text, on_stop=watch)
+                    out = _concat(outs)
+                else:
+                    keys = mx.stack([mx.random.split(rows[r].key, rows[r].turn + 1)[rows[r].turn] for r in live])
+                    out = engine.generate([rows[r].prompt + rows[r].ids for r in live], 1, wave, keys,
+                                          on_stop=watch)
+                self._take_turns(rows, live, out, eos, T, pool)
+                live = [r for r in live if not rows[r].done]
+        return self._records(jobs, rows, G, params, prefill_text)
+
+    def _watcher(self, rows: list[_Row], live: list[int], pool, eos: set[int], T: int):
+        """The engine's on_stop: start the environment on a row's turn as soon as the decode loop sees it
+        stopped by a stop string (a tool call's end), while the other rows decode. It sees the turn that
+        _take_turns will take (the same cut; a turn with an end token or past the budget is left to it)."""
+        def on_stop(slot: int, ids: list[int]) -> None:
+            row = rows[live[slot]]
+            if row.answer is None and not (set(ids) & eos) and len(row.ids) + len(ids) <= T:
+                text = self.tokenizer.decode(ids)
+                row.answer, row.answered_text = pool.submit(row.episode.step, text, ended="stop"), text
+        return on_stop
+
+    def _take_turns(self, rows: list[_Row], live: list[int], out: Rollout, eos: set[int], T: int, pool) -> None:
+        """Append each live row's new turn and the environment's answer to it (started now where the decode
+        loop did not start it already)."""
+        ids = out.completion_ids.tolist()
+        lps, ents = out.sampler_logprobs.tolist(), out.entropies.tolist()
+        for slot, r in enumerate(live):
+            row, n, room = rows[r], int(out.lengths[slot]), T - len(rows[r].ids)
+            # a row may decode past its own budget when another row's is larger: cut it there
+            cut = bool(out.truncated[slot]) or n > room
+            n = min(n, room)
+            row.add(ids[slot][:n], 1.0, lps[slot][:n], ents[slot][:n])
+            row.turn += 1
+            ended_eos = not cut and n > 0 and ids[slot][n - 1] in eos
+            text = self.tokenizer.decode(ids[slot][:n - 1] if ended_eos else ids[slot][:n])
+            if cut:  # the budget ran out inside the turn: the episode ends unanswered
+                row.episode.transcript.add("model", text, ended="length")
+                row.episode.transcript.done = True
+                row.done = row.truncated = True
+            elif row.answer is None:
+                row.answer = pool.submit(row.episode.step, text, ended="eos" if ended_eos else "stop")
+            elif row.answered_text != text:  # the step has recorded its turn already: it cannot be redone
+                raise RuntimeError(f"a turn seen stopped as {row.answered_text!r} ended as {text!r}")
+        for r in live:
+            row = rows[r]
+            if row.done:
+                continue
+            result: StepResult = row.answer.result()
+            row.answer = row.answered_text = None
+            if result.done:
+                row.done = True
+                continue
+            forced = list(self.tokenizer.encode(observation_text(self.fmt, result), add_special_tokens=False))
+            room = T - len(row.ids)
+            row.add(forced[:room], 0.0)
+            if len(forced) >= room:  # no room left for the model's next turn
+                row.episode.transcript.done = True
+                row.done = row.truncated = True
+
+    def _records(self, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str) -> list[Rollout]:
+        eos_ids, pad_id = end_ids(self.tokenizer, params)
+        out, start = [], 0
+        for prompts, _, _ in jobs:
+            mine = rows[start:start + len(prompts) * G]
+            start += len(mine)
+            width = max(1, max(len(r.ids) for r in mine))
+
+            def padded(name: str, fill) -> mx.array:
+                return mx.array([getattr(r, name) + [fill] * (width - len(r.ids)) for r in mine])
+
+            texts = [prefill_text + self.tokenizer.decode(r.ids[:-1] if r.ids and r.ids[-1] in eos_ids
+                                                          and r.mask[-1] else r.ids) for r in mine]
+            out.append(Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=padded("ids", pad_id).astype(mx.int32),
+                               mask=padded("mask", 0.0).astype(mx.float32),
+                               sampler_logprobs=padded("logprobs", 0.0).astype(mx.float32),
+                               truncated=np.array([r.truncated for r in mine]), texts=texts, group_size=G,
+                               entropies=padded("entropies", 0.0).astype(mx.float32),
+                               transcripts=[r.episode.transcript for r in mine],
+                               ends=np.array([len(r.ids) for r in mine], dtype=np.int64)))
+        return out
+
+
+def _concat(rollouts: list[Rollout]) -> Rollout:
+    """The rows of several rollouts as one record (only the per-row fields _take_turns reads)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    width = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def cat(name: str) -> mx.array:
+        return mx.concatenate([mx.pad(getattr(r, name), [(0, 0), (0, width - r.completion_ids.shape[1])])
+                               for r in rollouts])
+
+    return Rollout(prompt_ids=[p for r in rollouts for p in r.prompt_ids], completion_ids=cat("completion_ids"),
+                   mask=cat("mask"), sampler_logprobs=cat("sampler_logprobs"),
+                   truncated=np.concatenate([r.truncated for r in rollouts]),
+                   texts=[t for r in rollouts for t in r.texts], group_size=rollouts[0].group_size,
+                   entropies=cat("entropies"))
+
+
+def load_environment(spec: str) -> Environment:
+    """An Environment from "path/to/file.py:ClassName" (built with no arguments)."""
+    from pathlib import Path
+
+    file_part, sep, name = spec.rpartition(":")
+    if not sep or not file_part.endswith(".py") or not name:
+        raise UserError(f"environment {spec!r}: expected path/to/file.py:ClassName")
+    path = Path(file_part).expanduser().resolve()
+    if not path.is_file():
+        raise UserError(f"environment file not found: {path}")
+    cls = getattr(_import_file(path), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise UserError(f"environment {spec!r}: {name} is not a subclass of mlx_grpo.environments.Environment")
+    try:
+        return cls()
+    except Exception as e:
+        raise UserError(f"environment {spec!r}: {name}() failed: {type(e).__name__}: {e}") from None
+
+
+def multiturn_for(cfg, tokenizer, model_type: str | None = None) -> MultiTurn | None:
+    """The run's MultiTurn: tools (a ToolEnvironment) or a custom environment; None for single-turn runs."""
+    if not cfg.tools and not cfg.environment:
+        return None
+    fmt = tool_format_for(tokenizer, model_type, cfg.tool_format)
+    if cfg.environment:
+        env = load_environment(cfg.environment)
+    else:
+        # max_tool_turns calls, each answered, then one more turn to give the answer
+        env = ToolEnvironment(cfg.tools, fmt, max_turns=cfg.max_tool_turns + 1)
+    return MultiTurn(env, fmt, tokenizer)
+
+
+def data_row(example) -> dict:
+    """The data row an environment's reset and step see: prompt, answer and every other column."""
+    return {"prompt": example.prompt, "answer": example.answer, **example.columns}
+
+
+__all__ = ["MultiTurn", "data_row", "load_environment", "multiturn_for", "prompt_messages"]
