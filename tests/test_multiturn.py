@@ -267,3 +267,10 @@ def test_bad_tool_settings_are_one_line(caller_dir, tmp_path):
         _cfg(caller_dir, tmp_path, "tool_format=xml")
     with pytest.raises(UserError, match="no_such_tool"):
         run_mod.train(_cfg(caller_dir, tmp_path, "tools=[\"no_such_tool\"]"))
+
+
+def test_metrics_report_tool_use(caller_dir, tmp_path):
+    run_dir = run_mod.train(_cfg(caller_dir, tmp_path))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["tool_call_rate"] <= 1 and r["tool_calls_mean"] >= r["tool_call_rate"] for r in rows)
+    assert all(r["tool_error_fraction"] == 0.0 for r in rows)  # 2+3, 2+3+3, ... all evaluate

@@ -491,3 +491,10 @@ def test_refilled_batch_steps_train_as_one_by_one(tiny_model_dir, tmp_path, monk
                         lambda self, batches: [self.batch_step(b) for b in batches])
     one_by_one = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=single", *extra))
     assert metrics(together) == metrics(one_by_one)
+
+
+def test_max_minutes_ends_the_run_after_the_update_that_crosses_it(tiny_model_dir, tmp_path, capsys):
+    run_dir = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_minutes=1e-6"))
+    assert len(metrics(run_dir)) == 1  # of 4 planned updates
+    assert [p.name for p in run_dir.glob("checkpoint-*")] == ["checkpoint-1"]
+    assert "max_minutes = 1e-06 reached after 1 of 4 updates" in capsys.readouterr().out

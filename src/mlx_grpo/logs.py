@@ -79,6 +79,13 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "time_step_s": result["time_step_s"],
         "peak_memory_gb": result["peak_memory_gb"],
     }
+    transcripts = [t for s in stats for t in (s.get("transcripts") or [])]
+    if transcripts:  # multi-turn: how often the completions called a tool, and how many calls failed
+        calls = [[t for t in tr.turns if t.origin == "tool"] for tr in transcripts]
+        record["tool_call_rate"] = float(np.mean([bool(c) for c in calls]))
+        record["tool_calls_mean"] = float(np.mean([len(c) for c in calls]))
+        made = [t for c in calls for t in c]
+        record["tool_error_fraction"] = float(np.mean([bool(t.info.get("error")) for t in made])) if made else 0.0
     record["warnings"] = diagnose(record, trainer.cfg)
     return record
 

@@ -213,6 +213,21 @@ def reasoned_format(prompts, completions, completion_ids, **columns) -> list[flo
     return out
 
 
+_HASH_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def hash_answer(prompts, completions, completion_ids, answer=None, **columns) -> list[float]:
+    """2.0 when the number after the last "####" equals the gold answer (GSM8K's own answer form, which
+    nanochat's SFT teaches), else 0.0."""
+    if answer is None:
+        raise ValueError("needs an 'answer' column with the gold answers")
+    out = []
+    for c, a in zip(completions, answer):
+        found = _HASH_ANSWER.findall(_text(c))
+        out.append(2.0 if found and answers_match(found[-1], a) else 0.0)
+    return out
+
+
 def environment_reward(prompts, completions, completion_ids, transcripts=None, **columns) -> list[float | None]:
     """The reward the run's environment gave each episode when it ended it (None where it gave none)."""
     if transcripts is None:
@@ -230,6 +245,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "think_tags": think_tags,
     "reasoned_correctness": reasoned_correctness,
     "reasoned_format": reasoned_format,
+    "hash_answer": hash_answer,
     "environment_reward": environment_reward,
 }
 

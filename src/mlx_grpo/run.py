@@ -353,6 +353,11 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             _save(trainer)
             last_saved = c.update_step
             t_last = time.perf_counter()  # time_step_s leaves the checkpoint out
+        if cfg.max_minutes and c.update_step < trainer.total_updates and any(
+                world.gather(time.perf_counter() - t_start >= 60 * cfg.max_minutes, "the time limit")):
+            world.print(f"[mlx-grpo] max_minutes = {cfg.max_minutes:g} reached after {c.update_step} of "
+                        f"{trainer.total_updates} updates")
+            break
     bar.set_description_str("grpo", refresh=False)
     bar.close()
     if not data_left:

@@ -52,6 +52,7 @@ def check(c: Config, command: str) -> None:
 
 
 def _validate_train(c: Config) -> None:
+    _require(c.max_minutes >= 0, "max_minutes must be >= 0 (0 = no limit)")
     for name in ("num_epochs", "batch_size", "gradient_accumulation_steps", "micro_batch_size",
                  "num_iterations", "update_every", "max_consecutive_skips", "logging_steps"):
         _require(getattr(c, name) >= 1, f"{name} must be >= 1")
