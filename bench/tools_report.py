@@ -8,6 +8,7 @@ usage: python bench/tools_report.py OUT_DIR    (OUT_DIR as given to tools_run.sh
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def calls_cell(path: Path) -> str:
 
 
 def training_row(preset: str, out: Path) -> str:
-    metrics = read(out / "runs" / RUNS[preset] / "metrics.jsonl")
+    run = out / "runs" / RUNS[preset]
+    metrics = read((run if run.is_dir() else out / RUNS[preset]) / "metrics.jsonl")  # a results copy: no runs/
     minutes = sum(m["time_step_s"] for m in metrics) / 60
 
     def mean(key: str, part: list[dict]) -> str:
@@ -44,13 +46,32 @@ def training_row(preset: str, out: Path) -> str:
             f"| {mean('completion_length_mean', first)} -> {mean('completion_length_mean', last)} |")
 
 
+def summary_row(name: str, log: Path) -> str:
+    """The row from an evaluation's printed summary, where its per-example JSONL is missing."""
+    line = next(x for x in log.read_text().splitlines() if x.startswith("accuracy:"))
+    n = int(re.search(r"\(\d+/(\d+)\)", line).group(1))
+    cells = []
+    for key in ("accuracy", "lenient", "formatted", "tool calls"):
+        found = re.search(rf"{key}: ([\d.]+)", line)
+        if found is None:
+            cells.append("-")
+            continue
+        k = round(float(found.group(1)) * n)
+        lo, hi = wilson(k, n)
+        cells.append(f"{k}/{n} = {100 * k / n:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]")
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
 def main(out: Path) -> None:
     print("| model | exact match (`<answer>`) [95% CI] | lenient (last number) | formatted | called the calculator |")
     print("|---|---|---|---|---|")
     for preset in RUNS:
         for stage in ("base", "trained"):
             path = out / f"{preset}-{stage}.jsonl"
-            print(accuracy_row(f"{preset} {stage}", path)[:-2] + f" | {calls_cell(path)} |")
+            if path.is_file():
+                print(accuracy_row(f"{preset} {stage}", path)[:-2] + f" | {calls_cell(path)} |")
+            else:
+                print(summary_row(f"{preset} {stage}", out / f"{preset}-{stage}.log"))
     print()
     print("| run | updates | minutes of updates | reward, first 5 -> last 5 | tool-call rate | model tokens |")
     print("|---|---|---|---|---|---|")

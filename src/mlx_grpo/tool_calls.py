@@ -255,6 +255,11 @@ class PlainFormat(ToolFormat):
         return f"<result>{output}</result>"
 
     def describe_tools(self, tools: Mapping[str, Tool]) -> str:
+        if set(tools) == {"calculator"}:
+            # the general form would only be noise to copy: on the H100, 82 of the 86 calls the base SmolLM2
+            # made under it were that sentence, copied with its NAME placeholder (docs/learning.md, "Tools")
+            return ("For arithmetic, write <calc>expression</calc> and stop; the result comes back as "
+                    "<result>...</result>, e.g. <calc>12*(3+4)</calc> gives <result>84</result>.")
         lines = ['You can use tools. To call one, write <tool name="NAME">{"argument": value}</tool> and stop; '
                  "its output comes back as <result>...</result>."]
         if "calculator" in tools:
