@@ -31,8 +31,8 @@ RESULT = "<result>5</result>"
 
 
 def caller_script(prompt: str, completion: str) -> dict:
-    """Write k filler letters ('x' or 'y', drawn), the calculator call, then the tool's result as the answer.
-    k comes from the prompt ("k=3"), so rows call at different steps."""
+    """Write k filler letters ('x' or 'y', drawn), the calculator call, then a drawn letter and the tool's
+    result as the answer. k comes from the prompt ("k=3"), so rows call at different steps."""
     k = int(re.search(r"k=(\d+)", prompt).group(1))
     if len(completion) < k:
         return {"x": 0.0, "y": 0.0}
@@ -42,9 +42,11 @@ def caller_script(prompt: str, completion: str) -> dict:
     fed = re.match(r"<result>([^<]*)</result>", head[len(CALL):])
     if fed is None:
         return {END: 30.0}
-    answer = f"<answer>{fed.group(1)}</answer>"
     written = head[len(CALL) + fed.end():]
-    return {answer[len(written)]: 30.0} if len(written) < len(answer) else {END: 30.0}
+    if not written:
+        return {"x": 0.0, "y": 0.0}
+    answer = f"<answer>{fed.group(1)}</answer>"
+    return {answer[len(written) - 1]: 30.0} if len(written) - 1 < len(answer) else {END: 30.0}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_a_scripted_call_feeds_the_tools_output_as_context(tiny):
         n = int(rollout.extents[row])
         ids, mask = rollout.completion_ids[row, :n].tolist(), rollout.mask[row, :n].tolist()
         text = rollout.texts[row]
-        assert re.fullmatch(r"[xy]{%d}<calc>2\+3</calc><result>5</result><answer>5</answer>" % (2 if row < 2 else 5),
+        assert re.fullmatch(r"[xy]{%d}<calc>2\+3</calc><result>5</result>[xy]<answer>5</answer>" % (2 if row < 2 else 5),
                             text), text
         # the tool's tokens sit right after the call, with mask 0 and no sampler log-prob; the rest was sampled
         start = text.index(RESULT)
@@ -83,9 +85,9 @@ def test_a_scripted_call_feeds_the_tools_output_as_context(tiny):
         lps = rollout.sampler_logprobs[row, :n].tolist()
         assert all(lp == 0 for lp, m in zip(lps, mask) if m == 0)
         # each drawn letter had probability 1/2, every other sampled token ~1
-        assert sum(lps) == pytest.approx(-(2 if row < 2 else 5) * np.log(2), abs=1e-4)
+        assert sum(lps) == pytest.approx(-(3 if row < 2 else 6) * np.log(2), abs=1e-4)
         turns = [(t.origin, t.text) for t in rollout.transcripts[row].turns]
-        assert turns == [("model", text[:start]), ("tool", "5"), ("model", "<answer>5</answer>")]
+        assert turns == [("model", text[:start]), ("tool", "5"), ("model", text[start + len(RESULT):])]
     assert rollout.lengths.tolist() == [int(rollout.extents[r]) - len(RESULT) for r in range(4)]
 
 
@@ -120,7 +122,7 @@ def test_gradient_counts_only_the_model_tokens(tiny):
     rollout, _ = _episodes(Scripted(tok, caller_script), tok, [1, 3], G=2, T=40)
     assert float((rollout.mask[:, :int(rollout.extents.max())] == 0).sum()) > 0
     adv = group_advantages(mx.array([1.0, 0.0, 0.5, 2.0]), 2)
-    cfg = build_config("train", overrides=parse_set([f"model_name=x", "kl_coeff=0", "loss_type=dapo",
+    cfg = build_config("train", overrides=parse_set(["model_name=x", "kl_coeff=0", "loss_type=dapo",
                                                      "max_new_tokens=40", "system_prompt="]))
     steps = [StepData(rollout, adv, None, None)]
     grads, _ = accumulate_gradients(make_grad_fn(cfg, model), steps, loss_weights(cfg, steps), 2, 0)
@@ -196,6 +198,33 @@ def test_an_environment_answers_after_each_turn(tiny):
     # the environment's text follows the end token the model sampled, in the chat template's user turn
     assert "<|im_end|>\n<|im_start|>user\nno<|im_end|>\n<|im_start|>assistant\n" in tok.decode(
         out.completion_ids[0].tolist())
+
+
+@pytest.mark.parametrize("mode", ["copy", "model"])
+def test_later_turns_join_the_running_batch_and_match_each_row_alone(tmp_path, mode):
+    """Two batch steps of a llama that calls the calculator a varying number of times: on the copy, rows'
+    next turns join the running batch (refill); on the model, they decode in waves. Either way each row
+    gets the tokens it gets decoded alone."""
+    model, tok = load_model(str(write_caller_model(tmp_path / "caller", CALLER)), "float32")
+    multiturn = _multiturn(tok, max_turns=4, fmt=NanochatFormat(tok))
+    engine = RolloutEngine(tok, mode=mode, sync_every=2).refresh(model)
+    rows = [{"prompt": f"q{i}", "answer": "5"} for i in range(4)]
+    prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
+    keys = mx.random.split(mx.random.key(3), 16)
+    params = SamplingParams(40, 1.0)
+    together = multiturn.generate_many(engine, [(prompts[:2], keys[:8], rows[:2]), (prompts[2:], keys[8:], rows[2:])],
+                                       4, params)
+    calls = [sum(t.origin == "tool" for t in tr.turns) for r in together for tr in r.transcripts]
+    assert len(set(calls)) >= 3 and engine.uses_copy == (mode == "copy")
+    for j, out in enumerate(together):
+        for r in range(8):
+            p, k = j * 2 + r // 4, j * 8 + r
+            alone = multiturn.generate_many(engine, [([prompts[p]], keys[k:k + 1], [rows[p]])], 1, params)[0]
+            n = int(out.extents[r])
+            assert int(alone.extents[0]) == n
+            assert alone.completion_ids[0, :n].tolist() == out.completion_ids[r, :n].tolist()
+            assert alone.mask[0, :n].tolist() == out.mask[r, :n].tolist()
+            assert alone.texts[0] == out.texts[r] and alone.truncated[0] == out.truncated[r]
 
 
 def _cfg(model_dir, out, *items):

@@ -91,30 +91,44 @@ class RolloutEngine:
         return self._current()[1]
 
     def generate(self, prompts: list[list[int]], group_size: int, params: SamplingParams, key: mx.array,
-                 prefill_text: str = "", on_stop=None) -> Rollout:
+                 prefill_text: str = "", on_stop=None, limits: np.ndarray | None = None) -> Rollout:
         """G completions for each of the B prompts. key: one key (split into the N = B*G row keys) or the row
-        keys themselves, [N, 2]."""
+        keys themselves, [N, 2]. limits [N]: tokens each row may write at most (its columns past that are
+        not decoded for it, when the batch goes on for others)."""
         keys = key if key.ndim == 2 else mx.random.split(key, len(prompts) * group_size)
-        return self.generate_many([(prompts, keys)], group_size, params, prefill_text, on_stop)[0]
+        return self.generate_many([(prompts, keys)], group_size, params, prefill_text, on_stop, limits)[0]
 
     def generate_many(self, jobs: list[tuple[list[list[int]], mx.array]], group_size: int, params: SamplingParams,
-                      prefill_text: str = "", on_stop=None) -> list[Rollout]:
+                      prefill_text: str = "", on_stop=None, limits: np.ndarray | None = None,
+                      turns=None) -> list[Rollout] | None:
         """The rollouts of several batch steps, jobs = [(prompts, row keys [B*G, 2])], decoded together: the
         first job fills the batch, and when rows end, the next jobs' prompts take their slots (refill), so
         one long row no longer holds a batch step. Each row samples the tokens generate() gives it alone.
         on_stop(row, ids): called during decoding with each row (numbered over all jobs) seen stopped by a
-        stop string, and its ids up to the stop; it may be called again for the same row."""
+        stop string, and its ids up to the stop; it may be called again for the same row. limits: as
+        generate's, over all jobs' rows.
+
+        turns (the sampling copy only; multiturn.py): rows go on in later turns inside this decode. At each
+        of the loop's syncs the engine calls turns.ended(row, ids, logprobs, entropies) for every row that
+        is done (its end token, a stop string or its limit; the tokens it wrote, which may run past that),
+        and turns.take(n) for the next turns of the rows ended at earlier syncs: [(context ids, row key,
+        limit)], rows numbered n, n + 1, ..., decoded in freed slots ahead of later prompts. turns.pending()
+        says whether any ended row may still go on. Returns None: the turns hold the results."""
         if self.model is None:
             raise RuntimeError("RolloutEngine.generate before refresh(model)")
         if not self.uses_copy:
+            if turns is not None:
+                raise ValueError("turns need the sampling copy (multiturn.py decodes the model in waves)")
             out, first = [], 0
             for prompts, keys in jobs:
+                n = len(prompts) * group_size
                 watch = None if on_stop is None else (lambda r, ids, first=first: on_stop(first + r, ids))
                 out.append(generate_rollout(self.model, self.tokenizer, prompts, group_size, params, keys,
-                                            prefill_text, sync_every=self.sync_every, on_stop=watch))
-                first += len(prompts) * group_size
+                                            prefill_text, sync_every=self.sync_every, on_stop=watch,
+                                            limits=None if limits is None else limits[first:first + n]))
+                first += n
             return out
-        return self._generate_fused(jobs, group_size, params, prefill_text, on_stop)
+        return self._generate_fused(jobs, group_size, params, prefill_text, on_stop, turns, limits)
 
     # ------------------------------------------------------------------ the fused decode loop
     def _step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
@@ -136,65 +150,89 @@ class RolloutEngine:
             self._steps[cache_key] = mx.compile(step)
         return self._steps[cache_key]
 
-    def _prefill(self, prompts: list[list[int]], groups: list[int], at: int, capacity: int, G: int, pad_id: int):
-        """Prefill the prompts of `groups` into their G rows each, the prompts ending at slot `at` of a
-        [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows], last logits [rows, V])."""
+    def _prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int, pad_id: int):
+        """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
+        ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows],
+        last logits [rows, V])."""
         spec, weights = self._current()
-        longest = max(len(prompts[g]) for g in groups)
+        longest = max(len(c) for c in contexts)
         width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
-        padding = mx.array([width - len(prompts[g]) for g in groups], dtype=mx.int32)
-        tokens = mx.array([[pad_id] * (width - len(prompts[g])) + list(prompts[g]) for g in groups], dtype=mx.int32)
+        padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
+        tokens = mx.array([[pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(spec, weights, tokens, padding)  # [b, V], [b, Hkv, width, Dh] each
         slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
-        keys = mx.repeat(mx.pad(mx.stack(keys), slots), G, axis=1)
-        values = mx.repeat(mx.pad(mx.stack(values), slots), G, axis=1)
+        repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
+        keys = mx.pad(mx.stack(keys), slots)[:, repeat]
+        values = mx.pad(mx.stack(values), slots)[:, repeat]
         mx.eval(keys, values)
-        return keys, values, mx.repeat(padding + (at - width), G), mx.repeat(logits, G, axis=0)
+        return keys, values, (padding + (at - width))[repeat], logits[repeat]
 
-    def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str, on_stop=None) -> list[Rollout]:
+    def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str, on_stop=None,
+                        turns=None, limits: np.ndarray | None = None) -> list[Rollout] | None:
         tokenizer, (spec, weights) = self.tokenizer, self._current()
         eos_ids, pad_id = end_ids(tokenizer, params)
         T = params.max_new_tokens
         sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
         step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
-        prompts = [p for job, _ in jobs for p in job]  # group g (prompt g) owns rows g*G .. g*G + G - 1
-        n_rows = len(prompts) * G
+        # An entry is a context and the rows it starts: a prompt's G rows, or (turns) one row's next turn.
+        # Rollout row r (numbered over all entries) writes its step s's token to column s - join[r].
+        entries = [(p, g * G, G) for g, p in enumerate(p for job, _ in jobs for p in job)]
+        n_rows = len(entries) * G
         # every row's T step keys, as generate_rollout splits them: [rows, T, 2]
         all_keys = mx.concatenate([mx.vmap(lambda k: mx.random.split(k, T))(keys) for _, keys in jobs])
-        join = np.zeros(n_rows, dtype=np.int64)  # the step (column) of each row's first token
-        queue = list(range(len(jobs[0][0]), len(prompts)))  # groups waiting for free slots
-        first_job = list(range(len(jobs[0][0])))
-        idx = bucket(max(len(prompts[g]) for g in first_job))  # the slot the next fed token is written to
-        keys, values, start, logits = self._prefill(prompts, first_job, idx, idx + T, G, pad_id)
-        rows = np.arange(len(first_job) * G)  # the rollout row of each batch slot (-1: a filler slot)
+        join = np.zeros(n_rows, dtype=np.int64)
+        # tokens a row may write (turns: what its budget leaves)
+        limit = np.full(n_rows, T, dtype=np.int64) if limits is None else np.minimum(np.asarray(limits), T)
+        reported = np.zeros(n_rows, dtype=bool)  # turns: rows already handed to turns.ended
+        queue = list(range(len(jobs[0][0]), len(entries)))  # entries waiting for free slots
+        first = list(range(len(jobs[0][0])))
+        idx = bucket(max(len(entries[e][0]) for e in first))  # the slot the next fed token is written to
+        keys, values, start, logits = self._prefill([entries[e][0] for e in first], [G] * len(first), idx,
+                                                    idx + T, pad_id)
+        rows = np.arange(len(first) * G)  # the rollout row of each batch slot (-1: a filler slot)
         target = len(rows)  # refills fill the batch back up to its first size
         token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0],
                                                  mx.zeros((len(rows),), mx.bool_))
         kstep = mx.ones((len(rows),), dtype=mx.int32)  # each slot's next step key
-        segments, columns, first = [], ([token], [logprob], [entropy]), 0
+        segments, columns, opened = [], ([token], [logprob], [entropy]), 0
         self.row_steps, self.steps = len(rows), 0
         s, last = 1, T  # decode steps until every admitted row has T tokens
         slot_rows = None
-        while s < last or queue:
+        while s < last or queue or (turns is not None and turns.pending()):
             if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
                 mx.eval(ended)
-                done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= T)
+                if turns is not None:  # next turns of the rows that ended at an earlier sync
+                    added = self._continue(turns, entries, queue, n_rows)
+                    if added:
+                        n_rows, all_keys, join, limit, reported = _grow(added, n_rows, T, all_keys, join, limit,
+                                                                       reported)
+                done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
+                current = segments + [(rows, opened, columns)]
                 if params.stop:
-                    done |= self._stopped(segments + [(rows, first, columns)], join, n_rows, T, rows, params.stop,
-                                          on_stop)
+                    done |= self._stopped(current, join, n_rows, T, rows, params.stop, on_stop)
+                if turns is not None:
+                    self._report(turns, current, join, n_rows, T, rows, done, reported)
+                    if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
+                        added = self._continue(turns, entries, queue, n_rows)
+                        n_rows, all_keys, join, limit, reported = _grow(added, n_rows, T, all_keys, join, limit,
+                                                                       reported)
                 if done.all() and not queue:
                     break
                 live = np.flatnonzero(~done)
-                admit = []  # refill once a quarter of the batch is free (each refill copies the cache once)
-                if queue and not len(live) and len(prompts[queue[0]]) > idx:
-                    idx = bucket(len(prompts[queue[0]]))  # nothing live: skip ahead to slots its prompt fits in
-                if target - len(live) >= max(G, target // 4):
-                    while queue and len(live) + (len(admit) + 1) * G <= target and len(prompts[queue[0]]) <= idx:
+                admit = []  # refill once enough of the batch is free (each refill copies the cache once)
+                if queue and not len(live) and len(entries[queue[0]][0]) > idx:
+                    idx = bucket(len(entries[queue[0]][0]))  # nothing live: skip ahead to slots its context fits in
+                # a prompt's group waits for a quarter of the batch; a row's next turn for an eighth
+                wanted = max(G, target // 4) if queue and entries[queue[0]][2] > 1 else max(1, target // 8)
+                if queue and (target - len(live) >= wanted or not len(live)):
+                    free = target - len(live)
+                    while queue and entries[queue[0]][2] <= free and len(entries[queue[0]][0]) <= idx:
+                        free -= entries[queue[0]][2]
                         admit.append(queue.pop(0))
                 if admit or (self.compact and len(rows) > MIN_ROWS and len(live) <= len(rows) // 2):
-                    segments.append((rows, first, columns))
-                    first, columns = s, ([], [], [])
-                    size = len(live) + len(admit) * G
+                    segments.append((rows, opened, columns))
+                    opened, columns = s, ([], [], [])
+                    size = len(live) + sum(entries[e][2] for e in admit)
                     fill = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(size, 1))))) - size
                     spare = np.flatnonzero(done)
                     keep = np.concatenate([live, spare[:fill], np.zeros(max(0, fill - len(spare)), np.int64)])
@@ -207,8 +245,8 @@ class RolloutEngine:
                     ended = mx.where(mx.array(new_rows >= 0), ended[pick], True)
                     if admit:
                         keys, values, start, token, ended, kstep, new_rows = self._refill(
-                            admit, prompts, idx, T, G, pad_id, keys, values, start, token, ended, kstep, new_rows,
-                            all_keys, sampler, join, s, segments)
+                            [entries[e] for e in admit], idx, T, pad_id, keys, values, start, token, ended, kstep,
+                            new_rows, all_keys, sampler, join, s, segments)
                         last = max(last, s - 1 + T)
                     rows, slot_rows = new_rows, None
             stop = mx.array([idx], dtype=mx.int32)
@@ -225,7 +263,9 @@ class RolloutEngine:
             for column, value in zip(columns, (token, logprob, entropy)):
                 column.append(value)
             mx.async_eval(token, logprob, entropy, ended)
-        segments.append((rows, first, columns))
+        if turns is not None:
+            return None
+        segments.append((rows, opened, columns))
         ids, lps, ents, filled = _assemble(segments, join, n_rows, T, pad_id)
         out, row = [], 0
         for job, _ in jobs:
@@ -237,16 +277,17 @@ class RolloutEngine:
             row += n
         return out
 
-    def _refill(self, admit, prompts, idx, T, G, pad_id, keys, values, start, token, ended, kstep, rows,
+    def _refill(self, admit, idx, T, pad_id, keys, values, start, token, ended, kstep, rows,
                 all_keys, sampler, join, s, segments):
-        """Append the rows of the `admit` groups to the batch: their prompts' cache ends at slot idx (the
+        """Append the rows of the `admit` entries to the batch: their contexts' cache ends at slot idx (the
         cache grows when idx + T passes its end) and their first token is sampled from the prefill."""
         capacity = max(keys.shape[3], bucket(idx + T))
         if capacity > keys.shape[3]:
             grow = [(0, 0), (0, 0), (0, 0), (0, capacity - keys.shape[3]), (0, 0)]
             keys, values = mx.pad(keys, grow), mx.pad(values, grow)
-        new_keys, new_values, new_start, logits = self._prefill(prompts, admit, idx, capacity, G, pad_id)
-        added = np.concatenate([g * G + np.arange(G) for g in admit])
+        new_keys, new_values, new_start, logits = self._prefill([c for c, _, _ in admit], [n for _, _, n in admit],
+                                                                idx, capacity, pad_id)
+        added = np.concatenate([first + np.arange(n) for _, first, n in admit])
         first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
                                                              mx.zeros((len(added),), mx.bool_))
         join[added] = s - 1  # their first token sits in the column before this step's
@@ -256,6 +297,28 @@ class RolloutEngine:
         return (keys, values, mx.concatenate([start, new_start]), mx.concatenate([token, first_token]),
                 mx.concatenate([ended, first_ended]), mx.concatenate([kstep, mx.ones((len(added),), mx.int32)]),
                 np.concatenate([rows, added]))
+
+    @staticmethod
+    def _continue(turns, entries: list, queue: list, n_rows: int) -> list:
+        """Queue the next turns turns.take() hands back (waiting for their environment steps), ahead of
+        the prompts still waiting: each a row numbered after the n_rows so far. -> [(row key [2], limit)]."""
+        added = []
+        for context, key, budget in turns.take(n_rows):
+            entries.append((context, n_rows + len(added), 1))
+            added.append((key, budget))
+        queue[:0] = range(len(entries) - len(added), len(entries))  # an episode ends sooner than a new one
+        return added
+
+    def _report(self, turns, segments, join, n_rows: int, T: int, rows, done, reported) -> None:
+        """Hand each row of the batch that is done and not yet reported to turns.ended, with its tokens."""
+        fresh = [int(r) for r, d in zip(rows, done) if d and r >= 0 and not reported[r]]
+        if not fresh:
+            return
+        ids, lps, ents, filled = _assemble(segments, join, n_rows, T, -1)
+        for r in fresh:
+            reported[r] = True
+            n = int(filled[r])
+            turns.ended(r, ids[r, :n].tolist(), lps[r, :n].tolist(), ents[r, :n].tolist())
 
     def _stopped(self, segments, join, n_rows: int, T: int, rows, stops, on_stop=None) -> np.ndarray:
         """Which of the batch's current slots have generated a stop string so far (fillers: True); on_stop
@@ -269,6 +332,16 @@ class RolloutEngine:
                 on_stop(int(r), row[:cut])
             out.append(r < 0 or cut is not None)
         return np.array(out)
+
+
+def _grow(added: list, n_rows: int, T: int, all_keys, join, limit, reported):
+    """The per-row arrays with the rows of `added` [(row key, budget)] appended."""
+    if not added:
+        return n_rows, all_keys, join, limit, reported
+    keys = mx.vmap(lambda k: mx.random.split(k, T))(mx.stack([k for k, _ in added]))
+    return (n_rows + len(added), mx.concatenate([all_keys, keys]), np.concatenate([join, np.zeros(len(added), np.int64)]),
+            np.concatenate([limit, np.array([b for _, b in added], np.int64)]),
+            np.concatenate([reported, np.zeros(len(added), bool)]))
 
 
 def _assemble(segments, join: np.ndarray, n_rows: int, T: int, pad_id: int):

@@ -4,21 +4,25 @@ Owns `MultiTurn`, which runs one episode per row over the rollout engine and ret
 records whose mask says where each token came from: 1 for tokens the model sampled, 0 for tool output
 and environment text, which the model reads as context but is never trained on.
 
-The flow of a batch:
-1. Every row decodes its first turn in one batch (the engine's batching, refill across batch steps).
-   A turn ends at the end-of-turn token, a stop string, or the stop string that closes a tool call.
-2. As rows end their turn, the environment answers them on a thread pool, off the decode loop: while
-   the batch is still decoding, the engine reports each row it sees stopped and that row's call starts
-   at once (the python tool runs in a subprocess meanwhile); the rest start when the batch ends.
-3. The answer is rendered in the model's syntax (tool_calls.py), tokenized, and appended to the row.
-   Every row that goes on then decodes its next turn in the next batch, its context (prompt and turns
-   so far) prefilled in one chunk, up to the episode's turn limit or the completion budget
-   (max_new_tokens counts every token of every turn, tool output included).
+A turn ends at the end-of-turn token, a stop string, the stop string that closes a tool call, or the
+completion's budget (max_new_tokens counts every token of every turn, tool output included). The
+environment answers each ended turn on a thread pool, off the decode loop (a tool's output right after
+the call, an environment's message after the end token); the answer is rendered in the model's syntax
+(tool_calls.py), tokenized and appended to the row, and the row's next turn decodes with its whole
+context prefilled in one chunk:
+- on the engine's sampling copy, inside the running batch: the engine hands each row that ended to
+  `ended` at the loop's next sync, the answer computes while the other rows decode, and at the sync
+  after that the row's next turn takes a freed slot (engine refill), ahead of prompts still waiting;
+- on the model itself (rollout.generate_rollout: other families, quantized weights, nanochat, CPUs by
+  default), in waves: turn w of every row decodes in batch w, and a tool call starts as soon as the loop
+  sees its row stopped.
 
-A row's tokens depend only on its context and its keys (turn w samples with split(row key, w + 1)[w];
-the first turn with the row key itself), so which rows share a batch, and when a tool finishes, never
-changes them: a multi-turn run is as reproducible, and resumes as exactly, as a single-turn one
-(provided the tools are deterministic).
+A row's tokens depend only on its context and its keys (turn w samples with split(row key, w + 1)[w],
+split into max_new_tokens step keys; the first turn with the row key itself), and the schedule waits for
+answers at fixed syncs, never on the clock: which rows share a batch, and how long a tool takes, never
+change them, so a multi-turn run is as reproducible, and resumes as exactly, as a single-turn one
+(provided the tools are deterministic; on a GPU in bfloat16 the batch around a row can move a near-tie,
+as engine.py says).
 """
 
 from __future__ import annotations
@@ -33,11 +37,20 @@ import numpy as np
 from mlx_grpo.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import _import_file
-from mlx_grpo.rollout import Rollout, SamplingParams, end_ids
+from mlx_grpo.rollout import Rollout, SamplingParams, end_ids, stop_cut
 from mlx_grpo.tool_calls import ToolFormat, tool_format_for
 
 # Environment.step calls at once: tools are mostly waiting (subprocesses, HTTP), not computing.
 TOOL_THREADS = 8
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """Where a turn ends: after an end token (eos) or a stop string; budget: a completion's tokens."""
+
+    eos: frozenset
+    stops: tuple[str, ...]
+    budget: int
 
 
 @dataclass
@@ -98,73 +111,96 @@ class MultiTurn:
         G, T = group_size, params.max_new_tokens
         rows = [_Row(prompts[i // G], Episode(self.env, data[i // G]), keys[i])
                 for prompts, keys, data in jobs for i in range(len(prompts) * G)]
-        eos = set(end_ids(self.tokenizer, params)[0])
-        stops = tuple(params.stop) + self.stop_strings
+        # every turn splits its row key into T step keys, whatever its budget: a row's tokens never depend
+        # on the other rows of its batch
+        turn_params = replace(params, stop=tuple(params.stop) + self.stop_strings)
+        ends = _Ends(frozenset(end_ids(self.tokenizer, params)[0]), turn_params.stop, T)
         with ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="mlx-grpo-tool") as pool:
-            live = list(range(len(rows)))
-            while live:
-                budget = max(T - len(rows[r].ids) for r in live)
-                wave = replace(params, max_new_tokens=budget, stop=stops)
-                watch = self._watcher(rows, live, pool, eos, T)
-                if rows[live[0]].turn == 0:  # the first turn: the prompts' groups share their prefill
-                    outs = engine.generate_many([(p, k) for p, k, _ in jobs], G, wave, prefill_text, on_stop=watch)
-                    out = _concat(outs)
-                else:
-                    keys = mx.stack([mx.random.split(rows[r].key, rows[r].turn + 1)[rows[r].turn] for r in live])
-                    out = engine.generate([rows[r].prompt + rows[r].ids for r in live], 1, wave, keys,
-                                          on_stop=watch)
-                self._take_turns(rows, live, out, eos, T, pool)
-                live = [r for r in live if not rows[r].done]
+            if engine.uses_copy:  # later turns join the running batch in freed slots
+                engine.generate_many([(p, k) for p, k, _ in jobs], G, turn_params, prefill_text,
+                                     turns=_Turns(self, rows, ends, pool))
+            else:
+                self._waves(engine, jobs, rows, G, turn_params, prefill_text, ends, pool)
         return self._records(jobs, rows, G, params, prefill_text)
 
-    def _watcher(self, rows: list[_Row], live: list[int], pool, eos: set[int], T: int):
-        """The engine's on_stop: start the environment on a row's turn as soon as the decode loop sees it
-        stopped by a stop string (a tool call's end), while the other rows decode. It sees the turn that
-        _take_turns will take (the same cut; a turn with an end token or past the budget is left to it)."""
+    def _waves(self, engine, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str,
+               ends: "_Ends", pool) -> None:
+        """The model path (rollout.generate_rollout): every row's turn w decodes in batch w; the rows that go
+        on are prefilled with their contexts for the next batch."""
+        T = params.max_new_tokens
+        live = list(range(len(rows)))
+        while live:
+            watch = self._watcher(rows, live, pool, ends)
+            limits = np.array([T - len(rows[r].ids) for r in live])
+            if rows[live[0]].turn == 0:  # the first turn: the prompts' groups share their prefill
+                outs = engine.generate_many([(p, k) for p, k, _ in jobs], G, params, prefill_text, on_stop=watch,
+                                            limits=limits)
+                out = _concat(outs)
+            else:
+                nxt = [self._next_turn(rows[r], T) for r in live]
+                live = [r for r, n in zip(live, nxt) if n is not None]
+                if not live:
+                    break
+                nxt = [n for n in nxt if n is not None]
+                watch = self._watcher(rows, live, pool, ends)
+                out = engine.generate([c for c, _, _ in nxt], 1, params, mx.stack([k for _, k, _ in nxt]),
+                                      on_stop=watch, limits=np.array([b for _, _, b in nxt]))
+            ids, lps, ents = out.completion_ids.tolist(), out.sampler_logprobs.tolist(), out.entropies.tolist()
+            for slot, r in enumerate(live):
+                n = int(out.lengths[slot])
+                self._end_turn(rows[r], ids[slot][:n], lps[slot][:n], ents[slot][:n], ends, pool)
+            live = [r for r in live if not rows[r].done]
+
+    def _watcher(self, rows: list[_Row], live: list[int], pool, ends: "_Ends"):
+        """generate_rollout's on_stop: start the environment on a row's turn as soon as the decode loop sees
+        it stopped by a stop string (a tool call's end), while the other rows decode. It sees the turn that
+        _end_turn will take (the same cut; a turn with an end token or past the budget is left to it)."""
         def on_stop(slot: int, ids: list[int]) -> None:
             row = rows[live[slot]]
-            if row.answer is None and not (set(ids) & eos) and len(row.ids) + len(ids) <= T:
+            if row.answer is None and not (set(ids) & ends.eos) and len(row.ids) + len(ids) <= ends.budget:
                 text = self.tokenizer.decode(ids)
                 row.answer, row.answered_text = pool.submit(row.episode.step, text, ended="stop"), text
         return on_stop
 
-    def _take_turns(self, rows: list[_Row], live: list[int], out: Rollout, eos: set[int], T: int, pool) -> None:
-        """Append each live row's new turn and the environment's answer to it (started now where the decode
-        loop did not start it already)."""
-        ids = out.completion_ids.tolist()
-        lps, ents = out.sampler_logprobs.tolist(), out.entropies.tolist()
-        for slot, r in enumerate(live):
-            row, n, room = rows[r], int(out.lengths[slot]), T - len(rows[r].ids)
-            # a row may decode past its own budget when another row's is larger: cut it there
-            cut = bool(out.truncated[slot]) or n > room
-            n = min(n, room)
-            row.add(ids[slot][:n], 1.0, lps[slot][:n], ents[slot][:n])
-            row.turn += 1
-            ended_eos = not cut and n > 0 and ids[slot][n - 1] in eos
-            text = self.tokenizer.decode(ids[slot][:n - 1] if ended_eos else ids[slot][:n])
-            if cut:  # the budget ran out inside the turn: the episode ends unanswered
-                row.episode.transcript.add("model", text, ended="length")
-                row.episode.transcript.done = True
-                row.done = row.truncated = True
-            elif row.answer is None:
-                row.answer = pool.submit(row.episode.step, text, ended="eos" if ended_eos else "stop")
-            elif row.answered_text != text:  # the step has recorded its turn already: it cannot be redone
-                raise RuntimeError(f"a turn seen stopped as {row.answered_text!r} ended as {text!r}")
-        for r in live:
-            row = rows[r]
-            if row.done:
-                continue
-            result: StepResult = row.answer.result()
-            row.answer = row.answered_text = None
-            if result.done:
-                row.done = True
-                continue
-            forced = list(self.tokenizer.encode(observation_text(self.fmt, result), add_special_tokens=False))
-            room = T - len(row.ids)
-            row.add(forced[:room], 0.0)
-            if len(forced) >= room:  # no room left for the model's next turn
-                row.episode.transcript.done = True
-                row.done = row.truncated = True
+    def _end_turn(self, row: _Row, ids: list[int], lps: list[float], ents: list[float], ends: "_Ends", pool) -> None:
+        """Take a row's turn from the tokens it wrote (cut after its end token or stop string, as
+        rollout.finish_rollout cuts, and at its budget) and start the environment's answer to it."""
+        eos, room = ends.eos, ends.budget - len(row.ids)
+        end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
+        cut = stop_cut(self.tokenizer, ids[:end] if end else ids, ends.stops)
+        end = cut if cut is not None else end
+        if end is None or end > room:  # the budget ran out inside the turn
+            n, how = min(len(ids), room), "length"
+        else:
+            n, how = end, "eos" if ids[end - 1] in eos else "stop"
+        row.add(ids[:n], 1.0, lps[:n], ents[:n])
+        row.turn += 1
+        text = self.tokenizer.decode(ids[:n - 1] if how == "eos" else ids[:n])
+        if how == "length":  # the episode ends unanswered
+            row.episode.transcript.add("model", text, ended="length")
+            row.episode.transcript.done = True
+            row.done = row.truncated = True
+        elif row.answer is None:
+            row.answer = pool.submit(row.episode.step, text, ended=how)
+        elif row.answered_text != text:  # the step has recorded its turn already: it cannot be redone
+            raise RuntimeError(f"a turn seen stopped as {row.answered_text!r} ended as {text!r}")
+
+    def _next_turn(self, row: _Row, T: int) -> tuple[list[int], mx.array, int] | None:
+        """Wait for the environment's answer to a row's last turn and feed it in. -> (the row's context, the
+        key of its next turn, its budget), or None when the episode has ended."""
+        result: StepResult = row.answer.result()
+        row.answer = row.answered_text = None
+        if result.done:
+            row.done = True
+            return None
+        forced = list(self.tokenizer.encode(observation_text(self.fmt, result), add_special_tokens=False))
+        room = T - len(row.ids)
+        row.add(forced[:room], 0.0)
+        if len(forced) >= room:  # no room left for the model's next turn
+            row.episode.transcript.done = True
+            row.done = row.truncated = True
+            return None
+        return row.prompt + row.ids, mx.random.split(row.key, row.turn + 1)[row.turn], T - len(row.ids)
 
     def _records(self, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str) -> list[Rollout]:
         eos_ids, pad_id = end_ids(self.tokenizer, params)
@@ -189,8 +225,38 @@ class MultiTurn:
         return out
 
 
+class _Turns:
+    """The engine's turns hooks (engine.generate_many): engine row -> episode, and the rows waiting for their
+    environment's answer."""
+
+    def __init__(self, multiturn: MultiTurn, rows: list[_Row], ends: "_Ends", pool):
+        self.multiturn, self.rows, self.ends, self.pool = multiturn, rows, ends, pool
+        self.episode = list(range(len(rows)))  # engine row -> index in rows
+        self.waiting: list[int] = []
+
+    def ended(self, row: int, ids: list[int], logprobs: list[float], entropies: list[float]) -> None:
+        r = self.episode[row]
+        self.multiturn._end_turn(self.rows[r], ids, logprobs, entropies, self.ends, self.pool)
+        if not self.rows[r].done:
+            self.waiting.append(r)
+
+    def pending(self) -> bool:
+        return bool(self.waiting)
+
+    def take(self, first_row: int) -> list[tuple[list[int], mx.array, int]]:
+        assert first_row == len(self.episode)
+        out = []
+        for r in self.waiting:
+            nxt = self.multiturn._next_turn(self.rows[r], self.ends.budget)
+            if nxt is not None:
+                self.episode.append(r)
+                out.append(nxt)
+        self.waiting = []
+        return out
+
+
 def _concat(rollouts: list[Rollout]) -> Rollout:
-    """The rows of several rollouts as one record (only the per-row fields _take_turns reads)."""
+    """The rows of several rollouts as one record (only the per-row fields _waves reads)."""
     if len(rollouts) == 1:
         return rollouts[0]
     width = max(r.completion_ids.shape[1] for r in rollouts)

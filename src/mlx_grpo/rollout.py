@@ -254,7 +254,7 @@ def make_sampler(params: SamplingParams, eos: mx.array):
 def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
                      sync_every: int = 8, static_cache: bool | None = None,
-                     attention_kernel: bool = True, on_stop=None) -> Rollout:
+                     attention_kernel: bool = True, on_stop=None, limits: np.ndarray | None = None) -> Rollout:
     """Sample G completions for each of the B prompts; decoding stops once every row has ended. key is
     one key (split into the N = B*G row keys) or the row keys themselves, [N, 2].
 
@@ -262,7 +262,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     serves the model, else on mlx-lm's growing BatchKVCache (faster than masked attention over a fixed
     buffer). static_cache=True/False and attention_kernel=False force a path (tests, benchmarks).
     on_stop(row, ids): called at the loop's stop-string checks with each row seen stopped and its ids up
-    to the stop (multiturn.py starts the row's tool call then)."""
+    to the stop (multiturn.py starts the row's tool call then). limits [N]: a row counts as done after
+    that many tokens (the loop ends sooner; the caller cuts the row there)."""
     eos_ids, pad_id = end_ids(tokenizer, params)
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
@@ -277,12 +278,13 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
             caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
         else:
             _repeat_caches(caches, group_size)
-        ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop)
+        ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop,
+                                 limits)
     return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
 def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
-            on_stop=None):
+            on_stop=None, limits: np.ndarray | None = None):
     """The sampling loop from the prefill logits [N, V] with row keys [N, 2]. -> (ids, log-probs,
     entropies), each [N, T]."""
     keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
@@ -292,7 +294,8 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
     for step in range(1, params.max_new_tokens):
         if step % sync_every == 0:
             mx.eval(ended)
-            if bool(ended.all()) or (params.stop and _all_stopped(tokenizer, tokens, ended, params.stop, on_stop)):
+            done = np.array(ended) if limits is None else np.array(ended) | (step >= np.asarray(limits))
+            if done.all() or (params.stop and _all_stopped(tokenizer, tokens, done, params.stop, on_stop)):
                 break
         logits = model(token[:, None], cache=caches)[:, -1, :]
         token, logprob, entropy, ended = sampler(logits, keys[:, step], ended)
@@ -307,7 +310,7 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
     return ids, lps, ents
 
 
-def _all_stopped(tokenizer, tokens: list[mx.array], ended: mx.array, stops: tuple[str, ...], on_stop=None) -> bool:
+def _all_stopped(tokenizer, tokens: list[mx.array], ended: np.ndarray, stops: tuple[str, ...], on_stop=None) -> bool:
     ids = mx.stack(tokens, axis=1).tolist()
     if on_stop is None:
         return all(done or stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
