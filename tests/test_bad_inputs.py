@@ -70,6 +70,16 @@ CASES = {
     "reward file broken": (TRAIN + ["--set", "reward_funcs={d}/broken.py:f"], r"failed to import: SyntaxError"),
     "reward url scheme": (TRAIN + ["--set", "reward_url=ftp://127.0.0.1/x"], r"http:// or https://"),
     "reward url off the machine": (TRAIN + ["--set", "reward_url=http://scorer.example.com/"], r"is not loopback"),
+    # tools and environments
+    "unknown tool": (TRAIN + ["--set", 'tools=["calculater"]'], r"tool 'calculater': expected 'calculator'"),
+    "tool without docstring": (TRAIN + ["--set", 'tools=["{d}/rw.py:f"]'], r"tool 'f'"),
+    "tools and environment": (TRAIN + ["--set", 'tools=["calculator"]', "--set", "environment={d}/rw.py:f"],
+                              r"set tools or environment, not both"),
+    "environment not a class": (TRAIN + ["--set", "environment={d}/rw.py:f"], r"is not a subclass of"),
+    "nanochat syntax, other tool": (TRAIN + ["--set", 'tools=["calculator","python"]', "--set", "tool_format=nanochat"],
+                                    r"nanochat models call only the calculator"),
+    "zero tool turns": (TRAIN + ["--set", 'tools=["calculator"]', "--set", "max_tool_turns=0"],
+                        r"max_tool_turns must be >= 1"),
     # models
     "model missing": (["train", "--set", "model_name={d}/nope", "--set", "output_dir={out}"], r"not found"),
     "model without config": (["train", "--set", "model_name={d}/noconfig", "--set", "output_dir={out}"],
