@@ -331,3 +331,27 @@ def test_bad_inputs_are_clear_errors(tmp_path, config, state, encoding, checkpoi
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(UserError, match=r"needs PyTorch: pip install 'mlx-grpo\[nanochat\]'"):
         run_convert(nanochat=str(checkpoint), output_dir=str(tmp_path / "notorch"))
+
+
+def test_tools_speak_nanochats_python_tokens(converted, tmp_path):
+    """tools = calculator on a nanochat model: its python/output special tokens carry the calls and results,
+    and a training run with them goes through."""
+    from mlx_grpo.environments import StepResult, observation_text
+    from mlx_grpo.multiturn import multiturn_for
+    from mlx_grpo.tool_calls import NanochatFormat
+
+    cfg = build_config("train", overrides=parse_set([
+        f"model_name={converted}", f"output_dir={tmp_path}", f"dataset_path={FIXTURES / 'gsm8k_tiny.jsonl'}",
+        "batch_size=1", "num_generations=4", "max_new_tokens=8", "max_train_samples=1", "tools=[\"calculator\"]",
+        "reward_funcs=[\"hash_answer\"]", "micro_batch_size=2", "system_prompt=", "prefill="]))
+    model, tok = load(str(converted))
+    multiturn = multiturn_for(cfg, tok, model.model_type)
+    assert isinstance(multiturn.fmt, NanochatFormat)
+    fed = tok.encode(observation_text(multiturn.fmt, StepResult(observation="5", origin="tool")),
+                     add_special_tokens=False)
+    vocab = tok.get_vocab()
+    assert fed[0] == vocab["<|output_start|>"] and fed[-1] == vocab["<|output_end|>"]
+    assert multiturn.fmt.find_call("x<|python_start|>1,000*3<|python_end|>").arguments == {"expression": "1000*3"}
+    run = run_mod.train(cfg)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "tool_call_rate" in record and np.isfinite(record["loss"])
