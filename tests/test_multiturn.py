@@ -248,14 +248,16 @@ def caller_dir(tmp_path_factory):
     return write_caller_model(tmp_path_factory.mktemp("caller") / "model", CALLER)
 
 
-def test_tool_run_logs_turns_and_resumes_exactly(caller_dir, tmp_path, monkeypatch):
-    full = run_mod.train(_cfg(caller_dir, tmp_path, "run_name=full", "save_steps=2"))
+@pytest.mark.parametrize("engine", ["model", "copy"])
+def test_tool_run_logs_turns_and_resumes_exactly(caller_dir, tmp_path, monkeypatch, engine):
+    """Waves on the model, turns inside the running batch on the copy: either resumes exactly."""
+    full = run_mod.train(_cfg(caller_dir, tmp_path, "run_name=full", "save_steps=2", f"rollout_engine={engine}"))
     records = [json.loads(line) for line in (full / "completions.jsonl").read_text().splitlines()]
     tool_turns = [t for r in records for t in r["turns"] if t["origin"] == "tool"]
     assert tool_turns and all(t["tool"] == "calculator" for t in tool_turns)
     assert any(t["text"] == "5" for t in tool_turns)
     assert any(r["rewards"]["calls"] > 0 for r in records) and any(r["rewards"]["calls"] == 0 for r in records)
-    cfg = _cfg(caller_dir, tmp_path, "run_name=cut", "save_steps=2")
+    cfg = _cfg(caller_dir, tmp_path, "run_name=cut", "save_steps=2", f"rollout_engine={engine}")
     original = trainer_mod.Trainer.update
 
     def crashing(self, steps):
