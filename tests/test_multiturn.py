@@ -59,12 +59,12 @@ def _multiturn(tok, max_turns: int = 3, fmt=None) -> MultiTurn:
     return MultiTurn(ToolEnvironment(["calculator"], fmt, max_turns=max_turns), fmt, tok)
 
 
-def _episodes(model, tok, ks, G, T=64, keys=None, mode="model", multiturn=None):
+def _episodes(model, tok, ks, G, T=64, keys=None, mode="model", multiturn=None, sync_every=8):
     multiturn = multiturn or _multiturn(tok)
     rows = [{"prompt": f"k={k}", "answer": "5"} for k in ks]
     prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
     keys = mx.random.split(mx.random.key(7), len(ks) * G) if keys is None else keys
-    engine = RolloutEngine(tok, mode=mode).refresh(model)
+    engine = RolloutEngine(tok, mode=mode, sync_every=sync_every).refresh(model)
     return multiturn.generate_many(engine, [(prompts, keys, rows)], G, SamplingParams(T, 1.0), "")[0], keys
 
 
@@ -147,17 +147,32 @@ def test_gradient_counts_only_the_model_tokens(tiny):
     assert any(float(mx.abs(a).max()) > 0 for _, a in tree_flatten(grads))
 
 
-def test_the_sampling_copy_runs_the_same_episodes(tiny_model_dir, tmp_path):
+def test_rows_still_decoding_at_the_budget_keep_their_turn(tmp_path):
+    """A model that never ends its turn: every row runs to max_new_tokens, on the copy as on the model."""
+    loop = {"\n": {"x": 1.0}, "x": {"x": 0.5, "y": 0.5}, "y": {"x": 1.0}}
+    model, tok = load_model(str(write_caller_model(tmp_path / "loop", loop)), "float32")
+    multiturn = _multiturn(tok, fmt=NanochatFormat(tok))
+    for mode in ("copy", "model"):
+        out, _ = _episodes(model, tok, [0], G=2, T=16, mode=mode, multiturn=multiturn)
+        assert out.extents.tolist() == [16, 16] and out.truncated.tolist() == [True, True], mode
+        assert all(re.fullmatch("[xy]{16}", t) for t in out.texts), (mode, out.texts)
+        assert [[t.info["ended"] for t in tr.turns] for tr in out.transcripts] == [["length"]] * 2
+
+
+@pytest.mark.parametrize("T,sync_every", [(40, 8), (9, 8), (13, 4)])
+def test_the_sampling_copy_runs_the_same_episodes(caller_dir, T, sync_every):
     """A llama that writes calls (nanochat's syntax): the engine's copy and the model path give the same
-    episodes."""
-    model, tok = load_model(str(write_caller_model(tmp_path / "caller", CALLER)), "float32")
+    episodes, also when rows are still decoding at the budget's last step."""
+    model, tok = load_model(str(caller_dir), "float32")
     multiturn = _multiturn(tok, max_turns=4, fmt=NanochatFormat(tok))
-    copy, keys = _episodes(model, tok, [0, 0, 0], G=4, T=40, mode="copy", multiturn=multiturn)
-    plain, _ = _episodes(model, tok, [0, 0, 0], G=4, T=40, keys=keys, mode="model", multiturn=multiturn)
-    assert copy.texts == plain.texts
+    copy, keys = _episodes(model, tok, [0, 0, 0], G=4, T=T, mode="copy", multiturn=multiturn, sync_every=sync_every)
+    plain, _ = _episodes(model, tok, [0, 0, 0], G=4, T=T, keys=keys, mode="model", multiturn=multiturn,
+                         sync_every=sync_every)
+    assert copy.texts == plain.texts and all(copy.texts)
     assert copy.mask.tolist() == plain.mask.tolist()
+    assert copy.truncated.tolist() == plain.truncated.tolist()
     calls = [sum(t.origin == "tool" for t in tr.turns) for tr in copy.transcripts]
-    assert sum(calls) >= 6 and len(set(calls)) >= 2  # rows call the tool, a different number of times
+    assert sum(calls) >= 4 and len(set(calls)) >= 2  # rows call the tool, a different number of times
 
 
 class Guess(Environment):

@@ -124,14 +124,15 @@ def test_a_sampler_that_differs_shows_the_mismatch_and_tis_truncates_it(tiny_mod
     exp(0.05) at the cap."""
     from mlx_grpo.engine import RolloutEngine
 
-    real = RolloutEngine.generate
+    real = RolloutEngine.generate_many
 
     def shifted(*args, **kwargs):
-        rollout = real(*args, **kwargs)
-        rollout.sampler_logprobs = (rollout.sampler_logprobs - 0.05) * rollout.mask
-        return rollout
+        rollouts = real(*args, **kwargs)
+        for rollout in rollouts:
+            rollout.sampler_logprobs = (rollout.sampler_logprobs - 0.05) * rollout.mask
+        return rollouts
 
-    monkeypatch.setattr(RolloutEngine, "generate", shifted)
+    monkeypatch.setattr(RolloutEngine, "generate_many", shifted)
     run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "learning_rate=1e-3", "max_train_samples=4",
                                  "rollout_correction=token_truncate", "rollout_correction_cap=1.01"))
     for row in _metrics(run):

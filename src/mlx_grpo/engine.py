@@ -198,7 +198,8 @@ class RolloutEngine:
         self.row_steps, self.steps = len(rows), 0
         s, last = 1, T  # decode steps until every admitted row has T tokens
         slot_rows = None
-        while s < last or queue or (turns is not None and turns.pending()):
+        # with turns, the loop also goes on to the sync that hands the last rows to turns.ended
+        while s < last or queue or (turns is not None and (turns.pending() or not reported.all())):
             if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
                 mx.eval(ended)
                 if turns is not None:  # next turns of the rows that ended at an earlier sync
