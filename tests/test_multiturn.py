@@ -215,6 +215,21 @@ def test_an_environment_answers_after_each_turn(tiny):
         out.completion_ids[0].tolist())
 
 
+class Broken(Guess):
+    def step(self, transcript):
+        raise KeyError("secret")
+
+
+def test_an_environment_that_fails_is_one_line(tiny):
+    _, tok = tiny
+    multiturn = MultiTurn(Broken(), PlainFormat(tok), tok)
+    rows = [{"prompt": "", "answer": "2", "k": 0}]
+    engine = RolloutEngine(tok, mode="model").refresh(Scripted(tok, lambda p, c: {"1": 30.0} if not c else {END: 30.0}))
+    with pytest.raises(UserError, match=r"environment Broken.step failed: KeyError: 'secret'"):
+        multiturn.generate_many(engine, [([multiturn.encode(rows[0], "", "", 256)[0]], mx.random.split(mx.random.key(0), 1),
+                                          rows)], 1, SamplingParams(16, 1.0))
+
+
 @pytest.mark.parametrize("mode", ["copy", "model"])
 def test_later_turns_join_the_running_batch_and_match_each_row_alone(tmp_path, mode):
     """Two batch steps of a llama that calls the calculator a varying number of times: on the copy, rows'
@@ -246,7 +261,7 @@ def _cfg(model_dir, out, *items):
     base = [f"model_name={model_dir}", f"output_dir={out}", "batch_size=2", "num_generations=4",
             "max_new_tokens=40", "max_train_samples=8", "learning_rate=1e-2", "warmup_ratio=0",
             "log_completions_steps=1", "max_prompt_length=256", "system_prompt=", "tools=[\"calculator\"]",
-            f"reward_funcs=[\"{_reward_file(out)}:calls\"]"]
+            f"reward_funcs=[\"{_reward_file(out)}:calls\",\"{_reward_file(out)}:sees_tool_output\"]"]
     return build_config("train", overrides=parse_set(base + list(items)))
 
 
@@ -254,7 +269,9 @@ def _reward_file(out) -> str:
     """A reward that reads the episodes: the number of tool calls each made."""
     path = out / "calls_reward.py"
     path.write_text("def calls(prompts, completions, completion_ids, transcripts, **columns):\n"
-                    "    return [sum(t.origin == 'tool' for t in tr.turns) for tr in transcripts]\n")
+                    "    return [sum(t.origin == 'tool' for t in tr.turns) for tr in transcripts]\n\n\n"
+                    "def sees_tool_output(prompts, completions, completion_ids, **columns):\n"
+                    "    return [float('<|output_start|>' in c) for c in completions]\n")
     return str(path)
 
 
@@ -269,9 +286,12 @@ def test_tool_run_logs_turns_and_resumes_exactly(caller_dir, tmp_path, monkeypat
     full = run_mod.train(_cfg(caller_dir, tmp_path, "run_name=full", "save_steps=2", f"rollout_engine={engine}"))
     records = [json.loads(line) for line in (full / "completions.jsonl").read_text().splitlines()]
     tool_turns = [t for r in records for t in r["turns"] if t["origin"] == "tool"]
-    assert tool_turns and all(t["tool"] == "calculator" for t in tool_turns)
+    assert tool_turns and all(t["info"]["tool"] == "calculator" for t in tool_turns)
     assert any(t["text"] == "5" for t in tool_turns)
     assert any(r["rewards"]["calls"] > 0 for r in records) and any(r["rewards"]["calls"] == 0 for r in records)
+    # rewards score what the model wrote; the logged completion shows everything, tool output included
+    assert all(r["rewards"]["sees_tool_output"] == 0 for r in records)
+    assert any("<|output_start|>" in r["completion"] for r in records)
     cfg = _cfg(caller_dir, tmp_path, "run_name=cut", "save_steps=2", f"rollout_engine={engine}")
     original = trainer_mod.Trainer.update
 

@@ -97,7 +97,8 @@ class Environment:
     max_turns: int = 8  # model turns per episode; the episode ends after the last one
 
     def reset(self, row: Mapping) -> list[dict]:
-        """The first messages of the episode for this data row."""
+        """The first messages of the episode for this data row. A function of the row alone: it is called
+        when the prompt is encoded and again when the episode starts."""
         raise NotImplementedError
 
     def step(self, transcript: Transcript) -> StepResult:
@@ -141,6 +142,8 @@ class ToolEnvironment(Environment):
         call = None if ended == "eos" else self.fmt.find_call(transcript.last_model_turn)
         if call is None:
             return StepResult(done=True)
+        if len(transcript.model_turns) >= self.max_turns:  # no answer would be fed: the tool does not run
+            return StepResult(done=True, info={"max_turns": True, "unanswered_call": call.name})
         output = call_output(call, self.tools, self.max_output_chars)
         return StepResult(observation=output, origin="tool",
                           info={"tool": call.name, "error": call.error is not None or output.startswith("Error:")})
@@ -181,11 +184,12 @@ class Episode:
         return result
 
 
-def observation_text(fmt: ToolFormat, result: StepResult) -> str:
+def observation_text(fmt: ToolFormat, result: StepResult, after_end_token: bool = True) -> str:
     """The text to feed into the row for a step that did not end the episode: a tool's output right
-    after the call, an environment's message after the model's end-of-turn token."""
+    after the call, an environment's message after the model's turn (after_end_token: the model closed
+    that turn with its end token)."""
     if result.done or result.observation is None:
         raise ValueError("an ended episode has no observation to feed")
     if result.origin == "tool":
         return fmt.render_result(result.observation)
-    return fmt.render_user(result.observation)
+    return fmt.render_user(result.observation, after_end_token)

@@ -97,8 +97,10 @@ class HttpReward:
         check_reward_url(url, allowed_hosts)
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
 
-    def __call__(self, prompts, completions, completion_ids, **columns) -> list[Any]:
-        body = json.dumps({"prompts": list(prompts), "completions": list(completions),
+    def __call__(self, prompts, completions, completion_ids, transcripts=None, **columns) -> list[Any]:
+        extra = {} if transcripts is None else {  # multi-turn runs: each episode's turns with their origin
+            "transcripts": [[{"origin": t.origin, "text": t.text} for t in tr.turns] for tr in transcripts]}
+        body = json.dumps({"prompts": list(prompts), "completions": list(completions), **extra,
                            **{k: list(v) for k, v in columns.items()}}, default=str).encode()
         answer = self._post(body)
         rewards = answer.get("rewards") if isinstance(answer, dict) else None

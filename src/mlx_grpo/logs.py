@@ -79,13 +79,12 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "time_step_s": result["time_step_s"],
         "peak_memory_gb": result["peak_memory_gb"],
     }
-    transcripts = [t for s in stats for t in (s.get("transcripts") or [])]
-    if transcripts:  # multi-turn: how often the completions called a tool, and how many calls failed
-        calls = [[t for t in tr.turns if t.origin == "tool"] for tr in transcripts]
-        record["tool_call_rate"] = float(np.mean([bool(c) for c in calls]))
-        record["tool_calls_mean"] = float(np.mean([len(c) for c in calls]))
-        made = [t for c in calls for t in c]
-        record["tool_error_fraction"] = float(np.mean([bool(t.info.get("error")) for t in made])) if made else 0.0
+    if "tool_calls" in stats[0]:  # multi-turn: how often the drawn completions called a tool, how many failed
+        calls = np.concatenate([s["tool_calls"] for s in stats])
+        errors = np.concatenate([s["tool_errors"] for s in stats])
+        record["tool_call_rate"] = float(np.mean(calls > 0)) if len(calls) else 0.0
+        record["tool_calls_mean"] = float(np.mean(calls)) if len(calls) else 0.0
+        record["tool_error_fraction"] = float(errors.sum() / calls.sum()) if calls.sum() else 0.0
     record["warnings"] = diagnose(record, trainer.cfg)
     return record
 
@@ -105,7 +104,8 @@ def merge_ranks(ranks: list[tuple[list[dict], dict]]) -> tuple[list[dict], dict]
             "examples": [e for p in parts for e in p["examples"]], "texts": [t for p in parts for t in p["texts"]],
             "transcripts": None if parts[0].get("transcripts") is None
             else [t for p in parts for t in p["transcripts"]],
-            **{k: np.concatenate([p[k] for p in parts]) for k in ("lengths", "truncated", "rewards", "advantages")},
+            **{k: np.concatenate([p[k] for p in parts]) for k in ("lengths", "truncated", "rewards", "advantages")
+               + (("tool_calls", "tool_errors") if "tool_calls" in parts[0] else ())},
             "per_func": {k: np.concatenate([p["per_func"][k] for p in parts]) for k in parts[0]["per_func"]},
             "drawn_scores": type(drawn[0]).concat(drawn),
             "zero_std": float(np.average([p["zero_std"] for p in parts], weights=sizes)),
@@ -194,7 +194,9 @@ class RunLogger:
                       "completion": text, "rewards": rewards, "reward": float(stats["rewards"][row]),
                       "advantage": float(stats["advantages"][row])}
             if transcripts is not None:  # multi-turn: each turn with its origin (model, tool, environment)
-                record["turns"] = [{"origin": t.origin, "text": t.text, **t.info} for t in transcripts[row].turns]
+                record["turns"] = [{"origin": t.origin, "text": t.text,
+                                    "info": json.loads(json.dumps(t.info, default=str))}  # an environment's own
+                                   for t in transcripts[row].turns]
             self._append("completions.jsonl", record)
 
     def truncate_after(self, update_step: int) -> None:

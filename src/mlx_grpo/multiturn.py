@@ -98,7 +98,10 @@ class MultiTurn:
 
     def encode(self, row: Mapping, system_prompt: str, prefill: str, max_prompt_length: int) -> tuple[list[int], bool]:
         """The prompt ids of a data row (the prefill appended; the last max_prompt_length kept). -> (ids, cut)."""
-        ids = list(self.tokenizer.encode(self.prompt_text(row, system_prompt) + prefill, add_special_tokens=False))
+        text = self.prompt_text(row, system_prompt) + prefill
+        # as rollout.encode_chat_prompt: a template writes its own special tokens, plain text gets the BOS
+        templated = getattr(self.tokenizer, "chat_template", None) is not None
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False) if templated else self.tokenizer.encode(text))
         if len(ids) > max_prompt_length:
             return ids[-max_prompt_length:], True
         return ids, False
@@ -115,12 +118,17 @@ class MultiTurn:
         # on the other rows of its batch
         turn_params = replace(params, stop=tuple(params.stop) + self.stop_strings)
         ends = _Ends(frozenset(end_ids(self.tokenizer, params)[0]), turn_params.stop, T)
-        with ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="mlx-grpo-tool") as pool:
+        pool = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="mlx-grpo-tool")
+        try:
             if engine.uses_copy:  # later turns join the running batch in freed slots
                 engine.generate_many([(p, k) for p, k, _ in jobs], G, turn_params, prefill_text,
                                      turns=_Turns(self, rows, ends, pool))
             else:
                 self._waves(engine, jobs, rows, G, turn_params, prefill_text, ends, pool)
+        except BaseException:  # Ctrl-C or an error: do not wait for tools still running
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         return self._records(jobs, rows, G, params, prefill_text)
 
     def _waves(self, engine, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str,
@@ -130,11 +138,9 @@ class MultiTurn:
         T = params.max_new_tokens
         live = list(range(len(rows)))
         while live:
-            watch = self._watcher(rows, live, pool, ends)
-            limits = np.array([T - len(rows[r].ids) for r in live])
             if rows[live[0]].turn == 0:  # the first turn: the prompts' groups share their prefill
-                outs = engine.generate_many([(p, k) for p, k, _ in jobs], G, params, prefill_text, on_stop=watch,
-                                            limits=limits)
+                outs = engine.generate_many([(p, k) for p, k, _ in jobs], G, params, prefill_text,
+                                            on_stop=self._watcher(rows, live, pool, ends))
                 out = _concat(outs)
             else:
                 nxt = [self._next_turn(rows[r], T) for r in live]
@@ -188,15 +194,24 @@ class MultiTurn:
     def _next_turn(self, row: _Row, T: int) -> tuple[list[int], mx.array, int] | None:
         """Wait for the environment's answer to a row's last turn and feed it in. -> (the row's context, the
         key of its next turn, its budget), or None when the episode has ended."""
-        result: StepResult = row.answer.result()
+        try:
+            result = row.answer.result()
+        except Exception as e:  # the environment's own code (a tool's errors come back as text instead)
+            raise UserError(f"environment {type(self.env).__name__}.step failed: {type(e).__name__}: "
+                            f"{' '.join(str(e).split())}") from e
         row.answer = row.answered_text = None
         if result.done:
             row.done = True
             return None
-        forced = list(self.tokenizer.encode(observation_text(self.fmt, result), add_special_tokens=False))
+        if not isinstance(result, StepResult) or not isinstance(result.observation, str):
+            raise UserError(f"environment {type(self.env).__name__}.step returned {result!r:.120}: a StepResult "
+                            "with done=True or an observation string")
+        after_end = row.episode.transcript.turns[-2].info.get("ended") == "eos"  # [-1] is the observation
+        forced = list(self.tokenizer.encode(observation_text(self.fmt, result, after_end), add_special_tokens=False))
         room = T - len(row.ids)
         row.add(forced[:room], 0.0)
         if len(forced) >= room:  # no room left for the model's next turn
+            row.episode.transcript.turns[-1].info["fed_tokens"] = room  # of len(forced): cut at the budget
             row.episode.transcript.done = True
             row.done = row.truncated = True
             return None
@@ -298,6 +313,8 @@ def multiturn_for(cfg, tokenizer, model_type: str | None = None) -> MultiTurn | 
     fmt = tool_format_for(tokenizer, model_type, cfg.tool_format)
     if cfg.environment:
         env = load_environment(cfg.environment)
+        if isinstance(env, ToolEnvironment):  # its calls are found in its own syntax: render in it too
+            fmt = env.fmt
     else:
         # max_tool_turns calls, each answered, then one more turn to give the answer
         env = ToolEnvironment(cfg.tools, fmt, max_turns=cfg.max_tool_turns + 1)

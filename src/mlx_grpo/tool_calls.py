@@ -140,9 +140,10 @@ class ToolFormat:
         messages = _with_system(messages, description) if description else list(messages)
         return _render_messages(self.tokenizer, messages, add_generation_prompt)
 
-    def render_user(self, text: str) -> str:
-        """The text that follows the model's end-of-turn token when an environment answers with text:
-        the user turn in the chat template, then the generation prompt for the model's next turn."""
+    def render_user(self, text: str, after_end_token: bool = True) -> str:
+        """The text that follows the model's turn when an environment answers with text: the user turn in
+        the chat template, then the generation prompt for the model's next turn. after_end_token: the model
+        closed its turn with its end token itself (else the frame keeps it, e.g. after a stop string)."""
         if not _chat_template(self.tokenizer):
             return f"\n\n{text}\n"
         frame = _continuation(self.tokenizer, [{"role": "user", "content": _OUT_MARK}])
@@ -150,7 +151,7 @@ class ToolFormat:
             raise UserError("the chat template cannot render a user turn after an assistant turn")
         head, tail = frame
         eos = getattr(self.tokenizer, "eos_token", None)
-        if eos and head.startswith(eos):  # the model sampled this token itself
+        if after_end_token and eos and head.startswith(eos):  # the model sampled this token itself
             head = head[len(eos):]
         return head + text + tail
 

@@ -178,8 +178,12 @@ class Trainer:
         prompts = [e.prompt for e in examples for _ in range(G)]
         # Each completion's own ids, up to and including its end token (as TRL passes them), not padded rows.
         ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), rollout.extents.tolist())]
-        # multi-turn: rewards may read each episode whole (transcripts)
-        pending = self.reward_runner.submit(prompts, rollout.texts, ids, columns, rollout.transcripts)
+        texts = rollout.texts
+        if rollout.transcripts is not None:
+            # multi-turn: rewards score what the model wrote (a tool's output is not its answer), as evaluation
+            # does; `transcripts` gives them the whole episode, completion_ids every token of it
+            texts = [self.cfg.prefill + t.completion for t in rollout.transcripts]
+        pending = self.reward_runner.submit(prompts, texts, ids, columns, rollout.transcripts)
         return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
 
     def _draw(self, examples: list[Example]) -> Draw:
@@ -286,11 +290,16 @@ class Trainer:
         self.counters.batch_step += 1
         drawn = [d.rollout for d in draws]
         entropies = [np.array(r.entropies) for r in drawn]
-        stats = {"examples": examples, "texts": rollout.texts, "transcripts": rollout.transcripts, "lengths": np.concatenate([r.lengths for r in drawn]),
+        stats = {"examples": examples, "texts": rollout.texts, "transcripts": rollout.transcripts,
+                 "lengths": np.concatenate([r.lengths for r in drawn]),
                  "truncated": np.concatenate([r.truncated for r in drawn]), "draws": len(draws),
                  "groups_trained": len(examples), "entropy_sum": float(sum(e.sum() for e in entropies)),
                  "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,
                  "tokens": int(sum(r.lengths.sum() for r in drawn))}
+        if drawn[0].transcripts is not None:  # multi-turn: tool calls (and failed ones) of every drawn row
+            tool_turns = [[t for t in tr.turns if t.origin == "tool"] for r in drawn for tr in r.transcripts]
+            stats["tool_calls"] = np.array([len(c) for c in tool_turns])
+            stats["tool_errors"] = np.array([sum(bool(t.info.get("error")) for t in c) for c in tool_turns])
         return StepData(rollout, None, old, ref, PendingRewards(draws, stats, selected)), stats
 
     def resolve(self, step: StepData) -> None:

@@ -37,6 +37,10 @@ def check(c: Config, command: str) -> None:
              f"tool_format must be auto, hermes, nanochat or plain, got {c.tool_format!r}")
     _require(not (c.tools and c.environment), "set tools or environment, not both (an environment that wants "
              "tools builds a ToolEnvironment itself)")
+    _require(c.tool_format == "auto" or c.tools or c.environment,
+             "tool_format applies to runs with tools or an environment: set tools, or leave tool_format = auto")
+    _require(c.max_tool_turns == 4 or c.tools, "max_tool_turns applies to tools (an environment sets its own "
+             "max_turns): set tools, or leave max_tool_turns at 4")
     _require(c.dataset in ("arith", "gsm8k"), f"dataset must be 'arith' or 'gsm8k', got {c.dataset!r}; "
              "for a local file set dataset_path / eval_dataset_path")
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
