@@ -340,3 +340,18 @@ def test_metrics_report_tool_use(caller_dir, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["tool_call_rate"] <= 1 and r["tool_calls_mean"] >= r["tool_call_rate"] for r in rows)
     assert all(r["tool_error_fraction"] == 0.0 for r in rows)  # 2+3, 2+3+3, ... all evaluate
+
+
+def test_an_environment_with_tools_gets_the_models_syntax(tmp_path, tiny):
+    _, tok = tiny
+    (tmp_path / "calc_env.py").write_text(
+        "from mlx_grpo.environments import ToolEnvironment\n\n\n"
+        "class Calc(ToolEnvironment):\n"
+        "    def __init__(self, fmt):\n"
+        "        super().__init__(['calculator'], fmt, max_turns=2)\n")
+    cfg = build_config("train", overrides=parse_set(["model_name=x", f"environment={tmp_path / 'calc_env.py'}:Calc"]))
+    from mlx_grpo.multiturn import multiturn_for
+
+    multiturn = multiturn_for(cfg, tok, "llama")
+    assert multiturn.env.fmt is multiturn.fmt and multiturn.stop_strings == ("</calc>", "</tool>")
+    assert "<calc>expression</calc>" in multiturn.prompt_text({"prompt": "2+2?"}, "")

@@ -177,11 +177,12 @@ def test_plain_prompt_describes_the_tools(chatml):
     prompt = render_prompt(PlainFormat(chatml), [{"role": "system", "content": "Be brief."},
                                                  {"role": "user", "content": "Hi"}], TOOLS)
     assert prompt.startswith("<|im_start|>system\nBe brief.\n\nYou can use tools.")
+    assert '<tool name="python">{"code": ...}</tool>' in prompt and "NAME" not in prompt
     assert "- calculator(expression: string): Evaluate an arithmetic expression" in prompt
     assert "- python(code: string): Run Python code" in prompt and "<calc>expression</calc>" in prompt
     only_python = PlainFormat().describe_tools({"python": TOOLS["python"]})
     assert "<calc>" not in only_python
-    assert PlainFormat().render_prompt([{"role": "user", "content": "Hi"}], {}).startswith("You can use tools.")
+    assert PlainFormat().render_prompt([{"role": "user", "content": "Hi"}], {}) == "Hi\n"  # no tools: nothing added
 
 
 def test_tool_format_for(chatml, tools_tok):

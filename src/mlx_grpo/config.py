@@ -122,8 +122,7 @@ class Config:
     stop: list[str] = _f([], "Extra stop strings: a completion ends after the token that completes one (in "
                          "training rollouts and in evaluation).", DATA)
     max_minutes: float = _f(0.0, "Stop training once this many minutes of updates have passed (0 = no limit): "
-                            "the run ends after the update that crosses it, with its checkpoint and final "
-                            "evaluation. The learning-rate schedule still spans every planned update. Counted "
+                            "the run ends after the update that crosses it, with its checkpoint. The learning-rate schedule still spans every planned update. Counted "
                             "per session: a resumed run gets the budget again.", TRAIN)
     # --- tools and environments (multiturn.py) ---
     tools: list[str] = _f([], "Tools the model may call during rollouts and evaluation: calculator (safe "

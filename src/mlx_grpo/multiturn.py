@@ -27,6 +27,7 @@ as engine.py says).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -287,8 +288,9 @@ def _concat(rollouts: list[Rollout]) -> Rollout:
                    entropies=cat("entropies"))
 
 
-def load_environment(spec: str) -> Environment:
-    """An Environment from "path/to/file.py:ClassName" (built with no arguments)."""
+def load_environment(spec: str, fmt: ToolFormat | None = None) -> Environment:
+    """An Environment from "path/to/file.py:ClassName", built with no arguments, or with fmt= (the model's
+    call syntax) when its constructor takes `fmt` (a ToolEnvironment subclass)."""
     from pathlib import Path
 
     file_part, sep, name = spec.rpartition(":")
@@ -301,7 +303,7 @@ def load_environment(spec: str) -> Environment:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise UserError(f"environment {spec!r}: {name} is not a subclass of mlx_grpo.environments.Environment")
     try:
-        return cls()
+        return cls(fmt=fmt) if "fmt" in inspect.signature(cls).parameters else cls()
     except Exception as e:
         raise UserError(f"environment {spec!r}: {name}() failed: {type(e).__name__}: {e}") from None
 
@@ -312,7 +314,7 @@ def multiturn_for(cfg, tokenizer, model_type: str | None = None) -> MultiTurn | 
         return None
     fmt = tool_format_for(tokenizer, model_type, cfg.tool_format)
     if cfg.environment:
-        env = load_environment(cfg.environment)
+        env = load_environment(cfg.environment, fmt)
         if isinstance(env, ToolEnvironment):  # its calls are found in its own syntax: render in it too
             fmt = env.fmt
     else:

@@ -191,15 +191,15 @@ class HermesFormat(ToolFormat):
         return head + output + tail
 
     def describe_tools(self, tools: Mapping[str, Tool]) -> str:
-        if "tools" in _chat_template(self.tokenizer):
-            return ""  # the template renders the tools itself (render_prompt)
+        if not tools or "tools" in _chat_template(self.tokenizer):
+            return ""  # nothing to describe, or the template renders the tools itself (render_prompt)
         listing = "\n".join(json.dumps(t.schema) for t in tools.values())
         return ("You can call these functions:\n<tools>\n" + listing + "\n</tools>\n\nTo call one, write "
                 '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>\n'
                 "and wait for its result in <tool_response></tool_response>.")
 
     def render_prompt(self, messages: list[dict], tools: Mapping[str, Tool], add_generation_prompt: bool = True) -> str:
-        if "tools" in _chat_template(self.tokenizer):
+        if tools and "tools" in _chat_template(self.tokenizer):
             return self.tokenizer.apply_chat_template(list(messages), tools=[t.schema for t in tools.values()],
                                                       add_generation_prompt=add_generation_prompt, tokenize=False)
         return super().render_prompt(messages, tools, add_generation_prompt)
@@ -256,13 +256,18 @@ class PlainFormat(ToolFormat):
         return f"<result>{output}</result>"
 
     def describe_tools(self, tools: Mapping[str, Tool]) -> str:
+        if not tools:
+            return ""
         if set(tools) == {"calculator"}:
             # the general form would only be noise to copy: on the H100, 82 of the 86 calls the base SmolLM2
             # made under it were that sentence, copied with its NAME placeholder (docs/learning.md, "Tools")
             return ("For arithmetic, write <calc>expression</calc> and stop; the result comes back as "
                     "<result>...</result>, e.g. <calc>12*(3+4)</calc> gives <result>84</result>.")
-        lines = ['You can use tools. To call one, write <tool name="NAME">{"argument": value}</tool> and stop; '
-                 "its output comes back as <result>...</result>."]
+        # a real call as the example: a placeholder such as NAME is what a small model copies
+        tool = next(t for t in tools.values() if t.name != "calculator") if set(tools) - {"calculator"} else None
+        args = ", ".join(f'"{k}": ...' for k in tool.parameters.get("properties", {}))
+        lines = [f'You can use tools. To call one, write its name and JSON arguments, e.g. '
+                 f'<tool name="{tool.name}">{{{args}}}</tool>, and stop; its output comes back as <result>...</result>.']
         if "calculator" in tools:
             lines.append("For arithmetic, <calc>expression</calc> is short for the calculator, "
                          "e.g. <calc>12*(3+4)</calc> gives <result>84</result>.")

@@ -296,7 +296,7 @@ class Trainer:
                  "groups_trained": len(examples), "entropy_sum": float(sum(e.sum() for e in entropies)),
                  "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,
                  "tokens": int(sum(r.lengths.sum() for r in drawn))}
-        if drawn[0].transcripts is not None:  # multi-turn: tool calls (and failed ones) of every drawn row
+        if drawn[0].transcripts is not None and self.multiturn.stop_strings:  # tools: calls (failed ones) per row
             tool_turns = [[t for t in tr.turns if t.origin == "tool"] for r in drawn for tr in r.transcripts]
             stats["tool_calls"] = np.array([len(c) for c in tool_turns])
             stats["tool_errors"] = np.array([sum(bool(t.info.get("error")) for t in c) for c in tool_turns])

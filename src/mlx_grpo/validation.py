@@ -35,8 +35,8 @@ def check(c: Config, command: str) -> None:
     _require(c.max_tool_turns >= 1, "max_tool_turns must be >= 1")
     _require(c.tool_format in ("auto", "hermes", "nanochat", "plain"),
              f"tool_format must be auto, hermes, nanochat or plain, got {c.tool_format!r}")
-    _require(not (c.tools and c.environment), "set tools or environment, not both (an environment that wants "
-             "tools builds a ToolEnvironment itself)")
+    _require(not (c.tools and c.environment), "set tools or environment, not both (an environment with tools "
+             "subclasses ToolEnvironment)")
     _require(c.tool_format == "auto" or c.tools or c.environment,
              "tool_format applies to runs with tools or an environment: set tools, or leave tool_format = auto")
     _require(c.max_tool_turns == 4 or c.tools, "max_tool_turns applies to tools (an environment sets its own "
