@@ -340,3 +340,22 @@ def test_grpo_bench_short_section_times_a_short_batch_against_full_rows(tiny_mod
                           "--dtype", "float32", "--data", str(data), "--sections", "short", "--short-ends",
                           '["not one token"]', "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "short section: --short-ends" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tools_bench_times_rollouts_with_and_without_tools(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from caller_model import CALLER, write_caller_model
+
+    model = write_caller_model(tmp_path / "caller", CALLER)
+    out = tmp_path / "tools.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--set", f"model_name={model}",
+                           "--set", "batch_size=2", "--set", "num_generations=2", "--set", "max_new_tokens=16",
+                           "--batches", "1", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {f"{v}/{m}" for v in ("plain", "prompt", "tools") for m in ("copy", "model")}
+    assert result["runs"]["tools/copy"]["uses_copy"] and not result["runs"]["tools/model"]["uses_copy"]
+    # the caller model writes calls in nanochat's syntax, which its tokenizer's special tokens make "auto"
+    assert result["runs"]["tools/copy"]["batches"][0]["tool_call_rate"] > 0
+    assert result["runs"]["plain/copy"]["batches"][0]["tool_call_rate"] == 0

@@ -33,7 +33,8 @@ def test_system_prompt_is_exact():
 
 def test_builtin_names_in_order():
     assert list(BUILTIN_REWARDS) == ["correctness", "int", "strict_format", "soft_format", "xmlcount",
-                                     "think_format", "think_tags", "reasoned_correctness", "reasoned_format"]
+                                     "think_format", "think_tags", "reasoned_correctness", "reasoned_format",
+                                     "hash_answer", "environment_reward"]
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -29,6 +29,8 @@ BUILTIN_REWARD_NAMES = ["correctness", "int", "strict_format", "soft_format", "x
 REASONING_REWARD_NAMES = ["think_format", "think_tags"]
 # Rewards that empty reasoning or a made-up answer cannot earn (configs/prod.toml, configs/arith.toml).
 REASONED_REWARD_NAMES = ["reasoned_correctness", "reasoned_format"]
+# GSM8K's own "#### N" answers (nanochat), and the reward an environment gives (multiturn.py).
+EPISODE_REWARD_NAMES = ["hash_answer", "environment_reward"]
 
 INFER = frozenset({"generate", "chat"})
 MODEL_CMDS = frozenset({"generate", "chat", "train", "eval"})
@@ -91,7 +93,8 @@ class Config:
                       "prefill + completion.", DATA)
     # --- rewards ---
     reward_funcs: list[str] = _f(BUILTIN_REWARD_NAMES, "Reward functions: built-in names "
-                                 f"({', '.join(BUILTIN_REWARD_NAMES + REASONED_REWARD_NAMES + REASONING_REWARD_NAMES)}) or "
+                                 f"({', '.join(BUILTIN_REWARD_NAMES + REASONED_REWARD_NAMES + REASONING_REWARD_NAMES)}, "
+                                 f"{', '.join(EPISODE_REWARD_NAMES)}) or "
                                  "'file.py:function'.", TRAIN)
     reward_weights: list[float] = _f([], "One weight per reward function (empty = all 1.0).", TRAIN)
     reward_url: str = _f("", "HTTP reward server: each batch is POSTed as JSON {prompts, completions, <data "

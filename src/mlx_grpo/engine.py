@@ -340,7 +340,8 @@ def _grow(added: list, n_rows: int, T: int, all_keys, join, limit, reported):
     if not added:
         return n_rows, all_keys, join, limit, reported
     keys = mx.vmap(lambda k: mx.random.split(k, T))(mx.stack([k for k, _ in added]))
-    return (n_rows + len(added), mx.concatenate([all_keys, keys]), np.concatenate([join, np.zeros(len(added), np.int64)]),
+    return (n_rows + len(added), mx.concatenate([all_keys, keys]),
+            np.concatenate([join, np.zeros(len(added), np.int64)]),
             np.concatenate([limit, np.array([b for _, b in added], np.int64)]),
             np.concatenate([reported, np.zeros(len(added), bool)]))
 

@@ -21,8 +21,8 @@ from mlx_grpo.data import Example, load_examples, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
 from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.multiturn import MultiTurn, data_row, multiturn_for
-from mlx_grpo.rollout import SamplingParams, encode_chat_prompt
+from mlx_grpo.multiturn import MultiTurn, data_row, encode_prompts, multiturn_for
+from mlx_grpo.rollout import SamplingParams
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
@@ -64,15 +64,13 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
     for start in range(0, len(examples), cfg.eval_batch_size):
         chunk = examples[start:start + cfg.eval_batch_size]
         key, sub = mx.random.split(key)
+        prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg)]
         if multiturn is None:
-            prompts = [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
-                                          cfg.max_prompt_length)[0] for e in chunk]
             rollout = engine.generate(prompts, num_samples, params, sub, cfg.prefill)
         else:
-            rows = [data_row(e) for e in chunk]
-            prompts = [multiturn.encode(r, cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)[0] for r in rows]
             keys = mx.random.split(sub, len(prompts) * num_samples)
-            rollout = multiturn.generate_many(engine, [(prompts, keys, rows)], num_samples, params, cfg.prefill)[0]
+            rollout = multiturn.generate_many(engine, [(prompts, keys, [data_row(e) for e in chunk])], num_samples,
+                                              params, cfg.prefill)[0]
         for i, example in enumerate(chunk):
             texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
             # with tools, only what the model wrote counts: a tool's output is not the model's answer

@@ -38,7 +38,7 @@ import numpy as np
 from mlx_grpo.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import _import_file
-from mlx_grpo.rollout import Rollout, SamplingParams, end_ids, stop_cut
+from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, end_ids, stop_cut
 from mlx_grpo.tool_calls import ToolFormat, tool_format_for
 
 # Environment.step calls at once: tools are mostly waiting (subprocesses, HTTP), not computing.
@@ -231,7 +231,8 @@ class MultiTurn:
 
             texts = [prefill_text + self.tokenizer.decode(r.ids[:-1] if r.ids and r.ids[-1] in eos_ids
                                                           and r.mask[-1] else r.ids) for r in mine]
-            out.append(Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=padded("ids", pad_id).astype(mx.int32),
+            out.append(Rollout(prompt_ids=[list(p) for p in prompts],
+                               completion_ids=padded("ids", pad_id).astype(mx.int32),
                                mask=padded("mask", 0.0).astype(mx.float32),
                                sampler_logprobs=padded("logprobs", 0.0).astype(mx.float32),
                                truncated=np.array([r.truncated for r in mine]), texts=texts, group_size=G,
@@ -323,9 +324,26 @@ def multiturn_for(cfg, tokenizer, model_type: str | None = None) -> MultiTurn | 
     return MultiTurn(env, fmt, tokenizer)
 
 
+def tool_use(transcripts: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per episode: the tool calls it made, and how many of them came back as errors."""
+    calls = [[t for t in tr.turns if t.origin == "tool"] for tr in transcripts]
+    return (np.array([len(c) for c in calls], dtype=np.int64),
+            np.array([sum(bool(t.info.get("error")) for t in c) for c in calls], dtype=np.int64))
+
+
+def encode_prompts(multiturn: MultiTurn | None, tokenizer, examples: list, cfg) -> list[tuple[list[int], bool]]:
+    """Each example's prompt ids and whether they were cut: its episode's first messages (with the tools) in
+    multi-turn runs, else its prompt through the chat template."""
+    if multiturn is None:
+        return [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)
+                for e in examples]
+    return [multiturn.encode(data_row(e), cfg.system_prompt, cfg.prefill, cfg.max_prompt_length) for e in examples]
+
+
 def data_row(example) -> dict:
     """The data row an environment's reset and step see: prompt, answer and every other column."""
     return {"prompt": example.prompt, "answer": example.answer, **example.columns}
 
 
-__all__ = ["MultiTurn", "data_row", "load_environment", "multiturn_for", "prompt_messages"]
+__all__ = ["MultiTurn", "data_row", "encode_prompts", "load_environment", "multiturn_for", "prompt_messages",
+           "tool_use"]

@@ -367,8 +367,10 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_id:
                    truncated=np.array([rollouts[i].truncated[r] for i, r in rows], dtype=bool),
                    texts=[rollouts[i].texts[r] for i, r in rows], group_size=G,
                    entropies=gather("entropies", 0.0),
-                   transcripts=None if rollouts[0].transcripts is None else [rollouts[i].transcripts[r] for i, r in rows],
-                   ends=None if rollouts[0].ends is None else np.array([rollouts[i].ends[r] for i, r in rows], np.int64))
+                   transcripts=None if rollouts[0].transcripts is None
+                   else [rollouts[i].transcripts[r] for i, r in rows],
+                   ends=None if rollouts[0].ends is None
+                   else np.array([rollouts[i].ends[r] for i, r in rows], np.int64))
 
 
 def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:

@@ -267,7 +267,8 @@ class PlainFormat(ToolFormat):
         tool = next(t for t in tools.values() if t.name != "calculator") if set(tools) - {"calculator"} else None
         args = ", ".join(f'"{k}": ...' for k in tool.parameters.get("properties", {}))
         lines = [f'You can use tools. To call one, write its name and JSON arguments, e.g. '
-                 f'<tool name="{tool.name}">{{{args}}}</tool>, and stop; its output comes back as <result>...</result>.']
+                 f'<tool name="{tool.name}">{{{args}}}</tool>, and stop; its output comes back as '
+                 '<result>...</result>.']
         if "calculator" in tools:
             lines.append("For arithmetic, <calc>expression</calc> is short for the calculator, "
                          "e.g. <calc>12*(3+4)</calc> gives <result>84</result>.")

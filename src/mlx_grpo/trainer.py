@@ -36,8 +36,8 @@ from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_g
 from mlx_grpo.reward_workers import RewardRunner
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.multiturn import data_row, multiturn_for
-from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, select_groups
+from mlx_grpo.multiturn import data_row, encode_prompts, multiturn_for, tool_use
+from mlx_grpo.rollout import SamplingParams, select_groups
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
@@ -150,12 +150,7 @@ class Trainer:
         """This rank's share of a draw: (its prompts' ids, their row keys, its examples)."""
         cfg, G = self.cfg, self.cfg.num_generations
         # Every rank encodes the whole batch (cheap), so prompts_cut counts it without a collective.
-        if self.multiturn is not None:
-            encoded = [self.multiturn.encode(data_row(e), cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)
-                       for e in examples]
-        else:
-            encoded = [encode_chat_prompt(self.tokenizer, e.prompt, cfg.system_prompt, cfg.prefill,
-                                          cfg.max_prompt_length) for e in examples]
+        encoded = encode_prompts(self.multiturn, self.tokenizer, examples, cfg)
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         longest = max(len(ids) for ids, _ in encoded)
@@ -297,9 +292,7 @@ class Trainer:
                  "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,
                  "tokens": int(sum(r.lengths.sum() for r in drawn))}
         if drawn[0].transcripts is not None and self.multiturn.stop_strings:  # tools: calls (failed ones) per row
-            tool_turns = [[t for t in tr.turns if t.origin == "tool"] for r in drawn for tr in r.transcripts]
-            stats["tool_calls"] = np.array([len(c) for c in tool_turns])
-            stats["tool_errors"] = np.array([sum(bool(t.info.get("error")) for t in c) for c in tool_turns])
+            stats["tool_calls"], stats["tool_errors"] = tool_use([t for r in drawn for t in r.transcripts])
         return StepData(rollout, None, old, ref, PendingRewards(draws, stats, selected)), stats
 
     def resolve(self, step: StepData) -> None:

@@ -1,0 +1,98 @@
+"""Rollouts with tools against the same rollouts without: seconds per batch of B prompts x G samples of a
+preset's own data and prompts (by default configs/arith.toml, configs/arith_tools.toml with its tools off,
+and configs/arith_tools.toml), through the
+rollout engine as the trainer calls it (the sampling copy: later turns join the running batch) and through
+the model path (rollout_engine = model: later turns in waves), with the share of completions that called a
+tool and the mean completion length. Nothing is trained: the tool-call rate is the base model's.
+
+usage: python bench/tools_bench.py [--plain configs/arith.toml] [--tools configs/arith_tools.toml]
+                                   [--batches 3] [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from mlx_grpo.config import build_config, parse_set  # noqa: E402
+from mlx_grpo.data import load_examples  # noqa: E402
+from mlx_grpo.engine import RolloutEngine  # noqa: E402
+from mlx_grpo.models.loading import load_model  # noqa: E402
+from mlx_grpo.multiturn import data_row, encode_prompts, multiturn_for  # noqa: E402
+from mlx_grpo.rollout import SamplingParams  # noqa: E402
+
+from bench_util import device_name, timed  # noqa: E402
+
+
+def batches(cfg, n: int) -> list[list]:
+    examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps)
+    return [examples[i * cfg.batch_size:(i + 1) * cfg.batch_size] for i in range(n)]
+
+
+def run(cfg, model, tokenizer, mode: str, n: int, repeats: int) -> dict:
+    engine = RolloutEngine(tokenizer, mode=mode).refresh(model)
+    multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
+    params = SamplingParams(cfg.max_new_tokens, cfg.temperature, stop=tuple(cfg.stop))
+    G, out = cfg.num_generations, []
+
+    def one(i: int, examples: list) -> object:
+        key = mx.random.split(mx.random.key(cfg.seed), len(examples) * G * (i + 1))[-len(examples) * G:]
+        prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, examples, cfg)]
+        if multiturn is None:
+            return engine.generate(prompts, G, params, key, cfg.prefill)
+        return multiturn.generate_many(engine, [(prompts, key, [data_row(e) for e in examples])], G, params,
+                                       cfg.prefill)[0]
+
+    for i, examples in enumerate(batches(cfg, n)):
+        seconds, rollout = timed(lambda: one(i, examples), repeats)
+        calls = [0] * len(rollout.texts) if rollout.transcripts is None else \
+            [sum(t.origin == "tool" for t in tr.turns) for tr in rollout.transcripts]
+        out.append({"seconds": seconds, "tool_call_rate": float(np.mean([c > 0 for c in calls])),
+                    "length_mean": float(rollout.lengths.mean()), "extent_mean": float(rollout.extents.mean())})
+    return {"uses_copy": engine.uses_copy, "batches": out,
+            "seconds_mean": float(np.mean([b["seconds"] for b in out]))}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plain", default="configs/arith.toml")
+    ap.add_argument("--tools", default="configs/arith_tools.toml")
+    ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--modes", default="copy,model")
+    ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
+    model = tokenizer = None
+    # "prompt": the tools preset with its tools off (its system prompt, without the tools' description):
+    # what the multi-turn machinery costs beyond the longer prompt and the answers it leads to
+    variants = (("plain", args.plain, []), ("prompt", args.tools, ["tools=[]", "max_tool_turns=4"]),
+                ("tools", args.tools, []))
+    for name, preset, items in variants:
+        cfg = build_config("train", preset, parse_set(args.items + items))
+        if model is None:
+            model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)  # the compute dtype, as training
+        for mode in args.modes.split(","):
+            result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats)
+            r = result["runs"][f"{name}/{mode}"]
+            print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch  "
+                  + "  ".join(f"[{b['seconds']:.2f} s, calls {b['tool_call_rate']:.3f}, len {b['length_mean']:.0f}]"
+                              for b in r["batches"]), flush=True)
+    for mode in args.modes.split(","):
+        for base in ("plain", "prompt"):
+            ratio = result["runs"][f"tools/{mode}"]["seconds_mean"] / result["runs"][f"{base}/{mode}"]["seconds_mean"]
+            result[f"ratio_tools_over_{base}/{mode}"] = ratio
+            print(f"{mode}: tools / {base} = {ratio:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
