@@ -59,6 +59,30 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int) -> dict:
             "seconds_mean": float(np.mean([b["seconds"] for b in out]))}
 
 
+def stop_scan_cost(tokenizer, rows: int, T: int, sync_every: int, stops: tuple[str, ...]) -> dict:
+    """Host seconds the decode loop's stop-string checks take over one rollout of `rows` rows of T random
+    tokens checked every sync_every tokens (none holds a stop: every row is checked at every sync): whole
+    rows through stop_cut (before session 8) against rollout.StopScanner's tails."""
+    import time
+
+    from mlx_grpo.rollout import StopScanner, stop_cut
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, min(20000, len(tokenizer.get_vocab())), size=(rows, T)).tolist()
+    t0 = time.perf_counter()
+    for n in range(sync_every, T + 1, sync_every):
+        for row in ids:
+            stop_cut(tokenizer, row[:n], stops)
+    whole = time.perf_counter() - t0
+    scanner, t0 = StopScanner(tokenizer, stops), time.perf_counter()
+    for n in range(sync_every, T + 1, sync_every):
+        for r, row in enumerate(ids):
+            scanner.cut(r, row[:n])
+    tails = time.perf_counter() - t0
+    return {"rows": rows, "tokens": T, "sync_every": sync_every, "whole_rows_s": whole, "tails_s": tails,
+            "ratio": whole / tails}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plain", default="configs/arith.toml")
@@ -67,9 +91,20 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="copy,model")
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
+    ap.add_argument("--stop-scan", action="store_true", help="only time the stop-string checks (host work)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
+    if args.stop_scan:
+        cfg = build_config("train", args.tools, parse_set(args.items))
+        _, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+        stops = multiturn_for(cfg, tokenizer).stop_strings
+        result["stop_scan"] = stop_scan_cost(tokenizer, cfg.batch_size * cfg.num_generations, cfg.max_new_tokens, 8,
+                                             stops)
+        print(json.dumps(result["stop_scan"]))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     model = tokenizer = None
     # "prompt": the tools preset with its tools off (its system prompt, without the tools' description):
     # what the multi-turn machinery costs beyond the longer prompt and the answers it leads to

@@ -450,3 +450,28 @@ def test_attention_routing_is_restored_after_an_error(tiny):
             assert routed and llama_module.scaled_dot_product_attention is not original
             raise RuntimeError("decode failed")
     assert llama_module.scaled_dot_product_attention is original
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_scanner_finds_what_stop_cut_finds(tiny, seed):
+    """Rows scanned as their tokens arrive, in chunks of any size: the scanner's cut is stop_cut's on the
+    whole row at every scan, wherever the stop string falls (across chunks included)."""
+    from mlx_grpo.rollout import StopScanner, stop_cut
+
+    _, tok = tiny
+    rng = np.random.default_rng(seed)
+    stops = ("</calc>", "<|im_end|>x", "ab")
+    pieces = ["a", "b", "c", "<", "/", "calc>", "</calc", ">", " ", "é", "<|im_end|>", "x", "12"]
+    scanner = StopScanner(tok, stops)
+    found = 0
+    for row in range(20):
+        ids = []
+        for _ in range(int(rng.integers(1, 12))):
+            for _ in range(int(rng.integers(1, 9))):
+                ids += tok.encode(pieces[int(rng.integers(len(pieces)))], add_special_tokens=False)
+            want = stop_cut(tok, ids, stops)
+            assert scanner.cut(row, ids) == want, (row, tok.decode(ids))
+            if want is not None:
+                found += 1
+                break
+    assert 0 < found < 20  # rows with and without a stop, scanned more than once

@@ -27,8 +27,8 @@ import numpy as np
 from mlx_grpo.models import decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout import (Rollout, SamplingParams, end_ids, finish_rollout, generate_rollout, make_sampler,
-                              sample, stop_cut)
+from mlx_grpo.rollout import (Rollout, SamplingParams, StopScanner, end_ids, finish_rollout, generate_rollout,
+                              make_sampler, sample)
 
 # A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.
 MIN_ROWS = 8
@@ -174,6 +174,7 @@ class RolloutEngine:
         T = params.max_new_tokens
         sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
         step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
+        scanner = StopScanner(tokenizer, params.stop)
         # An entry is a context and the rows it starts: a prompt's G rows, or (turns) one row's next turn.
         # Rollout row r (numbered over all entries) writes its step s's token to column s - join[r].
         entries = [(p, g * G, G) for g, p in enumerate(p for job, _ in jobs for p in job)]
@@ -210,7 +211,7 @@ class RolloutEngine:
                 done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
                 current = segments + [(rows, opened, columns)]
                 if params.stop:
-                    done |= self._stopped(current, join, n_rows, T, rows, params.stop, on_stop)
+                    done |= self._stopped(current, join, n_rows, T, rows, scanner, on_stop)
                 if turns is not None:
                     self._report(turns, current, join, n_rows, T, rows, done, reported)
                     if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
@@ -321,14 +322,14 @@ class RolloutEngine:
             n = int(filled[r])
             turns.ended(r, ids[r, :n].tolist(), lps[r, :n].tolist(), ents[r, :n].tolist())
 
-    def _stopped(self, segments, join, n_rows: int, T: int, rows, stops, on_stop=None) -> np.ndarray:
+    def _stopped(self, segments, join, n_rows: int, T: int, rows, scanner: StopScanner, on_stop=None) -> np.ndarray:
         """Which of the batch's current slots have generated a stop string so far (fillers: True); on_stop
         hears of each stopped row."""
         ids, _, _, _ = _assemble(segments, join, n_rows, T, -1)
         out = []
         for r in rows:
             row = [] if r < 0 else [t for t in ids[r].tolist() if t >= 0]
-            cut = None if r < 0 else stop_cut(self.tokenizer, row, stops)
+            cut = None if r < 0 else scanner.cut(int(r), row)
             if cut is not None and on_stop is not None:
                 on_stop(int(r), row[:cut])
             out.append(r < 0 or cut is not None)

@@ -155,6 +155,27 @@ def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
     return lo
 
 
+class StopScanner:
+    """Finds rows' first stop string as their tokens arrive, scan after scan: each scan decodes only the
+    tokens since the row's last scan plus a margin before them (wide enough for a stop string that started
+    there), and stop_cut runs on the whole row only when that tail holds a stop. One per decode loop."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, stops
+        # a stop string spans at most one token per character; leading-space and byte-fallback tokens
+        # can render differently at a window's start, hence the slack
+        self.margin = 2 * max((len(s) for s in stops), default=0) + 8
+        self._clean: dict[int, int] = {}  # row -> tokens scanned without a stop
+
+    def cut(self, row: int, ids: list[int]) -> int | None:
+        """stop_cut(ids): the tokens up to and including the one that completes the first stop string."""
+        start = max(0, self._clean.get(row, 0) - self.margin)
+        if not any(s in self.tokenizer.decode(ids[start:]) for s in self.stops):
+            self._clean[row] = len(ids)
+            return None
+        return stop_cut(self.tokenizer, ids, self.stops)
+
+
 class StepArrays:
     """Per-step arrays every layer's cache needs, built once per step instead of once per layer."""
 
@@ -289,13 +310,14 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
     entropies), each [N, T]."""
     keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
     sampler = make_sampler(params, eos)
+    scanner = StopScanner(tokenizer, params.stop)
     token, logprob, entropy, ended = sampler(logits, keys[:, 0], mx.zeros((logits.shape[0],), dtype=mx.bool_))
     tokens, logprobs, entropies = [token], [logprob], [entropy]
     for step in range(1, params.max_new_tokens):
         if step % sync_every == 0:
             mx.eval(ended)
             done = np.array(ended) if limits is None else np.array(ended) | (step >= np.asarray(limits))
-            if done.all() or (params.stop and _all_stopped(tokenizer, tokens, done, params.stop, on_stop)):
+            if done.all() or (params.stop and _all_stopped(scanner, tokens, done, on_stop)):
                 break
         logits = model(token[:, None], cache=caches)[:, -1, :]
         token, logprob, entropy, ended = sampler(logits, keys[:, step], ended)
@@ -310,13 +332,13 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
     return ids, lps, ents
 
 
-def _all_stopped(tokenizer, tokens: list[mx.array], ended: np.ndarray, stops: tuple[str, ...], on_stop=None) -> bool:
+def _all_stopped(scanner: StopScanner, tokens: list[mx.array], ended: np.ndarray, on_stop=None) -> bool:
     ids = mx.stack(tokens, axis=1).tolist()
     if on_stop is None:
-        return all(done or stop_cut(tokenizer, row, stops) is not None for row, done in zip(ids, ended.tolist()))
+        return all(done or scanner.cut(r, row) is not None for r, (row, done) in enumerate(zip(ids, ended.tolist())))
     stopped = True
     for r, (row, done) in enumerate(zip(ids, ended.tolist())):
-        cut = None if done else stop_cut(tokenizer, row, stops)
+        cut = None if done else scanner.cut(r, row)
         if cut is not None:
             on_stop(r, row[:cut])
         stopped = stopped and (done or cut is not None)
