@@ -54,6 +54,35 @@ def write_tiny_model(path: Path, seed: int = 0, hidden: int = 32, layers: int = 
     return path
 
 
+# metrics.jsonl figures that measure the machine, not the run: left out when two runs are compared
+TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_reward_s", "time_logprob_s",
+          "time_train_s", "time_step_s", "peak_memory_gb"}
+
+
+def run_metrics(run_dir) -> list[dict]:
+    """A run's metrics.jsonl records without the TIMING figures."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def interrupt_before_update(train, cfg, monkeypatch, update: int) -> None:
+    """Run train(cfg) and stop it with a KeyboardInterrupt just before `update` (what Ctrl-C leaves behind:
+    the checkpoints written so far)."""
+    from mlx_grpo import trainer as trainer_mod
+
+    original = trainer_mod.Trainer.update
+
+    def crashing(self, steps):
+        if self.counters.update_step + 1 == update:
+            raise KeyboardInterrupt
+        return original(self, steps)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "update", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.setattr(trainer_mod.Trainer, "update", original)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

@@ -19,11 +19,11 @@ import pytest
 from mlx_grpo.distributed import World, init_world
 from mlx_grpo.errors import UserError
 
+from conftest import run_metrics
+
 HERE = Path(__file__).parent
 TOY = HERE / "fixtures" / "toy_rewards.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
-TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_reward_s", "time_logprob_s",
-          "time_train_s", "time_step_s", "peak_memory_gb"}
 # Figures that are float sums over the rows: their order of summation differs between 1 and 2 ranks.
 FLOAT_SUMS = {"loss", "grad_norm", "kl", "entropy", "ratio_mean", "ratio_min", "ratio_max", "reward_std",
               "sampler_kl", "sampler_diff_max"}
@@ -65,9 +65,7 @@ def train_command(items: list[str], *args: str) -> list[str]:
     return [sys.executable, "-m", "mlx_grpo", "train", *sets, *args]
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+metrics = run_metrics
 
 
 def assert_same_metrics(a: list[dict], b: list[dict], rel: float = 0.0, abs_: float = 1e-6) -> None:

@@ -13,8 +13,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from caller_model import CALLER, END, Scripted, write_caller_model
+from conftest import interrupt_before_update, run_metrics
 from mlx_grpo import run as run_mod
-from mlx_grpo import trainer as trainer_mod
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.engine import RolloutEngine
 from mlx_grpo.environments import Environment, StepResult, ToolEnvironment
@@ -293,25 +293,9 @@ def test_tool_run_logs_turns_and_resumes_exactly(caller_dir, tmp_path, monkeypat
     assert all(r["rewards"]["sees_tool_output"] == 0 for r in records)
     assert any("<|output_start|>" in r["completion"] for r in records)
     cfg = _cfg(caller_dir, tmp_path, "run_name=cut", "save_steps=2", f"rollout_engine={engine}")
-    original = trainer_mod.Trainer.update
-
-    def crashing(self, steps):
-        if self.counters.update_step + 1 == 3:
-            raise KeyboardInterrupt
-        return original(self, steps)
-
-    monkeypatch.setattr(trainer_mod.Trainer, "update", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        run_mod.train(cfg)
-    monkeypatch.setattr(trainer_mod.Trainer, "update", original)
+    interrupt_before_update(run_mod.train, cfg, monkeypatch, 3)
     resumed = run_mod.train(cfg, resume="latest")
-
-    def metrics(d):
-        timing = ("time", "tokens_per_s", "peak_memory")
-        return [{k: v for k, v in json.loads(line).items() if not any(t in k for t in timing)}
-                for line in (d / "metrics.jsonl").read_text().splitlines()]
-
-    assert metrics(resumed) == metrics(full)
+    assert run_metrics(resumed) == run_metrics(full)
     assert (resumed / "completions.jsonl").read_text() == (full / "completions.jsonl").read_text()
 
 

@@ -18,13 +18,11 @@ from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
 from mlx_grpo.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.rollout import Rollout, SamplingParams, generate_rollout
+
+from conftest import interrupt_before_update, run_metrics
 from mlx_grpo.loss import group_advantages
 
 FIXTURES = Path(__file__).parent / "fixtures"
-TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_reward_s", "time_logprob_s",
-          "time_train_s", "time_step_s", "peak_memory_gb"}
-
-
 def make_cfg(model_dir, out, *items):
     base = [f"model_name={model_dir}", f"output_dir={out}", "batch_size=2", "num_generations=4",
             "max_new_tokens=8", "max_train_samples=8", "learning_rate=1e-3", "warmup_ratio=0",
@@ -32,9 +30,7 @@ def make_cfg(model_dir, out, *items):
     return build_config("train", overrides=parse_set(base + list(items)))
 
 
-def metrics(run_dir):
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+metrics = run_metrics
 
 
 def weights(path):
@@ -151,18 +147,7 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
     full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *extra)
-    original = trainer_mod.Trainer.update
-    stop_at = 3 if "num_iterations=2" not in extra else 5
-
-    def crashing(self, steps):
-        if self.counters.update_step + 1 == stop_at:
-            raise KeyboardInterrupt
-        return original(self, steps)
-
-    monkeypatch.setattr(trainer_mod.Trainer, "update", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        run_mod.train(cfg)
-    monkeypatch.setattr(trainer_mod.Trainer, "update", original)
+    interrupt_before_update(run_mod.train, cfg, monkeypatch, 3 if "num_iterations=2" not in extra else 5)
     with pytest.raises(UserError, match="--resume"):
         run_mod.train(cfg)  # nothing is overwritten without --resume
     resumed = run_mod.train(cfg, resume="latest")
