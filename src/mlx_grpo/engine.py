@@ -209,11 +209,13 @@ class RolloutEngine:
                         n_rows, all_keys, join, limit, reported = _grow(added, n_rows, T, all_keys, join, limit,
                                                                        reported)
                 done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
-                current = segments + [(rows, opened, columns)]
+                # the tokens so far as rows (one host copy per sync, for the stop strings and the turns)
+                written = _assemble(segments + [(rows, opened, columns)], join, n_rows, T, -1) \
+                    if params.stop or turns is not None else None
                 if params.stop:
-                    done |= self._stopped(current, join, n_rows, T, rows, scanner, on_stop)
+                    done |= self._stopped(written[0], rows, scanner, on_stop)
                 if turns is not None:
-                    self._report(turns, current, join, n_rows, T, rows, done, reported)
+                    _report(turns, written, rows, done, reported)
                     if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
                         added = self._continue(turns, entries, queue, n_rows)
                         n_rows, all_keys, join, limit, reported = _grow(added, n_rows, T, all_keys, join, limit,
@@ -311,21 +313,10 @@ class RolloutEngine:
         queue[:0] = range(len(entries) - len(added), len(entries))  # an episode ends sooner than a new one
         return added
 
-    def _report(self, turns, segments, join, n_rows: int, T: int, rows, done, reported) -> None:
-        """Hand each row of the batch that is done and not yet reported to turns.ended, with its tokens."""
-        fresh = [int(r) for r, d in zip(rows, done) if d and r >= 0 and not reported[r]]
-        if not fresh:
-            return
-        ids, lps, ents, filled = _assemble(segments, join, n_rows, T, -1)
-        for r in fresh:
-            reported[r] = True
-            n = int(filled[r])
-            turns.ended(r, ids[r, :n].tolist(), lps[r, :n].tolist(), ents[r, :n].tolist())
-
-    def _stopped(self, segments, join, n_rows: int, T: int, rows, scanner: StopScanner, on_stop=None) -> np.ndarray:
-        """Which of the batch's current slots have generated a stop string so far (fillers: True); on_stop
-        hears of each stopped row."""
-        ids, _, _, _ = _assemble(segments, join, n_rows, T, -1)
+    @staticmethod
+    def _stopped(ids: np.ndarray, rows, scanner: StopScanner, on_stop=None) -> np.ndarray:
+        """Which of the batch's current slots have generated a stop string so far (fillers: True), from the
+        rows' tokens so far (ids [rows, T], -1 where unwritten); on_stop hears of each stopped row."""
         out = []
         for r in rows:
             row = [] if r < 0 else [t for t in ids[r].tolist() if t >= 0]
@@ -334,6 +325,16 @@ class RolloutEngine:
                 on_stop(int(r), row[:cut])
             out.append(r < 0 or cut is not None)
         return np.array(out)
+
+
+def _report(turns, written, rows, done, reported) -> None:
+    """Hand each row of the batch that is done and not yet reported to turns.ended, with the tokens, log-probs
+    and entropies it wrote (written: _assemble's)."""
+    ids, lps, ents, filled = written
+    for r in (int(r) for r, d in zip(rows, done) if d and r >= 0 and not reported[r]):
+        reported[r] = True
+        n = int(filled[r])
+        turns.ended(r, ids[r, :n].tolist(), lps[r, :n].tolist(), ents[r, :n].tolist())
 
 
 def _grow(added: list, n_rows: int, T: int, all_keys, join, limit, reported):
