@@ -24,7 +24,7 @@ from mlx_grpo.config import build_config, parse_set  # noqa: E402
 from mlx_grpo.data import load_examples  # noqa: E402
 from mlx_grpo.engine import RolloutEngine  # noqa: E402
 from mlx_grpo.models.loading import load_model  # noqa: E402
-from mlx_grpo.multiturn import data_row, encode_prompts, multiturn_for  # noqa: E402
+from mlx_grpo.multiturn import encode_prompts, multiturn_for, rollouts, tool_use  # noqa: E402
 from mlx_grpo.rollout import SamplingParams  # noqa: E402
 
 from bench_util import device_name, timed  # noqa: E402
@@ -44,15 +44,11 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int) -> dict:
     def one(i: int, examples: list) -> object:
         key = mx.random.split(mx.random.key(cfg.seed), len(examples) * G * (i + 1))[-len(examples) * G:]
         prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, examples, cfg)]
-        if multiturn is None:
-            return engine.generate(prompts, G, params, key, cfg.prefill)
-        return multiturn.generate_many(engine, [(prompts, key, [data_row(e) for e in examples])], G, params,
-                                       cfg.prefill)[0]
+        return rollouts(engine, multiturn, [(prompts, key, examples)], G, params, cfg.prefill)[0]
 
     for i, examples in enumerate(batches(cfg, n)):
         seconds, rollout = timed(lambda: one(i, examples), repeats)
-        calls = [0] * len(rollout.texts) if rollout.transcripts is None else \
-            [sum(t.origin == "tool" for t in tr.turns) for tr in rollout.transcripts]
+        calls = np.zeros(len(rollout.texts)) if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
         out.append({"seconds": seconds, "tool_call_rate": float(np.mean([c > 0 for c in calls])),
                     "length_mean": float(rollout.lengths.mean()), "extent_mean": float(rollout.extents.mean())})
     return {"uses_copy": engine.uses_copy, "batches": out,

@@ -35,11 +35,11 @@ def test_accuracy_and_pass_at_k_count_correct_answers(tiny_model_dir, monkeypatc
     cfg = _cfg(tiny_model_dir, "eval_subset_size=2", "eval_num_samples=2", "temperature=1.0")
     examples = evaluate.subset(evaluate.load_examples("arith", "test", cfg.eval_dataset_path, 0), 2, 0)
 
-    def scripted(engine, prompts, group, params, key, prefill=""):
+    def scripted(engine, jobs, group, params, prefill=""):
         texts = [f"<answer>\n{examples[0].answer}\n</answer>", "no", "7 apples", f"so {examples[1].answer}"]
-        return Rollout(prompts, None, None, None, np.zeros(4, bool), texts, group)
+        return [Rollout(jobs[0][0], None, None, None, np.zeros(4, bool), texts, group)]
 
-    monkeypatch.setattr(evaluate.RolloutEngine, "generate", scripted)
+    monkeypatch.setattr(evaluate.RolloutEngine, "generate_many", scripted)
     from mlx_lm import load
 
     model, tok = load(str(tiny_model_dir))

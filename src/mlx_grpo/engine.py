@@ -204,10 +204,8 @@ class RolloutEngine:
             if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
                 mx.eval(ended)
                 if turns is not None:  # next turns of the rows that ended at an earlier sync
-                    added = self._continue(turns, entries, queue, n_rows)
-                    if added:
-                        n_rows, all_keys, join, limit, reported = _grow(added, n_rows, T, all_keys, join, limit,
-                                                                       reported)
+                    n_rows, all_keys, join, limit, reported = _continue(turns, entries, queue, n_rows, T, all_keys,
+                                                                        join, limit, reported)
                 done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
                 # the tokens so far as rows (one host copy per sync, for the stop strings and the turns)
                 written = _assemble(segments + [(rows, opened, columns)], join, n_rows, T, -1) \
@@ -217,9 +215,8 @@ class RolloutEngine:
                 if turns is not None:
                     _report(turns, written, rows, done, reported)
                     if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
-                        added = self._continue(turns, entries, queue, n_rows)
-                        n_rows, all_keys, join, limit, reported = _grow(added, n_rows, T, all_keys, join, limit,
-                                                                       reported)
+                        n_rows, all_keys, join, limit, reported = _continue(turns, entries, queue, n_rows, T,
+                                                                            all_keys, join, limit, reported)
                 if done.all() and not queue:
                     break
                 live = np.flatnonzero(~done)
@@ -303,17 +300,6 @@ class RolloutEngine:
                 np.concatenate([rows, added]))
 
     @staticmethod
-    def _continue(turns, entries: list, queue: list, n_rows: int) -> list:
-        """Queue the next turns turns.take() hands back (waiting for their environment steps), ahead of
-        the prompts still waiting: each a row numbered after the n_rows so far. -> [(row key [2], limit)]."""
-        added = []
-        for context, key, budget in turns.take(n_rows):
-            entries.append((context, n_rows + len(added), 1))
-            added.append((key, budget))
-        queue[:0] = range(len(entries) - len(added), len(entries))  # an episode ends sooner than a new one
-        return added
-
-    @staticmethod
     def _stopped(ids: np.ndarray, rows, scanner: StopScanner, on_stop=None) -> np.ndarray:
         """Which of the batch's current slots have generated a stop string so far (fillers: True), from the
         rows' tokens so far (ids [rows, T], -1 where unwritten); on_stop hears of each stopped row."""
@@ -337,10 +323,17 @@ def _report(turns, written, rows, done, reported) -> None:
         turns.ended(r, ids[r, :n].tolist(), lps[r, :n].tolist(), ents[r, :n].tolist())
 
 
-def _grow(added: list, n_rows: int, T: int, all_keys, join, limit, reported):
-    """The per-row arrays with the rows of `added` [(row key, budget)] appended."""
+def _continue(turns, entries: list, queue: list, n_rows: int, T: int, all_keys, join, limit, reported):
+    """Queue the next turns turns.take() hands back (waiting for their environment steps), ahead of the
+    prompts still waiting: each a row numbered after the n_rows so far. -> the per-row state (n_rows, step
+    keys, join, limit, reported) with those rows appended."""
+    added = []
+    for context, key, budget in turns.take(n_rows):
+        entries.append((context, n_rows + len(added), 1))
+        added.append((key, budget))
     if not added:
         return n_rows, all_keys, join, limit, reported
+    queue[:0] = range(len(entries) - len(added), len(entries))  # an episode ends sooner than a new one
     keys = mx.vmap(lambda k: mx.random.split(k, T))(mx.stack([k for k, _ in added]))
     return (n_rows + len(added), mx.concatenate([all_keys, keys]),
             np.concatenate([join, np.zeros(len(added), np.int64)]),

@@ -21,7 +21,7 @@ from mlx_grpo.data import Example, load_examples, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
 from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.multiturn import MultiTurn, data_row, encode_prompts, multiturn_for
+from mlx_grpo.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.rollout import SamplingParams
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
@@ -65,23 +65,19 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
         chunk = examples[start:start + cfg.eval_batch_size]
         key, sub = mx.random.split(key)
         prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg)]
-        if multiturn is None:
-            rollout = engine.generate(prompts, num_samples, params, sub, cfg.prefill)
-        else:
-            keys = mx.random.split(sub, len(prompts) * num_samples)
-            rollout = multiturn.generate_many(engine, [(prompts, keys, [data_row(e) for e in chunk])], num_samples,
-                                              params, cfg.prefill)[0]
+        keys = mx.random.split(sub, len(prompts) * num_samples)
+        rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.prefill)[0]
+        written = model_texts(rollout, cfg.prefill)  # with tools: what the model wrote, not the tools' output
+        calls = None if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
         for i, example in enumerate(chunk):
             texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
-            # with tools, only what the model wrote counts: a tool's output is not the model's answer
-            scored = texts if rollout.transcripts is None else [
-                cfg.prefill + t.completion for t in rollout.transcripts[i * num_samples:(i + 1) * num_samples]]
+            scored = written[i * num_samples:(i + 1) * num_samples]
             correct = [answers_match(extract_answer(t), example.answer) for t in scored]
             record = {"prompt": example.prompt, "answer": example.answer, "completions": texts,
                       "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in scored),
                       "formatted": extract_answer(scored[0]) is not None}
-            if rollout.transcripts is not None:
-                record["tool_calls"] = sum(t.origin == "tool" for t in rollout.transcripts[i * num_samples].turns)
+            if calls is not None:
+                record["tool_calls"] = int(calls[i * num_samples])
             records.append(record)
         bar.update(len(chunk))
     bar.close()

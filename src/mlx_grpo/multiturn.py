@@ -38,7 +38,8 @@ import numpy as np
 from mlx_grpo.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import _import_file
-from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, end_ids, stop_cut
+from mlx_grpo.rollout import (Rollout, SamplingParams, completion_end, encode_chat_prompt, end_ids,
+                              select_groups)
 from mlx_grpo.tool_calls import ToolFormat, tool_format_for
 
 # Environment.step calls at once: tools are mostly waiting (subprocesses, HTTP), not computing.
@@ -142,7 +143,8 @@ class MultiTurn:
             if rows[live[0]].turn == 0:  # the first turn: the prompts' groups share their prefill
                 outs = engine.generate_many([(p, k) for p, k, _ in jobs], G, params, prefill_text,
                                             on_stop=self._watcher(rows, live, pool, ends))
-                out = _concat(outs)
+                out = select_groups(outs, [(i, g) for i, o in enumerate(outs) for g in range(len(o.prompt_ids))],
+                                    end_ids(self.tokenizer, params)[1])
             else:
                 nxt = [self._next_turn(rows[r], T) for r in live]
                 live = [r for r, n in zip(live, nxt) if n is not None]
@@ -173,9 +175,7 @@ class MultiTurn:
         """Take a row's turn from the tokens it wrote (cut after its end token or stop string, as
         rollout.finish_rollout cuts, and at its budget) and start the environment's answer to it."""
         eos, room = ends.eos, ends.budget - len(row.ids)
-        end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
-        cut = stop_cut(self.tokenizer, ids[:end] if end else ids, ends.stops)
-        end = cut if cut is not None else end
+        end = completion_end(self.tokenizer, ids, eos, ends.stops)
         if end is None or end > room:  # the budget ran out inside the turn
             n, how = min(len(ids), room), "length"
         else:
@@ -272,23 +272,6 @@ class _Turns:
         return out
 
 
-def _concat(rollouts: list[Rollout]) -> Rollout:
-    """The rows of several rollouts as one record (only the per-row fields _waves reads)."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    width = max(r.completion_ids.shape[1] for r in rollouts)
-
-    def cat(name: str) -> mx.array:
-        return mx.concatenate([mx.pad(getattr(r, name), [(0, 0), (0, width - r.completion_ids.shape[1])])
-                               for r in rollouts])
-
-    return Rollout(prompt_ids=[p for r in rollouts for p in r.prompt_ids], completion_ids=cat("completion_ids"),
-                   mask=cat("mask"), sampler_logprobs=cat("sampler_logprobs"),
-                   truncated=np.concatenate([r.truncated for r in rollouts]),
-                   texts=[t for r in rollouts for t in r.texts], group_size=rollouts[0].group_size,
-                   entropies=cat("entropies"))
-
-
 def load_environment(spec: str, fmt: ToolFormat | None = None) -> Environment:
     """An Environment from "path/to/file.py:ClassName", built with no arguments, or with fmt= (the model's
     call syntax) when its constructor takes `fmt` (a ToolEnvironment subclass)."""
@@ -340,10 +323,28 @@ def encode_prompts(multiturn: MultiTurn | None, tokenizer, examples: list, cfg) 
     return [multiturn.encode(data_row(e), cfg.system_prompt, cfg.prefill, cfg.max_prompt_length) for e in examples]
 
 
+def rollouts(engine, multiturn: MultiTurn | None, jobs: list[tuple[list[list[int]], mx.array, list]], group_size: int,
+             params: SamplingParams, prefill_text: str = "") -> list[Rollout]:
+    """The rollouts of batch steps jobs = [(prompts, row keys [B*G, 2], examples [B])], decoded together:
+    episodes with tools or an environment, else plain completions (engine.generate_many)."""
+    if multiturn is None:
+        return engine.generate_many([(p, k) for p, k, _ in jobs], group_size, params, prefill_text)
+    return multiturn.generate_many(engine, [(p, k, [data_row(e) for e in examples]) for p, k, examples in jobs],
+                                   group_size, params, prefill_text)
+
+
+def model_texts(rollout: Rollout, prefill_text: str) -> list[str]:
+    """What the model wrote in each completion, as rewards and evaluation score it: its turns joined after the
+    prefill (a tool's output is not its answer); the rollout's texts for single-turn ones."""
+    if rollout.transcripts is None:
+        return list(rollout.texts)
+    return [prefill_text + t.completion for t in rollout.transcripts]
+
+
 def data_row(example) -> dict:
     """The data row an environment's reset and step see: prompt, answer and every other column."""
     return {"prompt": example.prompt, "answer": example.answer, **example.columns}
 
 
-__all__ = ["MultiTurn", "data_row", "encode_prompts", "load_environment", "multiturn_for", "prompt_messages",
-           "tool_use"]
+__all__ = ["MultiTurn", "data_row", "encode_prompts", "load_environment", "model_texts", "multiturn_for",
+           "prompt_messages", "rollouts", "tool_use"]

@@ -345,6 +345,14 @@ def _all_stopped(scanner: StopScanner, tokens: list[mx.array], ended: np.ndarray
     return stopped
 
 
+def completion_end(tokenizer, ids: list[int], eos: set[int], stops: tuple[str, ...]) -> int | None:
+    """Tokens of a completion up to and including its first end token, or the token that completes its
+    first stop string before that; None when it has neither (it ran to its length)."""
+    end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
+    cut = stop_cut(tokenizer, ids[:end] if end else ids, stops)
+    return cut if cut is not None else end
+
+
 def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
             params: SamplingParams, group_size: int, prefill_text: str) -> Rollout:
     """Cut each row after its EOS (or stop string), build the mask and the texts."""
@@ -353,10 +361,7 @@ def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.ar
     T = len(rows[0])
     lengths, texts, truncated = [], [], []
     for row in rows:
-        end = next((i + 1 for i, t in enumerate(row) if t in eos_set), None)
-        cut = stop_cut(tokenizer, row[:end] if end else row, params.stop)
-        if cut is not None:
-            end = cut
+        end = completion_end(tokenizer, row, eos_set, params.stop)
         truncated.append(end is None)
         length = end if end is not None else T
         lengths.append(length)

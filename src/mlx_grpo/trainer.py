@@ -36,7 +36,7 @@ from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_g
 from mlx_grpo.reward_workers import RewardRunner
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.multiturn import data_row, encode_prompts, multiturn_for, tool_use
+from mlx_grpo.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.rollout import SamplingParams, select_groups
 
 
@@ -173,12 +173,10 @@ class Trainer:
         prompts = [e.prompt for e in examples for _ in range(G)]
         # Each completion's own ids, up to and including its end token (as TRL passes them), not padded rows.
         ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), rollout.extents.tolist())]
-        texts = rollout.texts
-        if rollout.transcripts is not None:
-            # multi-turn: rewards score what the model wrote (a tool's output is not its answer), as evaluation
-            # does; `transcripts` gives them the whole episode, completion_ids every token of it
-            texts = [self.cfg.prefill + t.completion for t in rollout.transcripts]
-        pending = self.reward_runner.submit(prompts, texts, ids, columns, rollout.transcripts)
+        # multi-turn: rewards score what the model wrote, as evaluation does; `transcripts` gives them the
+        # whole episode, completion_ids every token of it
+        pending = self.reward_runner.submit(prompts, model_texts(rollout, self.cfg.prefill), ids, columns,
+                                            rollout.transcripts)
         return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
 
     def _draw(self, examples: list[Example]) -> Draw:
@@ -189,13 +187,8 @@ class Trainer:
         return self._submit(mine, rollout, time.perf_counter() - t0)
 
     def _generate(self, jobs: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list:
-        """The rollouts of batch steps [(prompts, row keys, examples)], decoded together: episodes with
-        tools or an environment, else plain completions."""
-        G, params, prefill = self.cfg.num_generations, self.params, self.cfg.prefill
-        if self.multiturn is not None:
-            return self.multiturn.generate_many(self.engine, [(p, k, [data_row(e) for e in mine])
-                                                             for p, k, mine in jobs], G, params, prefill)
-        return self.engine.generate_many([(p, k) for p, k, _ in jobs], G, params, prefill)
+        """The rollouts of batch steps [(prompts, row keys, examples)], decoded together."""
+        return rollouts(self.engine, self.multiturn, jobs, self.cfg.num_generations, self.params, self.cfg.prefill)
 
     def _scores(self, draw: Draw) -> RewardScores:
         """A draw's rewards plus the length penalty, waiting for them if the workers are still at it."""
