@@ -355,3 +355,21 @@ def test_reasoned_format_keeps_the_sign_of_a_negative_answer():
     text = ("<reasoning>\nThe temperature was 3 degrees and fell by 8 degrees, so it is 3 - 8 = -5 degrees now.\n"
             "</reasoning>\n<answer>\n-5\n</answer>")
     assert reasoned_format(["It was 3 degrees and fell by 8. What is it now?"], [text], [[1]]) == [0.5]
+
+
+def test_reasoned_format_grounds_the_answer_in_the_last_tool_result():
+    """In a tool run the model's own text ends at its call; the calculator's answer came back as context, so
+    an answer equal to it is grounded (full format credit), and one equal to neither is not."""
+    from mlx_grpo.environments import Transcript
+    from mlx_grpo.rewards import reasoned_format
+
+    prompt = ["Emma has 17 pencils. A friend gives her 25 more. How many pencils does Emma have now?"]
+    text = ("<reasoning>\nEmma starts with 17 pencils and a friend gives her 25 more: <calc>17+25</calc>\n"
+            "</reasoning>\n<answer>\n{}\n</answer>")
+    episode = Transcript(row={}, messages=[])
+    episode.add("model", "Emma starts with 17 pencils and a friend gives her 25 more: <calc>17+25</calc>")
+    episode.add("tool", "<result>42</result>")
+    episode.add("model", "\n</reasoning>\n<answer>\n42\n</answer>")
+    assert reasoned_format(prompt, [text.format(42)], [[1]], transcripts=[episode]) == [0.5]
+    assert reasoned_format(prompt, [text.format(41)], [[1]], transcripts=[episode]) == [0.25]
+    assert reasoned_format(prompt, [text.format(42)], [[1]]) == [0.25]  # no transcript: the last own number, 25

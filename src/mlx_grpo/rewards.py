@@ -177,10 +177,17 @@ def substantive(reasoning: str | None, prompt: Any = "") -> bool:
     return not given or any(n.lstrip("+") in given for n in _numbers(reasoning))
 
 
-def _grounded(text: str, reasoning: str) -> bool:
-    """The answer is the number the reasoning arrived at: the value of its last number."""
+def _grounded(text: str, reasoning: str, transcript: Any = None) -> bool:
+    """The answer is the number the reasoning arrived at: the value of its last number, or, in a tool run,
+    of the last tool answer (the model's own text ends at its call; the result came back as context)."""
     pred, numbers = extract_answer(text), _numbers(reasoning)
-    return pred is not None and bool(numbers) and answers_match(pred, numbers[-1])
+    if pred is None:
+        return False
+    if numbers and answers_match(pred, numbers[-1]):
+        return True
+    tool_texts = [t.text for t in getattr(transcript, "turns", ()) if t.origin == "tool"]
+    results = _numbers(tool_texts[-1]) if tool_texts else []
+    return bool(results) and answers_match(pred, results[-1])
 
 
 def reasoned_correctness(prompts, completions, completion_ids, answer=None, **columns) -> list[float]:
@@ -192,19 +199,20 @@ def reasoned_correctness(prompts, completions, completion_ids, answer=None, **co
             for p, t, a in zip(prompts, map(_text, completions), answer)]
 
 
-def reasoned_format(prompts, completions, completion_ids, **columns) -> list[float]:
+def reasoned_format(prompts, completions, completion_ids, transcripts=None, **columns) -> list[float]:
     """Format credit that empty reasoning or a made-up answer cannot earn, up to 0.5: nothing unless the
     reasoning is substantive; then 0.125 for each of <reasoning> and </reasoning> present once, and 0.125
     for each of <answer> and </answer> present once when the answer is the reasoning's last number;
     minus 0.001 per character after </answer> (as xmlcount), never below 0."""
     out = []
-    for prompt, text in zip(prompts, map(_text, completions)):
+    episodes = transcripts if transcripts is not None else [None] * len(prompts)
+    for prompt, text, transcript in zip(prompts, map(_text, completions), episodes):
         reasoning = reasoning_text(text)
         if not substantive(reasoning, prompt):
             out.append(0.0)
             continue
         score = sum(0.125 for tag in _XML_TAGS[:2] if text.count(tag) == 1)
-        if _grounded(text, reasoning):
+        if _grounded(text, reasoning, transcript):
             score += sum(0.125 for tag in _XML_TAGS[2:] if text.count(tag) == 1)
         end = text.rfind("</answer>")
         if end >= 0:
