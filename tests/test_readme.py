@@ -174,11 +174,19 @@ def test_links_resolve():
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
             if target.startswith(("http://", "https://", "#")):
                 continue
-            path = target.split("#")[0]
+            path, _, anchor = target.partition("#")
             resolved = (page.parent / path).resolve()
             if not resolved.exists() and resolved.relative_to(ROOT).as_posix() not in PENDING_IMAGES:
                 missing.append(f"{page.name}: {target}")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                missing.append(f"{page.name}: {target} (no such heading)")
     assert not missing, missing
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)}
 
 
 def smoke_checkpoint() -> int:
@@ -218,3 +226,12 @@ def test_commands_after_command_1_run_as_written(tiny_model_dir, tmp_path, monke
         assert code == 0, (page, argv, out.err[-500:])
         if argv[0] == "plot":
             assert (tmp_path / argv[1] / "curves.png").is_file()
+
+
+def test_readme_lists_the_columns_that_are_searched():
+    from mlx_grpo.config import ANSWER_COLUMNS, PROMPT_COLUMNS
+
+    text = " ".join(README.read_text().split())
+    for columns in (PROMPT_COLUMNS, ANSWER_COLUMNS):
+        listed = "the first of " + ", ".join(f"`{c}`" for c in columns)
+        assert listed in text, listed

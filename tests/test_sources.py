@@ -142,6 +142,8 @@ def test_config_accepts_paths_and_hub_ids_but_not_unknown_names():
     assert build_config("eval", overrides=parse_set(["dataset=train.jsonl", "prompt_column=q"])).prompt_column == "q"
     with pytest.raises(UserError, match=r"got 'gsm9k' \(did you mean 'gsm8k'\?\)"):
         build_config("train", overrides=parse_set(["dataset=gsm9k"]))
+    with pytest.raises(UserError, match="prompt_column only applies with a data file, directory or hub id"):
+        build_config("train", overrides=parse_set(["prompt_column=q"]))  # the built-in arith has its own
 
 
 def test_columns_not_found_is_one_line_and_exit_2(tiny_model_dir, tmp_path, capsys):

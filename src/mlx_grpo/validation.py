@@ -43,6 +43,9 @@ def check(c: Config, command: str) -> None:
     _require(c.max_tool_turns == 4 or c.tools, "max_tool_turns applies to tools (an environment sets its own "
              "max_turns): set tools, or leave max_tool_turns at 4")
     _require(dataset_kind(c.dataset) != "unknown", unknown_dataset(c.dataset))
+    for name in ("prompt_column", "answer_column"):
+        _unused_unless(c, name, dataset_kind(c.dataset) != "builtin" or bool(c.dataset_path or c.eval_dataset_path),
+                       "a data file, directory or hub id (dataset, dataset_path or eval_dataset_path)")
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
     _require(1 <= c.arith_max_steps <= 4, "arith_max_steps must be 1-4 (4 = every template)")
     _require(c.eval_subset_size > 0, "eval_subset_size must be > 0")
