@@ -13,7 +13,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_grpo.config import Config
-from mlx_grpo.data import load_examples, subset
+from mlx_grpo.data import subset
+from mlx_grpo.sources import load_examples
 from mlx_grpo.distributed import World
 from mlx_grpo.engine import uses_copy
 from mlx_grpo.errors import UserError
@@ -31,7 +32,8 @@ from mlx_grpo.trainer import Trainer
 def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
     in a data-parallel run (default: alone)."""
-    train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps)
+    train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps,
+                          prompt_column=cfg.prompt_column, answer_column=cfg.answer_column)
     if cfg.max_train_samples:
         train = subset(train, cfg.max_train_samples, cfg.seed)
     rewards = build_reward_set(cfg, Path.cwd())
@@ -94,6 +96,7 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     evals = None
     if cfg.eval_every_updates or cfg.eval_steps:
         evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed,
-                              arith_max_steps=cfg.arith_max_steps)
+                              arith_max_steps=cfg.arith_max_steps, prompt_column=cfg.prompt_column,
+                              answer_column=cfg.answer_column)
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
                    source_dir, evals, adapter_config, masters, world or World())

@@ -24,6 +24,9 @@ SYSTEM_PROMPT = (
     "\nRespond in the following format:\n\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n"
 )
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# Columns searched, in order, for the prompt and the gold answer of a data file or hub data set (sources.py).
+PROMPT_COLUMNS = ("prompt", "question", "problem", "query", "instruction", "input")
+ANSWER_COLUMNS = ("answer", "solution", "final_answer", "ground_truth", "target", "output", "label")
 BUILTIN_REWARD_NAMES = ["correctness", "int", "strict_format", "soft_format", "xmlcount"]
 # Built-ins for the R1-style <think>/<answer> format (configs/reasoning.toml), not in the default list.
 REASONING_REWARD_NAMES = ["think_format", "think_tags"]
@@ -78,8 +81,15 @@ class Config:
     repetition_penalty: float = _f(1.0, "Penalty for tokens in the last 20 tokens (1.0 = off).", INFER)
     seed: int = _f(42, "Random seed for sampling, data order and initialisation.", SAMPLING)
     # --- data ---
-    dataset: str = _f("arith", "Data set: 'arith' (built-in, offline arithmetic word problems) or 'gsm8k' "
-                      "(openai/gsm8k from the Hugging Face hub). Ignored where a *_dataset_path is set.", DATA)
+    dataset: str = _f("arith", "Data set: 'arith' (built-in, offline arithmetic word problems), 'gsm8k' "
+                      "(openai/gsm8k from the Hugging Face hub), a JSONL/Parquet file (serves train and eval), a "
+                      "saved data set directory or a hub id 'owner/name' (those two need the `data` extra). "
+                      "Ignored where a *_dataset_path is set.", DATA)
+    prompt_column: str = _f("", "Column holding the prompt (text or chat messages) in a data file or hub data set; "
+                            f"empty = the first of {', '.join(PROMPT_COLUMNS)} that the data has.", DATA)
+    answer_column: str = _f("", "Column holding the gold answer; empty = the first of "
+                            f"{', '.join(ANSWER_COLUMNS)} that the data has. A GSM8K '#### N' line or a last "
+                            "\\boxed{...} is reduced to the final answer; other columns reach the rewards.", DATA)
     arith_max_steps: int = _f(4, "Built-in arith: most operations per problem. 4 = the mix of every template "
                               "(2-4 steps); 1-3 = running-count stories of 1 to N steps, which a small model "
                               "can learn (configs/arith.toml uses 1).", DATA)

@@ -128,8 +128,19 @@ def _parquet_rows(path: Path) -> list[tuple[str, Any]]:
     return [(f"{path}:row {i}", r) for i, r in enumerate(rows, 1)]
 
 
+def row_to_example(row: Any, loc: str) -> Example:
+    """One row (``prompt`` + ``answer``, or GSM8K's ``question`` + ``answer``) as an Example; ``loc`` names
+    the row in errors."""
+    return _row_to_example(row, loc)
+
+
 def load_file(path: str | Path) -> list[Example]:
     """Examples from a JSON-lines (.jsonl/.json) or Parquet (.parquet) file."""
+    return [_row_to_example(row, loc) for loc, row in read_rows(path)]
+
+
+def read_rows(path: str | Path) -> list[tuple[str, Any]]:
+    """(``file:line``, row) pairs of a JSON-lines (.jsonl/.json) or Parquet (.parquet) file; never empty."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
@@ -142,7 +153,7 @@ def load_file(path: str | Path) -> list[Example]:
         raise UserError(f"{path}: unsupported data file type '{suffix}' (expected .jsonl, .json or .parquet)")
     if not rows:
         raise UserError(f"{path}: the data set is empty (no rows)")
-    return [_row_to_example(row, loc) for loc, row in rows]
+    return rows
 
 
 def load_gsm8k_hub(split: str) -> list[Example]:

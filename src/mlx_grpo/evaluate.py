@@ -17,7 +17,8 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from mlx_grpo.config import Config, save_json
-from mlx_grpo.data import Example, load_examples, subset
+from mlx_grpo.data import Example, subset
+from mlx_grpo.sources import load_examples
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
 from mlx_grpo.engine import RolloutEngine
@@ -104,7 +105,8 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
     from mlx_grpo.models.loading import load_model
 
     examples = subset(load_examples(cfg.dataset, split, cfg.eval_dataset_path or None, cfg.seed,
-                                    arith_max_steps=cfg.arith_max_steps),
+                                    arith_max_steps=cfg.arith_max_steps, prompt_column=cfg.prompt_column,
+                                    answer_column=cfg.answer_column),
                       cfg.eval_subset_size, cfg.seed)
     if output is None:
         output = f"eval-{Path(cfg.model_name).name}-{split}.jsonl"

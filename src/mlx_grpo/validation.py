@@ -8,6 +8,7 @@ import difflib
 from mlx_grpo.config import DATA, Config, command_default
 from mlx_grpo.errors import UserError
 from mlx_grpo.reporting import REPORTERS
+from mlx_grpo.sources import dataset_kind, unknown_dataset
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_ENGINES = ("auto", "copy", "model")
@@ -41,8 +42,10 @@ def check(c: Config, command: str) -> None:
              "tool_format applies to runs with tools or an environment: set tools, or leave tool_format = auto")
     _require(c.max_tool_turns == 4 or c.tools, "max_tool_turns applies to tools (an environment sets its own "
              "max_turns): set tools, or leave max_tool_turns at 4")
-    _require(c.dataset in ("arith", "gsm8k"), f"dataset must be 'arith' or 'gsm8k', got {c.dataset!r}; "
-             "for a local file set dataset_path / eval_dataset_path")
+    _require(dataset_kind(c.dataset) != "unknown", unknown_dataset(c.dataset))
+    for name in ("prompt_column", "answer_column"):
+        _unused_unless(c, name, dataset_kind(c.dataset) != "builtin" or bool(c.dataset_path or c.eval_dataset_path),
+                       "a data file, directory or hub id (dataset, dataset_path or eval_dataset_path)")
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
     _require(1 <= c.arith_max_steps <= 4, "arith_max_steps must be 1-4 (4 = every template)")
     _require(c.eval_subset_size > 0, "eval_subset_size must be > 0")
