@@ -183,7 +183,7 @@ def _lock(run_dir: Path):
     return lock
 
 
-def _prepare(run_dir: Path, resume: str | None, world) -> object:
+def prepare_run_dir(run_dir: Path, resume: str | None, world) -> object:
     """Rank 0: create and lock the run directory, clean up after a killed checkpoint write, and move the
     logs of an earlier run that never reached a checkpoint aside (a fresh start must not append to them).
     -> the lock to hold."""
@@ -212,7 +212,7 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
     created = main and not run_dir.exists()
     if main:
         try:
-            lock = _prepare(run_dir, resume, world)
+            lock = prepare_run_dir(run_dir, resume, world)
         except UserError as exc:
             error = str(exc)
         except OSError as exc:  # read-only, a file in the way, permissions: one line, every rank stops

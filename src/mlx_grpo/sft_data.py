@@ -1,0 +1,224 @@
+"""The data of `mlx-grpo sft`: token rows whose loss covers the completion only.
+
+Three sources, each tokenized as `train` sees it:
+- the run's data set (`gsm8k`, `arith`, or a GSM8K-form / prompt-answer file): every example's prompt is
+  encoded exactly as `train` encodes it (system prompt, chat template, prefill, tools; multiturn.encode_prompts)
+  and the target is its worked solution written in the run's answer format (solutions.reference_completion),
+  the part after the prefill;
+- a file of prompt + completion rows: the prompt as above, the completion as the target;
+- a file of chat `messages` rows: every assistant turn is a target, the other turns are context.
+A target is followed by the end-of-turn token (the tokenizer's eos), so the model learns where its answer
+ends, as rollouts end. Each row becomes an `SFTRow`: prompt ids, then the ids after them with a mask of the
+trained ones (1) and of context (0: a later user turn of a conversation).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_grpo.data import Example, load_examples, subset
+from mlx_grpo.errors import UserError
+from mlx_grpo.multiturn import MultiTurn, encode_prompts
+
+
+@dataclass(frozen=True)
+class SFTRow:
+    """One training sequence: prompt_ids (context, never trained), then ids with mask 1 where trained."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    mask: list[int]
+
+    @property
+    def trained(self) -> int:
+        return sum(self.mask)
+
+
+def end_id(tokenizer) -> int:
+    """The token a target ends with: the tokenizer's eos (the chat template's end of turn)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = sorted(tokenizer.eos_token_ids)[0]
+    return int(eos)
+
+
+def target_ids(tokenizer, text: str) -> list[int]:
+    """A target's ids as the model samples them after its prompt: no special tokens added, then the eos."""
+    return list(tokenizer.encode(text, add_special_tokens=False)) + [end_id(tokenizer)]
+
+
+def after_prefill(text: str, prefill: str, where: str) -> str:
+    """The completion a rollout samples: `text` without a leading prefill (rollouts start after it)."""
+    if prefill and text.startswith(prefill):
+        text = text[len(prefill):]
+    if not text.strip():
+        raise UserError(f"{where}: the completion is empty" + (" after the prefill" if prefill else ""))
+    return text
+
+
+def prompt_rows(examples: list[Example], completions: list[str], tokenizer, cfg,
+                multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
+    """Rows of (example, its completion after the prefill); prompts encoded as `train` encodes them.
+    -> (rows, prompts cut to max_prompt_length)."""
+    encoded = encode_prompts(multiturn, tokenizer, examples, cfg)
+    rows = []
+    for (ids, _), text in zip(encoded, completions):
+        target = target_ids(tokenizer, text)
+        rows.append(SFTRow(list(ids), target, [1] * len(target)))
+    return rows, sum(cut for _, cut in encoded)
+
+
+def conversation_row(messages: list[dict], tokenizer, cfg, where: str) -> tuple[SFTRow, bool]:
+    """A chat conversation through the chat template: each assistant turn (through its end-of-turn token) is
+    trained, everything else is context. The system prompt is added as `train` adds it: when the
+    conversation has none. -> (row, whether the context before the first answer was cut)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(f"{where}: chat `messages` need a tokenizer with a chat template; this model has none "
+                        "(write prompt + completion rows instead)")
+    if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    eos = end_id(tokenizer)
+    ids, mask, done = [], [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if not message["content"].strip():
+            raise UserError(f"{where}: assistant message {i} is empty")
+        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
+        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (before.startswith(done) and through.startswith(before)):
+            raise UserError(f"{where}: this model's chat template does not render the conversation turn by turn "
+                            "(an earlier turn changes when a later one is added), so its assistant turns cannot be "
+                            "told apart; write prompt + completion rows instead")
+        context = list(tokenizer.encode(before[len(done):], add_special_tokens=False))
+        answer = list(tokenizer.encode(through[len(before):], add_special_tokens=False))
+        # trained through the end-of-turn token; what the template writes after it (a newline) is context
+        end = answer.index(eos) + 1 if eos in answer else len(answer)
+        ids += context + answer
+        mask += [0] * len(context) + [1] * end + [0] * (len(answer) - end)
+        done = through
+    first = mask.index(1)
+    prompt, cut = ids[:first], False
+    if len(prompt) > cfg.max_prompt_length:  # as prompts are cut: from the left
+        prompt, cut = prompt[-cfg.max_prompt_length:], True
+    return SFTRow(prompt, ids[first:], mask[first:]), cut
+
+
+def _messages(value, where: str, key: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: '{key}' must be a non-empty list of {{'role', 'content'}} messages")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise UserError(f"{where}: {key} message {i} must be {{'role': str, 'content': str}}, got {m!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def read_rows(path: Path) -> list[tuple[str, dict]]:
+    """(`file:line`, row) of a JSON-lines file of prompt/completion or messages rows."""
+    if not path.is_file():
+        raise UserError(f"data file not found: {path}")
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        raise UserError(f"{path}: sft reads prompt/completion or messages rows from .jsonl files")
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno}); expected one JSON "
+                                "object per line") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object per row, got {type(row).__name__}")
+            out.append((f"{path}:{lineno}", row))
+    if not out:
+        raise UserError(f"{path}: the data set is empty (no rows)")
+    return out
+
+
+def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
+    """The rows of a prompt/completion or messages file (max_train_samples of them: a seeded subset)."""
+    raw = read_rows(path)
+    if cfg.max_train_samples:
+        raw = subset(raw, cfg.max_train_samples, cfg.seed)
+    rows, cut, pending = [], 0, []  # pending: (index, Example, completion) encoded together below
+    for where, row in raw:
+        if "messages" in row:
+            if multiturn is not None:
+                raise UserError(f"{where}: chat `messages` rows and tools/environment do not mix: the tools' "
+                                "prompt would differ from the conversation's; use prompt + completion rows")
+            made, was_cut = conversation_row(_messages(row["messages"], where, "messages"), tokenizer, cfg, where)
+            rows.append(made)
+            cut += was_cut
+            continue
+        missing = [k for k in ("prompt", "completion") if k not in row]
+        if missing:
+            raise UserError(f"{where}: row is missing {' and '.join(repr(k) for k in missing)}: sft rows hold "
+                            f"'prompt' and 'completion', or 'messages' (keys: {', '.join(row) or 'none'})")
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, list):
+            prompt = _messages(prompt, where, "prompt")
+        elif not isinstance(prompt, str) or not prompt.strip():
+            raise UserError(f"{where}: 'prompt' must be non-empty text or a list of messages")
+        if not isinstance(completion, str):
+            raise UserError(f"{where}: 'completion' must be text, got {completion!r}")
+        example = Example(prompt=prompt, answer=str(row.get("answer", "")),
+                          columns={k: v for k, v in row.items() if k not in ("prompt", "completion", "answer")})
+        pending.append((len(rows), example, after_prefill(completion, cfg.prefill, where)))
+        rows.append(None)
+    if pending:
+        made, n_cut = prompt_rows([e for _, e, _ in pending], [c for _, _, c in pending], tokenizer, cfg, multiturn)
+        for (i, _, _), r in zip(pending, made):
+            rows[i] = r
+        cut += n_cut
+    return rows, cut
+
+
+def is_sft_file(path: Path) -> bool:
+    """Whether a data file holds sft rows (prompt + completion, or messages) rather than question/answer rows."""
+    if path.suffix.lower() not in (".jsonl", ".json") or not path.is_file():
+        return False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    return True  # read_rows names the line
+                return not isinstance(row, dict) or "messages" in row or "completion" in row
+    return True
+
+
+def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
+    """Rows of question/answer examples whose target is their worked solution in the run's answer format."""
+    from mlx_grpo.solutions import reference_completion
+
+    texts = [reference_completion(e, cfg) for e in examples]
+    missing = sum(t is None for t in texts)
+    if missing == len(texts):
+        raise UserError("no training example has a worked solution to learn from (GSM8K solutions, arith "
+                        "expressions): give sft a dataset_path of prompt + completion or messages rows")
+    if missing:
+        print(f"[mlx-grpo] sft: {missing} of {len(texts)} examples have no worked solution and are left out",
+              flush=True)
+    kept = [(e, after_prefill(t, cfg.prefill, f"example {i}")) for i, (e, t) in enumerate(zip(examples, texts))
+            if t is not None]
+    return prompt_rows([e for e, _ in kept], [t for _, t in kept], tokenizer, cfg, multiturn)
+
+
+def sft_rows(cfg, tokenizer, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
+    """The rows of an sft run (max_train_samples of them, a seeded subset as `train` takes) and the number
+    of prompts cut to max_prompt_length."""
+    path = Path(cfg.dataset_path).expanduser() if cfg.dataset_path else None
+    if path is not None and is_sft_file(path):
+        return file_rows(path, tokenizer, cfg, multiturn)
+    examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed,
+                             arith_max_steps=cfg.arith_max_steps)
+    if cfg.max_train_samples:
+        examples = subset(examples, cfg.max_train_samples, cfg.seed)
+    return reference_rows(examples, tokenizer, cfg, multiturn)
+
+
+__all__ = ["SFTRow", "after_prefill", "conversation_row", "end_id", "file_rows", "is_sft_file", "prompt_rows",
+           "read_rows", "reference_rows", "sft_rows", "target_ids"]
