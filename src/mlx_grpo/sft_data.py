@@ -77,6 +77,8 @@ def conversation_row(messages: list[dict], tokenizer, cfg, where: str) -> tuple[
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"{where}: chat `messages` need a tokenizer with a chat template; this model has none "
                         "(write prompt + completion rows instead)")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: the conversation has no assistant message to train on")
     if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
     eos = end_id(tokenizer)
@@ -176,7 +178,8 @@ def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[
 
 
 def is_sft_file(path: Path) -> bool:
-    """Whether a data file holds sft rows (prompt + completion, or messages) rather than question/answer rows."""
+    """Whether a data file holds sft rows (prompt + completion, or messages) rather than question/answer rows
+    (judged by its first row)."""
     if path.suffix.lower() not in (".jsonl", ".json") or not path.is_file():
         return False
     with open(path, encoding="utf-8") as f:
@@ -186,7 +189,9 @@ def is_sft_file(path: Path) -> bool:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     return True  # read_rows names the line
-                return not isinstance(row, dict) or "messages" in row or "completion" in row
+                # question/answer rows (GSM8K form, prompt + answer) have an answer; anything else is read as
+                # sft rows, whose errors name what sft needs
+                return not isinstance(row, dict) or "messages" in row or "completion" in row or "answer" not in row
     return True
 
 
