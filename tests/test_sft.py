@@ -225,3 +225,56 @@ def test_bad_rows_are_one_line_exit_2_nothing_written(tiny_model_dir, tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_gsm8k_rows_are_the_worked_solutions_after_the_prefill(tiny, tmp_path):
+    """GSM8K-form rows: the prompt as `train` encodes it, the target the solution in the run's format."""
+    from mlx_grpo.data import load_file
+    from mlx_grpo.sft_data import sft_rows
+    from mlx_grpo.solutions import reference_completion
+
+    _, tok = tiny
+    cfg = sft_cfg("x", tmp_path, data=FIXTURES / "gsm8k_solutions.jsonl")
+    rows, _ = sft_rows(cfg, tok, None)
+    examples = load_file(FIXTURES / "gsm8k_solutions.jsonl")
+    assert len(rows) == len(examples)
+    for r, e in zip(rows, examples):
+        assert r.prompt_ids == encode_prompts(None, tok, [e], cfg)[0][0]
+        assert tok.decode(r.ids) == reference_completion(e)[len("<reasoning>\n"):] + "<|im_end|>"
+        assert r.mask == [1] * len(r.ids)
+    assert tok.decode(rows[0].ids).endswith("</reasoning>\n<answer>\n72\n</answer><|im_end|>")
+    think, _ = sft_rows(sft_cfg("x", tmp_path, "prefill=<think>\n", data=FIXTURES / "gsm8k_solutions.jsonl"), tok,
+                        None)  # the format follows the prefill (solutions.style_for)
+    assert tok.decode(think[0].ids).endswith("</think>\n<answer>\n72\n</answer><|im_end|>")
+    with pytest.raises(UserError, match="prefill"):
+        sft_rows(sft_cfg("x", tmp_path, "prefill=Step 1:", data=FIXTURES / "gsm8k_solutions.jsonl"), tok, None)
+
+
+def test_arith_rows_and_max_train_samples(tiny, tmp_path):
+    from mlx_grpo.sft_data import sft_rows
+
+    _, tok = tiny
+    cfg = build_config("sft", overrides=parse_set(["dataset=arith", "arith_max_steps=1", "max_train_samples=5",
+                                                   "prefill=<reasoning>\n"]))
+    rows, cut = sft_rows(cfg, tok, None)
+    assert len(rows) == 5 and cut == 0
+    text = tok.decode(rows[0].ids)
+    assert "<<" not in text and text.endswith("\n</answer><|im_end|>") and "</reasoning>\n<answer>\n" in text
+
+
+def test_calculator_answers_are_context_not_targets(tiny, tmp_path):
+    """With the calculator the solution's computations are calls; the tool's answers are fed in (mask 0)."""
+    from mlx_grpo.multiturn import multiturn_for
+    from mlx_grpo.sft_data import sft_rows
+
+    _, tok = tiny
+    cfg = sft_cfg("x", tmp_path, "tools=calculator", data=FIXTURES / "gsm8k_solutions.jsonl")
+    rows, _ = sft_rows(cfg, tok, multiturn_for(cfg, tok, "llama"))
+    r = rows[0]
+    trained = tok.decode([i for i, m in zip(r.ids, r.mask) if m])
+    fed = tok.decode([i for i, m in zip(r.ids, r.mask) if not m])
+    assert "<calc>48/2</calc>" in trained and "24" in fed and "<calc>" not in fed
+    assert r.mask[-1] == 1 and 0 in r.mask

@@ -3,13 +3,13 @@
 Three sources, each tokenized as `train` sees it:
 - the run's data set (`gsm8k`, `arith`, or a GSM8K-form / prompt-answer file): every example's prompt is
   encoded exactly as `train` encodes it (system prompt, chat template, prefill, tools; multiturn.encode_prompts)
-  and the target is its worked solution written in the run's answer format (solutions.reference_completion),
-  the part after the prefill;
+  and the target is its worked solution written in the run's answer format (solutions.reference_segments),
+  the part after the prefill; with the calculator its computations are calls and the tool's answers context;
 - a file of prompt + completion rows: the prompt as above, the completion as the target;
 - a file of chat `messages` rows: every assistant turn is a target, the other turns are context.
 A target is followed by the end-of-turn token (the tokenizer's eos), so the model learns where its answer
 ends, as rollouts end. Each row becomes an `SFTRow`: prompt ids, then the ids after them with a mask of the
-trained ones (1) and of context (0: a later user turn of a conversation).
+trained ones (1) and of context (0: a later user turn of a conversation, a tool's answer).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from mlx_grpo.data import Example, load_examples, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.multiturn import MultiTurn, encode_prompts
+from mlx_grpo.solutions import Segment, after_prefill, reference_segments, style_for
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,9 @@ def target_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) + [end_id(tokenizer)]
 
 
-def after_prefill(text: str, prefill: str, where: str) -> str:
-    """The completion a rollout samples: `text` without a leading prefill (rollouts start after it)."""
+def strip_prefill(text: str, prefill: str, where: str) -> str:
+    """A user's completion as a rollout samples it: without a leading prefill (rollouts start after it); one
+    that does not start with the prefill is taken as what follows it."""
     if prefill and text.startswith(prefill):
         text = text[len(prefill):]
     if not text.strip():
@@ -167,7 +169,7 @@ def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[
             raise UserError(f"{where}: 'completion' must be text, got {completion!r}")
         example = Example(prompt=prompt, answer=str(row.get("answer", "")),
                           columns={k: v for k, v in row.items() if k not in ("prompt", "completion", "answer")})
-        pending.append((len(rows), example, after_prefill(completion, cfg.prefill, where)))
+        pending.append((len(rows), example, strip_prefill(completion, cfg.prefill, where)))
         rows.append(None)
     if pending:
         made, n_cut = prompt_rows([e for _, e, _ in pending], [c for _, _, c in pending], tokenizer, cfg, multiturn)
@@ -196,20 +198,35 @@ def is_sft_file(path: Path) -> bool:
 
 
 def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
-    """Rows of question/answer examples whose target is their worked solution in the run's answer format."""
-    from mlx_grpo.solutions import reference_completion
-
-    texts = [reference_completion(e, cfg) for e in examples]
-    missing = sum(t is None for t in texts)
-    if missing == len(texts):
-        raise UserError("no training example has a worked solution to learn from (GSM8K solutions, arith "
-                        "expressions): give sft a dataset_path of prompt + completion or messages rows")
-    if missing:
-        print(f"[mlx-grpo] sft: {missing} of {len(texts)} examples have no worked solution and are left out",
-              flush=True)
-    kept = [(e, after_prefill(t, cfg.prefill, f"example {i}")) for i, (e, t) in enumerate(zip(examples, texts))
-            if t is not None]
-    return prompt_rows([e for e, _ in kept], [t for _, t in kept], tokenizer, cfg, multiturn)
+    """Rows of question/answer examples whose target is their worked solution in the run's answer format
+    (solutions.py): the model's text is trained; with the calculator, the tool's answers between its calls
+    are context, as multi-turn rollouts feed them. Examples without a worked solution are left out."""
+    style = style_for(cfg, multiturn.fmt if multiturn is not None else None)
+    pieces = [reference_segments(e, style) for e in examples]
+    kept = [i for i, p in enumerate(pieces) if p is not None]
+    if not kept:
+        raise UserError("no training example has a worked solution to learn from (GSM8K's solutions, arith's, or "
+                        "a 'solution' column): give sft a dataset_path of prompt + completion or messages rows")
+    if len(kept) < len(examples):
+        print(f"[mlx-grpo] sft: {len(examples) - len(kept)} of {len(examples)} examples have no worked solution "
+              "and are left out", flush=True)
+    encoded = encode_prompts(multiturn, tokenizer, [examples[i] for i in kept], cfg)
+    rows = []
+    for i, (prompt, _) in zip(kept, encoded):
+        first, *rest = pieces[i]
+        text = after_prefill(first.text, cfg.prefill) if first.origin == "model" else None
+        if text is None:
+            raise UserError(f"the worked solutions are written as {first.text[:20]!r}... but prefill = "
+                            f"{cfg.prefill!r} does not open them: set the prefill the format starts with")
+        ids, mask = [], []
+        for seg in [Segment(text), *rest]:
+            seg_ids = list(tokenizer.encode(seg.text, add_special_tokens=False))
+            ids += seg_ids
+            mask += [int(seg.origin == "model")] * len(seg_ids)
+        if not any(mask):
+            raise UserError(f"example {i}: its worked solution is empty after the prefill {cfg.prefill!r}")
+        rows.append(SFTRow(list(prompt), ids + [end_id(tokenizer)], mask + [1]))
+    return rows, sum(cut for _, cut in encoded)
 
 
 def sft_rows(cfg, tokenizer, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
@@ -225,5 +242,5 @@ def sft_rows(cfg, tokenizer, multiturn: MultiTurn | None) -> tuple[list[SFTRow],
     return reference_rows(examples, tokenizer, cfg, multiturn)
 
 
-__all__ = ["SFTRow", "after_prefill", "conversation_row", "end_id", "file_rows", "is_sft_file", "prompt_rows",
+__all__ = ["SFTRow", "strip_prefill", "conversation_row", "end_id", "file_rows", "is_sft_file", "prompt_rows",
            "read_rows", "reference_rows", "sft_rows", "target_ids"]
