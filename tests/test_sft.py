@@ -278,3 +278,15 @@ def test_calculator_answers_are_context_not_targets(tiny, tmp_path):
     fed = tok.decode([i for i, m in zip(r.ids, r.mask) if not m])
     assert "<calc>48/2</calc>" in trained and "24" in fed and "<calc>" not in fed
     assert r.mask[-1] == 1 and 0 in r.mask
+
+
+def test_train_refuses_to_resume_an_sft_checkpoint(tiny_model_dir, tmp_path):
+    from mlx_grpo.run import train
+    from mlx_grpo.sft_run import run_sft
+
+    run_dir = run_sft(sft_cfg(tiny_model_dir, tmp_path, "num_epochs=1", "run_name=warm"))
+    cfg = build_config("train", overrides=parse_set([f"model_name={tiny_model_dir}", f"output_dir={tmp_path / 'runs'}",
+                                                     "run_name=warm", "batch_size=2", "num_generations=2",
+                                                     "max_new_tokens=4"]))
+    with pytest.raises(UserError, match="checkpoint of `mlx-grpo sft`.*set model_name"):
+        train(cfg, resume=str(run_dir / "checkpoint-3"))

@@ -121,7 +121,10 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
             path, loaded = ckpt.read_for_resume(run_dir, resume, world.print)
             adapters = ckpt.holds_adapters(path)
             changed = ckpt.config_changes(path, trainer.cfg)
-            if changed:
+            if loaded[2].get("command") == "sft":  # sft_run.py's checkpoints: a model to start from
+                error = (f"--resume: {path} is a checkpoint of `mlx-grpo sft`; to start GRPO from it, set "
+                         f"model_name = {path} (without --resume)")
+            elif changed:
                 error = (f"--resume: {path} was written with other settings that change the run: "
                          f"{', '.join(changed)}; resume with its config ({path / 'config.resolved.json'}) or "
                          "start a new run (another run_name). Only logging, eval, saving and timeouts may change")
