@@ -65,7 +65,7 @@ def naive_mean_nll(model, rows: list[SFTRow]) -> float:
 def test_loss_equals_naive_nll_over_completion_tokens(tiny, tmp_path):
     model, tok = tiny
     cfg = sft_cfg("x", tmp_path)
-    rows, _ = file_rows(write_jsonl(tmp_path / "d.jsonl", ROWS[:3] + [CHAT]), tok, cfg, None)
+    rows, _ = file_rows(write_jsonl(tmp_path / "d.jsonl", ROWS[:3] + [CHAT]), tok, cfg, None, cfg.system_prompt)
     expected = naive_mean_nll(model, rows)
     grads = {}
     for size, max_tokens in ((16, 0), (1, 0), (2, 128)):  # micro-batching never changes the loss
@@ -82,7 +82,7 @@ def test_prompt_positions_get_no_gradient(tiny, tmp_path):
     logits at every prompt position (and at masked context) is exactly 0."""
     model, tok = tiny
     cfg = sft_cfg("x", tmp_path)
-    (row,), _ = file_rows(write_jsonl(tmp_path / "d.jsonl", [CHAT]), tok, cfg, None)
+    (row,), _ = file_rows(write_jsonl(tmp_path / "d.jsonl", [CHAT]), tok, cfg, None, cfg.system_prompt)
     batch = pack_rows([row], tok.pad_token_id)
     logits = model(batch.inputs).astype(mx.float32)  # [1, L, V]
 
@@ -103,7 +103,7 @@ def test_rows_are_trains_prompts_plus_the_completion(tiny, tmp_path):
     _, tok = tiny
     cfg = sft_cfg("x", tmp_path)
     row = dict(ROWS[0], completion="<reasoning>\n" + "1 + 1 = 2\n</reasoning>\n<answer>\n2\n</answer>")
-    (r,), cut = file_rows(write_jsonl(tmp_path / "d.jsonl", [row]), tok, cfg, None)
+    (r,), cut = file_rows(write_jsonl(tmp_path / "d.jsonl", [row]), tok, cfg, None, cfg.system_prompt)
     from mlx_grpo.data import Example
 
     assert r.prompt_ids == encode_prompts(None, tok, [Example(row["prompt"], "")], cfg)[0][0] and cut == 0
@@ -115,7 +115,7 @@ def test_rows_are_trains_prompts_plus_the_completion(tiny, tmp_path):
 def test_chat_rows_train_on_assistant_turns_only(tiny, tmp_path):
     _, tok = tiny
     cfg = sft_cfg("x", tmp_path, "system_prompt=")
-    r, _ = conversation_row(CHAT["messages"], tok, cfg, "row")
+    r, _ = conversation_row(CHAT["messages"], tok, cfg, "row", "")
     trained = [i for i, m in zip(r.ids, r.mask) if m]
     assert tok.decode(trained) == "hello<|im_end|>2<|im_end|>"
     assert tok.decode(r.prompt_ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -233,12 +233,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def test_gsm8k_rows_are_the_worked_solutions_after_the_prefill(tiny, tmp_path):
     """GSM8K-form rows: the prompt as `train` encodes it, the target the solution in the run's format."""
     from mlx_grpo.data import load_file
-    from mlx_grpo.sft_data import sft_rows
+    from mlx_grpo.sft_data import load_sft_data
     from mlx_grpo.solutions import reference_completion
 
     _, tok = tiny
     cfg = sft_cfg("x", tmp_path, data=FIXTURES / "gsm8k_solutions.jsonl")
-    rows, _ = sft_rows(cfg, tok, None)
+    rows = load_sft_data(cfg, tok, None).rows
     examples = load_file(FIXTURES / "gsm8k_solutions.jsonl")
     assert len(rows) == len(examples)
     for r, e in zip(rows, examples):
@@ -246,20 +246,21 @@ def test_gsm8k_rows_are_the_worked_solutions_after_the_prefill(tiny, tmp_path):
         assert tok.decode(r.ids) == reference_completion(e)[len("<reasoning>\n"):] + "<|im_end|>"
         assert r.mask == [1] * len(r.ids)
     assert tok.decode(rows[0].ids).endswith("</reasoning>\n<answer>\n72\n</answer><|im_end|>")
-    think, _ = sft_rows(sft_cfg("x", tmp_path, "prefill=<think>\n", data=FIXTURES / "gsm8k_solutions.jsonl"), tok,
-                        None)  # the format follows the prefill (solutions.style_for)
+    think = load_sft_data(sft_cfg("x", tmp_path, "prefill=<think>\n", data=FIXTURES / "gsm8k_solutions.jsonl"), tok,
+                          None).rows  # the format follows the prefill (solutions.style_for)
     assert tok.decode(think[0].ids).endswith("</think>\n<answer>\n72\n</answer><|im_end|>")
     with pytest.raises(UserError, match="prefill"):
-        sft_rows(sft_cfg("x", tmp_path, "prefill=Step 1:", data=FIXTURES / "gsm8k_solutions.jsonl"), tok, None)
+        load_sft_data(sft_cfg("x", tmp_path, "prefill=Step 1:", data=FIXTURES / "gsm8k_solutions.jsonl"), tok, None)
 
 
 def test_arith_rows_and_max_train_samples(tiny, tmp_path):
-    from mlx_grpo.sft_data import sft_rows
+    from mlx_grpo.sft_data import load_sft_data
 
     _, tok = tiny
     cfg = build_config("sft", overrides=parse_set(["dataset=arith", "arith_max_steps=1", "max_train_samples=5",
                                                    "prefill=<reasoning>\n"]))
-    rows, cut = sft_rows(cfg, tok, None)
+    data = load_sft_data(cfg, tok, None)
+    rows, cut = data.rows, data.cut
     assert len(rows) == 5 and cut == 0
     text = tok.decode(rows[0].ids)
     assert "<<" not in text and text.endswith("\n</answer><|im_end|>") and "</reasoning>\n<answer>\n" in text
@@ -268,11 +269,11 @@ def test_arith_rows_and_max_train_samples(tiny, tmp_path):
 def test_calculator_answers_are_context_not_targets(tiny, tmp_path):
     """With the calculator the solution's computations are calls; the tool's answers are fed in (mask 0)."""
     from mlx_grpo.multiturn import multiturn_for
-    from mlx_grpo.sft_data import sft_rows
+    from mlx_grpo.sft_data import load_sft_data
 
     _, tok = tiny
     cfg = sft_cfg("x", tmp_path, "tools=calculator", data=FIXTURES / "gsm8k_solutions.jsonl")
-    rows, _ = sft_rows(cfg, tok, multiturn_for(cfg, tok, "llama"))
+    rows = load_sft_data(cfg, tok, multiturn_for(cfg, tok, "llama")).rows
     r = rows[0]
     trained = tok.decode([i for i, m in zip(r.ids, r.mask) if m])
     fed = tok.decode([i for i, m in zip(r.ids, r.mask) if not m])
@@ -290,3 +291,22 @@ def test_train_refuses_to_resume_an_sft_checkpoint(tiny_model_dir, tmp_path):
                                                      "max_new_tokens=4"]))
     with pytest.raises(UserError, match="checkpoint of `mlx-grpo sft`.*set model_name"):
         train(cfg, resume=str(run_dir / "checkpoint-3"))
+
+
+def test_worked_examples_prompt_is_trains(tiny_model_dir, tmp_path):
+    """With worked examples the rows carry the system prompt `train` builds for the same settings (the same
+    drawn examples, left out of the rows as train leaves them out of its data)."""
+    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.sft_data import load_sft_data
+
+    keys = [f"model_name={tiny_model_dir}", "dataset=arith", "arith_max_steps=1", "worked_examples=2",
+            "max_train_samples=6", "prefill=<reasoning>\n", "eval_every_updates=3", "eval_subset_size=4",
+            "max_prompt_length=2048"]
+    trainer = build_trainer(build_config("train", overrides=parse_set(keys + ["kl_coeff=0"])))
+    cfg = build_config("sft", overrides=parse_set(keys))
+    data = load_sft_data(cfg, trainer.tokenizer, None)
+    assert data.prompt == trainer.prompt and len(data.prompt.examples) == 2 and data.eval_prompt == trainer.eval_prompt
+    assert [r.prompt_ids for r in data.rows] == [ids for ids, _ in encode_prompts(
+        None, trainer.tokenizer, trainer.train_examples, cfg, trainer.prompt.system)]
+    shown = {e.prompt for e in trainer.worked.examples}
+    assert not shown & {e.prompt for e in trainer.train_examples} and len(data.evals) == 4

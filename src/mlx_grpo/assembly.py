@@ -26,6 +26,7 @@ from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.policy import Policies
+from mlx_grpo.prompts import select_worked_examples
 from mlx_grpo.reward_workers import build_reward_set
 from mlx_grpo.rollout import machine_memory_bytes, rollout_memory_bytes
 from mlx_grpo.trainer import Trainer
@@ -101,6 +102,12 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
     in a data-parallel run (default: alone)."""
     train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps)
+    evals = None
+    if cfg.eval_every_updates or cfg.eval_steps or cfg.worked_examples or cfg.worked_examples_text:
+        evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed,
+                              arith_max_steps=cfg.arith_max_steps)
+    # the worked examples come from the whole training split, before max_train_samples, and leave it
+    worked, train = select_worked_examples(cfg, train, evals or [])
     if cfg.max_train_samples:
         train = subset(train, cfg.max_train_samples, cfg.seed)
     rewards = build_reward_set(cfg, Path.cwd())
@@ -123,9 +130,7 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
                         + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
                         "max_new_tokens" + (", or set rollout_engine = model" if copy else ""))
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
-    evals = None
-    if cfg.eval_every_updates or cfg.eval_steps:
-        evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed,
-                              arith_max_steps=cfg.arith_max_steps)
+    if not (cfg.eval_every_updates or cfg.eval_steps):
+        evals = None  # loaded only to keep its questions out of the worked examples
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
-                   source_dir, evals, adapter_config, masters, world or World())
+                   source_dir, evals, adapter_config, masters, world or World(), worked=worked)

@@ -86,15 +86,28 @@ class Config:
                               "(2-4 steps); 1-3 = running-count stories of 1 to N steps, which a small model "
                               "can learn (configs/arith.toml uses 1).", DATA)
     dataset_path: str = _f("", "Local JSONL/Parquet training file (GSM8K form or prompt/answer); overrides "
-                           "`dataset` for training. sft also reads rows of prompt + completion (the "
-                           "target written after the prompt and prefill) or chat `messages` (trained on the "
-                           "assistant turns).", TUNE)
+                           "`dataset` for training (and, in eval, for drawing the worked_examples). sft also "
+                           "reads rows of prompt + completion (the target written after the prompt and prefill) "
+                           "or chat `messages` (trained on the assistant turns).", DATA)
     eval_dataset_path: str = _f("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA)
     max_train_samples: int = _f(0, "Use only the first N training examples after shuffling (0 = all).", TUNE)
     max_prompt_length: int = _f(512, "Prompts longer than this many tokens are cut from the left, keeping "
                                 "the generation prompt; cuts are counted in the logs.", DATA)
     prefill: str = _f("", "Text appended after the generation prompt (e.g. '<reasoning>'); rewards see "
                       "prefill + completion.", DATA)
+    worked_examples: int = _f(0, "Worked examples shown after the system prompt (prompts.py): this many drawn from "
+                              "the training split with worked_examples_seed, each its question and its worked "
+                              "solution written in the run's format (GSM8K's own solution, arith's, or a "
+                              "'solution'/'completion' column; solutions.py). Never an example whose question is "
+                              "in the evaluation set; the drawn examples are left out of training (their answers "
+                              "are in every prompt). 0 = none.", DATA)
+    worked_examples_seed: int = _f(0, "Seed of the draw of worked_examples: the same seed, the same prompt (kept "
+                                   "apart from `seed`, so runs over several seeds show the same examples).", DATA)
+    worked_examples_text: list[str] = _f([], "Worked examples written out, each shown as is after the system "
+                                         "prompt (after any drawn ones); an evaluation question may not appear "
+                                         "in one.", DATA)
+    eval_worked_examples: bool = _f(True, "Evaluate with the run's worked examples in the prompt; false = the "
+                                    "system prompt alone (what training taught, without the examples).", DATA)
     # --- rewards ---
     reward_funcs: list[str] = _f(BUILTIN_REWARD_NAMES, "Reward functions: built-in names "
                                  f"({', '.join(BUILTIN_REWARD_NAMES + REASONED_REWARD_NAMES + REASONING_REWARD_NAMES)}, "

@@ -42,13 +42,14 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
     engine = trainer.engine if trainer.policies.sampler is trainer.model else None
     mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
                           max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main,
-                          engine=engine, multiturn=trainer.multiturn)
+                          engine=engine, multiturn=trainer.multiturn, system_prompt=trainer.eval_prompt.system)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
     if not world.is_main:
         return None
     record = {"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
               "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
-              "format_rate": result.format_rate, "num_examples": len(examples)}
+              "format_rate": result.format_rate, "num_examples": len(examples),
+              "worked_examples": len(trainer.eval_prompt.examples)}
     if result.tool_call_rate is not None:
         record["tool_call_rate"] = result.tool_call_rate
     logger.log_eval(record)

@@ -2,7 +2,8 @@
 
 Three sources, each tokenized as `train` sees it:
 - the run's data set (`gsm8k`, `arith`, or a GSM8K-form / prompt-answer file): every example's prompt is
-  encoded exactly as `train` encodes it (system prompt, chat template, prefill, tools; multiturn.encode_prompts)
+  encoded exactly as `train` encodes it (system prompt with its worked examples, prompts.py; chat template,
+  prefill, tools; multiturn.encode_prompts)
   and the target is its worked solution written in the run's answer format (solutions.reference_segments),
   the part after the prefill; with the calculator its computations are calls and the tool's answers context;
 - a file of prompt + completion rows: the prompt as above, the completion as the target;
@@ -21,6 +22,7 @@ from pathlib import Path
 from mlx_grpo.data import Example, load_examples, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.multiturn import MultiTurn, encode_prompts
+from mlx_grpo.prompts import RunPrompt, build_run_prompts, select_worked_examples
 from mlx_grpo.solutions import Segment, after_prefill, reference_segments, style_for
 
 
@@ -60,11 +62,11 @@ def strip_prefill(text: str, prefill: str, where: str) -> str:
     return text
 
 
-def prompt_rows(examples: list[Example], completions: list[str], tokenizer, cfg,
-                multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
-    """Rows of (example, its completion after the prefill); prompts encoded as `train` encodes them.
-    -> (rows, prompts cut to max_prompt_length)."""
-    encoded = encode_prompts(multiturn, tokenizer, examples, cfg)
+def prompt_rows(examples: list[Example], completions: list[str], tokenizer, cfg, multiturn: MultiTurn | None,
+                system: str) -> tuple[list[SFTRow], int]:
+    """Rows of (example, its completion after the prefill); prompts encoded as `train` encodes them, with the
+    run's system prompt `system` (prompts.RunPrompt). -> (rows, prompts cut to max_prompt_length)."""
+    encoded = encode_prompts(multiturn, tokenizer, examples, cfg, system)
     rows = []
     for (ids, _), text in zip(encoded, completions):
         target = target_ids(tokenizer, text)
@@ -72,17 +74,17 @@ def prompt_rows(examples: list[Example], completions: list[str], tokenizer, cfg,
     return rows, sum(cut for _, cut in encoded)
 
 
-def conversation_row(messages: list[dict], tokenizer, cfg, where: str) -> tuple[SFTRow, bool]:
+def conversation_row(messages: list[dict], tokenizer, cfg, where: str, system: str) -> tuple[SFTRow, bool]:
     """A chat conversation through the chat template: each assistant turn (through its end-of-turn token) is
-    trained, everything else is context. The system prompt is added as `train` adds it: when the
-    conversation has none. -> (row, whether the context before the first answer was cut)."""
+    trained, everything else is context. The run's system prompt `system` is added as `train` adds it: when
+    the conversation has none. -> (row, whether the context before the first answer was cut)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"{where}: chat `messages` need a tokenizer with a chat template; this model has none "
                         "(write prompt + completion rows instead)")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no assistant message to train on")
-    if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
-        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    if system and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": system}, *messages]
     eos = end_id(tokenizer)
     ids, mask, done = [], [], ""
     for i, message in enumerate(messages):
@@ -141,7 +143,7 @@ def read_rows(path: Path) -> list[tuple[str, dict]]:
     return out
 
 
-def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
+def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None, system: str) -> tuple[list[SFTRow], int]:
     """The rows of a prompt/completion or messages file (max_train_samples of them: a seeded subset)."""
     raw = read_rows(path)
     if cfg.max_train_samples:
@@ -152,7 +154,8 @@ def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[
             if multiturn is not None:
                 raise UserError(f"{where}: chat `messages` rows and tools/environment do not mix: the tools' "
                                 "prompt would differ from the conversation's; use prompt + completion rows")
-            made, was_cut = conversation_row(_messages(row["messages"], where, "messages"), tokenizer, cfg, where)
+            made, was_cut = conversation_row(_messages(row["messages"], where, "messages"), tokenizer, cfg, where,
+                                             system)
             rows.append(made)
             cut += was_cut
             continue
@@ -172,7 +175,8 @@ def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[
         pending.append((len(rows), example, strip_prefill(completion, cfg.prefill, where)))
         rows.append(None)
     if pending:
-        made, n_cut = prompt_rows([e for _, e, _ in pending], [c for _, _, c in pending], tokenizer, cfg, multiturn)
+        made, n_cut = prompt_rows([e for _, e, _ in pending], [c for _, _, c in pending], tokenizer, cfg, multiturn,
+                                  system)
         for (i, _, _), r in zip(pending, made):
             rows[i] = r
         cut += n_cut
@@ -197,7 +201,8 @@ def is_sft_file(path: Path) -> bool:
     return True
 
 
-def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
+def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn | None,
+                   system: str) -> tuple[list[SFTRow], int]:
     """Rows of question/answer examples whose target is their worked solution in the run's answer format
     (solutions.py): the model's text is trained; with the calculator, the tool's answers between its calls
     are context, as multi-turn rollouts feed them. Examples without a worked solution are left out."""
@@ -210,7 +215,7 @@ def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn
     if len(kept) < len(examples):
         print(f"[mlx-grpo] sft: {len(examples) - len(kept)} of {len(examples)} examples have no worked solution "
               "and are left out", flush=True)
-    encoded = encode_prompts(multiturn, tokenizer, [examples[i] for i in kept], cfg)
+    encoded = encode_prompts(multiturn, tokenizer, [examples[i] for i in kept], cfg, system)
     rows = []
     for i, (prompt, _) in zip(kept, encoded):
         first, *rest = pieces[i]
@@ -229,18 +234,44 @@ def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn
     return rows, sum(cut for _, cut in encoded)
 
 
-def sft_rows(cfg, tokenizer, multiturn: MultiTurn | None) -> tuple[list[SFTRow], int]:
-    """The rows of an sft run (max_train_samples of them, a seeded subset as `train` takes) and the number
-    of prompts cut to max_prompt_length."""
+@dataclass
+class SFTData:
+    """What an sft run trains and evaluates on, with the prompts `train` would use for the same config."""
+
+    rows: list[SFTRow]
+    cut: int  # prompts cut to max_prompt_length
+    evals: list[Example] | None  # the fixed eval subset (eval_every_updates), else None
+    prompt: RunPrompt  # the system prompt of the training rows, worked examples included
+    eval_prompt: RunPrompt
+
+
+def load_sft_data(cfg, tokenizer, multiturn: MultiTurn | None, say=print) -> SFTData:
+    """The rows of an sft run (max_train_samples of them, a seeded subset as `train` takes), its eval subset
+    and its prompts. Worked examples are drawn as `train` draws them (prompts.py: from the whole training
+    split, never an eval question) and their examples are left out of the rows, as `train` leaves them out."""
     path = Path(cfg.dataset_path).expanduser() if cfg.dataset_path else None
+    evals = None
+    if cfg.eval_every_updates or cfg.worked_examples or cfg.worked_examples_text:
+        evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed,
+                              arith_max_steps=cfg.arith_max_steps)
     if path is not None and is_sft_file(path):
-        return file_rows(path, tokenizer, cfg, multiturn)
-    examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed,
-                             arith_max_steps=cfg.arith_max_steps)
-    if cfg.max_train_samples:
-        examples = subset(examples, cfg.max_train_samples, cfg.seed)
-    return reference_rows(examples, tokenizer, cfg, multiturn)
+        if cfg.worked_examples:
+            raise UserError(f"worked_examples draws from question/answer data, and {path} holds sft rows: write the "
+                            "examples out in worked_examples_text instead")
+        worked, _ = select_worked_examples(cfg, [], evals or [])
+        prompt, eval_prompt = build_run_prompts(cfg, tokenizer, multiturn, worked, evals or [], say)
+        rows, cut = file_rows(path, tokenizer, cfg, multiturn, prompt.system)
+    else:
+        examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed,
+                                 arith_max_steps=cfg.arith_max_steps)
+        worked, examples = select_worked_examples(cfg, examples, evals or [])
+        if cfg.max_train_samples:
+            examples = subset(examples, cfg.max_train_samples, cfg.seed)
+        prompt, eval_prompt = build_run_prompts(cfg, tokenizer, multiturn, worked, examples + (evals or []), say)
+        rows, cut = reference_rows(examples, tokenizer, cfg, multiturn, prompt.system)
+    evals = subset(evals, cfg.eval_subset_size, cfg.seed) if cfg.eval_every_updates else None
+    return SFTData(rows, cut, evals, prompt, eval_prompt)
 
 
-__all__ = ["SFTRow", "strip_prefill", "conversation_row", "end_id", "file_rows", "is_sft_file", "prompt_rows",
-           "read_rows", "reference_rows", "sft_rows", "target_ids"]
+__all__ = ["SFTData", "SFTRow", "conversation_row", "end_id", "file_rows", "is_sft_file", "load_sft_data",
+           "prompt_rows", "read_rows", "reference_rows", "strip_prefill", "target_ids"]

@@ -18,7 +18,6 @@ from tqdm import tqdm
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.assembly import build_model
 from mlx_grpo.config import Config, save_json, to_dict
-from mlx_grpo.data import Example, load_examples, subset
 from mlx_grpo.distributed import World
 from mlx_grpo.engine import RolloutEngine
 from mlx_grpo.errors import UserError
@@ -28,7 +27,7 @@ from mlx_grpo.multiturn import multiturn_for
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.run import prepare_run_dir
 from mlx_grpo.sft import SFTTrainer
-from mlx_grpo.sft_data import sft_rows
+from mlx_grpo.sft_data import SFTData, load_sft_data
 
 
 def run_sft(cfg: Config, resume: str | None = None) -> Path:
@@ -38,13 +37,9 @@ def run_sft(cfg: Config, resume: str | None = None) -> Path:
     built = build_model(cfg, say=lambda line: print(line, flush=True))
     model_type = getattr(getattr(built.model, "args", None), "model_type", None)
     multiturn = multiturn_for(cfg, built.tokenizer, model_type)
-    rows, cut = sft_rows(cfg, built.tokenizer, multiturn)
-    evals = None
-    if cfg.eval_every_updates:
-        evals = subset(load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed,
-                                     arith_max_steps=cfg.arith_max_steps), cfg.eval_subset_size, cfg.seed)
+    data = load_sft_data(cfg, built.tokenizer, multiturn, say=console)
     run_dir = Path(cfg.output_dir) / cfg.run_name
-    trainer = SFTTrainer(cfg, built.model, built.tokenizer, rows, run_dir, built.source_dir, built.masters,
+    trainer = SFTTrainer(cfg, built.model, built.tokenizer, data.rows, run_dir, built.source_dir, built.masters,
                          built.adapter_config)
     created = not run_dir.exists()
     try:
@@ -52,7 +47,7 @@ def run_sft(cfg: Config, resume: str | None = None) -> Path:
     except OSError as exc:
         raise UserError(f"cannot use the run directory {run_dir}: {exc.strerror or exc}") from None
     try:
-        return _run_locked(trainer, resume, evals, multiturn, cut, started)
+        return _run_locked(trainer, resume, data, multiturn, started)
     except BaseException:
         # a run refused before it wrote anything (a bad --resume, say) leaves no empty directory behind
         if created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".lock", "config.resolved.json"}:
@@ -83,17 +78,18 @@ def _resume(trainer: SFTTrainer, resume: str | None, logger: RunLogger) -> None:
     console(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}")
 
 
-def _evaluate(trainer: SFTTrainer, engine: RolloutEngine, examples: list[Example], multiturn, logger: RunLogger,
+def _evaluate(trainer: SFTTrainer, engine: RolloutEngine, data: SFTData, multiturn, logger: RunLogger,
               reporters: Reporters, trigger: str) -> dict:
-    """Greedy exact match of the model now on `examples` (evaluate.py, as `train` evaluates), logged."""
+    """Greedy exact match of the model now on the eval subset (evaluate.py, with the prompt `train`
+    evaluates with), logged."""
     cfg = trainer.cfg
     engine.refresh(trainer.model)  # the weights changed since the engine last sampled
-    records = answer_records(trainer.model, trainer.tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
-                             progress=True, engine=engine, multiturn=multiturn)
+    records = answer_records(trainer.model, trainer.tokenizer, data.evals, cfg, max_new_tokens=cfg.eval_max_new_tokens,
+                             progress=True, engine=engine, multiturn=multiturn, system_prompt=data.eval_prompt.system)
     result = summarize(records)
     record = {"update_step": trainer.counters.update_step, "trigger": trigger, "accuracy": result.accuracy,
               "accuracy_lenient": result.lenient_accuracy, "format_rate": result.format_rate,
-              "num_examples": len(examples)}
+              "num_examples": len(data.evals), "worked_examples": len(data.eval_prompt.examples)}
     if result.tool_call_rate is not None:
         record["tool_call_rate"] = result.tool_call_rate
     logger.log_eval(record)
@@ -101,9 +97,8 @@ def _evaluate(trainer: SFTTrainer, engine: RolloutEngine, examples: list[Example
     return record
 
 
-def _run_locked(trainer: SFTTrainer, resume: str | None, evals: list[Example] | None, multiturn, cut: int,
-                started: float) -> Path:
-    cfg, run_dir, c = trainer.cfg, trainer.run_dir, trainer.counters
+def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multiturn, started: float) -> Path:
+    cfg, run_dir, cut, evals = trainer.cfg, trainer.run_dir, data.cut, data.evals
     logger = RunLogger(run_dir, cfg.log_jsonl)
     _resume(trainer, resume, logger)
     c = trainer.counters
@@ -134,7 +129,7 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, evals: list[Example] | 
                                                                              c.update_step - start_update,
                                                                              trainer.total_updates - c.update_step))
             if evals and c.update_step % cfg.eval_every_updates == 0:
-                last_eval = _evaluate(trainer, engine, evals, multiturn, logger, reporters, "eval_every_updates")
+                last_eval = _evaluate(trainer, engine, data, multiturn, logger, reporters, "eval_every_updates")
             if cfg.save_steps and c.update_step % cfg.save_steps == 0:
                 trainer.save()
                 last_saved = c.update_step
@@ -146,7 +141,7 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, evals: list[Example] | 
                 break
         bar.close()
         if evals and (last_eval is None or last_eval["update_step"] != c.update_step):
-            last_eval = _evaluate(trainer, engine, evals, multiturn, logger, reporters, "end")
+            last_eval = _evaluate(trainer, engine, data, multiturn, logger, reporters, "end")
         final = trainer.save() if last_saved != c.update_step else ckpt.list_checkpoints(run_dir)[-1]
     except BaseException:
         reporters.close(failed=True)
