@@ -23,6 +23,9 @@ def files(tmp_path, tiny_model_dir):
     (d / "unknown.toml").write_text("learnin_rate = 1e-5\n")
     (d / "a_file").write_text("not a directory")
     (d / "long.jsonl").write_text(json.dumps({"prompt": "x " * 1500, "answer": "1"}) + "\n")
+    (d / "nocompletion.jsonl").write_text(json.dumps({"prompt": "q", "completion": ""}) + "\n")
+    (d / "nocolumns.jsonl").write_text(json.dumps({"text": "q"}) + "\n")
+    (d / "sft.jsonl").write_text(json.dumps({"prompt": "q", "completion": "a"}) + "\n")
     (d / "noconfig").mkdir()
     (d / "notckpt").mkdir()
     (d / "run" / "grpo").mkdir(parents=True)
@@ -32,6 +35,7 @@ def files(tmp_path, tiny_model_dir):
 # (command line after `mlx-grpo`, a regex the one error line must match). {d}: the inputs folder,
 # {model}: a tiny model, {out}: the output folder that must stay empty.
 TRAIN = ["train", "--set", "model_name={model}", "--set", "output_dir={out}", "--set", "system_prompt="]
+SFT = ["sft", "--set", "model_name={model}", "--set", "output_dir={out}"]
 CASES = {
     # config
     "unknown key": (TRAIN + ["--set", "learnin_rate=1"], r"unknown config key 'learnin_rate'.*learning_rate"),
@@ -94,6 +98,16 @@ CASES = {
     "eval output is a directory": (["eval", "--set", "model_name={model}", "--samples", "1", "-o", "{d}/notckpt"],
                                    r"is a directory"),
     "plot without metrics": (["plot", "{d}/notckpt"], r"metrics.jsonl"),
+    # sft
+    "sft empty completion": (SFT + ["--set", "dataset_path={d}/nocompletion.jsonl"], r"nocompletion.jsonl:1: the "
+                             "completion is empty"),
+    "sft row without columns": (SFT + ["--set", "dataset_path={d}/nocolumns.jsonl"],
+                                r"missing 'prompt' and 'completion'"),
+    "sft without solutions": (SFT + ["--set", "dataset_path={d}/long.jsonl"], r"no training example has a worked "
+                              "solution"),
+    "grpo key for sft": (SFT + ["--set", "num_generations=4"], r"does not apply to 'sft'"),
+    "sft resume without checkpoint": (SFT + ["--set", "dataset_path={d}/sft.jsonl", "--set", "batch_size=1",
+                                             "--resume"], r"--resume: no checkpoint found"),
 }
 
 

@@ -33,7 +33,7 @@ def test_eval_writes_records_for_the_fixed_subset(tiny_model_dir, tmp_path, caps
 def test_accuracy_and_pass_at_k_count_correct_answers(tiny_model_dir, monkeypatch):
     """Feed scripted completions: the first sample of question 0 is right, question 1 only in sample 2."""
     cfg = _cfg(tiny_model_dir, "eval_subset_size=2", "eval_num_samples=2", "temperature=1.0")
-    examples = evaluate.subset(evaluate.load_examples("arith", "test", cfg.eval_dataset_path, 0), 2, 0)
+    examples = evaluate.subset(evaluate.run_examples(cfg, "test"), 2, 0)
 
     def scripted(engine, jobs, group, params, prefill=""):
         texts = [f"<answer>\n{examples[0].answer}\n</answer>", "no", "7 apples", f"so {examples[1].answer}"]

@@ -1,20 +1,22 @@
 """Assembling a Trainer from a Config (run.py and the benches call `build_trainer`): the training and
 evaluation examples, the reward set, the model loaded and cast to its compute dtype with its float32
-masters, LoRA/DoRA adapters and the QLoRA base, the KL reference model, the start-up memory check for the
-rollouts (and the rollout engine's copy), and the warnings about settings that will not do what they say.
+masters, LoRA/DoRA adapters and the QLoRA base (`build_model`, which `mlx-grpo sft` shares), the KL
+reference model, the start-up memory check for the rollouts (and the rollout engine's copy), and the
+warnings about settings that will not do what they say.
 trainer.py holds the GRPO steps and checkpoint state; it never imports this module.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_grpo.checkpoint import load_masters
 from mlx_grpo.config import Config
 from mlx_grpo.data import subset
-from mlx_grpo.sources import load_examples
 from mlx_grpo.distributed import World
 from mlx_grpo.engine import uses_copy
 from mlx_grpo.errors import UserError
@@ -24,19 +26,30 @@ from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.policy import Policies
+from mlx_grpo.prompts import select_worked_examples
 from mlx_grpo.reward_workers import build_reward_set
 from mlx_grpo.rollout import machine_memory_bytes, rollout_memory_bytes
+from mlx_grpo.sources import run_examples
 from mlx_grpo.trainer import Trainer
 
 
-def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
-    """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
-    in a data-parallel run (default: alone)."""
-    train = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps,
-                          prompt_column=cfg.prompt_column, answer_column=cfg.answer_column)
-    if cfg.max_train_samples:
-        train = subset(train, cfg.max_train_samples, cfg.seed)
-    rewards = build_reward_set(cfg, Path.cwd())
+@dataclass
+class TrainedModel:
+    """A model ready to train: in its compute dtype, with its float32 masters, adapters (lora/dora) and the
+    QLoRA base as configured; what `build_trainer` and `mlx-grpo sft` (sft.py) start from."""
+
+    model: object
+    tokenizer: object
+    masters: MasterWeights
+    adapter_config: dict | None  # lora/dora: what checkpoints record next to the adapters
+    source_dir: Path  # the model's directory (its tokenizer files go into every checkpoint)
+    dtype: mx.Dtype  # the compute dtype
+
+
+def build_model(cfg: Config, say=print) -> TrainedModel:
+    """Load cfg.model_name for training as train_type / load_in_bits / master_weights say. A full-weight
+    checkpoint that holds float32 masters (a mixed-precision `train` or `sft` run) lends them to this
+    run's masters, so a run started from it continues from exactly its weights. say: prints warnings."""
     source_dir = Path(resolve_model_path(cfg.model_name))
     if not source_dir.is_dir():  # a hub id: mlx-lm downloads it; find its local snapshot
         from mlx_lm.utils import hf_repo_to_path
@@ -56,7 +69,11 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
                             "it without --quantize, or train adapters on it (train_type = lora: QLoRA)")
         masters = MasterWeights(model, mixed)  # from the weights as stored, before they are cast
         cast_floats(model, dtype)
-        reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 else None
+        saved = load_masters(source_dir) if masters.active else None
+        if saved is not None and {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in
+                                                                          masters.masters.items()}:
+            masters.adopt(saved)  # the stored weights are these masters rounded to the compute dtype
+            masters.sync(model)
     else:
         cast_floats(model, dtype)  # the frozen base computes in the compute dtype; adapters get masters
         if cfg.load_in_bits:
@@ -71,7 +88,36 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
                                       "load_in_bits": cfg.load_in_bits, "model_dtype": dtype_name(dtype)}
         masters = MasterWeights(model, mixed)  # mlx-lm creates the adapters in float32
         cast_floats(model, dtype)
-        reference = None  # the KL reference is `model` with its adapters switched off
+    if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
+        say(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
+            f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it")
+    if not masters.active:
+        warning = check_rounding(dict(tree_flatten(model.trainable_parameters())), cfg.learning_rate, dtype,
+                                 "set master_weights = true (float32 masters) or model_dtype = float32")
+        if warning:
+            say(f"[mlx-grpo] warning: {warning}")
+    return TrainedModel(model, tokenizer, masters, adapter_config, source_dir, dtype)
+
+
+def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
+    """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
+    in a data-parallel run (default: alone)."""
+    train = run_examples(cfg, "train")
+    evals = None
+    if cfg.eval_every_updates or cfg.eval_steps or cfg.worked_examples or cfg.worked_examples_text:
+        evals = run_examples(cfg, "test")
+    # the worked examples come from the whole training split, before max_train_samples, and leave it
+    worked, train = select_worked_examples(cfg, train, evals or [])
+    if cfg.max_train_samples:
+        train = subset(train, cfg.max_train_samples, cfg.seed)
+    rewards = build_reward_set(cfg, Path.cwd())
+    main = world is None or world.is_main
+    built = build_model(cfg, say=lambda line: print(line, flush=True) if main else None)
+    model, tokenizer, masters, adapter_config = built.model, built.tokenizer, built.masters, built.adapter_config
+    source_dir, dtype = built.source_dir, built.dtype
+    # the KL reference: a frozen copy for full training; with adapters, `model` with its adapters switched off
+    reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 and adapter_config is None \
+        else None
     rows = cfg.batch_size // (world.size if world else 1) * cfg.num_generations
     need, have = rollout_memory_bytes(model, rows, cfg.max_prompt_length + cfg.max_new_tokens), machine_memory_bytes()
     copy = decoder.copy_bytes(model, dtype) if need and uses_copy(cfg.rollout_engine, model) else 0
@@ -83,20 +129,8 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
                                                        "of the weights" if copy else "")
                         + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
                         "max_new_tokens" + (", or set rollout_engine = model" if copy else ""))
-    if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
-        print(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
-              f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it",
-              flush=True)
-    if not masters.active:
-        warning = check_rounding(dict(tree_flatten(model.trainable_parameters())), cfg.learning_rate, dtype,
-                                 "set master_weights = true (float32 masters) or model_dtype = float32")
-        if warning and (world is None or world.is_main):
-            print(f"[mlx-grpo] warning: {warning}", flush=True)
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
-    evals = None
-    if cfg.eval_every_updates or cfg.eval_steps:
-        evals = load_examples(cfg.dataset, "test", cfg.eval_dataset_path or None, cfg.seed,
-                              arith_max_steps=cfg.arith_max_steps, prompt_column=cfg.prompt_column,
-                              answer_column=cfg.answer_column)
+    if not (cfg.eval_every_updates or cfg.eval_steps):
+        evals = None  # loaded only to keep its questions out of the worked examples
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
-                   source_dir, evals, adapter_config, masters, world or World())
+                   source_dir, evals, adapter_config, masters, world or World(), worked=worked)

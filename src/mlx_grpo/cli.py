@@ -21,6 +21,8 @@ DESCRIPTIONS = {
     "generate": "Generate text from a prompt (or a file of prompts) with a model.",
     "chat": "Chat with a model in the terminal (also works from a pipe).",
     "train": "Fine-tune a model with GRPO.",
+    "sft": "Supervised warm start before GRPO: train on worked solutions or prompt/completion data, loss on the "
+           "completion tokens only.",
     "eval": "Measure exact-match accuracy (or pass@k) of a model on a data set.",
     "fuse": "Merge a lora/dora checkpoint's adapters into its base: a plain MLX model directory.",
     "plot": "Draw a training run's curves (reward, eval accuracy, KL, entropy, length, time) into one PNG.",
@@ -115,6 +117,10 @@ def _dispatch(args: argparse.Namespace) -> None:
         from mlx_grpo.run import train
 
         train(cfg, resume=args.resume)
+    elif command == "sft":
+        from mlx_grpo.sft_run import run_sft
+
+        run_sft(cfg, resume=args.resume)
     elif command == "eval":
         from mlx_grpo.evaluate import run_eval
 

@@ -36,11 +36,13 @@ REASONED_REWARD_NAMES = ["reasoned_correctness", "reasoned_format"]
 EPISODE_REWARD_NAMES = ["hash_answer", "environment_reward"]
 
 INFER = frozenset({"generate", "chat"})
-MODEL_CMDS = frozenset({"generate", "chat", "train", "eval"})
+MODEL_CMDS = frozenset({"generate", "chat", "train", "eval", "sft"})
 SAMPLING = frozenset({"generate", "chat", "train", "eval"})
 TRAIN = frozenset({"train"})
-DATA = frozenset({"train", "eval"})
-COMMANDS = ("convert", "generate", "chat", "train", "eval", "fuse", "plot")
+# Training settings that mean the same for `mlx-grpo sft`, the supervised warm start (sft.py).
+TUNE = frozenset({"train", "sft"})
+DATA = frozenset({"train", "eval", "sft"})
+COMMANDS = ("convert", "generate", "chat", "train", "eval", "sft", "fuse", "plot")
 
 
 def _f(default: Any, help: str, commands: frozenset[str]) -> Any:
@@ -65,7 +67,7 @@ class Config:
                               "masters and the compute weights are refreshed from them after every update. "
                               "Without it, steps below half a bfloat16 spacing (most steps at learning rates "
                               "~1e-6..1e-5) round away: such a run is refused, naming the share lost. Costs 4 "
-                              "bytes per trained weight (plus AdamW's 8 in float32 instead of 4).", TRAIN)
+                              "bytes per trained weight (plus AdamW's 8 in float32 instead of 4).", TUNE)
     system_prompt: str = _f(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
                             "empty means none.", MODEL_CMDS)
     # --- sampling (rollouts, generate, chat) ---
@@ -79,7 +81,7 @@ class Config:
     min_p: float = _f(0.0, "Drop tokens whose probability is below min_p times the top token's (0 = off).",
                       SAMPLING)
     repetition_penalty: float = _f(1.0, "Penalty for tokens in the last 20 tokens (1.0 = off).", INFER)
-    seed: int = _f(42, "Random seed for sampling, data order and initialisation.", SAMPLING)
+    seed: int = _f(42, "Random seed for sampling, data order and initialisation.", SAMPLING | {"sft"})
     # --- data ---
     dataset: str = _f("arith", "Data set: 'arith' (built-in, offline arithmetic word problems), 'gsm8k' "
                       "(openai/gsm8k from the Hugging Face hub), a JSONL/Parquet file (serves train and eval), a "
@@ -94,13 +96,28 @@ class Config:
                               "(2-4 steps); 1-3 = running-count stories of 1 to N steps, which a small model "
                               "can learn (configs/arith.toml uses 1).", DATA)
     dataset_path: str = _f("", "Local JSONL/Parquet training file (GSM8K form or prompt/answer); overrides "
-                           "`dataset` for training.", TRAIN)
+                           "`dataset` for training (and, in eval, for drawing the worked_examples). sft also "
+                           "reads rows of prompt + completion (the target written after the prompt and prefill) "
+                           "or chat `messages` (trained on the assistant turns).", DATA)
     eval_dataset_path: str = _f("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA)
-    max_train_samples: int = _f(0, "Use only the first N training examples after shuffling (0 = all).", TRAIN)
+    max_train_samples: int = _f(0, "Use only the first N training examples after shuffling (0 = all).", TUNE)
     max_prompt_length: int = _f(512, "Prompts longer than this many tokens are cut from the left, keeping "
                                 "the generation prompt; cuts are counted in the logs.", DATA)
     prefill: str = _f("", "Text appended after the generation prompt (e.g. '<reasoning>'); rewards see "
                       "prefill + completion.", DATA)
+    worked_examples: int = _f(0, "Worked examples shown after the system prompt (prompts.py): this many drawn from "
+                              "the training split with worked_examples_seed, each its question and its worked "
+                              "solution written in the run's format (GSM8K's own solution, arith's, or a "
+                              "'solution'/'completion' column; solutions.py). Never an example whose question is "
+                              "in the evaluation set; the drawn examples are left out of training (their answers "
+                              "are in every prompt). 0 = none.", DATA)
+    worked_examples_seed: int = _f(0, "Seed of the draw of worked_examples: the same seed, the same prompt (kept "
+                                   "apart from `seed`, so runs over several seeds show the same examples).", DATA)
+    worked_examples_text: list[str] = _f([], "Worked examples written out, each shown as is after the system "
+                                         "prompt (after any drawn ones); an evaluation question may not appear "
+                                         "in one.", DATA)
+    eval_worked_examples: bool = _f(True, "Evaluate with the run's worked examples in the prompt; false = the "
+                                    "system prompt alone (what training taught, without the examples).", DATA)
     # --- rewards ---
     reward_funcs: list[str] = _f(BUILTIN_REWARD_NAMES, "Reward functions: built-in names "
                                  f"({', '.join(BUILTIN_REWARD_NAMES + REASONED_REWARD_NAMES + REASONING_REWARD_NAMES)}, "
@@ -136,7 +153,7 @@ class Config:
                          "training rollouts and in evaluation).", DATA)
     max_minutes: float = _f(0.0, "Stop training once this many minutes of updates have passed (0 = no limit): "
                             "the run ends after the update that crosses it, with its checkpoint. The learning-rate schedule still spans every planned update. Counted "
-                            "per session: a resumed run gets the budget again.", TRAIN)
+                            "per session: a resumed run gets the budget again.", TUNE)
     # --- tools and environments (multiturn.py) ---
     tools: list[str] = _f([], "Tools the model may call during rollouts and evaluation: calculator (safe "
                           "arithmetic), python (code in a sandboxed subprocess), 'module:function' or "
@@ -156,28 +173,28 @@ class Config:
     distributed_timeout: float = _f(600.0, "Seconds a rank waits in a collective for the others before it stops "
                                     "with an error naming them (a dead or hung rank); 0 = wait forever. The "
                                     "start-up wait, while ranks load the model, allows at least an hour.", TRAIN)
-    output_dir: str = _f("runs", "Directory that holds run directories.", TRAIN)
-    run_name: str = _f("grpo", "Run directory name under output_dir.", TRAIN)
-    num_epochs: int = _f(1, "Passes over the training data.", TRAIN)
+    output_dir: str = _f("runs", "Directory that holds run directories.", TUNE)
+    run_name: str = _f("grpo", "Run directory name under output_dir.", TUNE)
+    num_epochs: int = _f(1, "Passes over the training data.", TUNE)
     batch_size: int = _f(4, "Prompts per batch step (B), across all ranks of a data-parallel run (each takes "
-                         "batch_size / ranks of them).", TRAIN)
+                         "batch_size / ranks of them). sft: examples per batch step.", TUNE)
     num_generations: int = _f(8, "Completions sampled per prompt (G); advantages are normalised within "
                               "each group of G.", TRAIN)
-    gradient_accumulation_steps: int = _f(1, "Batch steps per optimizer update.", TRAIN)
+    gradient_accumulation_steps: int = _f(1, "Batch steps per optimizer update.", TUNE)
     micro_batch_size: int = _f(16, "Sequences per forward/backward chunk in log-prob and training passes; "
-                               "bounds memory, does not change results.", TRAIN)
+                               "bounds memory, does not change results.", TUNE)
     micro_batch_tokens: int = _f(8192, "Most padded prompt+completion tokens per forward/backward chunk "
                                  "(0 = no limit): bounds memory whatever the batch size; does not change "
-                                 "results.", TRAIN)
+                                 "results.", TUNE)
     # --- optimisation ---
-    learning_rate: float = _f(1e-6, "Peak AdamW learning rate.", TRAIN)
+    learning_rate: float = _f(1e-6, "Peak AdamW learning rate.", TUNE)
     lr_scheduler_type: str = _f("cosine", "Learning-rate schedule after warmup: cosine, linear or constant.",
-                                TRAIN)
-    warmup_ratio: float = _f(0.1, "Fraction of the run's updates spent in linear warmup.", TRAIN)
-    adam_beta1: float = _f(0.9, "AdamW beta1.", TRAIN)
-    adam_beta2: float = _f(0.99, "AdamW beta2.", TRAIN)
-    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", TRAIN)
-    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 = no clipping).", TRAIN)
+                                TUNE)
+    warmup_ratio: float = _f(0.1, "Fraction of the run's updates spent in linear warmup.", TUNE)
+    adam_beta1: float = _f(0.9, "AdamW beta1.", TUNE)
+    adam_beta2: float = _f(0.99, "AdamW beta2.", TUNE)
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", TUNE)
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 = no clipping).", TUNE)
     clip_eps: float = _f(0.2, "PPO clipping range for the probability ratio.", TRAIN)
     kl_coeff: float = _f(0.04, "Weight of the KL penalty to the reference model (0 = no reference model).",
                          TRAIN)
@@ -252,45 +269,46 @@ class Config:
                              "and gate/up fused, LoRA/DoRA merged, one compiled graph per step; llama, mistral, "
                              "qwen2, qwen3 with unquantized weights; costs one more copy of the layer weights); "
                              "model: the model itself through mlx-lm's modules; auto: copy on NVIDIA GPUs, model "
-                             "elsewhere (off CUDA the copy has no fused attention kernel yet).", TRAIN)
+                             "elsewhere (off CUDA the copy has no fused attention kernel yet).", TUNE)
     # --- parameter-efficient training ---
     train_type: str = _f("full", "full: train every weight; lora: low-rank adapters on the chosen "
                          "projections (Hu et al. 2021); dora: weight-decomposed adapters (Liu et al. 2024). "
                          "With lora/dora the base weights stay frozen and shared by the sampler and the KL "
                          "reference (the adapters switched off), and checkpoints hold only the adapters. "
-                         "Use a ~10x higher learning_rate than for full training.", TRAIN)
-    lora_rank: int = _f(16, "Rank of each adapter (lora/dora).", TRAIN)
-    lora_alpha: float = _f(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", TRAIN)
+                         "Use a ~10x higher learning_rate than for full training.", TUNE)
+    lora_rank: int = _f(16, "Rank of each adapter (lora/dora).", TUNE)
+    lora_alpha: float = _f(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", TUNE)
     lora_dropout: float = _f(0.0, "Dropout on the adapters' input in the gradient pass (0 = off). RL trainers "
                              "usually keep it off: the sampler and old-policy passes run without it, so ratios "
                              "start away from 1, and its masks depend on the micro-batch split. Not with "
-                             "grad_checkpoint (the recomputed layer would draw another mask).", TRAIN)
-    lora_layers: int = _f(0, "Adapt the last N transformer blocks (0 = all).", TRAIN)
+                             "grad_checkpoint (the recomputed layer would draw another mask).", TUNE)
+    lora_layers: int = _f(0, "Adapt the last N transformer blocks (0 = all).", TUNE)
     lora_keys: list[str] = _f([], "Projections to adapt, as named inside a block, e.g. self_attn.q_proj, "
-                              "mlp.down_proj (empty = every linear layer of the block).", TRAIN)
+                              "mlp.down_proj (empty = every linear layer of the block).", TUNE)
     load_in_bits: int = _f(0, "QLoRA (Dettmers et al. 2023): quantize the frozen base to 4 or 8 bits (group "
                            "64) at load time, adapters on top in float; 0 = keep the base as loaded. A model "
-                           "already quantized on disk trains with lora/dora as it is.", TRAIN)
+                           "already quantized on disk trains with lora/dora as it is.", TUNE)
     use_compile: bool = _f(False, "Compile the loss/gradient step with mx.compile.", TRAIN)
     grad_checkpoint: bool = _f(False, "Recompute each transformer layer in the backward pass instead of "
                                "keeping its activations: training memory drops to about the layers' inputs, "
-                               "for ~1/3 more compute. Same results.", TRAIN)
+                               "for ~1/3 more compute. Same results.", TUNE)
     max_consecutive_skips: int = _f(5, "Abort after this many consecutive updates skipped for a non-finite "
-                                    "loss or gradient.", TRAIN)
+                                    "loss or gradient.", TUNE)
     # --- logging, checkpoints, eval ---
-    logging_steps: int = _f(1, "Print a metrics line every N updates.", TRAIN)
-    log_jsonl: bool = _f(True, "Write metrics.jsonl and completions.jsonl in the run directory.", TRAIN)
+    logging_steps: int = _f(1, "Print a metrics line every N updates.", TUNE)
+    log_jsonl: bool = _f(True, "Write metrics.jsonl and completions.jsonl in the run directory.", TUNE)
     log_completions_steps: int = _f(10, "Log every completion of one batch step to completions.jsonl every "
                                     "N updates (0 = never).", TRAIN)
     report_to: list[str] = _f([], "Also send each update's metrics and each evaluation to: tensorboard (event "
                               "files in the run directory's tensorboard/, for `tensorboard --logdir`; needs the "
                               "`tensorboard` extra) and/or wandb (Weights & Biases, a run named after the run "
                               "directory in project $WANDB_PROJECT or 'mlx-grpo'; offline unless logged in or "
-                              "WANDB_MODE is set; needs the `wandb` extra). Empty = only the JSONL files.", TRAIN)
-    save_steps: int = _f(50, "Save a checkpoint every N updates (0 = only at the end).", TRAIN)
+                              "WANDB_MODE is set; needs the `wandb` extra). Empty = only the JSONL files.", TUNE)
+    save_steps: int = _f(50, "Save a checkpoint every N updates (0 = only at the end).", TUNE)
     save_total_limit: int = _f(0, "Keep only the newest N checkpoints of the run directory, deleting older ones "
-                               "once a new one is on disk (0 = keep all).", TRAIN)
-    eval_every_updates: int = _f(0, "Evaluate greedy accuracy every N updates (0 = off).", TRAIN)
+                               "once a new one is on disk (0 = keep all).", TUNE)
+    eval_every_updates: int = _f(0, "Evaluate greedy accuracy every N updates (0 = off); sft also evaluates "
+                                 "after its last update.", TUNE)
     eval_subset_size: int = _f(50, "Examples in the fixed, seeded eval subset.", DATA)
     eval_max_new_tokens: int = _f(256, "Maximum new tokens per eval answer.", DATA)
     eval_batch_size: int = _f(32, "Questions answered together in one batched decode during evaluation "
@@ -310,6 +328,8 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "generate": {"temperature": 0.0, "system_prompt": ""},
     "chat": {"temperature": 0.0, "system_prompt": ""},
     "eval": {"temperature": 0.0},
+    # Supervised steps follow one fixed target, not sampled rewards: a larger step is safe.
+    "sft": {"run_name": "sft", "learning_rate": 1e-5},
 }
 
 # ----------------------------------------------------------------------------- parsing

@@ -18,12 +18,13 @@ from tqdm import tqdm
 
 from mlx_grpo.config import Config, save_json
 from mlx_grpo.data import Example, subset
-from mlx_grpo.sources import load_examples
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
 from mlx_grpo.engine import RolloutEngine
 from mlx_grpo.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
+from mlx_grpo.prompts import WorkedExamples, build_run_prompts, question_text, select_worked_examples
 from mlx_grpo.rollout import SamplingParams
+from mlx_grpo.sources import run_examples
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
@@ -48,12 +49,13 @@ def _lenient(text: str, gold: str) -> bool:
 def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
                    num_samples: int = 1, temperature: float = 0.0, seed: int | None = None,
                    progress: bool = False, engine: RolloutEngine | None = None,
-                   multiturn: MultiTurn | None = None) -> list[dict]:
+                   multiturn: MultiTurn | None = None, system_prompt: str | None = None) -> list[dict]:
     """One record per example: its completions and whether they are right (greedy when num_samples == 1;
     an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations.
     progress: show a progress bar over the examples (on a terminal only). engine: one already sampling from
     `model` (the trainer's), so evaluation builds no second copy of the weights. multiturn: the run's tools or
-    environment (default: built from cfg); answers are then scored on the model's own turns."""
+    environment (default: built from cfg); answers are then scored on the model's own turns. system_prompt: the
+    run's, with its worked examples (prompts.RunPrompt.system; default cfg.system_prompt)."""
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
                             cfg.min_p, tuple(cfg.stop))
     records = []
@@ -65,7 +67,7 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
     for start in range(0, len(examples), cfg.eval_batch_size):
         chunk = examples[start:start + cfg.eval_batch_size]
         key, sub = mx.random.split(key)
-        prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg)]
+        prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg, system_prompt)]
         keys = mx.random.split(sub, len(prompts) * num_samples)
         rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.prefill)[0]
         written = model_texts(rollout, cfg.prefill)  # with tools: what the model wrote, not the tools' output
@@ -94,20 +96,36 @@ def summarize(records: list[dict]) -> EvalResult:
 
 
 def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
-                   num_samples: int = 1, temperature: float = 0.0, progress: bool = False) -> EvalResult:
+                   num_samples: int = 1, temperature: float = 0.0, progress: bool = False,
+                   system_prompt: str | None = None) -> EvalResult:
     """Answer every example (greedy when num_samples == 1); an example passes if any sample is right."""
     return summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
-                                    num_samples=num_samples, temperature=temperature, progress=progress))
+                                    num_samples=num_samples, temperature=temperature, progress=progress,
+                                    system_prompt=system_prompt))
+
+
+def _worked_examples(cfg: Config, split: str, pool: list[Example]) -> WorkedExamples:
+    """The run's drawn worked examples, drawn as training drew them (the whole training split, the test
+    split's questions excluded), so that evaluation sees the prompt training saw."""
+    if not cfg.eval_worked_examples or not (cfg.worked_examples or cfg.worked_examples_text):
+        return WorkedExamples()
+    train = run_examples(cfg, "train")
+    test = pool if split == "test" else run_examples(cfg, "test")
+    worked = select_worked_examples(cfg, train, test)[0]
+    shown = {question_text(e.prompt).strip() for e in worked.examples}
+    if any(question_text(e.prompt).strip() in shown for e in pool):
+        raise UserError(f"the {split} split holds the worked examples' questions: evaluate it with "
+                        "eval_worked_examples = false")
+    return worked
 
 
 def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
     """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written."""
     from mlx_grpo.models.loading import load_model
 
-    examples = subset(load_examples(cfg.dataset, split, cfg.eval_dataset_path or None, cfg.seed,
-                                    arith_max_steps=cfg.arith_max_steps, prompt_column=cfg.prompt_column,
-                                    answer_column=cfg.answer_column),
-                      cfg.eval_subset_size, cfg.seed)
+    pool = run_examples(cfg, split, cfg.eval_dataset_path)
+    worked = _worked_examples(cfg, split, pool)
+    examples = subset(pool, cfg.eval_subset_size, cfg.seed)
     if output is None:
         output = f"eval-{Path(cfg.model_name).name}-{split}.jsonl"
     out = Path(output)
@@ -119,11 +137,15 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
     except OSError as exc:
         raise UserError(f"--output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
     model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
-    result = evaluate_model(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
-                            num_samples=cfg.eval_num_samples, temperature=cfg.temperature, progress=True)
+    multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
+    prompt = build_run_prompts(cfg, tokenizer, multiturn, worked, examples, lambda line: None)[1]
+    print(f"[mlx-grpo] evaluating with {prompt.describe()}", file=sys.stderr)
+    result = summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
+                                      num_samples=cfg.eval_num_samples, temperature=cfg.temperature, progress=True,
+                                      multiturn=multiturn, system_prompt=prompt.system))
     try:
         out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
-        save_json(cfg, f"{output}.config.json", {"split": split})
+        save_json(cfg, f"{output}.config.json", {"split": split, "prompt": prompt.record()})
     except OSError as exc:
         raise UserError(f"--output {out}: cannot write the results: {exc.strerror or exc}") from None
     metric = "accuracy" if cfg.eval_num_samples == 1 else f"pass@{cfg.eval_num_samples}"

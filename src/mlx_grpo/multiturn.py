@@ -314,13 +314,15 @@ def tool_use(transcripts: list) -> tuple[np.ndarray, np.ndarray]:
             np.array([sum(bool(t.info.get("error")) for t in c) for c in calls], dtype=np.int64))
 
 
-def encode_prompts(multiturn: MultiTurn | None, tokenizer, examples: list, cfg) -> list[tuple[list[int], bool]]:
+def encode_prompts(multiturn: MultiTurn | None, tokenizer, examples: list, cfg,
+                   system_prompt: str | None = None) -> list[tuple[list[int], bool]]:
     """Each example's prompt ids and whether they were cut: its episode's first messages (with the tools) in
-    multi-turn runs, else its prompt through the chat template."""
+    multi-turn runs, else its prompt through the chat template. system_prompt: the run's (prompts.RunPrompt,
+    with its worked examples); default cfg.system_prompt."""
+    system = cfg.system_prompt if system_prompt is None else system_prompt
     if multiturn is None:
-        return [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)
-                for e in examples]
-    return [multiturn.encode(data_row(e), cfg.system_prompt, cfg.prefill, cfg.max_prompt_length) for e in examples]
+        return [encode_chat_prompt(tokenizer, e.prompt, system, cfg.prefill, cfg.max_prompt_length) for e in examples]
+    return [multiturn.encode(data_row(e), system, cfg.prefill, cfg.max_prompt_length) for e in examples]
 
 
 def rollouts(engine, multiturn: MultiTurn | None, jobs: list[tuple[list[list[int]], mx.array, list]], group_size: int,

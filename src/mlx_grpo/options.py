@@ -68,6 +68,10 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
         Option(("--resume",), "Resume from the latest checkpoint of the run directory, or from the "
                "checkpoint directory given.", kind="optional"),
     ],
+    "sft": [
+        Option(("--resume",), "Resume from the latest checkpoint of the run directory, or from the "
+               "checkpoint directory given.", kind="optional"),
+    ],
     "fuse": [
         Option(("--checkpoint",), "Checkpoint directory of a lora/dora run (adapters.safetensors + "
                "adapter_config.json)."),

@@ -42,13 +42,14 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
     engine = trainer.engine if trainer.policies.sampler is trainer.model else None
     mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
                           max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main,
-                          engine=engine, multiturn=trainer.multiturn)
+                          engine=engine, multiturn=trainer.multiturn, system_prompt=trainer.eval_prompt.system)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
     if not world.is_main:
         return None
     record = {"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
               "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
-              "format_rate": result.format_rate, "num_examples": len(examples)}
+              "format_rate": result.format_rate, "num_examples": len(examples),
+              "worked_examples": len(trainer.eval_prompt.examples)}
     if result.tool_call_rate is not None:
         record["tool_call_rate"] = result.tool_call_rate
     logger.log_eval(record)
@@ -121,7 +122,10 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
             path, loaded = ckpt.read_for_resume(run_dir, resume, world.print)
             adapters = ckpt.holds_adapters(path)
             changed = ckpt.config_changes(path, trainer.cfg)
-            if changed:
+            if loaded[2].get("command") == "sft":  # sft_run.py's checkpoints: a model to start from
+                error = (f"--resume: {path} is a checkpoint of `mlx-grpo sft`; to start GRPO from it, set "
+                         f"model_name = {path} (without --resume)")
+            elif changed:
                 error = (f"--resume: {path} was written with other settings that change the run: "
                          f"{', '.join(changed)}; resume with its config ({path / 'config.resolved.json'}) or "
                          "start a new run (another run_name). Only logging, eval, saving and timeouts may change")
@@ -183,7 +187,7 @@ def _lock(run_dir: Path):
     return lock
 
 
-def _prepare(run_dir: Path, resume: str | None, world) -> object:
+def prepare_run_dir(run_dir: Path, resume: str | None, world) -> object:
     """Rank 0: create and lock the run directory, clean up after a killed checkpoint write, and move the
     logs of an earlier run that never reached a checkpoint aside (a fresh start must not append to them).
     -> the lock to hold."""
@@ -212,7 +216,7 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
     created = main and not run_dir.exists()
     if main:
         try:
-            lock = _prepare(run_dir, resume, world)
+            lock = prepare_run_dir(run_dir, resume, world)
         except UserError as exc:
             error = str(exc)
         except OSError as exc:  # read-only, a file in the way, permissions: one line, every rank stops

@@ -146,6 +146,15 @@ def load_examples(dataset: str, split: str, path: str | None, seed: int, *, arit
     return to_examples(rows, source, prompt_column, answer_column)
 
 
+def run_examples(cfg, split: str, path: str | None = None) -> list[Example]:
+    """``load_examples`` with a run's data settings (cfg: a Config); path defaults to dataset_path for the
+    train split and eval_dataset_path for the others."""
+    if path is None:
+        path = cfg.dataset_path if split == "train" else cfg.eval_dataset_path
+    return load_examples(cfg.dataset, split, path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps,
+                         prompt_column=cfg.prompt_column, answer_column=cfg.answer_column)
+
+
 def unknown_dataset(name: str) -> str:
     """The error line for a `dataset` that is neither a built-in, a data file or directory, nor a hub id."""
     import difflib

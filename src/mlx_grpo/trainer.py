@@ -37,6 +37,7 @@ from mlx_grpo.reward_workers import RewardRunner
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.engine import RolloutEngine
 from mlx_grpo.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
+from mlx_grpo.prompts import WorkedExamples, build_run_prompts
 from mlx_grpo.rollout import SamplingParams, select_groups
 
 
@@ -108,6 +109,7 @@ class Trainer:
     masters: MasterWeights | None = None  # float32 masters of the trained weights (None: train the model as is)
     world: World = field(default_factory=World)
     counters: Counters = field(default_factory=Counters)
+    worked: WorkedExamples = field(default_factory=WorkedExamples)  # drawn for the prompt (prompts.py)
 
     def __post_init__(self):
         cfg, world = self.cfg, self.world
@@ -144,13 +146,17 @@ class Trainer:
         # Tools or an environment: rollouts are episodes (multiturn.py) over the same engine.
         self.multiturn = multiturn_for(cfg, self.tokenizer, getattr(getattr(self.model, "args", None),
                                                                     "model_type", None))
+        # The one system prompt of the run's rollouts (its worked examples included), and of its evaluations.
+        self.prompt, self.eval_prompt = build_run_prompts(cfg, self.tokenizer, self.multiturn, self.worked,
+                                                          self.train_examples + (self.eval_examples or []),
+                                                          self.world.print)
 
     # ------------------------------------------------------------------ one batch step
     def _encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
         """This rank's share of a draw: (its prompts' ids, their row keys, its examples)."""
         cfg, G = self.cfg, self.cfg.num_generations
         # Every rank encodes the whole batch (cheap), so prompts_cut counts it without a collective.
-        encoded = encode_prompts(self.multiturn, self.tokenizer, examples, cfg)
+        encoded = encode_prompts(self.multiturn, self.tokenizer, examples, cfg, self.prompt.system)
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         longest = max(len(ids) for ids, _ in encoded)

@@ -48,6 +48,9 @@ def check(c: Config, command: str) -> None:
                        "a data file, directory or hub id (dataset, dataset_path or eval_dataset_path)")
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
     _require(1 <= c.arith_max_steps <= 4, "arith_max_steps must be 1-4 (4 = every template)")
+    _require(c.worked_examples >= 0, "worked_examples must be >= 0 (0 = none)")
+    _require(c.worked_examples_seed >= 0, "worked_examples_seed must be >= 0")
+    _require(all(t.strip() for t in c.worked_examples_text), "worked_examples_text entries must not be empty")
     _require(c.eval_subset_size > 0, "eval_subset_size must be > 0")
     _require(c.eval_max_new_tokens > 0, "eval_max_new_tokens must be > 0")
     _require(c.eval_batch_size > 0, "eval_batch_size must be > 0")
@@ -56,15 +59,40 @@ def check(c: Config, command: str) -> None:
              "eval_num_samples > 1 (pass@k) needs temperature > 0; set temperature=1.0")
     if command == "train":
         _validate_train(c)
+    elif command == "sft":
+        _validate_tuning(c)
+        _validate_adapters(c)
+
+
+def _validate_tuning(c: Config) -> None:
+    """The rules `train` and `sft` share: batches, optimizer, schedule, logs and checkpoints."""
+    _require(c.max_minutes >= 0, "max_minutes must be >= 0 (0 = no limit)")
+    for name in ("num_epochs", "batch_size", "gradient_accumulation_steps", "micro_batch_size",
+                 "max_consecutive_skips", "logging_steps"):
+        _require(getattr(c, name) >= 1, f"{name} must be >= 1")
+    for name in ("max_train_samples", "save_steps", "save_total_limit", "eval_every_updates", "weight_decay",
+                 "max_grad_norm", "micro_batch_tokens"):
+        _require(getattr(c, name) >= 0, f"{name} must be >= 0")
+    _require(c.learning_rate > 0, "learning_rate must be > 0")
+    _require(0 <= c.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
+    _require(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+    _require(c.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, "
+             f"got {c.rollout_engine!r}")
+    _require(c.lr_scheduler_type in ("cosine", "linear", "constant"),
+             f"lr_scheduler_type must be cosine, linear or constant, got {c.lr_scheduler_type!r}")
+    _require(c.run_name.strip() != "" and "/" not in c.run_name, "run_name must be a non-empty name without '/'")
+    for name in c.report_to:
+        match = difflib.get_close_matches(name, REPORTERS, n=1, cutoff=0.4)
+        _require(name in REPORTERS, f"report_to: unknown reporter {name!r}; choose from {', '.join(REPORTERS)}"
+                 + (f"; did you mean '{match[0]}'?" if match else ""))
+    _require(len(set(c.report_to)) == len(c.report_to), f"report_to lists a reporter twice: {c.report_to}")
 
 
 def _validate_train(c: Config) -> None:
-    _require(c.max_minutes >= 0, "max_minutes must be >= 0 (0 = no limit)")
-    for name in ("num_epochs", "batch_size", "gradient_accumulation_steps", "micro_batch_size",
-                 "num_iterations", "update_every", "max_consecutive_skips", "logging_steps"):
+    _validate_tuning(c)
+    for name in ("num_iterations", "update_every"):
         _require(getattr(c, name) >= 1, f"{name} must be >= 1")
-    for name in ("max_train_samples", "save_steps", "save_total_limit", "eval_every_updates", "eval_steps", "eval_samples",
-                 "log_completions_steps", "weight_decay", "kl_coeff", "max_grad_norm", "micro_batch_tokens"):
+    for name in ("eval_steps", "eval_samples", "log_completions_steps", "kl_coeff"):
         _require(getattr(c, name) >= 0, f"{name} must be >= 0")
     _require(c.num_generations >= 2, "num_generations must be >= 2: group-relative advantages need at "
              "least two completions per prompt")
@@ -73,18 +101,10 @@ def _validate_train(c: Config) -> None:
              "top_p, top_k and min_p must stay off (1.0, 0, 0.0) in training: they sample from a cut distribution "
              "while the trained and logged log-probs are the uncut one's, so the update would be off-policy; "
              "lower temperature instead")
-    _require(c.learning_rate > 0, "learning_rate must be > 0")
-    _require(0 <= c.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
     _require(0 < c.clip_eps < 1, "clip_eps must be in (0, 1)")
-    _require(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
     _require(c.rollout_correction in ROLLOUT_CORRECTIONS, f"rollout_correction must be one of "
              f"{', '.join(ROLLOUT_CORRECTIONS)}, got {c.rollout_correction!r}")
-    _require(c.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, "
-             f"got {c.rollout_engine!r}")
     _require(c.rollout_correction_cap > 1, "rollout_correction_cap must be > 1 (TRL uses 2.0)")
-    _require(c.lr_scheduler_type in ("cosine", "linear", "constant"),
-             f"lr_scheduler_type must be cosine, linear or constant, got {c.lr_scheduler_type!r}")
-    _require(c.run_name.strip() != "" and "/" not in c.run_name, "run_name must be a non-empty name without '/'")
     _require(not c.reward_weights or len(c.reward_weights) == len(c.reward_funcs),
              f"reward_weights has {len(c.reward_weights)} entries but reward_funcs has {len(c.reward_funcs)}: "
              "give one weight per function, or none")
@@ -102,11 +122,6 @@ def _validate_train(c: Config) -> None:
              "training process: keep reward_workers = 0 with reward_model")
     _choice(c, "reward_executor", ("thread", "process"))
     _choice(c, "distributed_backend", ("any", "ring", "mpi", "nccl", "jaccl"))
-    for name in c.report_to:
-        match = difflib.get_close_matches(name, REPORTERS, n=1, cutoff=0.4)
-        _require(name in REPORTERS, f"report_to: unknown reporter {name!r}; choose from {', '.join(REPORTERS)}"
-                 + (f"; did you mean '{match[0]}'?" if match else ""))
-    _require(len(set(c.report_to)) == len(c.report_to), f"report_to lists a reporter twice: {c.report_to}")
     _require(c.distributed_timeout >= 0, "distributed_timeout must be >= 0 (0 = wait forever)")
     _unused_unless(c, "reward_executor", c.reward_workers > 0, "reward_workers > 0")
     _require(not (c.reward_workers and c.dynamic_sampling), "reward_workers does nothing with dynamic_sampling, "
