@@ -111,8 +111,9 @@ class Config:
                               "'solution'/'completion' column; solutions.py). Never an example whose question is "
                               "in the evaluation set; the drawn examples are left out of training (their answers "
                               "are in every prompt). 0 = none.", DATA)
-    worked_examples_seed: int = _f(0, "Seed of the draw of worked_examples: the same seed, the same prompt (kept "
-                                   "apart from `seed`, so runs over several seeds show the same examples).", DATA)
+    worked_examples_seed: int = _f(0, "Seed of the draw of worked_examples: the same seed, the same prompt. Kept "
+                                   "apart from `seed`: runs over several seeds show the same GSM8K or file "
+                                   "examples (arith's training split itself follows `seed`).", DATA)
     worked_examples_text: list[str] = _f([], "Worked examples written out, each shown as is after the system "
                                          "prompt (after any drawn ones); an evaluation question may not appear "
                                          "in one.", DATA)
