@@ -152,7 +152,7 @@ def test_hub_rows_become_examples(monkeypatch):
         return [{"question": "q", "answer": "so\n#### 2,000"}]
 
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets(load_dataset))
-    assert load_examples("gsm8k", "test", None, 0) == [Example("q", "2000", {})]
+    assert load_examples("gsm8k", "test", None, 0) == [Example("q", "2000", {}, solution="so\n#### 2,000")]
     assert calls == [(("openai/gsm8k", "main"), {"split": "test"})]
 
 

@@ -28,6 +28,9 @@ class Example:
     prompt: str | list[dict]  # question text, or chat messages [{role, content}, ...]
     answer: str  # gold final answer, e.g. "72"
     columns: dict = field(default_factory=dict)  # every other column, passed to the rewards
+    # The worked solution in GSM8K's form ("48/2 = <<48/2=24>>24 ...\n#### 24"): GSM8K's own, or the one arith
+    # writes; "" when there is none. Not a column: rewards never see it; solutions.py writes it as a completion.
+    solution: str = ""
 
 
 def reward_columns(examples: Sequence[Example]) -> dict[str, list]:
@@ -77,11 +80,12 @@ def _row_to_example(row: Any, loc: str) -> Example:
         prompt = _check_messages(prompt, loc)
     elif not isinstance(prompt, str) or not prompt.strip():
         raise UserError(f"{loc}: '{key}' must be non-empty text{' or a list of messages' * (key == 'prompt')}")
+    solution = ""
     if key == "question":
         if not isinstance(answer, str):
             raise UserError(f"{loc}: GSM8K 'answer' must be text ending '#### N', got {answer!r}")
         try:
-            answer = parse_gsm8k_answer(answer)
+            solution, answer = answer, parse_gsm8k_answer(answer)
         except ValueError as e:
             raise UserError(f"{loc}: {e} (rows with a bare final answer should use 'prompt')") from None
     elif isinstance(answer, (int, float, str)) and not isinstance(answer, bool):
@@ -92,7 +96,7 @@ def _row_to_example(row: Any, loc: str) -> Example:
     clash = sorted(RESERVED_ARGS & set(columns))
     if clash:
         raise UserError(f"{loc}: column '{clash[0]}' clashes with a reward-function argument; rename it")
-    return Example(prompt=prompt, answer=answer, columns=columns)
+    return Example(prompt=prompt, answer=answer, columns=columns, solution=solution)
 
 
 
@@ -172,35 +176,44 @@ _MAKERS = (("A baker", "bakes", "muffins"), ("A toy maker", "builds", "toys"), (
            ("A gardener", "plants", "flowers"))
 
 
-def _story(rng: random.Random, steps: int | None = None) -> tuple[str, str, int]:
+def _step(a: int, op: str, b: int, value: int) -> str:
+    """A computation as GSM8K writes it: "7 + 5 = <<7+5=12>>12" (the annotation is the calculator call)."""
+    return f"{a} {op} {b} = <<{a}{op}{b}={value}>>{value}"
+
+
+def _story(rng: random.Random, steps: int | None = None) -> tuple[str, str, int, str]:
     """A running count changed `steps` times (default 2-4) by +, -, *, or an exact division."""
     (name, he, him, his), obj, value = rng.choice(_PEOPLE), rng.choice(_OBJECTS), rng.randint(5, 40)
     He, expr, text = he.capitalize(), str(value), [f"{name} has {value} {obj}."]
+    worked = list(text)
     for _ in range(rng.randint(2, 4) if steps is None else steps):
         divisors = [d for d in range(2, 7) if value % d == 0 and value > d]
         op = rng.choice(["+"] + ["-"] * (value >= 2) + ["*"] * (value * 2 <= 600) + ["/"] * bool(divisors))
         if op == "+":
             k = rng.randint(2, 30)
             text.append(rng.choice([f"{He} buys {k} more.", f"A friend gives {him} {k} more."]))
-            expr, value = f"({expr} + {k})", value + k
+            expr, new = f"({expr} + {k})", value + k
         elif op == "-":
             k = rng.randint(1, value - 1)
             text.append(rng.choice([f"{He} gives away {k}.", f"{He} loses {k}."]))
-            expr, value = f"({expr} - {k})", value - k
+            expr, new = f"({expr} - {k})", value - k
         elif op == "*":
             k = rng.choice([m for m in (2, 3, 4) if value * m <= 600])
             word = {2: "doubles", 3: "triples"}.get(k)
             text.append(f"Then {he} {word} {his} {obj}." if word else f"Then {he} ends up with {k} times as many.")
-            expr, value = f"({expr} * {k})", value * k
+            expr, new = f"({expr} * {k})", value * k
         else:
             k = rng.choice(divisors)
             text.append(f"{He} splits {his} {obj} equally into {k} boxes and keeps one box.")
-            expr, value = f"({expr} // {k})", value // k
+            expr, new = f"({expr} // {k})", value // k
+        worked.append(f"{text[-1][:-1]}: {_step(value, op, k, new)}.")
+        value = new
     text.append(f"How many {obj} does {name} have now?")
-    return " ".join(text), expr, value
+    worked.append(f"{name} has {value} {obj} now.")
+    return " ".join(text), expr, value, " ".join(worked)
 
 
-def _shopping(rng: random.Random) -> tuple[str, str, int]:
+def _shopping(rng: random.Random) -> tuple[str, str, int, str]:
     name, he = rng.choice(_PEOPLE)[:2]
     (s1, p1), (s2, p2) = rng.sample(_ITEMS, 2)
     a, c1, b, c2 = rng.randint(2, 6), rng.randint(1, 9), rng.randint(1, 5), rng.randint(1, 9)
@@ -208,10 +221,13 @@ def _shopping(rng: random.Random) -> tuple[str, str, int]:
     bill = rng.choice([x for x in (20, 50, 100) if x >= cost])
     q = (f"{name} buys {a} {p1} for ${c1} each and {b} {s2 if b == 1 else p2} for ${c2} each. "
          f"{he.capitalize()} pays with a ${bill} bill. How many dollars of change does {he} get?")
-    return q, f"({bill} - (({a} * {c1}) + ({b} * {c2})))", bill - cost
+    worked = (f"The {p1} cost {_step(a, '*', c1, a * c1)} dollars and the {s2 if b == 1 else p2} cost "
+              f"{_step(b, '*', c2, b * c2)} dollars, {_step(a * c1, '+', b * c2, cost)} dollars in all. "
+              f"The change is {_step(bill, '-', cost, bill - cost)} dollars.")
+    return q, f"({bill} - (({a} * {c1}) + ({b} * {c2})))", bill - cost, worked
 
 
-def _teams(rng: random.Random) -> tuple[str, str, int]:
+def _teams(rng: random.Random) -> tuple[str, str, int, str]:
     a, b, d = rng.randint(2, 6), rng.randint(10, 30), rng.randint(2, 8)
     r = (a * b) % d
     # Absent = remainder + whole teams: keeps (a*b - c) divisible by d, positive, and c >= 1.
@@ -219,29 +235,39 @@ def _teams(rng: random.Random) -> tuple[str, str, int]:
     q = (f"A school has {a} classes with {b} students in each class. {c} students are absent today. "
          f"The students who are present are split equally into {d} teams. "
          "How many students are in each team?")
-    return q, f"((({a} * {b}) - {c}) // {d})", (a * b - c) // d
+    worked = (f"The school has {_step(a, '*', b, a * b)} students. {c} are absent, so "
+              f"{_step(a * b, '-', c, a * b - c)} are present. Each team has "
+              f"{_step(a * b - c, '/', d, (a * b - c) // d)} students.")
+    return q, f"((({a} * {b}) - {c}) // {d})", (a * b - c) // d, worked
 
 
-def _production(rng: random.Random) -> tuple[str, str, int]:
+def _production(rng: random.Random) -> tuple[str, str, int, str]:
     who, verb, things = rng.choice(_MAKERS)
     a, b, c, d = rng.randint(2, 12), rng.randint(2, 5), rng.randint(2, 12), rng.randint(2, 5)
     e = rng.randint(1, a * b + c * d - 1)
     q = (f"{who} {verb} {a} {things} per hour for {b} hours in the morning and {c} {things} per hour "
          f"for {d} hours in the afternoon. {e} of the {things} are sold. How many {things} are left?")
-    return q, f"((({a} * {b}) + ({c} * {d})) - {e})", a * b + c * d - e
+    made = a * b + c * d
+    worked = (f"The morning gives {_step(a, '*', b, a * b)} {things} and the afternoon "
+              f"{_step(c, '*', d, c * d)}, so {_step(a * b, '+', c * d, made)} in all. After {e} are sold, "
+              f"{_step(made, '-', e, made - e)} {things} are left.")
+    return q, f"((({a} * {b}) + ({c} * {d})) - {e})", made - e, worked
 
 
-def _savings(rng: random.Random) -> tuple[str, str, int]:
+def _savings(rng: random.Random) -> tuple[str, str, int, str]:
     name, he, him, his = rng.choice(_PEOPLE)
     a, b = rng.randint(2, 15), rng.randint(2, 10)
     expr, value, text = f"({a} * {b})", a * b, [f"{name} saves ${a} every week for {b} weeks."]
+    worked = [f"{name} saves {_step(a, '*', b, value)} dollars."]
     if rng.random() < 0.5:
         g = rng.randint(1, 30)
         text.append(f"{his.capitalize()} grandmother gives {him} ${g}.")
+        worked.append(f"{his.capitalize()} grandmother gives {him} {g} more: {_step(value, '+', g, value + g)}.")
         expr, value = f"({expr} + {g})", value + g
     s = rng.randint(1, value)
     text.append(f"Then {he} spends ${s} on a game. How many dollars does {he} have left?")
-    return " ".join(text), f"({expr} - {s})", value - s
+    worked.append(f"After the game {he} has {_step(value, '-', s, value - s)} dollars left.")
+    return " ".join(text), f"({expr} - {s})", value - s, " ".join(worked)
 
 
 _TEMPLATES = (_story, _story, _shopping, _teams, _production, _savings)
@@ -252,20 +278,22 @@ def make_arith(n: int, seed: int, exclude: frozenset[str] = frozenset(), max_ste
 
     max_steps = 4: the mix of every template (2-4 operations); below 4, running-count stories of 1 to
     max_steps operations only. Questions in ``exclude`` are skipped (how the test split avoids the train
-    split). Each example carries its fully parenthesised ``expression`` column (Python syntax) for checking.
+    split). Each example carries its fully parenthesised ``expression`` column (Python syntax) for checking,
+    and its worked solution in GSM8K's form (``solution``), one computation per operation.
     """
     rng, seen, out = random.Random(seed), set(exclude), []
     for _ in range(100 * n + 100):  # bound the loop; the problem space is far larger than n
         if len(out) == n:
             break
         if max_steps >= 4:
-            question, expr, value = rng.choice(_TEMPLATES)(rng)
+            question, expr, value, worked = rng.choice(_TEMPLATES)(rng)
         else:
-            question, expr, value = _story(rng, rng.randint(1, max_steps))
+            question, expr, value, worked = _story(rng, rng.randint(1, max_steps))
         if question in seen:
             continue
         seen.add(question)
-        out.append(Example(prompt=question, answer=str(value), columns={"expression": expr}))
+        out.append(Example(prompt=question, answer=str(value), columns={"expression": expr},
+                           solution=f"{worked}\n#### {value}"))
     if len(out) < n:
         raise UserError(f"arith generator produced only {len(out)} distinct problems of the {n} asked for")
     return out
