@@ -223,8 +223,9 @@ class Config:
     demonstrations: str = _f("off", "Off-policy guidance in the group (LUFFY, Yan et al. 2025 'Learning to "
                              "Reason under Off-Policy Guidance'). zero_groups: when no completion of a group earns "
                              "anything (reward > 0; of demo_reward when set), its last completion is replaced by "
-                             "the example's reference solution (the data's 'completion' column: the completion as "
-                             "the rewards should see it, prefill included), scored by the same rewards and "
+                             "the example's reference solution in the run's format (the data's 'completion' column "
+                             "verbatim, prefill included; else GSM8K's worked solution or the one arith writes, "
+                             "converted: solutions.py), scored by the same rewards and "
                              "trained with the clipped PPO ratio against the rollout policy's teacher-forced "
                              "log-probs, outside the rollout correction (docs/algorithms-demonstrations.md). "
                              "Logged as demo_fraction. off: never. Single-turn runs only.", TRAIN)

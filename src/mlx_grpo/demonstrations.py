@@ -1,7 +1,8 @@
 """Demonstrations in the group: off-policy guidance as in LUFFY (Yan et al. 2025, "Learning to Reason under
 Off-Policy Guidance", arXiv 2504.14945). With `demonstrations = zero_groups`, a group none of whose sampled
 completions earned anything (> 0 of the total reward, or of `demo_reward`) has its LAST completion replaced
-by the example's reference solution in the target format; the group's advantages are then computed with the
+by the example's reference solution in the run's format (solutions.py: the data's `completion` column,
+GSM8K's worked solution, the one `arith` writes); the group's advantages are then computed with the
 demonstration in it, so the group has something to reinforce where it had nothing.
 
 This module owns the group surgery: which groups get one, the demonstration's tokens, the rollout with the
@@ -23,10 +24,7 @@ from mlx_grpo.data import Example, reward_columns
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.rollout import Rollout
-
-# The data column that holds an example's reference completion, written as the rewards should see it
-# (prefill included); it is used as is, before any solution the data set's own form gives.
-REFERENCE_COLUMN = "completion"
+from mlx_grpo.solutions import Style, after_prefill, reference_completion, style_for
 
 
 def groups_without_reward(scores: RewardScores, group_size: int, reward: str = "") -> np.ndarray:
@@ -37,20 +35,15 @@ def groups_without_reward(scores: RewardScores, group_size: int, reward: str = "
     return ~earned.any(axis=1)
 
 
-def reference_text(example: Example) -> str | None:
-    """The example's reference completion in the target format (prefill included), or None without one."""
-    text = example.columns.get(REFERENCE_COLUMN)
-    return text if isinstance(text, str) and text.strip() else None
-
-
 def demo_ids(tokenizer, text: str, prefill: str, end_id: int) -> list[int]:
     """The completion ids of a demonstration whose text (as rewards see it) is `text`: what follows the
     prefill (the prompt already ends with it), encoded alone as a continuation, then the end token."""
-    if not text.startswith(prefill):
+    rest = after_prefill(text, prefill)
+    if rest is None:
         raise UserError(f"demonstrations: a reference completion does not begin with the prefill {prefill!r} "
-                        f"(it begins {text[:40]!r}); write the references in the run's format, prefill "
-                        "included, or change the prefill")
-    return list(tokenizer.encode(text[len(prefill):], add_special_tokens=False)) + [end_id]
+                        f"(it begins {text[:40]!r}); write the data's 'completion' column in the run's format, "
+                        "prefill included, or change the prefill")
+    return list(tokenizer.encode(rest, add_special_tokens=False)) + [end_id]
 
 
 def with_demonstrations(rollout: Rollout, demos: dict[int, list[int]], texts: dict[int, str],
@@ -106,6 +99,7 @@ class Demonstrator:
         ends = sorted(tokenizer.eos_token_ids)
         self.end_id = tokenizer.eos_token_id if tokenizer.eos_token_id in ends else ends[0]
         self._warned_long = False
+        self.style: Style = style_for(cfg)  # single-turn (validation.py): no tool syntax to write
 
     def inject(self, examples: list[Example], rollout: Rollout, scores: RewardScores
                ) -> tuple[Rollout, RewardScores]:
@@ -115,7 +109,7 @@ class Demonstrator:
         cfg, G = self.cfg, self.cfg.num_generations
         demos, texts = {}, {}
         for g in np.flatnonzero(groups_without_reward(scores, G, cfg.demo_reward)):
-            text = reference_text(examples[g])
+            text = reference_completion(examples[g], self.style)
             if text is None:
                 continue
             ids = demo_ids(self.tokenizer, text, cfg.prefill, self.end_id)
