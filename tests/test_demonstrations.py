@@ -4,6 +4,7 @@ docs/algorithms-demonstrations.md, the logged demo_fraction and completions.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -233,12 +234,13 @@ def test_objective_on_mixed_rows_matches_naive_loss_and_gradient():
     assert abs(grad[2, 0]) > 1e-4  # the demonstration's token is trained
 
 
-def test_model_gradient_on_mixed_rows_matches_naive(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_model_gradient_on_mixed_rows_matches_naive(tiny_model_dir, tmp_path, compiled):
     """The trainer's passes (packing, micro-batches, compiled or not) on a step with a demonstration row equal
     a per-row forward of prompt + completion and the formula, written here without the trainer's code."""
     model, tok = _tokenizer(tiny_model_dir)
     cfg = make_cfg(tiny_model_dir, tmp_path, "num_generations=3", "rollout_correction=token_truncate",
-                   "rollout_correction_cap=1.5", "kl_coeff=0.04", "micro_batch_size=2")
+                   "rollout_correction_cap=1.5", "kl_coeff=0.04", "micro_batch_size=2", f"use_compile={compiled}")
     prompts = [tok.encode("q one"), tok.encode("q two!")]
     r = generate_rollout(model, tok, prompts, 3, SamplingParams(6, 1.0), mx.random.key(3))
     demo_tokens = tok.encode("7 <answer>7</answer>", add_special_tokens=False) + [2]
@@ -263,8 +265,6 @@ def test_model_gradient_on_mixed_rows_matches_naive(tiny_model_dir, tmp_path):
     ref = pad([x + rng.normal(scale=0.2, size=len(x)) for x in current])
     sampler = pad([x + rng.normal(scale=0.4, size=len(x)) for x in current]) * (~r.demo)[:, None]
     adv = np.array([0.4, -1.1, 1.6, 0.0, 0.9, -0.7], np.float32)
-    import dataclasses
-
     r = dataclasses.replace(r, sampler_logprobs=mx.array(sampler))
     step = StepData(r, mx.array(adv), mx.array(old), mx.array(ref))
     weights = loss_weights(cfg, [step])

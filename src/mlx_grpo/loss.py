@@ -225,7 +225,9 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
     loss = ((terms.loss * mask).sum(axis=1) * weights).sum()
     kept = mask * (weights > 0)[:, None]  # [n, T]
     present = kept > 0
-    drawn = kept if sampled is None else kept * (sampled > 0)[:, None]  # [n, T] kept tokens a sampler drew
+    # [n, T] kept tokens a sampler drew; a product even without demonstrations: mx.compile fails on two
+    # outputs that are one node, which sampled_tokens and tokens would then be
+    drawn = kept * (mx.ones_like(weights) if sampled is None else (sampled > 0).astype(kept.dtype))[:, None]
     if sampler_logp is None:
         sampler_kl, diff_max = mx.array(0.0), mx.array(-mx.inf)
     else:  # tokens drawn from the sampler: k3 = exp(t - s) - (t - s) - 1 estimates KL(sampler || trainer)
