@@ -248,6 +248,19 @@ class Config:
                                 TRAIN)
     max_resample_batches: int = _f(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
                                    "step; a step still short trains on the groups it has.", TRAIN)
+    demonstrations: str = _f("off", "Off-policy guidance in the group (LUFFY, Yan et al. 2025 'Learning to "
+                             "Reason under Off-Policy Guidance'). zero_groups: when no completion of a group earns "
+                             "anything (reward > 0; of demo_reward when set), its last completion is replaced by "
+                             "the example's reference solution in the run's format (the data's 'completion' column "
+                             "verbatim, prefill included; else GSM8K's worked solution or the one arith writes, "
+                             "converted: solutions.py), scored by the same rewards and "
+                             "trained with the clipped PPO ratio against the rollout policy's teacher-forced "
+                             "log-probs, outside the rollout correction (docs/algorithms-demonstrations.md). "
+                             "Logged as demo_fraction. off: never. Single-turn runs only.", TRAIN)
+    demo_reward: str = _f("", "With demonstrations: the reward function (as named in reward_funcs; a custom "
+                          "one by its function name) that no completion of a group may have earned for the "
+                          "group to get a demonstration, e.g. reasoned_correctness; empty = the total reward.",
+                          TRAIN)
     rollout_correction: str = _f("none", "Truncated importance sampling on the sampler ratio exp(trainer "
                                  "log-prob - sampler log-prob) of each sampled token (TIS, Yao et al. 2025 'Your "
                                  "efficient RL framework secretly brings you off-policy RL training'; TRL's "

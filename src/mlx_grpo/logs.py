@@ -85,6 +85,9 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         record["tool_call_rate"] = float(np.mean(calls > 0)) if len(calls) else 0.0
         record["tool_calls_mean"] = float(np.mean(calls)) if len(calls) else 0.0
         record["tool_error_fraction"] = float(errors.sum() / calls.sum()) if calls.sum() else 0.0
+    if "demo" in stats[0]:  # demonstrations: the share of trained groups that got one (one row each)
+        groups = sum(s["groups_trained"] for s in stats)
+        record["demo_fraction"] = sum(int(s["demo"].sum()) for s in stats) / groups if groups else 0.0
     record["warnings"] = diagnose(record, trainer.cfg)
     return record
 
@@ -105,7 +108,8 @@ def merge_ranks(ranks: list[tuple[list[dict], dict]]) -> tuple[list[dict], dict]
             "transcripts": None if parts[0].get("transcripts") is None
             else [t for p in parts for t in p["transcripts"]],
             **{k: np.concatenate([p[k] for p in parts]) for k in ("lengths", "truncated", "rewards", "advantages")
-               + (("tool_calls", "tool_errors") if "tool_calls" in parts[0] else ())},
+               + (("tool_calls", "tool_errors") if "tool_calls" in parts[0] else ())
+               + (("demo",) if "demo" in parts[0] else ())},
             "per_func": {k: np.concatenate([p["per_func"][k] for p in parts]) for k in parts[0]["per_func"]},
             "drawn_scores": type(drawn[0]).concat(drawn),
             "zero_std": float(np.average([p["zero_std"] for p in parts], weights=sizes)),
@@ -193,6 +197,8 @@ class RunLogger:
             record = {"update_step": update_step, "prompt": example.prompt, "answer": example.answer,
                       "completion": text, "rewards": rewards, "reward": float(stats["rewards"][row]),
                       "advantage": float(stats["advantages"][row])}
+            if "demo" in stats:  # a demonstration (the reference solution), not a sample of the policy
+                record["demo"] = bool(stats["demo"][row])
             if transcripts is not None:  # multi-turn: each turn with its origin (model, tool, environment)
                 record["turns"] = [{"origin": t.origin, "text": t.text,
                                     "info": json.loads(json.dumps(t.info, default=str))}  # an environment's own

@@ -95,11 +95,15 @@ def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
 
 
 def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, advantages: mx.array,
-                mask: mx.array, obj: Objective, sampler_logp: mx.array | None = None) -> LossTerms:
+                mask: mx.array, obj: Objective, sampler_logp: mx.array | None = None,
+                sampled: mx.array | None = None) -> LossTerms:
     """rho = exp(logp - old) per token, or exp(masked mean of logp - old) per sequence (GSPO);
     pg = min(min(rho, delta) * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) (the delta cap only with delta);
     kl = k3: exp(ref - logp) - (ref - logp) - 1, k1: logp - ref; loss_t = -(w * pg - kl_coeff * kl), with w
     the rollout-correction weight (sampler_weights; 1 when off), applied to the policy term as TRL does.
+    sampled [N] (None: every row): 1 for sampled rows, 0 for demonstrations (demonstrations.py), whose tokens
+    no sampler drew: their w is 1, and their old log-probs are the rollout policy's, teacher-forced, so rho
+    and the clip are the same PPO ratio as for sampled rows (docs/algorithms-demonstrations.md).
     logp/old_logp/ref_logp/sampler_logp/mask [N, T], advantages [N]."""
     adv = advantages[:, None]  # [N, 1]
     log_ratio = logp - old_logp  # [N, T]
@@ -125,6 +129,9 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
     weight, capped = mx.ones_like(logp), 0.0 * logp
     if obj.rollout_correction != "none" and sampler_logp is not None:
         weight, capped = sampler_weights(old_logp, sampler_logp, mask, obj.rollout_correction, obj.rollout_cap)
+        if sampled is not None:  # a demonstration has no sampler log-prob: nothing to correct
+            on = sampled[:, None] > 0  # [N, 1]
+            weight, capped = mx.where(on, weight, 1.0), mx.where(on, capped, 0.0)
     return LossTerms(loss=-(weight * pg - obj.kl_coeff * kl), kl=kl, ratio=ratio,
                      clipped_low=low.astype(mx.float32), clipped_high=high.astype(mx.float32),
                      is_weight=weight, is_capped=capped)
@@ -166,7 +173,8 @@ class LossSums(NamedTuple):
     """Sums over one micro-batch, added up across micro-batches: the weighted loss and, over the kept
     tokens (row weight > 0), the token count and sums for the logged means and extrema. The sampler_*
     fields measure the sampler/trainer mismatch: k3 KL(sampler || trainer) and the largest |log-prob
-    difference| of a sampled token; is_* the rollout-correction weights and how many tokens passed the cap."""
+    difference| of a sampled token; is_* the rollout-correction weights and how many tokens passed the cap;
+    all four cover the sampled_tokens (kept tokens of sampled rows: demonstrations have no sampler)."""
 
     loss: mx.array
     tokens: mx.array
@@ -180,6 +188,7 @@ class LossSums(NamedTuple):
     sampler_diff_max: mx.array
     is_weight: mx.array
     is_capped: mx.array
+    sampled_tokens: mx.array
 
 
 # How LossSums fields combine across micro-batches and ranks; every other field is a sum.
@@ -200,10 +209,11 @@ def empty_sums() -> LossSums:
 
 
 def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Objective,
-                   sampler_logp=None) -> LossSums:
+                   sampler_logp=None, sampled=None) -> LossSums:
     """sum_i weights_i * sum_t mask_it * loss_it for one micro-batch, plus logging sums.
-    logp/old_logp/ref_logp/sampler_logp/mask [n, T], advantages/weights [n] (row_scales). sampler_logp:
-    the rollout engine's log-probs of the sampled tokens (None: the mismatch is not measured)."""
+    logp/old_logp/ref_logp/sampler_logp/mask [n, T], advantages/weights/sampled [n] (row_scales). sampler_logp:
+    the rollout engine's log-probs of the sampled tokens (None: the mismatch is not measured); sampled: 0
+    marks demonstration rows, left out of the sampler mismatch and its correction (None: every row sampled)."""
     # Zero the padded positions before the exponentials: exp(garbage) there could overflow to inf,
     # and inf * 0 = NaN would poison the loss and every gradient.
     valid = mask > 0
@@ -211,10 +221,13 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
     old_logp = mx.where(valid, old_logp, 0.0)
     ref_logp = None if ref_logp is None else mx.where(valid, ref_logp, 0.0)
     sampler_logp = None if sampler_logp is None else mx.where(valid, sampler_logp, 0.0)
-    terms = token_terms(logp, old_logp, ref_logp, advantages, mask, obj, sampler_logp)
+    terms = token_terms(logp, old_logp, ref_logp, advantages, mask, obj, sampler_logp, sampled)
     loss = ((terms.loss * mask).sum(axis=1) * weights).sum()
     kept = mask * (weights > 0)[:, None]  # [n, T]
     present = kept > 0
+    # [n, T] kept tokens a sampler drew; a product even without demonstrations: mx.compile fails on two
+    # outputs that are one node, which sampled_tokens and tokens would then be
+    drawn = kept * (mx.ones_like(weights) if sampled is None else (sampled > 0).astype(kept.dtype))[:, None]
     if sampler_logp is None:
         sampler_kl, diff_max = mx.array(0.0), mx.array(-mx.inf)
     else:  # tokens drawn from the sampler: k3 = exp(t - s) - (t - s) - 1 estimates KL(sampler || trainer)
@@ -222,11 +235,11 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
         # expm1(d) - d keeps small differences (exp(d) - 1 - d cancels to 0 below ~1e-3 in float32);
         # the clamp keeps a wild token finite; >= 0 up to rounding
         dc = mx.clip(d, -20.0, 20.0)
-        sampler_kl = (mx.maximum(mx.expm1(dc) - dc, 0.0) * kept).sum()
-        diff_max = mx.where(present, mx.abs(d), -mx.inf).max()
+        sampler_kl = (mx.maximum(mx.expm1(dc) - dc, 0.0) * drawn).sum()
+        diff_max = mx.where(drawn > 0, mx.abs(d), -mx.inf).max()
     return LossSums(loss=loss, tokens=kept.sum(), kl=(terms.kl * kept).sum(),
                     clipped_low=(terms.clipped_low * kept).sum(), clipped_high=(terms.clipped_high * kept).sum(),
                     ratio=(terms.ratio * kept).sum(), ratio_min=mx.where(present, terms.ratio, mx.inf).min(),
                     ratio_max=mx.where(present, terms.ratio, -mx.inf).max(), sampler_kl=sampler_kl,
-                    sampler_diff_max=diff_max, is_weight=(terms.is_weight * kept).sum(),
-                    is_capped=(terms.is_capped * kept).sum())
+                    sampler_diff_max=diff_max, is_weight=(terms.is_weight * drawn).sum(),
+                    is_capped=(terms.is_capped * drawn).sum(), sampled_tokens=drawn.sum())

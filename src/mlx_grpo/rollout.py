@@ -55,6 +55,8 @@ class Rollout:
     # or fed (mask 0 marks tool output and environment text, which sit inside the completion)
     transcripts: list | None = None
     ends: np.ndarray | None = None
+    # [N] bool: rows that are demonstrations (demonstrations.py), teacher-forced, not sampled; None: none are
+    demo: np.ndarray | None = None
 
     @property
     def row_prompts(self) -> list[list[int]]:
@@ -397,7 +399,9 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_id:
                    transcripts=None if rollouts[0].transcripts is None
                    else [rollouts[i].transcripts[r] for i, r in rows],
                    ends=None if rollouts[0].ends is None
-                   else np.array([rollouts[i].ends[r] for i, r in rows], np.int64))
+                   else np.array([rollouts[i].ends[r] for i, r in rows], np.int64),
+                   demo=None if rollouts[0].demo is None
+                   else np.array([rollouts[i].demo[r] for i, r in rows], dtype=bool))
 
 
 def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:

@@ -27,6 +27,7 @@ from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config
 from mlx_grpo.distributed import World, zero_gradients
 from mlx_grpo.data import EpochSampler, Example, reward_columns
+from mlx_grpo.demonstrations import Demonstrator
 from mlx_grpo.errors import UserError
 from mlx_grpo.loss import LossSums, empty_sums, group_advantages
 from mlx_grpo.models.adapters import adapter_parameters
@@ -82,6 +83,7 @@ class Draw:
     t_rollout: float
     t_reward: float
     flags: np.ndarray | None = None  # [B] groups with reward variance, over all ranks (dynamic sampling)
+    sampled: tuple | None = None  # demonstrations: (rollout, scores) as sampled, before demonstrations replaced rows
 
 
 @dataclass
@@ -138,6 +140,8 @@ class Trainer:
         self._batches = iter(self.sampler)
         self.reward_runner = RewardRunner(self.rewards, cfg, Path.cwd())
         self._warned_context = False
+        self.demonstrator = None if cfg.demonstrations == "off" else Demonstrator(
+            cfg, self.tokenizer, self.rewards, self.pad_id, self.world.print)
         # Dropout (lora_dropout) acts only in the gradient pass: rollouts and log-prob passes see the
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
@@ -196,23 +200,30 @@ class Trainer:
         """The rollouts of batch steps [(prompts, row keys, examples)], decoded together."""
         return rollouts(self.engine, self.multiturn, jobs, self.cfg.num_generations, self.params, self.cfg.prefill)
 
-    def _scores(self, draw: Draw) -> RewardScores:
-        """A draw's rewards plus the length penalty, waiting for them if the workers are still at it."""
-        if isinstance(draw.scores, RewardScores):
-            return draw.scores
+    def _scores(self, draw: Draw, sampled: bool = False) -> RewardScores:
+        """A draw's rewards plus the length penalty, waiting for them if the workers are still at it; with
+        demonstrations, those of the rows trained on (sampled: of the rows as sampled)."""
+        if not isinstance(draw.scores, RewardScores):
+            self._collect(draw)
+        return draw.sampled[1] if sampled and draw.sampled is not None else draw.scores
+
+    def _collect(self, draw: Draw) -> None:
+        """Wait for a draw's scores, add the length penalty and put in its demonstrations (scored inline)."""
         t0 = time.perf_counter()
         try:
             scores = draw.scores.result()
         except BrokenExecutor as e:
             raise UserError(f"the reward workers stopped ({type(e).__name__}: {e}); try reward_executor = thread "
                             "or reward_workers = 0") from None
-        draw.t_reward += time.perf_counter() - t0  # time the loop waited: the whole scoring when inline
         cfg = self.cfg
         if cfg.overlong_penalty > 0:
             scores = scores.with_penalty("overlong_penalty", overlong_penalty(
                 draw.rollout.extents, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
         draw.scores = scores
-        return scores
+        if self.demonstrator is not None:  # groups that earned nothing get a demonstration (demonstrations.py)
+            draw.sampled = (draw.rollout, scores)
+            draw.rollout, draw.scores = self.demonstrator.inject(draw.examples, draw.rollout, scores)
+        draw.t_reward += time.perf_counter() - t0  # time the loop waited: the whole scoring when inline
 
     def _flags(self, draw: Draw) -> np.ndarray:
         """Which of a draw's B groups (all ranks) have rewards that are not all equal."""
@@ -269,6 +280,8 @@ class Trainer:
         old/reference log-prob passes and the stats."""
         cfg = self.cfg
         selected = None
+        for d in draws if self.demonstrator is not None else ():  # demonstrations enter before the passes
+            self._scores(d)
         if cfg.dynamic_sampling:
             examples, rollout, selected = self._informative_batch(draws)
         else:
@@ -282,7 +295,7 @@ class Trainer:
             ref = self.policies.reference_logprobs(rollout, self.pad_id)
         t3 = time.perf_counter()
         self.counters.batch_step += 1
-        drawn = [d.rollout for d in draws]
+        drawn = [d.rollout if d.sampled is None else d.sampled[0] for d in draws]  # the policy's samples
         entropies = [np.array(r.entropies) for r in drawn]
         stats = {"examples": examples, "texts": rollout.texts, "transcripts": rollout.transcripts,
                  "lengths": np.concatenate([r.lengths for r in drawn]),
@@ -290,6 +303,8 @@ class Trainer:
                  "groups_trained": len(examples), "entropy_sum": float(sum(e.sum() for e in entropies)),
                  "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,
                  "tokens": int(sum(r.lengths.sum() for r in drawn))}
+        if rollout.demo is not None:  # which trained rows are demonstrations (demo_fraction, completions.jsonl)
+            stats["demo"] = rollout.demo
         if drawn[0].transcripts is not None and self.multiturn.stop_strings:  # tools: calls (failed ones) per row
             stats["tool_calls"], stats["tool_errors"] = tool_use([t for r in drawn for t in r.transcripts])
         return StepData(rollout, None, old, ref, PendingRewards(draws, stats, selected)), stats
@@ -303,7 +318,7 @@ class Trainer:
         G, draws = self.cfg.num_generations, pending.draws
         scores = pending.selected if pending.selected is not None else self._scores(draws[0])
         step.advantages = self._advantages(scores.total)  # [N]
-        drawn = RewardScores.concat([self._scores(d) for d in draws])
+        drawn = RewardScores.concat([self._scores(d, sampled=True) for d in draws])
         grouped = drawn.total.reshape(-1, G)
         pending.stats.update(rewards=scores.total, per_func=scores.per_func,
                              advantages=np.array(step.advantages.tolist()),
@@ -388,14 +403,16 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(norm.item())
         tokens = sums.tokens.item()
         per_token = (lambda x: x.item() / tokens) if tokens else (lambda x: None)
+        drawn = sums.sampled_tokens.item()  # the sampler figures leave demonstrations out
+        per_drawn = (lambda x: x.item() / drawn) if drawn else (lambda x: None)
         result.update(loss=loss, grad_norm=norm.item(), kl=per_token(sums.kl), skipped=not finite,
                       clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
                       clip_fraction=per_token(sums.clipped_low + sums.clipped_high), ratio_mean=per_token(sums.ratio),
                       ratio_min=sums.ratio_min.item() if tokens else None,
                       ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
-                      sampler_kl=per_token(sums.sampler_kl),
-                      sampler_diff_max=sums.sampler_diff_max.item() if tokens else None,
-                      is_weight_mean=per_token(sums.is_weight), is_capped_fraction=per_token(sums.is_capped))
+                      sampler_kl=per_drawn(sums.sampler_kl),
+                      sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
+                      is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))
         if finite:
             self.masters.step(self.optimizer, self.model, grads)
             mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())

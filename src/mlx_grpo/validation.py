@@ -12,6 +12,7 @@ from mlx_grpo.sources import dataset_kind, unknown_dataset
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_ENGINES = ("auto", "copy", "model")
+DEMONSTRATIONS = ("off", "zero_groups")  # demonstrations.py
 
 
 def _require(ok: bool, message: str) -> None:
@@ -175,6 +176,15 @@ def _validate_objective(c: Config) -> None:
              "so the sampler ratio would weight dropout noise; set lora_dropout = 0")
     _unused_unless(c, "overlong_buffer", c.overlong_penalty > 0, "overlong_penalty > 0")
     _unused_unless(c, "max_resample_batches", c.dynamic_sampling, "dynamic_sampling = true")
+    _choice(c, "demonstrations", DEMONSTRATIONS)
+    _unused_unless(c, "demo_reward", c.demonstrations != "off", "demonstrations on")
+    _require(c.demonstrations == "off" or not (c.tools or c.environment), "demonstrations need single-turn "
+             "rollouts (a reference solution has no tool or environment turns): drop tools/environment, or set "
+             "demonstrations = off")
+    names = [n.rpartition(":")[2] for n in c.reward_funcs] + ["reward_url"] * bool(c.reward_url) \
+        + ["reward_model"] * bool(c.reward_model) + ["overlong_penalty"] * (c.overlong_penalty > 0)
+    _require(c.demo_reward == "" or c.demo_reward in names, f"demo_reward must name one of the run's rewards "
+             f"({', '.join(names)}), got {c.demo_reward!r}")
 
 
 def _unused_unless(c: Config, name: str, condition: bool, needs: str) -> None:
