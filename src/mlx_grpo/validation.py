@@ -42,7 +42,8 @@ def check(c: Config, command: str) -> None:
     _require(c.max_tool_turns == 4 or c.tools, "max_tool_turns applies to tools (an environment sets its own "
              "max_turns): set tools, or leave max_tool_turns at 4")
     _require(c.dataset in ("arith", "gsm8k"), f"dataset must be 'arith' or 'gsm8k', got {c.dataset!r}; "
-             "for a local file set dataset_path / eval_dataset_path")
+             "for a local file set " + ("dataset_path / eval_dataset_path" if command == "train" else
+                                         "eval_dataset_path"))
     _require(c.max_prompt_length > 0, "max_prompt_length must be > 0")
     _require(1 <= c.arith_max_steps <= 4, "arith_max_steps must be 1-4 (4 = every template)")
     _require(c.eval_subset_size > 0, "eval_subset_size must be > 0")
