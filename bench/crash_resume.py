@@ -1,15 +1,19 @@
-"""Fault injection: kill a training run with SIGKILL at N random moments (some while a checkpoint is being
-written), resume it each time, and check that it ends exactly where an uninterrupted run ends.
+"""Fault injection: kill a training run with SIGKILL at N random moments, resume it each time, and check that
+it ends exactly where an uninterrupted run ends.
+
+Every third kill (the 1st, 4th, ...) strikes while a checkpoint is being written; the others strike a random
+0-50 ms after the run logs a chosen update, spread over the updates still to do, so every kill interrupts
+training. The run trains with save_steps = 1 on a few prompts (see base_items; --set overrides).
 
 Checks, printed as one JSON record (exit 1 if any fails):
 - final weights, master weights and optimizer state equal the uninterrupted run's, bitwise;
 - metrics.jsonl equals the uninterrupted run's, field for field (timings aside);
 - after every kill, every checkpoint in the run directory is readable (none left half written).
 
-usage: python bench/crash_resume.py --model MODEL_DIR --kills 20 [--workdir DIR] [--seed 0] [--set key=value ...]
-The other kills strike a random 0-50 ms after the run logs a chosen update, spread over the updates
-still to do, so every kill interrupts training.
-MODEL_DIR: any model; a tiny random one keeps it fast (tests/conftest.py's write_tiny_model makes one).
+examples:
+  python bench/crash_resume.py --tiny --kills 20            # a tiny random model, built in WORKDIR/tiny-model
+  python bench/crash_resume.py --model MODEL_DIR --kills 5 --set max_new_tokens=32
+Needs only the base install (no test extras).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from mlx_grpo import checkpoint as ckpt  # noqa: E402
+from mlx_grpo.models.tiny import write_tiny_model  # noqa: E402
 
 TIMING = ("time_", "_per_s", "peak_memory")
 STATE_FILES = ("model.safetensors", "adapters.safetensors", "master_weights.safetensors", "optimizer.safetensors")
@@ -120,15 +125,23 @@ def kill_once(cmd: list[str], run_dir: Path, rng: random.Random, total: int, kil
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--workdir", default="crash-resume")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", dest="items", action="append", default=[], help="extra config key=value")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", metavar="MODEL_DIR",
+                       help="the model to train: an MLX model directory or a hub name (a small one keeps it fast)")
+    model.add_argument("--tiny", action="store_true",
+                       help="train a tiny random-weight llama (2 layers, width 32, byte tokenizer) written to "
+                            "WORKDIR/tiny-model: seconds per run, the weights do not matter for the checks")
+    parser.add_argument("--kills", type=int, default=20, help="how many times to kill and resume (default: 20)")
+    parser.add_argument("--workdir", default="crash-resume",
+                        help="directory for the two runs (uninterrupted/, killed/) (default: crash-resume)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments (default: 0)")
+    parser.add_argument("--set", dest="items", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config key=value for both runs; repeatable")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
-    items = base_items(args.model, workdir) + args.items
+    model_name = str(write_tiny_model(workdir / "tiny-model")) if args.tiny else args.model
+    items = base_items(model_name, workdir) + args.items
     rng = random.Random(args.seed)
 
     t0 = time.monotonic()

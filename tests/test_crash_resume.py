@@ -10,8 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_sigkill_and_resume_equal_the_uninterrupted_run(tiny_model_dir, tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "crash_resume.py"), "--model", str(tiny_model_dir),
+# Runs the bench as `python bench/crash_resume.py ARGS` would, with pytest made unimportable: it needs only
+# the base install (its --tiny model comes from mlx_grpo.models.tiny).
+WITHOUT_PYTEST = ("import runpy, sys; sys.modules['pytest'] = None; sys.argv = sys.argv[1:]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path):
+    done = subprocess.run([sys.executable, "-c", WITHOUT_PYTEST, str(ROOT / "bench" / "crash_resume.py"), "--tiny",
                            "--kills", "2", "--workdir", str(tmp_path), "--seed", "1",
                            "--set", "max_train_samples=32"],
                           capture_output=True, text=True, timeout=600)
@@ -19,6 +25,16 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tiny_model_dir, tmp_path
     result = json.loads(done.stdout)
     assert result["killed_while_saving"] == 1 and result["metrics_equal"] and result["state_differs"] == []
     assert result["unreadable_checkpoints_seen"] == []
+    assert (tmp_path / "tiny-model" / "model.safetensors").is_file()
+
+
+def test_help_is_whole():
+    shown = subprocess.run([sys.executable, str(ROOT / "bench" / "crash_resume.py"), "--help"],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "while a checkpoint is being written" in shown and "Needs only the base install" in shown
+    for flag in ("--model MODEL_DIR", "--tiny", "--kills", "--workdir", "--seed", "--set"):
+        assert flag in shown
+    assert "the model to train" in shown
 
 
 def test_ctrl_c_stops_a_run_whose_reward_hangs(tiny_model_dir, tmp_path):

@@ -1,6 +1,8 @@
 """`mlx-grpo eval`: accuracy counting, pass@k, per-example JSONL, and the CLI's errors."""
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +63,103 @@ def test_train_cli_bad_config_is_one_line(tmp_path, capsys):
     assert main(["train", "--config", str(toml)]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'batch_size'" in err and "Traceback" not in err
+
+
+def test_eval_hint_names_the_eval_key_and_following_it_works(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Without the `data` extra, `eval --dataset gsm8k` names eval_dataset_path (dataset_path does not apply
+    to eval); passing the key it names then evaluates."""
+    from mlx_grpo.config import fields_for
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    base = ["eval", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--samples", "2", "--max-tokens", "4",
+            "--output", str(tmp_path / "r.jsonl")]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    keys = re.findall(r"(\w+)=/path/to/", err)
+    assert keys == ["eval_dataset_path"] and all(k in fields_for("eval") for k in keys), err
+    assert main(base + ["--set", f"{keys[0]}={FIXTURES / 'gsm8k_tiny.jsonl'}"]) == 0
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+
+
+def test_data_hints_name_the_key_of_the_split():
+    import pytest
+
+    from mlx_grpo.data import load_examples
+    from mlx_grpo.errors import UserError
+
+    with pytest.raises(UserError, match=r"or set dataset_path\)"):
+        load_examples("gsm8", "train", None, 0)
+    with pytest.raises(UserError, match=r"or set eval_dataset_path\)"):
+        load_examples("gsm8", "test", None, 0)
+    with pytest.raises(UserError, match=r"or set eval_dataset_path\)"):  # eval --split train: still eval's key
+        load_examples("gsm8", "train", None, 0, path_key="eval_dataset_path")
+
+
+def _as_checkpoint(model_dir: Path, run_dir: Path) -> Path:
+    """A copy of the tiny model laid out as a run's checkpoint (a model directory with trainer_state.json)."""
+    import shutil
+
+    path = run_dir / "checkpoint-3"
+    shutil.copytree(model_dir, path)
+    (path / "trainer_state.json").write_text("{}")
+    return path
+
+
+def test_eval_output_defaults_to_the_checkpoints_run_directory(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Without --output: a checkpoint's results go into its run directory, another model's under runs/eval/;
+    the line on stderr says where; nothing lands loose in the current directory. Without a terminal, a line
+    follows each batch of eval_batch_size questions."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    checkpoint = _as_checkpoint(tiny_model_dir, tmp_path / "run")
+    assert main(["eval", "--model", str(checkpoint), "--samples", "3", "--max-tokens", "4",
+                 "--eval-batch-size", "2"]) == 0
+    err = capsys.readouterr().err
+    written = tmp_path / "run" / "eval-checkpoint-3-test.jsonl"
+    assert len(written.read_text().splitlines()) == 3 and Path(f"{written}.config.json").is_file()
+    assert f"wrote 3 records to {written} (the checkpoint's run directory; --output FILE to choose)" in err
+    progress = [line for line in err.splitlines() if line.startswith("[mlx-grpo] eval: ")]
+    assert [re.fullmatch(r"\[mlx-grpo\] eval: (\d)/3 examples, 0 correct, \d+s", line)[1] for line in progress] \
+        == ["2", "3"]
+    assert list(work.iterdir()) == []
+
+    assert main(["eval", "--model", str(tiny_model_dir), "--samples", "2", "--max-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    elsewhere = Path("runs") / "eval" / f"eval-{tiny_model_dir.name}-test.jsonl"
+    assert f"wrote 2 records to {elsewhere} (not a checkpoint of a run; --output FILE to choose)" in err
+    assert elsewhere.is_file() and [p.name for p in work.iterdir()] == ["runs"]
+
+
+def test_eval_shows_a_bar_in_a_terminal(tiny_model_dir, tmp_path):
+    """In a (pseudo-)terminal the eval command draws its bar over the questions and leaves it when done."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TQDM_DISABLE", None)
+    argv = [sys.executable, "-m", "mlx_grpo", "eval", "--model", str(tiny_model_dir), "--samples", "3",
+            "--max-tokens", "4", "--eval-batch-size", "2", "--output", str(tmp_path / "r.jsonl")]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a 100-column terminal, then the command
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        os.execvpe(argv[0], argv, env)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the terminal closed with the child
+            break
+        if not chunk:
+            break
+        shown += chunk
+    _, status = os.waitpid(pid, 0)
+    text = shown.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "eval:   0%|" in text and "0/3 [" in text and "eval: 100%|" in text and "3/3 [" in text
+    assert "accuracy: 0.0000 (0/3)" in text.split("eval: 100%|")[-1]  # the finished bar stays above the result
+    assert "[mlx-grpo] eval:" not in text  # lines only where there is no bar

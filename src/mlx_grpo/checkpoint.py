@@ -73,7 +73,10 @@ def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:
         return []
     gone = [p for p in list_checkpoints(run_dir)[:-keep] if p != protect]
     for path in gone:
-        shutil.rmtree(path, ignore_errors=True)
+        # renamed first: a kill mid-delete leaves a temporary the next start removes, not a half checkpoint
+        doomed = path.with_name(f"{TMP_PREFIX}pruned-{path.name}")
+        path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return gone
 
 

@@ -15,6 +15,7 @@ from mlx_grpo.blas import use_optimized_blas
 from mlx_grpo.config import FIELDS, build_config, command_default, fields_for, parse_set
 from mlx_grpo.options import COMMAND_FLAG_ALIASES, COMMAND_OPTIONS, FLAG_ALIASES, Option
 from mlx_grpo.errors import UserError
+from mlx_grpo.interrupt import exit_on_interrupt
 
 DESCRIPTIONS = {
     "convert": "Convert a Hugging Face model, a GGUF file or a nanochat checkpoint to an MLX model directory.",
@@ -132,11 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Before any subcommand imports mlx.core: this module and config.py must not import it at the top.
         use_optimized_blas()
-        _dispatch(args)
+        # Ctrl-C ends the command within a moment even inside a long native call (interrupt.py)
+        with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted"):
+            _dispatch(args)
     except UserError as exc:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # raised in-process (a caller outside the main thread): the same ending
         print(f"mlx-grpo {args.command}: interrupted", file=sys.stderr)
         # Leave now: a reward still running in a worker thread (a hung scorer) would otherwise hold the exit
         # (Python joins worker threads at exit). Checkpoints are written atomically; nothing is lost.

@@ -160,19 +160,21 @@ def read_rows(path: str | Path) -> list[tuple[str, Any]]:
     return rows
 
 
-def load_gsm8k_hub(split: str) -> list[Example]:
-    """GSM8K ("openai/gsm8k", config "main") from the Hugging Face hub or its local cache."""
+def load_gsm8k_hub(split: str, path_key: str = "dataset_path") -> list[Example]:
+    """GSM8K ("openai/gsm8k", config "main") from the Hugging Face hub or its local cache. path_key: the
+    config key that gives a local file instead, named in the hints (eval's is eval_dataset_path)."""
+    local = f"{path_key}=/path/to/{split}.jsonl"
     try:
         import datasets
     except ImportError:
-        raise UserError("dataset=gsm8k needs the 'datasets' package: pip install 'mlx-grpo[data]' "
-                        "(or pass dataset_path=/path/to/train.jsonl)") from None
+        raise UserError(f"dataset=gsm8k needs the 'datasets' package: pip install 'mlx-grpo[data]' "
+                        f"(or pass {local})") from None
     try:
         ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
     except Exception as e:
         reason = " ".join(f"{type(e).__name__}: {e}".split())
         raise UserError(f"could not load openai/gsm8k split '{split}' from the hub ({reason}); "
-                        "without network, pass dataset_path=/path/to/train.jsonl") from None
+                        f"without network, pass {local}") from None
     return [_row_to_example(row, f"openai/gsm8k[{split}] row {i}") for i, row in enumerate(ds, 1)]
 
 
@@ -312,12 +314,15 @@ def make_arith(n: int, seed: int, exclude: frozenset[str] = frozenset(), max_ste
 
 
 def load_examples(dataset: str, split: str, path: str | None, seed: int, arith_size: int = 1000,
-                  arith_max_steps: int = 4) -> list[Example]:
-    """The examples of a run: a file when ``path`` is given, else the named data set's split."""
+                  arith_max_steps: int = 4, path_key: str | None = None) -> list[Example]:
+    """The examples of a run: a file when ``path`` is given, else the named data set's split. path_key: the
+    config key that gives ``path``, named in hints (default: dataset_path for the train split, else
+    eval_dataset_path)."""
+    path_key = path_key or ("dataset_path" if split == "train" else "eval_dataset_path")
     if path:
         return load_file(path)
     if dataset == "gsm8k":
-        return load_gsm8k_hub(split)
+        return load_gsm8k_hub(split, path_key)
     if dataset == "arith":
         if split == "train":
             return make_arith(arith_size, seed, max_steps=arith_max_steps)
@@ -325,7 +330,7 @@ def load_examples(dataset: str, split: str, path: str | None, seed: int, arith_s
         return make_arith(arith_size, seed + TEST_SEED_OFFSET, exclude=train, max_steps=arith_max_steps)
     close = difflib.get_close_matches(dataset, DATASETS, n=1, cutoff=0.0)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    raise UserError(f"unknown dataset '{dataset}' ({hint}valid: {', '.join(DATASETS)}; or set dataset_path)")
+    raise UserError(f"unknown dataset '{dataset}' ({hint}valid: {', '.join(DATASETS)}; or set {path_key})")
 
 
 def subset(examples: Sequence[Example], n: int, seed: int) -> list[Example]:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 from tqdm import tqdm
 
-from mlx_grpo.config import Config, save_json
+from mlx_grpo.config import Config, command_default, save_json
 from mlx_grpo.data import Example, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards import answers_match, extract_answer
@@ -49,13 +52,15 @@ def _lenient(text: str, gold: str) -> bool:
 def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
                    num_samples: int = 1, temperature: float = 0.0, seed: int | None = None,
                    progress: bool = False, engine: RolloutEngine | None = None,
-                   multiturn: MultiTurn | None = None, system_prompt: str | None = None) -> list[dict]:
+                   multiturn: MultiTurn | None = None, system_prompt: str | None = None,
+                   lines: bool = False) -> list[dict]:
     """One record per example: its completions and whether they are right (greedy when num_samples == 1;
     an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations.
     progress: show a progress bar over the examples (on a terminal only). engine: one already sampling from
     `model` (the trainer's), so evaluation builds no second copy of the weights. multiturn: the run's tools or
     environment (default: built from cfg); answers are then scored on the model's own turns. system_prompt: the
-    run's, with its worked examples (prompts.RunPrompt.system; default cfg.system_prompt)."""
+    run's, with its worked examples (prompts.RunPrompt.system; default cfg.system_prompt). lines: where
+    progress shows no bar (not a terminal), print a line to stderr after each batch of eval_batch_size."""
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
                             cfg.min_p, tuple(cfg.stop))
     records = []
@@ -63,28 +68,56 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
     if multiturn is None:
         multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     key = mx.random.key(cfg.seed if seed is None else seed)
-    bar = tqdm(total=len(examples), desc="eval", unit="example", leave=False, disable=None if progress else True)
-    for start in range(0, len(examples), cfg.eval_batch_size):
-        chunk = examples[start:start + cfg.eval_batch_size]
-        key, sub = mx.random.split(key)
-        prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg, system_prompt)]
-        keys = mx.random.split(sub, len(prompts) * num_samples)
-        rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.prefill)[0]
-        written = model_texts(rollout, cfg.prefill)  # with tools: what the model wrote, not the tools' output
-        calls = None if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
-        for i, example in enumerate(chunk):
-            texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
-            scored = written[i * num_samples:(i + 1) * num_samples]
-            correct = [answers_match(extract_answer(t), example.answer) for t in scored]
-            record = {"prompt": example.prompt, "answer": example.answer, "completions": texts,
-                      "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in scored),
-                      "formatted": extract_answer(scored[0]) is not None}
-            if calls is not None:
-                record["tool_calls"] = int(calls[i * num_samples])
-            records.append(record)
-        bar.update(len(chunk))
+    # lines: the eval command's own bar stays on screen when done; a training run's disappears under its own
+    bar = tqdm(total=len(examples), desc="eval", unit="example", leave=lines, disable=None if progress else True)
+    started = time.perf_counter()
+    with _ticking(bar):
+        for start in range(0, len(examples), cfg.eval_batch_size):
+            chunk = examples[start:start + cfg.eval_batch_size]
+            key, sub = mx.random.split(key)
+            prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg, system_prompt)]
+            keys = mx.random.split(sub, len(prompts) * num_samples)
+            rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.prefill)[0]
+            written = model_texts(rollout, cfg.prefill)  # with tools: what the model wrote, not the tools' output
+            calls = None if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
+            for i, example in enumerate(chunk):
+                texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
+                scored = written[i * num_samples:(i + 1) * num_samples]
+                correct = [answers_match(extract_answer(t), example.answer) for t in scored]
+                record = {"prompt": example.prompt, "answer": example.answer, "completions": texts,
+                          "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in scored),
+                          "formatted": extract_answer(scored[0]) is not None}
+                if calls is not None:
+                    record["tool_calls"] = int(calls[i * num_samples])
+                records.append(record)
+            bar.update(len(chunk))
+            if lines and progress and bar.disable:
+                print(f"[mlx-grpo] eval: {len(records)}/{len(examples)} examples, "
+                      f"{sum(r['correct'] for r in records)} correct, {time.perf_counter() - started:.0f}s",
+                      file=sys.stderr, flush=True)
     bar.close()
     return records
+
+
+@contextmanager
+def _ticking(bar: tqdm, every: float = 1.0):
+    """Redraw the bar every `every` seconds while inside: its count moves once per batch of eval_batch_size
+    questions (decoded together), and in between the elapsed time shows that the batch is being answered."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            bar.refresh()
+
+    thread = threading.Thread(target=tick, name="mlx-grpo-eval-bar", daemon=True)
+    if not bar.disable:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
 
 
 def summarize(records: list[dict]) -> EvalResult:
@@ -97,11 +130,11 @@ def summarize(records: list[dict]) -> EvalResult:
 
 def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int,
                    num_samples: int = 1, temperature: float = 0.0, progress: bool = False,
-                   system_prompt: str | None = None) -> EvalResult:
+                   system_prompt: str | None = None, lines: bool = False) -> EvalResult:
     """Answer every example (greedy when num_samples == 1); an example passes if any sample is right."""
     return summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
                                     num_samples=num_samples, temperature=temperature, progress=progress,
-                                    system_prompt=system_prompt))
+                                    system_prompt=system_prompt, lines=lines))
 
 
 def _worked_examples(cfg: Config, split: str, pool: list[Example]) -> WorkedExamples:
@@ -119,15 +152,28 @@ def _worked_examples(cfg: Config, split: str, pool: list[Example]) -> WorkedExam
     return worked
 
 
+def default_output(model_name: str, split: str) -> tuple[Path, str]:
+    """Where `eval` writes without --output, and why there: a checkpoint's results go into its run directory
+    (eval-<checkpoint>-<split>.jsonl), any other model's into <output_dir>/eval/ (the directory that holds
+    the run directories), never loose in the current directory."""
+    model = Path(model_name)
+    if (model / "trainer_state.json").is_file():  # a checkpoint: its parent is the run that wrote it
+        return model.parent / f"eval-{model.name}-{split}.jsonl", "the checkpoint's run directory"
+    runs = Path(command_default("train", "output_dir"))
+    return runs / "eval" / f"eval-{model.name}-{split}.jsonl", "not a checkpoint of a run"
+
+
 def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
     """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written."""
     from mlx_grpo.models.loading import load_model
 
-    pool = run_examples(cfg, split, cfg.eval_dataset_path)
+    pool = run_examples(cfg, split, cfg.eval_dataset_path, path_key="eval_dataset_path")
     worked = _worked_examples(cfg, split, pool)
     examples = subset(pool, cfg.eval_subset_size, cfg.seed)
+    where = None
     if output is None:
-        output = f"eval-{Path(cfg.model_name).name}-{split}.jsonl"
+        out, where = default_output(cfg.model_name, split)
+        output = str(out)
     out = Path(output)
     # Checked before the (slow) evaluation; the write itself can still fail (a full disk): one line then.
     if out.is_dir():
@@ -142,7 +188,7 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
     print(f"[mlx-grpo] evaluating with {prompt.describe()}", file=sys.stderr)
     result = summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
                                       num_samples=cfg.eval_num_samples, temperature=cfg.temperature, progress=True,
-                                      multiturn=multiturn, system_prompt=prompt.system))
+                                      multiturn=multiturn, system_prompt=prompt.system, lines=True))
     try:
         out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
         save_json(cfg, f"{output}.config.json", {"split": split, "prompt": prompt.record()})
@@ -152,5 +198,6 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
     print(f"{metric}: {result.accuracy:.4f} ({sum(r['correct'] for r in result.records)}/{len(result.records)})"
           f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}"
           + ("" if result.tool_call_rate is None else f"  tool calls: {result.tool_call_rate:.4f}"))
-    print(f"wrote {len(result.records)} records to {out}", file=sys.stderr)
+    print(f"wrote {len(result.records)} records to {out}"
+          + ("" if where is None else f" ({where}; --output FILE to choose)"), file=sys.stderr)
     return result

@@ -86,6 +86,8 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
     ],
     "eval": [
         Option(("--split",), "Data split to evaluate.", default="test"),
-        Option(("--output", "-o"), "JSONL file of per-example results (default: ./eval-<model>-<split>.jsonl)."),
+        Option(("--output", "-o"), "JSONL file of per-example results (default: a checkpoint's run directory, "
+                                   "RUN/eval-<checkpoint>-<split>.jsonl; any other model: "
+                                   "runs/eval/eval-<model>-<split>.jsonl)."),
     ],
 }

@@ -131,12 +131,13 @@ def _hub_rows(name: str, split: str, directory: bool) -> list[tuple[str, Any]]:
 
 
 def load_examples(dataset: str, split: str, path: str | None, seed: int, *, arith_max_steps: int = 4,
-                  prompt_column: str = "", answer_column: str = "") -> list[Example]:
-    """The examples of a run's `split`: from `path` when given (a file or directory), else from `dataset`."""
+                  prompt_column: str = "", answer_column: str = "", path_key: str | None = None) -> list[Example]:
+    """The examples of a run's `split`: from `path` when given (a file or directory), else from `dataset`.
+    path_key: the config key that gives a local file instead, named in hints (data.load_examples)."""
     source = path or dataset
     kind = dataset_kind(source)
     if kind == "builtin" and not path:
-        return load_builtin(dataset, split, None, seed, arith_max_steps=arith_max_steps)
+        return load_builtin(dataset, split, None, seed, arith_max_steps=arith_max_steps, path_key=path_key)
     if kind == "file" or (path and kind != "directory"):
         rows = read_rows(source)  # a file serves every split: name a held-out one with eval_dataset_path
     elif kind in ("directory", "hub"):
@@ -146,13 +147,13 @@ def load_examples(dataset: str, split: str, path: str | None, seed: int, *, arit
     return to_examples(rows, source, prompt_column, answer_column)
 
 
-def run_examples(cfg, split: str, path: str | None = None) -> list[Example]:
+def run_examples(cfg, split: str, path: str | None = None, path_key: str | None = None) -> list[Example]:
     """``load_examples`` with a run's data settings (cfg: a Config); path defaults to dataset_path for the
-    train split and eval_dataset_path for the others."""
+    train split and eval_dataset_path for the others (path_key: the key named in hints, `eval` passes its own)."""
     if path is None:
         path = cfg.dataset_path if split == "train" else cfg.eval_dataset_path
     return load_examples(cfg.dataset, split, path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps,
-                         prompt_column=cfg.prompt_column, answer_column=cfg.answer_column)
+                         prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, path_key=path_key)
 
 
 def unknown_dataset(name: str) -> str:

@@ -1,0 +1,71 @@
+"""Ctrl-C: end a command within a moment, whatever its main thread is doing.
+
+Python runs a SIGINT handler only in the main thread, between bytecodes: a long native call (MLX evaluating a
+training pass, which can take minutes on a CPU) would hold Ctrl-C until it returns. Here the signal's C-level
+handler writes to a pipe (signal.set_wakeup_fd) that a watcher thread reads; the watcher prints one line and
+ends the process at once (os._exit(130)). It can run while MLX computes because MLX releases the GIL then.
+
+Ending without unwinding is safe for what a run leaves on disk: model directories and checkpoints are built in
+a temporary and published by one rename (models/writing.staged_output), so an exit mid-write leaves the
+earlier checkpoints intact and a temporary that the next start removes; the run directory's lock is an flock,
+which the OS releases with the process; the JSONL logs are written a line at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+EXIT_CODE = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
+_STOP = b"\0"  # written by the main thread to end the watcher; no signal has the number 0
+
+
+def _ignore(signum, frame) -> None:
+    """The Python-level SIGINT handler: nothing (the watcher acts). Its presence makes the C-level handler
+    write to the wakeup pipe; doing nothing lets the main thread carry on until the watcher ends it."""
+
+
+def _watch(read_fd: int, message: str) -> None:
+    while True:
+        data = os.read(read_fd, 64)
+        if signal.SIGINT in data:
+            break
+        if not data or _STOP[0] in data:
+            return
+    for stream in (sys.stdout, sys.stderr):  # what was printed so far comes before the line
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: the line below still goes out
+            pass
+    newline = "\n" if sys.stderr is not None and sys.stderr.isatty() else ""  # past a progress bar's line
+    os.write(2, f"{newline}{message}\n".encode())
+    os._exit(EXIT_CODE)
+
+
+@contextmanager
+def exit_on_interrupt(message: str) -> Iterator[None]:
+    """While inside, SIGINT prints `message` to stderr and ends the process with exit code 130 within a moment,
+    in any phase. Does nothing outside the main thread or where SIGINT is ignored (a background job)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # set_wakeup_fd requires it: the C handler must never block
+    watcher = threading.Thread(target=_watch, args=(read_fd, message), name="mlx-grpo-ctrl-c", daemon=True)
+    watcher.start()
+    previous_handler = signal.signal(signal.SIGINT, _ignore)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGINT, previous_handler)
+        os.write(write_fd, _STOP)
+        watcher.join()
+        os.close(read_fd)
+        os.close(write_fd)
