@@ -135,8 +135,10 @@ def diagnose(record: dict, cfg) -> dict[str, str]:
     to change."""
     out = {}
     if record["zero_std_fraction"] >= ZERO_STD_ALARM:
-        out["zero_std"] = (f"{record['zero_std_fraction']:.0%} of groups have zero reward variance, so their "
-                           "advantages are 0 and they teach nothing: give partial credit (soft_format, xmlcount), "
+        names = [k[len("reward/"):] for k in record if k.startswith("reward/")]  # this run's own rewards
+        out["zero_std"] = (f"{record['zero_std_fraction']:.0%} of groups have zero reward variance under this "
+                           f"run's rewards ({', '.join(names)}), so their advantages are 0 and they teach nothing: "
+                           "add a reward that gives partial credit (e.g. the built-ins xmlcount, soft_format), "
                            "prefill the start of the format, raise num_generations or temperature, or use easier "
                            "data" + ("" if cfg.dynamic_sampling else "; dynamic_sampling skips such groups"))
     if record["truncated_fraction"] >= TRUNCATED_ALARM:

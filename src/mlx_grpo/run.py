@@ -3,6 +3,7 @@ checkpoints, alone or as one rank of the processes mlx.launch started (trainer.p
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -10,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,9 +26,11 @@ from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
 from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
+from mlx_grpo.health import prompt_cut_report
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.models.writing import recover_staged
+from mlx_grpo.multiturn import encode_prompts
 from mlx_grpo.trainer import Trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
@@ -44,6 +48,7 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
                           max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main,
                           engine=engine, multiturn=trainer.multiturn)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
+    trainer.health.observe_eval(trainer.counters.update_step, result.accuracy, len(examples))  # every rank
     if not world.is_main:
         return None
     record = {"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
@@ -69,12 +74,27 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             _check_same_job(trainer)
             world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
                         f"{cfg.batch_size} prompts per batch step each")
+        _check_prompts(trainer)
         run_dir = _run(trainer, cfg, resume, started)
     except BaseException:
         trainer.reward_runner.close(wait=False)
         raise
     trainer.reward_runner.close()
     return run_dir
+
+
+def _check_prompts(trainer: Trainer, measured: int = 2000) -> None:
+    """Say at start how much max_prompt_length cuts the training prompts (a seeded sample of them), and
+    refuse a length that would cut the question out of most of them."""
+    cfg = trainer.cfg
+    whole = dataclasses.replace(cfg, max_prompt_length=sys.maxsize)  # each prompt's length uncut
+    examples = subset(trainer.train_examples, measured, cfg.seed)
+    lengths = [len(ids) for ids, _ in encode_prompts(trainer.multiturn, trainer.tokenizer, examples, whole)]
+    warning, error = prompt_cut_report(lengths, cfg.max_prompt_length)
+    if error:
+        trainer.world.fail(error)
+    if warning:
+        trainer.world.print(f"[mlx-grpo] warning: {warning}")
 
 
 def _fingerprint(trainer: Trainer) -> dict:
@@ -329,8 +349,14 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             result = trainer.update(steps)
             result["time_step_s"] = time.perf_counter() - t_last  # wall time since the last update's end
             merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
+            stop = trainer.health.observe_drawn(c.update_step, [s["drawn_scores"] for s in merged])  # every rank
+            if not stop and cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
+                _phase(bar, "eval")  # before the update's record, which carries what the eval showed
+                last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval
+            warnings = trainer.health.take_warnings()
             if main:
                 record = update_record(trainer, merged, result)
+                record["warnings"].update(warnings)
                 logger.log_metrics(record)
                 reporters.log(record, c.update_step)
                 rewards.append((c.update_step, record["reward_mean"]))
@@ -343,9 +369,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                                                        trainer.total_updates - c.update_step))
                 if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
-            if cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
-                _phase(bar, "eval")
-                last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval
+            if stop:  # logged first: metrics.jsonl shows the update that stopped the run
+                bar.close()
+                world.fail(stop)
             save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
             bar.update(1)
             t_last = time.perf_counter()

@@ -61,8 +61,11 @@ def _validate_train(c: Config) -> None:
                  "num_iterations", "update_every", "max_consecutive_skips", "logging_steps"):
         _require(getattr(c, name) >= 1, f"{name} must be >= 1")
     for name in ("max_train_samples", "save_steps", "save_total_limit", "eval_every_updates", "eval_steps", "eval_samples",
-                 "log_completions_steps", "weight_decay", "kl_coeff", "max_grad_norm", "micro_batch_tokens"):
+                 "log_completions_steps", "weight_decay", "kl_coeff", "max_grad_norm", "micro_batch_tokens",
+                 "max_updates_without_signal", "plateau_updates"):
         _require(getattr(c, name) >= 0, f"{name} must be >= 0")
+    _require(c.gaming_evals == 0 or c.gaming_evals >= 2, "gaming_evals must be 0 (off) or >= 2: it compares the "
+             "first and the last of that many evaluations")
     _require(c.num_generations >= 2, "num_generations must be >= 2: group-relative advantages need at "
              "least two completions per prompt")
     _require(c.temperature > 0, "training samples its rollouts: temperature must be > 0")
