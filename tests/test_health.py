@@ -166,3 +166,24 @@ def test_plot_marks_the_update_where_a_warning_fired():
     marks = {line.get_label(): list(line.get_xdata()) for line in reward.get_lines()}
     assert marks["plateau/correctness"] == [3.0, 3.0] and marks["gaming"] == [5.0, 5.0]
     assert [line.get_label() for line in accuracy.get_lines()][-1] == "gaming"
+
+
+def test_a_training_run_warns_of_the_plateau_once_in_console_and_metrics(tiny_model_dir, tmp_path, capsys):
+    """A random model never writes <answer>: correctness never pays while share_of_even_ids does."""
+    from pathlib import Path
+
+    from mlx_grpo import run as run_mod
+    from mlx_grpo.config import build_config, parse_set
+
+    toy = Path(__file__).parent / "fixtures" / "toy_rewards.py"
+    cfg = build_config("train", overrides=parse_set([
+        f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",
+        "max_new_tokens=8", "max_train_samples=8", "max_prompt_length=256", "system_prompt=", "plateau_updates=2",
+        f"reward_funcs={toy}:share_of_even_ids,correctness"]))
+    run = run_mod.train(cfg)
+    out = capsys.readouterr().out
+    assert out.count("plateau: reward 'correctness' has paid nothing for 2 updates (up to update 2) while "
+                     "share_of_even_ids paid") == 1 and "WARNING (update 2): plateau" in out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update_step"] for r in rows if "plateau/correctness" in r["warnings"]] == [2]
+    assert plot.warning_marks(rows) == [(2.0, "plateau/correctness")]
