@@ -187,3 +187,18 @@ def test_a_training_run_warns_of_the_plateau_once_in_console_and_metrics(tiny_mo
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["update_step"] for r in rows if "plateau/correctness" in r["warnings"]] == [2]
     assert plot.warning_marks(rows) == [(2.0, "plateau/correctness")]
+
+
+def test_silent_reward_lines_are_printed_when_they_appear_not_every_ten_updates(tmp_path, capsys):
+    from mlx_grpo.logs import RunLogger
+
+    logger = RunLogger(tmp_path, enabled=False)
+    for u in range(1, 31):
+        warnings = {"zero_std": "z"}
+        if u != 26:  # cleared at update 26, back at 27
+            warnings["silent_reward/correctness"] = f"reward 'correctness' returned 0 ... update {u}"
+        logger.warn({"update_step": u, "warnings": warnings})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines if "silent" in line or "correctness" in line] == [
+        "[mlx-grpo] WARNING (update 1)", "[mlx-grpo] WARNING (update 27)"]
+    assert sum(line.endswith(": z") for line in lines) == 3  # other conditions: again every WARN_EVERY updates

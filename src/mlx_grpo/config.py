@@ -276,7 +276,7 @@ class Config:
     gaming_evals: int = _f(3, "Warn once when, over the last this-many evaluations, the training reward rose "
                            "(mean reward_mean of the updates before the last evaluation above that before the "
                            "first by > 1.96 standard errors) while eval accuracy did not rise above the first "
-                           "one's 95% Wilson interval: the reward is being earned without solving the task. "
+                           "one's 95 percent Wilson interval: the reward is being earned without solving the task. "
                            "Needs eval_every_updates; 0 = off.", TRAIN)
     max_consecutive_skips: int = _f(5, "Abort after this many consecutive updates skipped for a non-finite "
                                     "loss or gradient.", TRAIN)
