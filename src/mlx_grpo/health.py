@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 PLATEAU_REMEDIES = ("show worked examples in the prompt, start from a supervised warm start (`mlx-grpo sft`), "
-                    "or put demonstrations in the group (docs/learning.md, \"the format plateau\")")
+                    "or put demonstrations in the group (docs/run-health.md)")
 GAMING_REMEDIES = ("read completions.jsonl for what the reward pays; weight correctness above the format "
                    "rewards or use reasoned_correctness / reasoned_format (rewards that empty reasoning cannot "
                    "earn); " + PLATEAU_REMEDIES)
