@@ -3,7 +3,6 @@ checkpoints, alone or as one rank of the processes mlx.launch started (trainer.p
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -11,7 +10,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -20,17 +18,15 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.assembly import build_trainer
+from mlx_grpo.assembly import build_trainer, check_prompt_lengths
 from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
 from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
-from mlx_grpo.health import prompt_cut_report
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.models.writing import recover_staged
-from mlx_grpo.multiturn import encode_prompts
 from mlx_grpo.trainer import Trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
@@ -74,27 +70,13 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             _check_same_job(trainer)
             world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
                         f"{cfg.batch_size} prompts per batch step each")
-        _check_prompts(trainer)
+        check_prompt_lengths(trainer)
         run_dir = _run(trainer, cfg, resume, started)
     except BaseException:
         trainer.reward_runner.close(wait=False)
         raise
     trainer.reward_runner.close()
     return run_dir
-
-
-def _check_prompts(trainer: Trainer, measured: int = 2000) -> None:
-    """Say at start how much max_prompt_length cuts the training prompts (a seeded sample of them), and
-    refuse a length that would cut the question out of most of them."""
-    cfg = trainer.cfg
-    whole = dataclasses.replace(cfg, max_prompt_length=sys.maxsize)  # each prompt's length uncut
-    examples = subset(trainer.train_examples, measured, cfg.seed)
-    lengths = [len(ids) for ids, _ in encode_prompts(trainer.multiturn, trainer.tokenizer, examples, whole)]
-    warning, error = prompt_cut_report(lengths, cfg.max_prompt_length)
-    if error:
-        trainer.world.fail(error)
-    if warning:
-        trainer.world.print(f"[mlx-grpo] warning: {warning}")
 
 
 def _fingerprint(trainer: Trainer) -> dict:
