@@ -202,3 +202,29 @@ def test_silent_reward_lines_are_printed_when_they_appear_not_every_ten_updates(
     assert [line.split(":")[0] for line in lines if "silent" in line or "correctness" in line] == [
         "[mlx-grpo] WARNING (update 1)", "[mlx-grpo] WARNING (update 27)"]
     assert sum(line.endswith(": z") for line in lines) == 3  # other conditions: again every WARN_EVERY updates
+
+
+def test_a_training_run_warns_of_gaming_after_the_evaluation_that_shows_it(tiny_model_dir, tmp_path, capsys):
+    """A reward that pays more at every call (inline rewards: one call per batch step) while the random
+    model's eval accuracy stays 0: the evaluation at update 4 closes the second window; its update record
+    carries the warning, the plot marks it."""
+    from mlx_grpo import run as run_mod
+    from mlx_grpo.config import build_config, parse_set
+
+    (tmp_path / "rising.py").write_text(
+        "calls = []\n"
+        "def rising(prompts, completions, completion_ids, **k):\n"
+        "    calls.append(1)\n"
+        "    return [len(calls) + 0.1 * (i % 2) for i in range(len(completions))]\n")
+    cfg = build_config("train", overrides=parse_set([
+        f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",
+        "max_new_tokens=8", "max_train_samples=8", "max_prompt_length=256", "system_prompt=",
+        f"reward_funcs={tmp_path / 'rising.py'}:rising", "eval_every_updates=2", "eval_subset_size=2",
+        "eval_max_new_tokens=4", "gaming_evals=2"]))
+    run = run_mod.train(cfg)
+    out = capsys.readouterr().out
+    assert out.count("gaming: the training reward rose from 1.550 (updates up to 2) to 3.550 (updates up to 4) "
+                     "over the last 2 evaluations while eval accuracy did not (0.000 -> 0.000") == 1
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update_step"] for r in rows if "gaming" in r["warnings"]] == [4]
+    assert plot.warning_marks(rows) == [(4.0, "gaming")]
