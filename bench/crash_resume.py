@@ -42,7 +42,9 @@ STATE_FILES = ("model.safetensors", "adapters.safetensors", "master_weights.safe
 def base_items(model: str, workdir: Path) -> list[str]:
     return [f"model_name={model}", f"output_dir={workdir}", "batch_size=2", "num_generations=4",
             "max_new_tokens=8", "max_train_samples=16", "learning_rate=1e-3", "warmup_ratio=0",
-            "max_prompt_length=96", "system_prompt=", "save_steps=1", "log_completions_steps=1"]
+            "max_prompt_length=96", "system_prompt=", "save_steps=1", "log_completions_steps=1",
+            # a random model earns no reward: train on (the bench measures kills and resumes, not learning)
+            "max_updates_without_signal=0"]
 
 
 def command(items: list[str], resume: bool) -> list[str]:

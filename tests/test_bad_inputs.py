@@ -42,6 +42,7 @@ CASES = {
     "unknown key in a file": (TRAIN + ["--config", "{d}/unknown.toml"], r"unknown config key 'learnin_rate'"),
     "config file missing": (TRAIN + ["--config", "{d}/nope.toml"], r"config file not found"),
     "config not TOML": (TRAIN + ["--config", "{d}/bad.toml"], r"is not valid TOML"),
+    "config is a directory": (TRAIN + ["--config", "{d}/noconfig"], r"config .*noconfig is a directory, not a TOML file$"),
     "wrong type": (TRAIN + ["--set", "learning_rate=fast"], r"learning_rate' expects a number"),
     "set without =": (TRAIN + ["--set", "learning_rate"], r"--set expects key=value"),
     "one completion per group": (TRAIN + ["--set", "num_generations=1"], r"num_generations must be >= 2"),
@@ -62,6 +63,10 @@ CASES = {
     "train key for eval": (["eval", "--set", "learning_rate=1"], r"does not apply to 'eval'"),
     "abbreviated flag": (TRAIN + ["--learning-rat", "1"], r"unrecognized arguments: --learning-rat"),
     # data
+    "prompts cut to nothing": (TRAIN + ["--set", "max_prompt_length=1"],
+                               r"max_prompt_length = 1 would cut more than half of the tokens of 100% of the prompts "
+                               r"\(median \d+ tokens -> 1\), removing their question: set max_prompt_length = \d+ "
+                               r"\(fits every prompt\)"),
     "unknown dataset": (TRAIN + ["--set", "dataset=gsm9k"], r"dataset must be 'arith' or 'gsm8k'"),
     "data file missing": (TRAIN + ["--set", "dataset_path={d}/nope.jsonl"], r"data file not found"),
     "data line not JSON": (TRAIN + ["--set", "dataset_path={d}/bad.jsonl"], r"bad.jsonl:2: invalid JSON"),
@@ -133,3 +138,63 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, files, tmp_path, cap
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     new = [p for p in after if p not in before and not str(p).startswith("out")]
     assert new == [] and not any((out / "grpo").glob("*")), (case, new)
+
+
+# Runs that cannot learn, found after their first update(s): one error line and exit 2 as above, the
+# per-function lines on stdout, and on disk the logs of the updates that ran (no checkpoint: nothing learnt).
+SMALL = ["--set", "max_train_samples=8", "--set", "batch_size=2", "--set", "num_generations=4", "--set",
+         "max_new_tokens=8", "--set", "max_prompt_length=256", "--set", "log_completions_steps=0"]
+REWARDS = ("def nothing(prompts, completions, completion_ids, **k):\n    return [None] * len(completions)\n"
+           "def always(prompts, completions, completion_ids, **k):\n    return [1.0] * len(completions)\n")
+
+
+def _train(argv, files, tmp_path, capsys):
+    (files["d"] / "rewards.py").write_text(REWARDS)
+    out = tmp_path / "out"
+    code = main([a.format(d=files["d"], model=files["model"], out=out) for a in TRAIN + SMALL + argv])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    return code, captured.out, [line for line in captured.err.splitlines() if line.strip()], out / "grpo"
+
+
+def test_a_reward_that_returns_none_stops_the_run_after_its_first_update(files, tmp_path, capsys):
+    code, out, err, run = _train(["--set", "reward_funcs={d}/rewards.py:nothing"], files, tmp_path, capsys)
+    assert code == 2 and err == [
+        "mlx-grpo train: error: no reward function scored any completion of update 1 ('nothing' returned None for "
+        "every completion): nothing can be learnt; check the reward functions against the data's columns; set "
+        "max_updates_without_signal = 0 to train on anyway"]
+    assert ("[mlx-grpo] WARNING (update 1): reward 'nothing' returned None for every completion of update 1: None "
+            "means 'not applicable', so it scored nothing and adds nothing to the reward") in out
+    assert "zero reward variance under this run's rewards (nothing)" in out and "soft_format, xmlcount)," not in out
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.resolved.json", "metrics.jsonl"]
+    (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert record["update_step"] == 1 and record["reward/nothing"] is None and "silent_reward/nothing" in record["warnings"]
+
+
+def test_the_setting_lets_a_run_without_signal_go_on(files, tmp_path, capsys):
+    code, out, err, run = _train(["--set", "reward_funcs={d}/rewards.py:nothing", "--set",
+                                  "max_updates_without_signal=0"], files, tmp_path, capsys)
+    assert code == 0 and err == [] and out.count("reward 'nothing' returned None") == 1  # said when it appears
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4 and (run / "checkpoint-4").is_dir()
+
+
+def test_constant_rewards_stop_after_max_updates_without_signal(files, tmp_path, capsys):
+    code, out, err, run = _train(["--set", "reward_funcs={d}/rewards.py:always,{d}/rewards.py:nothing", "--set",
+                                  "max_updates_without_signal=2"], files, tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(
+        "mlx-grpo train: error: no reward function gave any signal in 2 updates in a row (at update 2: 'always' "
+        "returned 1, 'nothing' returned None for every completion), so every advantage was 0 and nothing was learnt")
+    assert "reward 'always' returned 1 for every completion of update 1: one value for every completion" in out
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2 and not list(run.glob("checkpoint-*"))
+
+
+def test_prompts_cut_are_reported_at_start(files, tmp_path, capsys):
+    code, out, err, run = _train(["--set", "max_prompt_length=120", "--set", "max_updates_without_signal=0"],
+                                 files, tmp_path, capsys)
+    import re
+
+    assert code == 0 and err == []
+    line = out.splitlines()[0]
+    assert re.fullmatch(r"\[mlx-grpo\] warning: max_prompt_length = 120 cuts \d+% of the prompts from the left "
+                        r"\(median \d+ tokens -> 120; \d+ lose more than half\): raise max_prompt_length to \d+ "
+                        r"to keep them whole", line), line

@@ -142,7 +142,7 @@ def test_sequences_longer_than_the_context_window_are_said_once(tiny_model_dir, 
     out = capsys.readouterr().out
     assert out.count("exceed") == 1 and "context window of 2048 tokens" in out
     # the same prompts cut to fit: no word
-    run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, f"dataset_path={data}", "max_prompt_length=1000",
+    run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, f"dataset_path={data}", "max_prompt_length=2000",
                                "max_new_tokens=8", "max_train_samples=2", "run_name=fits")))
     assert "exceed" not in capsys.readouterr().out
 

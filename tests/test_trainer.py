@@ -139,6 +139,9 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
                                    ["dynamic_sampling=true", "max_train_samples=16",
                                     f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"],
                                    ["model_dtype=bfloat16", "learning_rate=1e-4"],
+                                   # health.py's state: the plateau warning (update 2) is not given again
+                                   ["plateau_updates=2", "reward_funcs="
+                                    f"{FIXTURES / 'toy_rewards.py'}:share_of_even_ids,correctness"],
                                    # the rollout engine's sampling copy, refreshed after updates and on resume
                                    ["rollout_engine=copy", "learning_rate=1e-2"],
                                    ["rollout_engine=copy", "train_type=lora", "update_every=2", "kl_coeff=0.1",

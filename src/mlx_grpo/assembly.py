@@ -2,13 +2,15 @@
 evaluation examples, the reward set, the model loaded and cast to its compute dtype with its float32
 masters, LoRA/DoRA adapters and the QLoRA base (`build_model`, which `mlx-grpo sft` shares), the KL
 reference model, the start-up memory check for the rollouts (and the rollout engine's copy), and the
-warnings about settings that will not do what they say.
+warnings about settings that will not do what they say
+(check_prompt_lengths: prompts that max_prompt_length cuts, measured before the first update).
 trainer.py holds the GRPO steps and checkpoint state; it never imports this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,10 +22,12 @@ from mlx_grpo.data import subset
 from mlx_grpo.distributed import World
 from mlx_grpo.engine import uses_copy
 from mlx_grpo.errors import UserError
+from mlx_grpo.health import prompt_cut_report
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, apply_adapters, quantize_base
 from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
+from mlx_grpo.multiturn import encode_prompts
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.policy import Policies
 from mlx_grpo.prompts import select_worked_examples
@@ -134,3 +138,18 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         evals = None  # loaded only to keep its questions out of the worked examples
     return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
                    source_dir, evals, adapter_config, masters, world or World(), worked=worked)
+
+
+def check_prompt_lengths(trainer: Trainer, measured: int = 2000) -> None:
+    """Say at start how much max_prompt_length cuts the training prompts (a seeded sample of them), and
+    refuse a length that would cut the question out of most of them."""
+    cfg = trainer.cfg
+    whole = replace(cfg, max_prompt_length=sys.maxsize)  # each prompt's length uncut
+    examples = subset(trainer.train_examples, measured, cfg.seed)
+    lengths = [len(ids) for ids, _ in encode_prompts(trainer.multiturn, trainer.tokenizer, examples, whole,
+                                                    trainer.prompt.system)]
+    warning, error = prompt_cut_report(lengths, cfg.max_prompt_length)
+    if error:
+        trainer.world.fail(error)
+    if warning:
+        trainer.world.print(f"[mlx-grpo] warning: {warning}")

@@ -306,6 +306,19 @@ class Config:
     grad_checkpoint: bool = _f(False, "Recompute each transformer layer in the backward pass instead of "
                                "keeping its activations: training memory drops to about the layers' inputs, "
                                "for ~1/3 more compute. Same results.", TUNE)
+    max_updates_without_signal: int = _f(10, "Stop the run (one line, exit 2) after this many updates in a row "
+                                         "in which no reward function gave any signal (each returned None, or "
+                                         "one same value, for every completion drawn: every advantage is 0, "
+                                         "nothing is learnt); an update where every function returned None "
+                                         "stops it at once. 0 = never stop (the warnings still print).", TRAIN)
+    plateau_updates: int = _f(20, "Warn once when a reward function has paid nothing (None or 0 for every "
+                              "completion) for this many updates in a row while another one paid: the model "
+                              "never produces what it rewards (the format plateau). 0 = off.", TRAIN)
+    gaming_evals: int = _f(3, "Warn once when, over the last this-many evaluations, the training reward rose "
+                           "(mean reward_mean of the updates before the last evaluation above that before the "
+                           "first by > 1.96 standard errors) while eval accuracy did not rise above the first "
+                           "one's 95 percent Wilson interval: the reward is being earned without solving the task. "
+                           "Needs eval_every_updates; 0 = off.", TRAIN)
     max_consecutive_skips: int = _f(5, "Abort after this many consecutive updates skipped for a non-finite "
                                     "loss or gradient.", TUNE)
     # --- logging, checkpoints, eval ---
@@ -433,6 +446,10 @@ def check_key(name: str, command: str, source: str) -> None:
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Flat keys, or the same keys under a [mlx_grpo] table."""
     path = Path(path)
+    if path.is_dir():
+        tomls = sorted(p.name for p in path.glob("*.toml"))
+        raise UserError(f"config {path} is a directory, not a TOML file" + (
+            f": pass one of its files ({', '.join(tomls[:5])}{', ...' if len(tomls) > 5 else ''})" if tomls else ""))
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     try:

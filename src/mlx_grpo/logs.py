@@ -132,6 +132,9 @@ ZERO_STD_ALARM = 0.9
 TRUNCATED_ALARM = 0.9
 # While a condition persists it is printed again every this many updates (it is in every log record).
 WARN_EVERY = 10
+# Conditions printed only when they appear (health.py's one line per silent reward function; the plateau
+# warning says it at length when one lasts).
+ONSET_ONLY = ("silent_reward/",)
 
 
 def diagnose(record: dict, cfg) -> dict[str, str]:
@@ -139,8 +142,10 @@ def diagnose(record: dict, cfg) -> dict[str, str]:
     to change."""
     out = {}
     if record["zero_std_fraction"] >= ZERO_STD_ALARM:
-        out["zero_std"] = (f"{record['zero_std_fraction']:.0%} of groups have zero reward variance, so their "
-                           "advantages are 0 and they teach nothing: give partial credit (soft_format, xmlcount), "
+        names = [k[len("reward/"):] for k in record if k.startswith("reward/")]  # this run's own rewards
+        out["zero_std"] = (f"{record['zero_std_fraction']:.0%} of groups have zero reward variance under this "
+                           f"run's rewards ({', '.join(names)}), so their advantages are 0 and they teach nothing: "
+                           "add a reward that gives partial credit (e.g. the built-ins xmlcount, soft_format), "
                            "prefill the start of the format, raise num_generations or temperature, or use easier "
                            "data" + ("" if cfg.dynamic_sampling else "; dynamic_sampling skips such groups"))
     if record["truncated_fraction"] >= TRUNCATED_ALARM:
@@ -168,11 +173,12 @@ class RunLogger:
         self._append("metrics.jsonl", record)
 
     def warn(self, record: dict) -> None:
-        """Print each warning of the record when it first appears, then every WARN_EVERY updates."""
+        """Print each warning of the record when it first appears, then every WARN_EVERY updates (ONSET_ONLY
+        kinds: only when they appear again after clearing)."""
         step = record["update_step"]
         for kind, message in record["warnings"].items():
             last = self._warned.get(kind)
-            if last is None or step - last >= WARN_EVERY:
+            if last is None or (step - last >= WARN_EVERY and not kind.startswith(ONSET_ONLY)):
                 console(f"[mlx-grpo] WARNING (update {step}): {message}")
                 self._warned[kind] = step
         # A condition that clears and comes back is announced again at once.

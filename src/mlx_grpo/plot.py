@@ -1,7 +1,8 @@
 """`mlx-grpo plot`: a run's curves as one PNG, read from its metrics.jsonl and eval.jsonl.
 
 This module owns reading a run directory's JSONL logs for plotting and drawing the panels (reward per
-function, eval accuracy, KL, entropy, completion length, time per update). It imports neither MLX nor
+function, eval accuracy, KL, entropy, completion length, time per update), the updates where a plateau
+or gaming warning fired marked on the reward (gaming also on the accuracy) panel. It imports neither MLX nor
 matplotlib at module level: matplotlib (the `plot` extra) is imported when a figure is drawn, and drawn
 on its Agg canvas (no display, no pyplot state).
 """
@@ -77,6 +78,24 @@ def _panel(ax, title: str, lines: list[tuple[str, tuple[list, list], dict]], yla
         ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, fontsize=12, color="gray")
 
 
+# Warnings given once (health.py) whose update the plot marks: a kind's prefix -> its colour.
+MARKED_WARNINGS = {"plateau": "C3", "gaming": "C1"}
+
+
+def warning_marks(metrics: list[dict]) -> list[tuple[float, str]]:
+    """(update, kind) of each once-only warning (plateau/<reward>, gaming) in the records' `warnings`."""
+    return [(float(r["update_step"]), kind) for r in metrics if _number(r.get("update_step"))
+            for kind in (r.get("warnings") or {}) if kind.split("/")[0] in MARKED_WARNINGS]
+
+
+def _mark(ax, marks: list[tuple[float, str]]) -> None:
+    """A dashed vertical line at each warning's update, labelled with its kind."""
+    for x, kind in marks:
+        ax.axvline(x, color=MARKED_WARNINGS[kind.split("/")[0]], linestyle=":", linewidth=1.5, label=kind)
+    if marks:
+        ax.legend(fontsize=7, loc="best")
+
+
 def draw(metrics: list[dict], evals: list[dict], title: str = ""):
     """The figure of a run's records: six panels (reward, eval accuracy, KL, entropy, completion length,
     time per update) against the update step; a panel with nothing to show says so."""
@@ -95,6 +114,9 @@ def draw(metrics: list[dict], evals: list[dict], title: str = ""):
            empty="no eval")
     if series(evals, "accuracy")[0]:
         axes[1].set_ylim(-0.02, 1.02)
+    marks = warning_marks(metrics)
+    _mark(axes[0], marks)
+    _mark(axes[1], [m for m in marks if m[1] == "gaming"])
     _panel(axes[2], "KL", [("kl (to reference)", series(metrics, "kl"), {}),
                            ("sampler_kl", series(metrics, "sampler_kl"), {})])
     _panel(axes[3], "entropy", [("entropy (nats/token)", series(metrics, "entropy"), {})])

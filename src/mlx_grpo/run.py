@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.assembly import build_trainer
+from mlx_grpo.assembly import build_trainer, check_prompt_lengths
 from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
@@ -44,6 +44,7 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
                           max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main,
                           engine=engine, multiturn=trainer.multiturn, system_prompt=trainer.eval_prompt.system)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
+    trainer.health.observe_eval(trainer.counters.update_step, result.accuracy, len(examples))  # every rank
     if not world.is_main:
         return None
     record = {"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
@@ -70,6 +71,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             _check_same_job(trainer)
             world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
                         f"{cfg.batch_size} prompts per batch step each")
+        check_prompt_lengths(trainer)
         run_dir = _run(trainer, cfg, resume, started)
     except BaseException:
         trainer.reward_runner.close(wait=False)
@@ -333,8 +335,14 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             result = trainer.update(steps)
             result["time_step_s"] = time.perf_counter() - t_last  # wall time since the last update's end
             merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
+            stop = trainer.health.observe_drawn(c.update_step, [s["drawn_scores"] for s in merged])  # every rank
+            if not stop and cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
+                _phase(bar, "eval")  # before the update's record, which carries what the eval showed
+                last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval
+            warnings = trainer.health.take_warnings()
             if main:
                 record = update_record(trainer, merged, result)
+                record["warnings"].update(warnings)
                 logger.log_metrics(record)
                 reporters.log(record, c.update_step)
                 rewards.append((c.update_step, record["reward_mean"]))
@@ -347,9 +355,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                                                        trainer.total_updates - c.update_step))
                 if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
-            if cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
-                _phase(bar, "eval")
-                last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval
+            if stop:  # logged first: metrics.jsonl shows the update that stopped the run
+                bar.close()
+                world.fail(stop)
             save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
             bar.update(1)
             t_last = time.perf_counter()

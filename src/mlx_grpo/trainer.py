@@ -29,6 +29,7 @@ from mlx_grpo.distributed import World, zero_gradients
 from mlx_grpo.data import EpochSampler, Example, reward_columns
 from mlx_grpo.demonstrations import Demonstrator
 from mlx_grpo.errors import UserError
+from mlx_grpo.health import RunHealth
 from mlx_grpo.loss import LossSums, empty_sums, group_advantages
 from mlx_grpo.models.adapters import adapter_parameters
 from mlx_grpo.models.precision import MasterWeights, dtype_name
@@ -154,6 +155,9 @@ class Trainer:
         self.prompt, self.eval_prompt = build_run_prompts(cfg, self.tokenizer, self.multiturn, self.worked,
                                                           self.train_examples + (self.eval_examples or []),
                                                           self.world.print)
+        # Silent-reward, plateau and gaming checks (health.py); their state is part of the checkpoint's.
+        self.health = RunHealth(self.rewards.names, cfg.max_updates_without_signal, cfg.plateau_updates,
+                                cfg.gaming_evals)
 
     # ------------------------------------------------------------------ one batch step
     def _encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
@@ -435,7 +439,7 @@ class Trainer:
     def state(self) -> dict:
         # Sampling keys derive from (seed, counters.draws, row): the counters are the whole random state.
         return {"counters": vars(self.counters).copy(), "data_cursor": self.sampler.state(),
-                "total_updates": self.total_updates, "world_size": self.world.size}
+                "total_updates": self.total_updates, "world_size": self.world.size, "health": self.health.state()}
 
     def restore(self, path: Path, loaded: tuple, adapters: bool) -> None:
         """Continue from the checkpoint at `path`, as rank 0 read it: loaded is load_checkpoint's tuple,
@@ -478,6 +482,7 @@ class Trainer:
         self.optimizer.state = opt_state
         self.counters = Counters(**{"draws": state["counters"]["batch_step"], **state["counters"]})
         self.sampler.load_state(state["data_cursor"])
+        self.health.load_state(state.get("health"))
         self._batches = iter(self.sampler)
         if self.policies.separate_old:
             if self.adapter_config is not None:  # the old adapters on the shared base weights

@@ -93,8 +93,11 @@ def _validate_train(c: Config) -> None:
     _validate_tuning(c)
     for name in ("num_iterations", "update_every"):
         _require(getattr(c, name) >= 1, f"{name} must be >= 1")
-    for name in ("eval_steps", "eval_samples", "log_completions_steps", "kl_coeff"):
+    for name in ("eval_steps", "eval_samples", "log_completions_steps", "kl_coeff", "max_updates_without_signal",
+                 "plateau_updates"):
         _require(getattr(c, name) >= 0, f"{name} must be >= 0")
+    _require(c.gaming_evals == 0 or c.gaming_evals >= 2, "gaming_evals must be 0 (off) or >= 2: it compares the "
+             "first and the last of that many evaluations")
     _require(c.num_generations >= 2, "num_generations must be >= 2: group-relative advantages need at "
              "least two completions per prompt")
     _require(c.temperature > 0, "training samples its rollouts: temperature must be > 0")
