@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         # Before any subcommand imports mlx.core: this module and config.py must not import it at the top.
-        use_optimized_blas()
+        use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
         _dispatch(args)
     except UserError as exc:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
