@@ -120,6 +120,7 @@ def test_training_run_ends_with_summary_and_curves(tiny_model_dir, tmp_path, cap
     out = capsys.readouterr().out
     assert "[mlx-grpo] summary: 2 updates, wall time " in out
     assert "reward_mean: " in out and " (update 1) -> " in out and " (update 2)\n" in out
+    assert "by reward function (mean, share of completions credited; first -> last updates):" in out
     assert "last eval (update 2): accuracy " in out
     assert f"final checkpoint: {run / 'checkpoint-2'}" in out
     assert f"curves: {run / 'curves.png'}" in out
