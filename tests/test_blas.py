@@ -62,6 +62,16 @@ def test_resolve_puts_the_renamed_copy_first_or_drops_it():
     assert blas.resolve(blas.CANDIDATES, None) == list(blas.SYSTEM)
 
 
+@pytest.mark.parametrize("environ, cpus, threads", [
+    ({}, 2, 1), ({}, 1, 1), ({}, 16, 8),                      # half the cores, at least one
+    ({"OPENBLAS_NUM_THREADS": "2"}, 2, None),                 # the user's choice stands
+    ({"OMP_NUM_THREADS": "4"}, 16, None), ({"GOTO_NUM_THREADS": "3"}, 16, None),
+    ({"OPENBLAS_NUM_THREADS": " "}, 4, 2),                    # blank is unset
+])
+def test_blas_threads(environ, cpus, threads):
+    assert blas.blas_threads(environ, cpus) == threads
+
+
 def test_distribution_names_are_normalised():
     assert blas.plan(None, platform="linux", mlx_distributions=["MLX_CPU"],
                      vendored_blas="libblas-x.so.3") == (blas.CANDIDATES, False)
