@@ -233,3 +233,11 @@ def test_cli_binds_the_fast_blas_falls_back_with_one_line_and_matmuls_agree(tiny
     a, b = np.load(tmp_path / "fast.npy"), np.load(tmp_path / "hidden.npy")
     assert np.abs(a - b).max() / np.abs(b).max() < 1e-5
     assert np.array_equal(b, np.load(tmp_path / "opted-out.npy"))  # the same reference BLAS: identical
+
+
+@pytest.mark.skipif(not (LINUX and _automatic_would_act()), reason="MLX is not the mlx-cpu wheel with its reference BLAS")
+def test_cli_without_a_fast_blas_says_so_in_one_line(tiny_model_dir, tmp_path):
+    proc = _python(CLI_THEN_MATMUL, str(tiny_model_dir), str(tmp_path / "m.npy"), str(tmp_path / "cache"), "hide")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [blas.SLOW]
+    assert "reference BLAS" in blas.SLOW and "scripts/setup.sh" in blas.SLOW and "MLX_GRPO_BLAS=reference" in blas.SLOW
