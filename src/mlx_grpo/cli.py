@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         # Before any subcommand imports mlx.core: this module and config.py must not import it at the top.
-        use_optimized_blas()
+        use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
         # Ctrl-C ends the command within a moment even inside a long native call (interrupt.py)
         with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted"):
             _dispatch(args)

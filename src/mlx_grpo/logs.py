@@ -45,6 +45,12 @@ def _nan_mean(values: np.ndarray) -> float | None:
     return None if np.all(np.isnan(values)) else float(np.nanmean(values))
 
 
+def _credited(values: np.ndarray) -> float | None:
+    """The share of the completions a reward applied to that it scored above 0; None if none."""
+    applied = values[~np.isnan(values)]
+    return float(np.mean(applied > 0)) if applied.size else None
+
+
 def update_record(trainer, stats: list[dict], result: dict) -> dict:
     """The metrics of one optimizer update, from its batch steps' stats and the update's result. Reward,
     length and variance figures cover every completion drawn (dynamic sampling may train on fewer)."""
@@ -60,6 +66,8 @@ def update_record(trainer, stats: list[dict], result: dict) -> dict:
         "lr": result["lr"], "loss": result["loss"], "grad_norm": result["grad_norm"],
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         **{f"reward/{n}": _nan_mean(np.concatenate([d.per_func[n] for d in drawn])) for n in drawn[0].per_func},
+        # the share of completions each function gave any credit: for a tiered reward, its first tier
+        **{f"reward_credited/{n}": _credited(np.concatenate([d.per_func[n] for d in drawn])) for n in drawn[0].per_func},
         "kl": result["kl"], "clip_fraction": result["clip_fraction"],
         "clip_low_fraction": result["clip_low_fraction"], "clip_high_fraction": result["clip_high_fraction"],
         "ratio_min": result["ratio_min"], "ratio_mean": result["ratio_mean"], "ratio_max": result["ratio_max"],
@@ -236,10 +244,11 @@ class RunLogger:
 
 
 def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: list[tuple[int, float]],
-                  last_eval: dict | None, checkpoint: Path | None) -> list[str]:
+                  last_eval: dict | None, checkpoint: Path | None, records: list[dict] = ()) -> list[str]:
     """The end-of-run summary: updates and wall time (of this session, when it resumed a run), reward_mean
     at the start vs the end of the session (each the mean over its first / last min(5, n // 2) updates,
-    named), the last eval and the final checkpoint."""
+    named), then per reward function of `records` (the session's metrics records) what rose and what did
+    not, the last eval and the final checkpoint."""
     resumed = session_updates != updates
     lines = [f"[mlx-grpo] summary: {updates} updates"
              + (f" ({session_updates} in this session)" if resumed else "")
@@ -253,10 +262,43 @@ def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: li
 
         lines.append(f"[mlx-grpo]   reward_mean: {span(rewards[:k])}"
                      + (f" -> {span(rewards[-k:])}" if len(rewards) > 1 else ""))
+        if len(records) > 1:
+            lines += reward_function_lines(records[:k], records[-k:])
     if last_eval is not None:
         lines.append(f"[mlx-grpo]   last eval (update {last_eval['update_step']}): accuracy "
                      f"{last_eval['accuracy']:.3f}, lenient {last_eval['accuracy_lenient']:.3f} on "
                      f"{last_eval['num_examples']} examples")
     if checkpoint is not None:
         lines.append(f"[mlx-grpo]   final checkpoint: {checkpoint}")
+    return lines
+
+
+def reward_function_lines(first: list[dict], last: list[dict]) -> list[str]:
+    """Which reward function moved the total: its mean and the share of completions it credited over the
+    `first` vs the `last` updates' records, each marked rose / fell / flat at the printed precision. `eval`
+    scores right answers, so a run whose correctness reward stayed flat says that it will show no gain."""
+    names = [key.removeprefix("reward/") for key in first[0] if key.startswith("reward/")]
+
+    def mean(part: list[dict], key: str) -> float | None:
+        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return float(np.mean(values)) if values else None
+
+    lines = ["[mlx-grpo]   by reward function (mean, share of completions credited; first -> last updates):"]
+    flat_correctness = []
+    for name in names:
+        before, after = mean(first, f"reward/{name}"), mean(last, f"reward/{name}")
+        if before is None or after is None:
+            continue
+        moved = (after > before) - (after < before) if f"{after:.3f}" != f"{before:.3f}" else 0
+        credit = ""
+        shares = mean(first, f"reward_credited/{name}"), mean(last, f"reward_credited/{name}")
+        if None not in shares:
+            credit = f", credited {shares[0]:.0%} -> {shares[1]:.0%}"
+        lines.append(f"[mlx-grpo]     {name}: {before:.3f} -> {after:.3f}{credit} "
+                     f"({('fell', 'flat', 'rose')[moved + 1]})")
+        if "correct" in name and moved <= 0:
+            flat_correctness.append(name)
+    if flat_correctness:
+        lines.append(f"[mlx-grpo]   {', '.join(flat_correctness)} did not rise: `mlx-grpo eval` (right answers) "
+                     f"will show no gain yet")
     return lines

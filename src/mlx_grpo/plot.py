@@ -3,8 +3,8 @@
 This module owns reading a run directory's JSONL logs for plotting and drawing the panels (reward per
 function, eval accuracy, KL, entropy, completion length, time per update), the updates where a plateau
 or gaming warning fired marked on the reward (gaming also on the accuracy) panel. It imports neither MLX nor
-matplotlib at module level: matplotlib (the `plot` extra) is imported when a figure is drawn, and drawn
-on its Agg canvas (no display, no pyplot state).
+matplotlib at module level: matplotlib (a base dependency, slow to import) is imported when a figure is
+drawn, and drawn on its Agg canvas (no display, no pyplot state).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 from mlx_grpo.errors import UserError
 
-INSTALL_HINT = "pip install 'mlx-grpo[plot]' (or bash scripts/setup.sh plot)"
+# matplotlib is a base dependency: only an environment set up by other means lacks it.
+INSTALL_HINT = "pip install matplotlib (or re-run bash scripts/setup.sh)"
 
 
 def read_jsonl(path: Path) -> list[dict]:

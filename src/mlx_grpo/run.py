@@ -248,7 +248,7 @@ def _run_locked(trainer: Trainer, cfg: Config, resume: str | None, started: floa
     reporters = Reporters(cfg.report_to if main else [], run_dir, to_dict(cfg),
                           resumed_at=start_update if resume is not None else None)
     try:
-        rewards, last_eval = _loop(trainer, cfg, resume, logger, reporters)
+        records, last_eval = _loop(trainer, cfg, resume, logger, reporters)
     except BaseException:
         reporters.close(failed=True)
         raise
@@ -256,8 +256,9 @@ def _run_locked(trainer: Trainer, cfg: Config, resume: str | None, started: floa
     c = trainer.counters
     if main:
         checkpoints = ckpt.list_checkpoints(run_dir)
+        rewards = [(r["update_step"], r["reward_mean"]) for r in records]
         for line in summary_lines(c.update_step, c.update_step - start_update, time.perf_counter() - started,
-                                  rewards, last_eval, checkpoints[-1] if checkpoints else None):
+                                  rewards, last_eval, checkpoints[-1] if checkpoints else None, records):
             console(line)
         curves = _curves(run_dir)
         if curves:
@@ -289,12 +290,12 @@ def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1, span: int = 1) -> None:
 
 
 def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
-          reporters: Reporters) -> tuple[list[tuple[int, float]], dict | None]:
-    """The updates with their logs, evaluations and checkpoints; returns (update, reward_mean) of this
+          reporters: Reporters) -> tuple[list[dict], dict | None]:
+    """The updates with their logs, evaluations and checkpoints; returns the metrics records of this
     session's updates and the last eval record (rank 0)."""
     world = trainer.world
     main = world.is_main
-    rewards, last_eval = [], None
+    records, last_eval = [], None
     evals = trainer.eval_examples
     eval_subset = subset(evals, cfg.eval_subset_size, cfg.seed) if evals else None
     legacy_subset = subset(evals, cfg.eval_samples or cfg.eval_subset_size, cfg.seed) if evals else None
@@ -345,7 +346,7 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                 record["warnings"].update(warnings)
                 logger.log_metrics(record)
                 reporters.log(record, c.update_step)
-                rewards.append((c.update_step, record["reward_mean"]))
+                records.append(record)
                 logger.warn(record)
                 if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
                     bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
@@ -379,7 +380,7 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         _save(trainer)
     if c.skipped_updates:
         world.print(f"[mlx-grpo] {c.skipped_updates} update(s) skipped for non-finite values")
-    return rewards, last_eval
+    return records, last_eval
 
 
 def _save(trainer: Trainer) -> None:
