@@ -36,14 +36,24 @@ def _watch(read_fd: int, message: str) -> None:
             break
         if not data or _STOP[0] in data:
             return
-    for stream in (sys.stdout, sys.stderr):  # what was printed so far comes before the line
+    # What was printed so far comes before the line; in a helper thread, given a moment only: the main
+    # thread may hold a stream's lock, blocked writing to a pipe nobody reads.
+    flusher = threading.Thread(target=_flush, daemon=True)
+    flusher.start()
+    flusher.join(0.2)
+    try:
+        newline = "\n" if os.isatty(2) else ""  # below a progress bar's line
+        os.write(2, f"{newline}{message}\n".encode())
+    finally:  # a closed or broken stderr must not keep the process alive
+        os._exit(EXIT_CODE)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream: the line below still goes out
+        except (OSError, ValueError, AttributeError):  # closed, broken or absent: the line still goes out
             pass
-    newline = "\n" if sys.stderr is not None and sys.stderr.isatty() else ""  # past a progress bar's line
-    os.write(2, f"{newline}{message}\n".encode())
-    os._exit(EXIT_CODE)
 
 
 @contextmanager
