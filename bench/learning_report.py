@@ -67,20 +67,15 @@ def collapse_row(name: str, run: Path) -> str:
 
 
 def main(out: Path) -> None:
-    print("| model | exact match (<answer>) [95% CI] | lenient (last number) | formatted |")
-    print("|---|---|---|---|")
-    for task in ("arith", "gsm8k"):
-        for stage in ("base", "trained"):
-            path = out / f"{task}-{stage}.jsonl"
-            if path.is_file():
-                print(accuracy_row(f"{task} {stage}", path))
-    print()
-    print("| run | updates | completion length first -> last 5 | empty reasoning at the last logged update "
-          "| entropy first -> last 5 (nats) | training time |")
-    print("|---|---|---|---|---|---|")
-    for run in ("arith", "prod"):
-        if (out / "runs" / run / "metrics.jsonl").is_file():
-            print(collapse_row(run, out / "runs" / run))
+    """One accuracy row per evaluation bench/learning_run.sh wrote (<recipe>-s<seed>-<stage>.jsonl)."""
+    print("| recipe, seed | model | exact match (<answer>) [95% CI] | lenient (last number) | formatted |")
+    print("|---|---|---|---|---|")
+    stages = ("base", "sft", "trained")
+    for path in sorted(out.glob("*-s*-*.jsonl"), key=lambda p: (p.name.rsplit("-", 1)[0], stages.index(
+            p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1] in stages else 9)):
+        tag, stage = path.stem.rsplit("-", 1)
+        if stage in stages:
+            print(accuracy_row(f"{tag} | {stage}", path))
 
 
 if __name__ == "__main__":

@@ -126,6 +126,8 @@ needs_packaged = pytest.mark.skipif(not (LINUX and PACKAGED_SOURCE and PATCHELF)
 
 @needs_packaged
 def test_renamed_copy_exports_unprefixed_cblas_and_is_made_once(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "libopenblas-mlx-grpo-000000000000.so").write_bytes(b"an earlier version's copy")
     copy = blas.renamed_copy(PACKAGED_SOURCE, PATCHELF, tmp_path / "cache")
     names = set(blas.dynamic_symbols(copy))
     assert {b"cblas_sgemm", b"sgemm_", b"spotrf_", b"ssyevd_"} <= names

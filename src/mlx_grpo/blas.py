@@ -155,6 +155,9 @@ def renamed_copy(source: Path, patchelf: str | None, directory: Path) -> Path:
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    for old in directory.glob("libopenblas-mlx-grpo-*.so"):  # copies of an earlier scipy-openblas32 (25 MB
+        if old != target:                                     # each); a process using one keeps its mapping
+            old.unlink(missing_ok=True)
     return target
 
 
