@@ -21,10 +21,11 @@ timed() {  # timed NAME COMMAND...: run it, log it, record its seconds
 run_name() { python3 -c "import tomllib, sys; print(tomllib.load(open(sys.argv[1], 'rb'))['run_name'])" "$1"; }
 simple() {  # simple PRESET TAG SEED: base eval, train, trained eval on the preset's own held-out problems
   local cfg=configs/$1.toml tag=$2-s$3 runs=$OUT/runs/$2-s$3
-  timed "$tag.base" $M eval --config "$cfg" --samples 500 -o "$OUT/$tag-base.jsonl"
+  # the seed picks arith's splits and the worked example shown: evaluations take the run's own
+  timed "$tag.base" $M eval --config "$cfg" --set seed="$3" --samples 500 -o "$OUT/$tag-base.jsonl"
   timed "$tag.train" $M train --config "$cfg" --set seed="$3" --set output_dir="$runs" || return
-  timed "$tag.eval" $M eval --config "$cfg" --model "$(latest "$runs/$(run_name "$cfg")")" --samples 500 \
-    -o "$OUT/$tag-trained.jsonl"
+  timed "$tag.eval" $M eval --config "$cfg" --set seed="$3" --model "$(latest "$runs/$(run_name "$cfg")")" \
+    --samples 500 -o "$OUT/$tag-trained.jsonl"
 }
 gsm8k() {  # gsm8k SEED: base eval, warm start, its eval, GRPO from it, trained eval (full test each time)
   local tag=gsm8k-s$1 runs=$OUT/runs/gsm8k-s$1
