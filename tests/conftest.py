@@ -22,22 +22,23 @@ def run_metrics(run_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def interrupt_before_update(train, cfg, monkeypatch, update: int) -> None:
+def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=None) -> None:
     """Run train(cfg) and stop it with a KeyboardInterrupt just before `update` (what Ctrl-C leaves behind:
-    the checkpoints written so far)."""
-    from mlx_grpo import trainer as trainer_mod
+    the checkpoints written so far); trainer_class: whose `update` to stop (default: the GRPO Trainer)."""
+    if trainer_class is None:
+        from mlx_grpo.trainer import Trainer as trainer_class
 
-    original = trainer_mod.Trainer.update
+    original = trainer_class.update
 
     def crashing(self, steps):
         if self.counters.update_step + 1 == update:
             raise KeyboardInterrupt
         return original(self, steps)
 
-    monkeypatch.setattr(trainer_mod.Trainer, "update", crashing)
+    monkeypatch.setattr(trainer_class, "update", crashing)
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
-    monkeypatch.setattr(trainer_mod.Trainer, "update", original)
+    monkeypatch.setattr(trainer_class, "update", original)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import run_metrics
+from conftest import interrupt_before_update, run_metrics
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
@@ -169,17 +169,8 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
     cfg = sft_cfg(tiny_model_dir, tmp_path, "run_name=cut", "num_epochs=4", "gradient_accumulation_steps=2",
                   "micro_batch_size=2",
                   "eval_every_updates=2", "eval_subset_size=2", "eval_max_new_tokens=4")
-    original = sft_mod.SFTTrainer.update
-
-    def crashing(self, rows):
-        if self.counters.update_step == 3:  # killed before its fourth update: checkpoint-2 is the latest
-            raise KeyboardInterrupt
-        return original(self, rows)
-
-    monkeypatch.setattr(sft_mod.SFTTrainer, "update", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        run_sft(cfg)
-    monkeypatch.setattr(sft_mod.SFTTrainer, "update", original)
+    # killed before its fourth update: checkpoint-2 is the latest
+    interrupt_before_update(run_sft, cfg, monkeypatch, 4, sft_mod.SFTTrainer)
     with pytest.raises(UserError, match="already holds checkpoints"):
         run_sft(cfg)
     cut = run_sft(cfg, resume="latest")
