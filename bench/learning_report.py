@@ -34,6 +34,9 @@ def accuracy_row(name: str, path: Path) -> str:
         k = sum(bool(r[key]) for r in rows)
         lo, hi = wilson(k, n)
         cells.append(f"{k}/{n} = {100 * k / n:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]")
+    # runs with tools record each answer's calls; "-" where the run had none to call
+    calls = sum(bool(r.get("tool_calls")) for r in rows)
+    cells.append(f"{100 * calls / n:.1f}%" if any("tool_calls" in r for r in rows) else "-")
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
@@ -68,8 +71,9 @@ def collapse_row(name: str, run: Path) -> str:
 
 def main(out: Path) -> None:
     """One accuracy row per evaluation bench/learning_run.sh wrote (<recipe>-s<seed>-<stage>.jsonl)."""
-    print("| recipe, seed | model | exact match (<answer>) [95% CI] | lenient (last number) | formatted |")
-    print("|---|---|---|---|---|")
+    print("| recipe, seed | model | exact match (<answer>) [95% CI] | lenient (last number) | formatted | "
+          "called a tool |")
+    print("|---|---|---|---|---|---|")
     stages = ("base", "sft", "trained")
     for path in sorted(out.glob("*-s*-*.jsonl"), key=lambda p: (p.name.rsplit("-", 1)[0], stages.index(
             p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1] in stages else 9)):

@@ -5,7 +5,10 @@
 #   arith:SEED    configs/arith.toml, 500 held-out problems
 #   gsm8k:SEED    configs/gsm8k_sft.toml (supervised warm start), then configs/prod.toml from its checkpoint;
 #                 the full GSM8K test (1,319) for the base, warm-start and trained models
-#   tools:SEED    configs/arith_tools.toml (calculator);  control:SEED  configs/arith_tools_control.toml
+#   tools:SEED    configs/arith_tools_sft.toml (warm start calling the calculator), then configs/arith_tools.toml
+#   control:SEED  the same without the tool: configs/arith_tools_control_sft.toml, configs/arith_tools_control.toml
+#   gsm8k_tools:SEED  gsm8k with the calculator: configs/gsm8k_tools_sft.toml, then configs/prod_tools.toml
+#   tools_nosft:SEED / control_nosft:SEED  arith_tools.toml / arith_tools_control.toml from the base model
 # usage: bash bench/learning_run.sh OUT_DIR GSM8K_DIR RECIPE...   (GSM8K_DIR holds train.jsonl and test.jsonl)
 # Each stage's wall time goes to OUT_DIR/<recipe>-s<seed>.<stage>.seconds.
 set -u
@@ -27,27 +30,39 @@ simple() {  # simple PRESET TAG SEED: base eval, train, trained eval on the pres
   timed "$tag.eval" $M eval --config "$cfg" --set seed="$3" --model "$(latest "$runs/$(run_name "$cfg")")" \
     --samples 500 -o "$OUT/$tag-trained.jsonl"
 }
-gsm8k() {  # gsm8k SEED: base eval, warm start, its eval, GRPO from it, trained eval (full test each time)
-  local tag=gsm8k-s$1 runs=$OUT/runs/gsm8k-s$1
+gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its eval, GRPO from it, trained eval
+  local tag=$4-s$1 runs=$OUT/runs/$4-s$1 sft=configs/$2.toml grpo=configs/$3.toml
   local data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed="$1")
-  timed "$tag.base" $M eval --config configs/prod.toml "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
-  timed "$tag.sft" $M sft --config configs/gsm8k_sft.toml "${data[@]}" --set output_dir="$runs" || return
-  local warm; warm=$(latest "$runs/$(run_name configs/gsm8k_sft.toml)")
-  timed "$tag.sfteval" $M eval --config configs/prod.toml "${data[@]}" --model "$warm" --samples 1319 \
-    -o "$OUT/$tag-sft.jsonl"
-  timed "$tag.train" $M train --config configs/prod.toml "${data[@]}" --set model_name="$warm" \
-    --set output_dir="$runs" || return
-  timed "$tag.eval" $M eval --config configs/prod.toml "${data[@]}" --model "$(latest "$runs/$(run_name configs/prod.toml)")" \
+  # GSM8K_BASE=0 skips the base model's evaluation (~2 GPU minutes) when a hold is short
+  [ "${GSM8K_BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
+  timed "$tag.sft" $M sft --config "$sft" "${data[@]}" --set output_dir="$runs" || return
+  local warm; warm=$(latest "$runs/$(run_name "$sft")")
+  timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl"
+  timed "$tag.train" $M train --config "$grpo" "${data[@]}" --set model_name="$warm" --set output_dir="$runs" || return
+  timed "$tag.eval" $M eval --config "$grpo" "${data[@]}" --model "$(latest "$runs/$(run_name "$grpo")")" \
     --samples 1319 -o "$OUT/$tag-trained.jsonl"
+}
+warm() {  # warm SFT_PRESET GRPO_PRESET TAG SEED: base eval, warm start, its eval, GRPO from it, trained eval (arith)
+  local tag=$3-s$4 runs=$OUT/runs/$3-s$4 sft=configs/$1.toml grpo=configs/$2.toml
+  timed "$tag.base" $M eval --config "$grpo" --set seed="$4" --samples 500 -o "$OUT/$tag-base.jsonl"
+  timed "$tag.sft" $M sft --config "$sft" --set seed="$4" --set output_dir="$runs" || return
+  local start; start=$(latest "$runs/$(run_name "$sft")")
+  timed "$tag.sfteval" $M eval --config "$grpo" --set seed="$4" --model "$start" --samples 500 -o "$OUT/$tag-sft.jsonl"
+  timed "$tag.train" $M train --config "$grpo" --set seed="$4" --set model_name="$start" --set output_dir="$runs" || return
+  timed "$tag.eval" $M eval --config "$grpo" --set seed="$4" --model "$(latest "$runs/$(run_name "$grpo")")" \
+    --samples 500 -o "$OUT/$tag-trained.jsonl"
 }
 first=1
 for recipe in "$@"; do
   name=${recipe%%:*} seed=${recipe#*:}
   case $name in
     arith) simple arith arith "$seed" & ;;
-    tools) simple arith_tools tools "$seed" & ;;
-    control) simple arith_tools_control control "$seed" & ;;
-    gsm8k) gsm8k "$seed" & ;;
+    tools) warm arith_tools_sft arith_tools tools "$seed" & ;;
+    control) warm arith_tools_control_sft arith_tools_control control "$seed" & ;;
+    tools_nosft) simple arith_tools tools_nosft "$seed" & ;;
+    control_nosft) simple arith_tools_control control_nosft "$seed" & ;;
+    gsm8k) gsm8k "$seed" gsm8k_sft prod gsm8k & ;;
+    gsm8k_tools) gsm8k "$seed" gsm8k_tools_sft prod_tools gsm8k_tools & ;;
     *) echo "unknown recipe $recipe" >&2; exit 2 ;;
   esac
   # The first process builds the CUDA kernels; processes that started together while the kernel cache was
