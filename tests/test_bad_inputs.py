@@ -188,6 +188,16 @@ def test_constant_rewards_stop_after_max_updates_without_signal(files, tmp_path,
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2 and not list(run.glob("checkpoint-*"))
 
 
+def test_a_run_that_earns_every_reward_everywhere_ends_as_done_with_its_checkpoint(files, tmp_path, capsys):
+    # a model that aces its data (after a warm start, say) is finished, not broken: exit 0, checkpoint kept
+    code, out, err, run = _train(["--set", "reward_funcs={d}/rewards.py:always", "--set",
+                                  "max_updates_without_signal=2"], files, tmp_path, capsys)
+    assert code == 0 and err == []
+    assert ("[mlx-grpo] every completion earned the same rewards in 2 updates in a row (at update 2: 'always' "
+            "returned 1): nothing is left to learn from this data, so the run ends here") in out
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2 and (run / "checkpoint-2").is_dir()
+
+
 def test_prompts_cut_are_reported_at_start(files, tmp_path, capsys):
     code, out, err, run = _train(["--set", "max_prompt_length=120", "--set", "max_updates_without_signal=0"],
                                  files, tmp_path, capsys)

@@ -228,3 +228,20 @@ def test_a_training_run_warns_of_gaming_after_the_evaluation_that_shows_it(tiny_
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["update_step"] for r in rows if "gaming" in r["warnings"]] == [4]
     assert plot.warning_marks(rows) == [(4.0, "gaming")]
+
+
+def test_a_run_that_earns_every_reward_on_every_sample_ends_as_done_not_as_an_error():
+    # every function silent at one nonzero value: solved, no stop line; a 0 among them stays an error
+    steps = feed(health(names=("a", "b"), stop=3, plateau=0), [{"a": [2.0] * 4, "b": [0.5] * 4}] * 3)
+    assert [s for _, _, s in steps] == [None, None, None]
+    h = health(names=("a", "b"), stop=3, plateau=0)
+    feed(h, [{"a": [2.0] * 4, "b": [0.5] * 4}] * 3)
+    assert "every completion earned the same rewards in 3 updates in a row" in h.s.solved
+    assert "'a' returned 2, 'b' returned 0.5" in h.s.solved
+    stuck = health(names=("a", "b"), stop=3, plateau=0)
+    *_, (_, _, stop) = feed(stuck, [{"a": [0.0] * 4, "b": [0.5] * 4}] * 3)
+    assert stop and not stuck.s.solved
+    # the state survives a checkpoint
+    again = health(names=("a", "b"), stop=3, plateau=0)
+    again.load_state(h.state())
+    assert again.s.solved == h.s.solved

@@ -3,7 +3,9 @@
 Owns four checks, all pure functions of what the run logs (no MLX, no model):
 - silent rewards: a reward function that returned None (not applicable) or one same value for every
   completion of an update gives no signal; an update where no function gives any trains nothing, and
-  `max_updates_without_signal` such updates in a row stop the run (all-None stops it at once);
+  `max_updates_without_signal` such updates in a row stop the run (all-None stops it at once), as an error,
+  or, when every function paid the same nonzero value to every completion, as done (`solved`: the data has
+  nothing left to teach);
 - plateau: a reward function that paid nothing (None or 0 for every completion) for `plateau_updates`
   updates in a row while another one paid: the model never produces what it rewards;
 - gaming: over the last `gaming_evals` evaluations the training reward rose significantly while eval
@@ -105,6 +107,7 @@ class HealthState:
     since_eval: list[float] = field(default_factory=list)  # reward_mean of the updates since the last evaluation
     evals: list[dict] = field(default_factory=list)  # the last gaming_evals EvalPoints, as dicts
     pending: dict[str, str] = field(default_factory=dict)  # warnings for the next update record
+    solved: str = ""  # set when the run should end as done: every completion earned the same nonzero rewards
 
 
 class RunHealth:
@@ -144,6 +147,12 @@ class RunHealth:
             return (f"no reward function scored any completion of update {update} ({said} for every completion): "
                     f"nothing can be learnt; check the reward functions against the data's columns{allow}")
         if self.max_without_signal and s.no_signal_streak >= self.max_without_signal:
+            if all(v not in ("None", "0") for v in silent.values()):
+                # a model that earns every reward on every sample is done, not broken: no error
+                s.solved = (f"every completion earned the same rewards in {s.no_signal_streak} updates in a row (at "
+                            f"update {update}: {said}): nothing is left to learn from this data, so the run ends "
+                            f"here{allow}")
+                return None
             return (f"no reward function gave any signal in {s.no_signal_streak} updates in a row (at update "
                     f"{update}: {said} for every completion), so every advantage was 0 and nothing was learnt; "
                     f"{PLATEAU_REMEDIES}{allow}")

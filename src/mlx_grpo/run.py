@@ -362,10 +362,14 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
             bar.update(1)
             t_last = time.perf_counter()
+            if trainer.health.s.solved:  # every rank: the figures it decided on are merged
+                break
         if save_due:  # only between rollout groups, where resume reproduces the run exactly
             _save(trainer)
             last_saved = c.update_step
             t_last = time.perf_counter()  # time_step_s leaves the checkpoint out
+        if trainer.health.s.solved:
+            break
         if cfg.max_minutes and c.update_step < trainer.total_updates and any(
                 world.gather(time.perf_counter() - t_start >= 60 * cfg.max_minutes, "the time limit")):
             world.print(f"[mlx-grpo] max_minutes = {cfg.max_minutes:g} reached after {c.update_step} of "
@@ -373,6 +377,8 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             break
     bar.set_description_str("grpo", refresh=False)
     bar.close()
+    if trainer.health.s.solved:
+        world.print(f"[mlx-grpo] {trainer.health.s.solved}")
     if not data_left:
         world.print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} "
                     f"updates: dynamic sampling drew {c.draws - c.batch_step} extra batches of prompts")
