@@ -33,8 +33,8 @@ simple() {  # simple PRESET TAG SEED: base eval, train, trained eval on the pres
 gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its eval, GRPO from it, trained eval
   local tag=$4-s$1 runs=$OUT/runs/$4-s$1 sft=configs/$2.toml grpo=configs/$3.toml
   local data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed="$1")
-  # GSM8K_BASE=0 skips the base model's evaluation (~2 GPU minutes) when a hold is short
-  [ "${GSM8K_BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
+  # BASE=0 skips the base model's evaluation (~2 GPU minutes) when a hold is short
+  [ "${BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
   timed "$tag.sft" $M sft --config "$sft" "${data[@]}" --set output_dir="$runs" || return
   local warm; warm=$(latest "$runs/$(run_name "$sft")")
   timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl"
@@ -44,7 +44,7 @@ gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its e
 }
 warm() {  # warm SFT_PRESET GRPO_PRESET TAG SEED: base eval, warm start, its eval, GRPO from it, trained eval (arith)
   local tag=$3-s$4 runs=$OUT/runs/$3-s$4 sft=configs/$1.toml grpo=configs/$2.toml
-  timed "$tag.base" $M eval --config "$grpo" --set seed="$4" --samples 500 -o "$OUT/$tag-base.jsonl"
+  [ "${BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" --set seed="$4" --samples 500 -o "$OUT/$tag-base.jsonl"
   timed "$tag.sft" $M sft --config "$sft" --set seed="$4" --set output_dir="$runs" || return
   local start; start=$(latest "$runs/$(run_name "$sft")")
   timed "$tag.sfteval" $M eval --config "$grpo" --set seed="$4" --model "$start" --samples 500 -o "$OUT/$tag-sft.jsonl"
