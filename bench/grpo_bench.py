@@ -59,9 +59,9 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.forward import pack
 from mlx_grpo.models.loading import load_model
-from mlx_grpo.policy import (StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
+from mlx_grpo.training.policy import (StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
-from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
+from mlx_grpo.rollout.decode import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
 
 import rollout_bench
 import shapes

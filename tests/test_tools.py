@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.tools import (Tool, _unshare_works, calculate, format_number, resolve_tool, resolve_tools,
+from mlx_grpo.tools.registry import (Tool, _unshare_works, calculate, format_number, resolve_tool, resolve_tools,
                             run_python, run_tool, tool_from_function)
 
 LINUX = sys.platform == "linux"

@@ -27,7 +27,7 @@ from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.models.writing import recover_staged
-from mlx_grpo.trainer import Trainer
+from mlx_grpo.training.trainer import Trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
 

@@ -28,9 +28,9 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import adapter_parameters
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
 from mlx_grpo.models.precision import MasterWeights, dtype_name
-from mlx_grpo.policy import clip_by_global_norm
+from mlx_grpo.training.policy import clip_by_global_norm
 from mlx_grpo.sft_data import SFTRow
-from mlx_grpo.trainer import learning_rate_at
+from mlx_grpo.training.trainer import learning_rate_at
 
 # trainer_state.json's "command": an sft checkpoint is resumed by `sft`, never by `train`.
 COMMAND = "sft"

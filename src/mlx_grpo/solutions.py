@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from mlx_grpo.tool_calls import ToolFormat
-from mlx_grpo.tools import calculate
+from mlx_grpo.tools.calls import ToolFormat
+from mlx_grpo.tools.registry import calculate
 
 COMPLETION_COLUMN = "completion"
 SOLUTION_COLUMN = "solution"

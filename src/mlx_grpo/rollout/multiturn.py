@@ -35,12 +35,12 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
+from mlx_grpo.tools.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards import _import_file
-from mlx_grpo.rollout import (Rollout, SamplingParams, completion_end, encode_chat_prompt, end_ids,
+from mlx_grpo.rewards.builtin import _import_file
+from mlx_grpo.rollout.decode import (Rollout, SamplingParams, completion_end, encode_chat_prompt, end_ids,
                               select_groups)
-from mlx_grpo.tool_calls import ToolFormat, tool_format_for
+from mlx_grpo.tools.calls import ToolFormat, tool_format_for
 
 # Environment.step calls at once: tools are mostly waiting (subprocesses, HTTP), not computing.
 TOOL_THREADS = 8
@@ -285,7 +285,7 @@ def load_environment(spec: str, fmt: ToolFormat | None = None) -> Environment:
         raise UserError(f"environment file not found: {path}")
     cls = getattr(_import_file(path), name, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise UserError(f"environment {spec!r}: {name} is not a subclass of mlx_grpo.environments.Environment")
+        raise UserError(f"environment {spec!r}: {name} is not a subclass of mlx_grpo.tools.environments.Environment")
     try:
         return cls(fmt=fmt) if "fmt" in inspect.signature(cls).parameters else cls()
     except Exception as e:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.tool_calls import ToolFormat, call_output
-from mlx_grpo.tools import MAX_OUTPUT_CHARS, Tool, resolve_tools
+from mlx_grpo.tools.calls import ToolFormat, call_output
+from mlx_grpo.tools.registry import MAX_OUTPUT_CHARS, Tool, resolve_tools
 
 Origin = Literal["model", "tool", "environment"]
 ORIGINS = ("model", "tool", "environment")

@@ -27,7 +27,7 @@ import numpy as np
 from mlx_grpo.models import decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout import (Rollout, SamplingParams, StopScanner, end_ids, finish_rollout, generate_rollout,
+from mlx_grpo.rollout.decode import (Rollout, SamplingParams, StopScanner, end_ids, finish_rollout, generate_rollout,
                               make_sampler, sample)
 
 # A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.

@@ -177,7 +177,7 @@ class RewardModelReward:
         return out
 
     def __call__(self, prompts, completions, completion_ids, **columns) -> list[float]:
-        from mlx_grpo.rewards import _text, extract_answer
+        from mlx_grpo.rewards.builtin import _text, extract_answer
 
         def clip(s: float) -> float:
             return min(max(s, -self.clip), self.clip)

@@ -33,14 +33,14 @@ from mlx_grpo.health import RunHealth
 from mlx_grpo.loss import LossSums, empty_sums, group_advantages
 from mlx_grpo.models.adapters import adapter_parameters
 from mlx_grpo.models.precision import MasterWeights, dtype_name
-from mlx_grpo.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
+from mlx_grpo.training.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
-from mlx_grpo.reward_workers import RewardRunner
-from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
-from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
+from mlx_grpo.rewards.workers import RewardRunner
+from mlx_grpo.rewards.builtin import RewardScores, RewardSet, overlong_penalty
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts
-from mlx_grpo.rollout import SamplingParams, select_groups
+from mlx_grpo.rollout.decode import SamplingParams, select_groups
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
