@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards.builtin import (
-    BUILTIN_REWARDS,
-    SYSTEM_PROMPT,
-    RewardSet,
-    answers_match,
-    correctness,
-    extract_answer,
-    load_reward_function,
-)
+from mlx_grpo.rewards.builtin import BUILTIN_REWARDS, SYSTEM_PROMPT, answers_match, correctness, extract_answer
+from mlx_grpo.rewards.scoring import RewardSet
+from mlx_grpo.rewards.loading import load_reward_function
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOOD = "<reasoning>\n2 + 3 = 5\n</reasoning>\n<answer>\n5\n</answer>\n"
@@ -253,7 +247,7 @@ def test_custom_reward_import_error(tmp_path):
 
 def test_overlong_penalty_follows_dapo():
     """DAPO eq. 13 with L_max = 100, L_cache = 20, times the penalty: 0 up to 80 tokens, then linear."""
-    from mlx_grpo.rewards.builtin import overlong_penalty
+    from mlx_grpo.rewards.scoring import overlong_penalty
 
     lengths = np.array([1, 79, 80, 81, 90, 99, 100])
     expected = [0.0 if n <= 80 else ((100 - 20) - n) / 20 for n in lengths]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards.builtin import RewardScores, RewardSet
+from mlx_grpo.rewards.scoring import RewardScores, RewardSet
 
 EXECUTORS = ("thread", "process")
 

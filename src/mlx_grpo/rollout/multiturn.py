@@ -37,7 +37,7 @@ import numpy as np
 
 from mlx_grpo.tools.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards.builtin import _import_file
+from mlx_grpo.rewards.loading import import_file
 from mlx_grpo.rollout.decode import (Rollout, SamplingParams, completion_end, encode_chat_prompt, end_ids,
                               select_groups)
 from mlx_grpo.tools.calls import ToolFormat, tool_format_for
@@ -283,7 +283,7 @@ def load_environment(spec: str, fmt: ToolFormat | None = None) -> Environment:
     path = Path(file_part).expanduser().resolve()
     if not path.is_file():
         raise UserError(f"environment file not found: {path}")
-    cls = getattr(_import_file(path), name, None)
+    cls = getattr(import_file(path), name, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise UserError(f"environment {spec!r}: {name} is not a subclass of mlx_grpo.tools.environments.Environment")
     try:

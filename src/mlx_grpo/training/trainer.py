@@ -36,7 +36,7 @@ from mlx_grpo.models.precision import MasterWeights, dtype_name
 from mlx_grpo.training.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
 from mlx_grpo.rewards.workers import RewardRunner
-from mlx_grpo.rewards.builtin import RewardScores, RewardSet, overlong_penalty
+from mlx_grpo.rewards.scoring import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts
