@@ -89,8 +89,10 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
     """The decode step of mlx_grpo.rollout.decode.generate_rollout (default settings, ignore_eos, temperature 1,
     no top-k/top-p), from its own pieces; yields a Decoder over N = len(prompts) * group rows."""
     from mlx_grpo.rollout import decode as R
+    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.sampling import make_sampler
 
-    params = R.SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
     eos = mx.array([-1], dtype=mx.int32)  # as generate_rollout with ignore_eos: no row ends
     logits, caches = R._prefill(model, prompts, pad_id=0)
     logits = mx.repeat(logits, group, axis=0)  # [N, V]
@@ -105,7 +107,7 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
         else:
             R._repeat_caches(caches, group)
         keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys)  # [N, T, 2]
-        sampler = R.make_sampler(params, eos)
+        sampler = make_sampler(params, eos)
         state = list(sampler(logits, keys[:, 0], mx.zeros((n,), dtype=mx.bool_)))
         mx.eval(state, keys)
 
@@ -129,7 +131,8 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
     from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.models import decoder as D
     from mlx_grpo.models.forward import bucket
-    from mlx_grpo.rollout.decode import SamplingParams, make_sampler
+    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.sampling import make_sampler
 
     engine = RolloutEngine(None, mode="copy").refresh(model)  # the tokenizer is used only to end and decode rows
     if not engine.uses_copy:

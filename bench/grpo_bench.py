@@ -61,7 +61,8 @@ from mlx_grpo.models.forward import pack
 from mlx_grpo.models.loading import load_model
 from mlx_grpo.training.policy import (StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
                              make_grad_fn)
-from mlx_grpo.rollout.decode import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 
 import rollout_bench
 import shapes

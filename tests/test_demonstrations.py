@@ -23,7 +23,8 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.loss import Objective, objective_sums
 from mlx_grpo.training.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.rewards.scoring import RewardScores, RewardSet
-from mlx_grpo.rollout.decode import SamplingParams, generate_rollout
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.decode import generate_rollout
 
 from conftest import interrupt_before_update, run_metrics
 

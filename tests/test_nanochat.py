@@ -24,7 +24,8 @@ from mlx_grpo.evaluate import run_eval
 from mlx_grpo.inference import run_chat
 from mlx_grpo.models.convert import run_convert
 from mlx_grpo.training.policy import logprob_pass
-from mlx_grpo.rollout.decode import SamplingParams, encode_chat_prompt, generate_rollout
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 from nanochat_fixture import CONFIG, make_encoding, random_state_dict, write_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"

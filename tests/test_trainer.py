@@ -17,7 +17,8 @@ from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
 from mlx_grpo.training.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
-from mlx_grpo.rollout.decode import Rollout, SamplingParams, generate_rollout
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.decode import generate_rollout
 
 from conftest import interrupt_before_update, run_metrics
 from mlx_grpo.loss import group_advantages

@@ -26,7 +26,7 @@ from mlx_grpo.rewards.builtin import answers_match, extract_answer
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts, question_text, select_worked_examples
-from mlx_grpo.rollout.decode import SamplingParams
+from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.sources import run_examples
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")

@@ -29,7 +29,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from mlx_grpo.tools.calls import ToolFormat
-from mlx_grpo.tools.registry import calculate
+from mlx_grpo.tools.calculator import calculate
 
 COMPLETION_COLUMN = "completion"
 SOLUTION_COLUMN = "solution"

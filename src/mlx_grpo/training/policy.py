@@ -22,7 +22,7 @@ from mlx_grpo.distributed import World
 from mlx_grpo.loss import LossSums, Objective, combine_sums, objective_sums, row_scales
 from mlx_grpo.models.adapters import adapters_disabled
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
-from mlx_grpo.rollout.decode import Rollout
+from mlx_grpo.rollout.records import Rollout
 
 ROLLOUT_QUANT_BITS = 4
 ROLLOUT_QUANT_GROUP = 64

@@ -40,7 +40,7 @@ from mlx_grpo.rewards.scoring import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts
-from mlx_grpo.rollout.decode import SamplingParams, select_groups
+from mlx_grpo.rollout.records import SamplingParams, select_groups
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
