@@ -22,7 +22,8 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.loading import load_model
 from mlx_grpo.rollout.multiturn import MultiTurn
-from mlx_grpo.training.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.training.records import StepData
+from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 

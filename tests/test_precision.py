@@ -12,7 +12,7 @@ from mlx_grpo import run as run_mod
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.precision import MasterWeights, rounding_share
-from mlx_grpo.training.policy import StepData
+from mlx_grpo.training.records import StepData
 from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.assembly import build_trainer

@@ -185,7 +185,7 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
 
 def test_lora_checkpoint_fuses_into_a_model_train_starts_from(tiny_model_dir, tmp_path):
     from mlx_grpo.assembly import build_trainer
-    from mlx_grpo.models.adapters import run_fuse
+    from mlx_grpo.models.fuse import run_fuse
     from mlx_grpo.sft_run import run_sft
 
     run_dir = run_sft(sft_cfg(tiny_model_dir, tmp_path, "train_type=lora", "lora_rank=4", "num_epochs=1"))

@@ -1,12 +1,16 @@
-"""The GRPO steps of `mlx-grpo train` (run.py drives them; assembly.py builds the Trainer): rollouts,
-rewards, advantages, clipped updates, the state a checkpoint holds.
+"""The GRPO update of `mlx-grpo train` (run.py drives it; assembly.py builds the Trainer), top to bottom:
+
+    batch_step(s)  sample -> score (submitted: rewards compute in the reward workers while...)
+                   -> old/reference log-probs (...the GPU runs these passes)                   -> Batch
+    update         scores collected -> advantages -> gradients -> clip -> optimizer step -> metrics
+                                                                                    -> UpdateMetrics
 
 One optimizer update consumes `gradient_accumulation_steps` batch steps of B prompts x G completions,
-`num_iterations` times. Rollout keys derive from (seed, draw, row), so a run and its resumption
-sample the same tokens; checkpoints are written only between rollout groups, where that holds.
-Data-parallel (distributed.py): every rank draws the same batch of B prompts, samples and scores its
-own B / ranks of them with their global row keys, and the update sums every rank's rows with the
-weights the whole batch gives them.
+`num_iterations` times (each iteration is one `update` on the same batches, scored once). Rollout keys
+derive from (seed, draw, row), so a run and its resumption sample the same tokens; checkpoints are written
+only between rollout groups, where that holds. Data-parallel (distributed.py): every rank draws the same
+batch of B prompts, samples and scores its own B / ranks of them with their global row keys, and the
+update sums every rank's rows with the weights the whole batch gives them.
 """
 
 from __future__ import annotations
@@ -14,87 +18,34 @@ from __future__ import annotations
 import json
 import math
 import time
-from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config
-from mlx_grpo.distributed import World, zero_gradients
-from mlx_grpo.data import EpochSampler, Example, reward_columns
+from mlx_grpo.data import EpochSampler, Example
 from mlx_grpo.demonstrations import Demonstrator
+from mlx_grpo.distributed import World, zero_gradients
 from mlx_grpo.errors import UserError
 from mlx_grpo.health import RunHealth
 from mlx_grpo.loss import LossSums, empty_sums, group_advantages
 from mlx_grpo.models.adapters import adapter_parameters
-from mlx_grpo.models.precision import MasterWeights, dtype_name
-from mlx_grpo.training.policy import (Policies, StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
-                             make_grad_fn)
-from mlx_grpo.rewards.workers import RewardRunner
-from mlx_grpo.rewards.scoring import RewardScores, RewardSet, overlong_penalty
-from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
+from mlx_grpo.models.precision import MasterWeights
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts
-from mlx_grpo.rollout.records import SamplingParams, select_groups
-
-
-def learning_rate_at(update: int, total: int, cfg: Config) -> float:
-    """Linear warmup then cosine/linear/constant decay towards 0. update is 1-based; the decay
-    starts from the peak at the first update after warmup, so no update has a zero rate."""
-    warmup = int(math.ceil(cfg.warmup_ratio * total))
-    if update <= warmup:
-        return cfg.learning_rate * update / warmup
-    if cfg.lr_scheduler_type == "constant" or total <= warmup:
-        return cfg.learning_rate
-    progress = (update - warmup - 1) / (total - warmup)
-    if cfg.lr_scheduler_type == "linear":
-        return cfg.learning_rate * max(0.0, 1.0 - progress)
-    return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def row_keys(seed: int, draw: int, rows: int, share: slice) -> mx.array:
-    """The sampling keys [n, 2] of the rows in `share` of a draw's `rows` rows: a row's key depends on
-    its place in the whole batch, not on which rank samples it."""
-    draw_key = mx.random.split(mx.random.key(seed), draw + 1)[draw]
-    return mx.random.split(draw_key, rows)[share]
-
-
-@dataclass
-class Counters:
-    update_step: int = 0
-    batch_step: int = 0
-    skipped_updates: int = 0
-    consecutive_skips: int = 0
-    prompts_cut: int = 0
-    draws: int = 0  # rollout generations: batch steps plus dynamic sampling's extra draws (rollout keys)
-
-
-@dataclass
-class Draw:
-    """One generation of B prompts x G completions with its rewards."""
-
-    examples: list[Example]  # this rank's share of the batch
-    rollout: object
-    scores: object
-    t_rollout: float
-    t_reward: float
-    flags: np.ndarray | None = None  # [B] groups with reward variance, over all ranks (dynamic sampling)
-    sampled: tuple | None = None  # demonstrations: (rollout, scores) as sampled, before demonstrations replaced rows
-
-
-@dataclass
-class PendingRewards:
-    """What a batch step still needs from its rewards, which may be computing in the reward workers;
-    Trainer.resolve collects them."""
-
-    draws: list[Draw]  # every draw of the batch step (dynamic sampling may draw more than one)
-    stats: dict  # the batch step's stats: resolve adds their reward part
-    selected: RewardScores | None = None  # dynamic sampling: the scores of the groups trained on
+from mlx_grpo.rewards.scoring import RewardScores, RewardSet
+from mlx_grpo.rewards.workers import RewardRunner
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.training.draws import add_rewards, batch_stats, collect, informative_batch, reward_inputs, row_keys
+from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
+from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
+from mlx_grpo.training.policy import Policies, logprob_pass
+from mlx_grpo.training.records import Batch, Counters, Draw, StepData, UpdateMetrics
 
 
 @dataclass
@@ -130,9 +81,7 @@ class Trainer:
                             f"batch steps, fewer than gradient_accumulation_steps="
                             f"{cfg.gradient_accumulation_steps}: add data or lower batch_size/accumulation")
         self.total_updates = groups * cfg.num_iterations
-        self.optimizer = optim.AdamW(learning_rate=learning_rate_at(1, self.total_updates, cfg),
-                                     betas=[cfg.adam_beta1, cfg.adam_beta2], weight_decay=cfg.weight_decay,
-                                     bias_correction=True)
+        self.optimizer = make_optimizer(cfg, learning_rate_at(1, self.total_updates, cfg))
         self.grad_fn = make_grad_fn(cfg, self.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else sorted(self.tokenizer.eos_token_ids)[0]
@@ -159,8 +108,69 @@ class Trainer:
         self.health = RunHealth(self.rewards.names, cfg.max_updates_without_signal, cfg.plateau_updates,
                                 cfg.gaming_evals)
 
-    # ------------------------------------------------------------------ one batch step
-    def _encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
+    # ------------------------------------------------------------------ the update, top to bottom
+    def batch_steps(self, batches: list[list[Example]]) -> list[Batch]:
+        """An update's batch steps. Without dynamic sampling their rollouts decode together (the engine
+        refills slots freed by ended rows with the next steps' prompts), each row with its own keys, so
+        every step samples what it would alone; with it, each step draws in turn (batch_step)."""
+        if self.cfg.dynamic_sampling or len(batches) == 1:
+            return [self.batch_step(examples) for examples in batches]
+        encoded = [self.encode(examples) for examples in batches]
+        t0 = time.perf_counter()
+        rollouts = self.generate(encoded)  # sample
+        share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
+        draws = [self.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, rollouts)]
+        return [self.logprob_passes([draw]) for draw in draws]
+
+    def batch_step(self, examples: list[Example]) -> Batch:
+        """One batch step: sample G completions per prompt, submit them for scoring, and (dynamic
+        sampling: once enough groups have rewards that differ) run the old/reference log-prob passes
+        while the rewards compute. `update` collects the rewards."""
+        cfg = self.cfg
+        draws = [self.draw(examples)]  # sample -> score (submitted)
+        if cfg.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
+            while self.informative(draws) < cfg.batch_size and len(draws) <= cfg.max_resample_batches:
+                more = self.next_examples()
+                if more is None:  # the data is exhausted: train on what there is
+                    break
+                draws.append(self.draw(more))
+        return self.logprob_passes(draws)  # old/reference log-probs, rewards computing meanwhile
+
+    def update(self, batches: list[Batch | StepData]) -> UpdateMetrics:
+        """One optimizer update on an update's batch steps: their rewards (waiting for the workers if
+        still at it) -> advantages -> gradients -> clip -> optimizer step -> metrics."""
+        cfg = self.cfg
+        self.counters.update_step += 1
+        metrics = UpdateMetrics(lr=self.set_learning_rate())
+        steps = [self.score(b) for b in batches]  # rewards -> advantages (waiting counts in time_reward_s)
+        t0 = time.perf_counter()
+        grads, sums = self.gradients(steps)
+        if grads is None:
+            self.world.print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss "
+                             "(every group was dropped or every completion truncated and masked); update skipped")
+        else:
+            grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
+            mx.eval(grads, norm)
+            metrics = loss_metrics(metrics.lr, sums, norm)
+            if metrics.skipped:
+                self.skip(metrics)
+            else:
+                optimizer_step(self.optimizer, self.model, grads, self.masters)
+                # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients)
+                # back to the device rather than keep them cached beside AdamW's state for the next
+                # rollout: near the memory limit (a 1.9B model on an H100) later updates slowed
+                # several-fold (BENCHMARKS.md).
+                mx.clear_cache()
+                self.counters.consecutive_skips = 0
+        self.refresh_sampler(applied=not metrics.skipped)
+        metrics.t_train = time.perf_counter() - t0
+        metrics.train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
+        metrics.train_tokens_per_s = metrics.train_tokens / metrics.t_train if metrics.t_train > 0 else 0.0
+        metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
+        return metrics
+
+    # ------------------------------------------------------------------ sample
+    def encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
         """This rank's share of a draw: (its prompts' ids, their row keys, its examples)."""
         cfg, G = self.cfg, self.cfg.num_generations
         # Every rank encodes the whole batch (cheap), so prompts_cut counts it without a collective.
@@ -180,157 +190,85 @@ class Trainer:
         self.counters.draws += 1
         return [ids for ids, _ in encoded[share]], keys, examples[share]
 
-    def _submit(self, examples: list[Example], rollout, t_rollout: float) -> Draw:
-        """Submit a draw's completions for scoring (inline or to the reward workers); _scores collects them."""
-        G, t1 = self.cfg.num_generations, time.perf_counter()
-        columns = {k: [v for v in values for _ in range(G)] for k, values in reward_columns(examples).items()}
-        prompts = [e.prompt for e in examples for _ in range(G)]
-        # Each completion's own ids, up to and including its end token (as TRL passes them), not padded rows.
-        ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), rollout.extents.tolist())]
-        # multi-turn: rewards score what the model wrote, as evaluation does; `transcripts` gives them the
-        # whole episode, completion_ids every token of it
-        pending = self.reward_runner.submit(prompts, model_texts(rollout, self.cfg.prefill), ids, columns,
-                                            rollout.transcripts)
-        return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
-
-    def _draw(self, examples: list[Example]) -> Draw:
-        """Generate G completions for each of this rank's share of the batch's examples, submitted for scoring."""
-        prompts, keys, mine = self._encode(examples)
-        t0 = time.perf_counter()
-        rollout = self._generate([(prompts, keys, mine)])[0]
-        return self._submit(mine, rollout, time.perf_counter() - t0)
-
-    def _generate(self, jobs: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list:
+    def generate(self, jobs: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list[Rollout]:
         """The rollouts of batch steps [(prompts, row keys, examples)], decoded together."""
         return rollouts(self.engine, self.multiturn, jobs, self.cfg.num_generations, self.params, self.cfg.prefill)
 
-    def _scores(self, draw: Draw, sampled: bool = False) -> RewardScores:
+    def draw(self, examples: list[Example]) -> Draw:
+        """Generate G completions for each of this rank's share of the batch's examples, submitted for scoring."""
+        prompts, keys, mine = self.encode(examples)
+        t0 = time.perf_counter()
+        rollout = self.generate([(prompts, keys, mine)])[0]
+        return self.submit_rewards(mine, rollout, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ score
+    def submit_rewards(self, examples: list[Example], rollout: Rollout, t_rollout: float) -> Draw:
+        """Submit a draw's completions for scoring (inline or to the reward workers); scores() collects them."""
+        t1 = time.perf_counter()
+        pending = self.reward_runner.submit(*reward_inputs(examples, rollout, self.cfg.num_generations,
+                                                           self.cfg.prefill))
+        return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
+
+    def scores(self, draw: Draw, sampled: bool = False) -> RewardScores:
         """A draw's rewards plus the length penalty, waiting for them if the workers are still at it; with
         demonstrations, those of the rows trained on (sampled: of the rows as sampled)."""
         if not isinstance(draw.scores, RewardScores):
-            self._collect(draw)
+            collect(draw, self.cfg, self.demonstrator)
         return draw.sampled[1] if sampled and draw.sampled is not None else draw.scores
 
-    def _collect(self, draw: Draw) -> None:
-        """Wait for a draw's scores, add the length penalty and put in its demonstrations (scored inline)."""
-        t0 = time.perf_counter()
-        try:
-            scores = draw.scores.result()
-        except BrokenExecutor as e:
-            raise UserError(f"the reward workers stopped ({type(e).__name__}: {e}); try reward_executor = thread "
-                            "or reward_workers = 0") from None
-        cfg = self.cfg
-        if cfg.overlong_penalty > 0:
-            scores = scores.with_penalty("overlong_penalty", overlong_penalty(
-                draw.rollout.extents, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
-        draw.scores = scores
-        if self.demonstrator is not None:  # groups that earned nothing get a demonstration (demonstrations.py)
-            draw.sampled = (draw.rollout, scores)
-            draw.rollout, draw.scores = self.demonstrator.inject(draw.examples, draw.rollout, scores)
-        draw.t_reward += time.perf_counter() - t0  # time the loop waited: the whole scoring when inline
+    def informative(self, draws: list[Draw]) -> int:
+        """Dynamic sampling: the groups (all ranks) of these draws whose rewards are not all equal."""
+        return sum(int(self.flags(d).sum()) for d in draws)
 
-    def _flags(self, draw: Draw) -> np.ndarray:
+    def flags(self, draw: Draw) -> np.ndarray:
         """Which of a draw's B groups (all ranks) have rewards that are not all equal."""
         if draw.flags is None:
-            mine = np.ptp(self._scores(draw).total.reshape(-1, self.cfg.num_generations), axis=1) > 0
+            mine = np.ptp(self.scores(draw).total.reshape(-1, self.cfg.num_generations), axis=1) > 0
             draw.flags = np.concatenate(self.world.gather(mine, "dynamic sampling"))
         return draw.flags
 
-    def _informative_batch(self, draws: list[Draw]) -> tuple[list[Example], object, object]:
-        """Dynamic sampling: the first batch_size groups, in draw order over all ranks, whose rewards are
-        not all equal; this rank keeps those of its own share (ranks may train on unequal numbers)."""
-        G = self.cfg.num_generations
-        share = self.world.share(self.cfg.batch_size)
-        chosen = [(i, g) for i, d in enumerate(draws) for g in np.flatnonzero(self._flags(d))][:self.cfg.batch_size]
-        picks = [(i, int(g) - share.start) for i, g in chosen if share.start <= g < share.stop]
-        rollout = select_groups([d.rollout for d in draws], picks, self.pad_id)
-        scores = RewardScores.concat([draws[i].scores.select(range(g * G, (g + 1) * G)) for i, g in picks]) \
-            if picks else draws[0].scores.select([])
-        return [draws[i].examples[g] for i, g in picks], rollout, scores
-
-    def batch_steps(self, batches: list[list[Example]]) -> list[tuple[StepData, dict]]:
-        """An update's batch steps. Without dynamic sampling their rollouts decode together (the engine
-        refills slots freed by ended rows with the next steps' prompts), each row with its own keys, so
-        every step samples what it would alone; with it, each step draws in turn (more draws depend on
-        the rewards of earlier ones)."""
-        if self.cfg.dynamic_sampling or len(batches) == 1:
-            return [self.batch_step(examples) for examples in batches]
-        encoded = [self._encode(examples) for examples in batches]
-        t0 = time.perf_counter()
-        rollouts = self._generate(encoded)
-        share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
-        draws = [self._submit(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, rollouts)]
-        return [self._step_from([draw]) for draw in draws]
-
-    def batch_step(self, examples: list[Example]) -> tuple[StepData, dict]:
-        """Generate (and, with dynamic sampling, filter) one batch step and run its old/reference log-prob
-        passes. Its rewards may still be computing: the step holds them as `pending`, and `resolve`
-        (called by update) collects them and sets the advantages and the reward stats."""
-        cfg = self.cfg
-        draws = [self._draw(examples)]
-        if cfg.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
-            def informative() -> int:
-                return sum(int(self._flags(d).sum()) for d in draws)
-
-            while informative() < cfg.batch_size and len(draws) <= cfg.max_resample_batches:
-                more = self.next_examples()
-                if more is None:  # the data is exhausted: train on what there is
-                    break
-                draws.append(self._draw(more))
-        return self._step_from(draws)
-
-    def _step_from(self, draws: list[Draw]) -> tuple[StepData, dict]:
+    # ------------------------------------------------------------------ old / reference log-probs
+    def logprob_passes(self, draws: list[Draw]) -> Batch:
         """A batch step from its draws (several: dynamic sampling keeps their informative groups): the
-        old/reference log-prob passes and the stats."""
+        old/reference log-prob passes, while the draws' rewards may still be computing."""
         cfg = self.cfg
         selected = None
         for d in draws if self.demonstrator is not None else ():  # demonstrations enter before the passes
-            self._scores(d)
+            self.scores(d)
         if cfg.dynamic_sampling:
-            examples, rollout, selected = self._informative_batch(draws)
+            examples, rollout, selected = informative_batch(draws, [self.flags(d) for d in draws],
+                                                            self.world.share(cfg.batch_size), cfg.batch_size,
+                                                            self.pad_id)
         else:
             examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
-        t2 = time.perf_counter()
+        t0 = time.perf_counter()
         old = ref = None
         if len(rollout.texts):
             if self.policies.needs_old_pass:
                 old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size,
                                    self.pad_id, cfg.micro_batch_tokens)
             ref = self.policies.reference_logprobs(rollout, self.pad_id)
-        t3 = time.perf_counter()
+        t_logprob = time.perf_counter() - t0
         self.counters.batch_step += 1
-        drawn = [d.rollout if d.sampled is None else d.sampled[0] for d in draws]  # the policy's samples
-        entropies = [np.array(r.entropies) for r in drawn]
-        stats = {"examples": examples, "texts": rollout.texts, "transcripts": rollout.transcripts,
-                 "lengths": np.concatenate([r.lengths for r in drawn]),
-                 "truncated": np.concatenate([r.truncated for r in drawn]), "draws": len(draws),
-                 "groups_trained": len(examples), "entropy_sum": float(sum(e.sum() for e in entropies)),
-                 "t_rollout": sum(d.t_rollout for d in draws), "t_logprob": t3 - t2,
-                 "tokens": int(sum(r.lengths.sum() for r in drawn))}
-        if rollout.demo is not None:  # which trained rows are demonstrations (demo_fraction, completions.jsonl)
-            stats["demo"] = rollout.demo
-        if drawn[0].transcripts is not None and self.multiturn.stop_strings:  # tools: calls (failed ones) per row
-            stats["tool_calls"], stats["tool_errors"] = tool_use([t for r in drawn for t in r.transcripts])
-        return StepData(rollout, None, old, ref, PendingRewards(draws, stats, selected)), stats
+        stats = batch_stats(draws, examples, rollout, t_logprob, bool(self.multiturn and self.multiturn.stop_strings))
+        return Batch(rollout, old, ref, draws, selected, stats)
 
-    def resolve(self, step: StepData) -> None:
-        """Collect a batch step's pending rewards (waiting for them if the workers are still at it): its
-        advantages and the reward part of its stats. Does nothing for a resolved step."""
-        pending = step.pending
-        if pending is None:
-            return
-        G, draws = self.cfg.num_generations, pending.draws
-        scores = pending.selected if pending.selected is not None else self._scores(draws[0])
-        step.advantages = self._advantages(scores.total)  # [N]
-        drawn = RewardScores.concat([self._scores(d, sampled=True) for d in draws])
-        grouped = drawn.total.reshape(-1, G)
-        pending.stats.update(rewards=scores.total, per_func=scores.per_func,
-                             advantages=np.array(step.advantages.tolist()),
-                             drawn_scores=drawn, zero_std=float(np.mean(grouped.max(1) == grouped.min(1))),
-                             t_reward=sum(d.t_reward for d in draws))
-        step.pending = None
+    # ------------------------------------------------------------------ advantages
+    def score(self, batch: Batch | StepData) -> StepData:
+        """A batch step's rewards (waiting for them if the workers are still at it) and advantages, and the
+        reward part of its stats; once per batch step (num_iterations reuse it). A StepData is scored."""
+        if isinstance(batch, StepData):
+            return batch
+        if batch.scored is None:
+            G, draws = self.cfg.num_generations, batch.draws
+            scores = batch.selected if batch.selected is not None else self.scores(draws[0])
+            advantages = self.advantages(scores.total)  # [N]
+            drawn = RewardScores.concat([self.scores(d, sampled=True) for d in draws])
+            add_rewards(batch.stats, scores, drawn, advantages, G, sum(d.t_reward for d in draws))
+            batch.scored = StepData(batch.rollout, advantages, batch.old_logprobs, batch.ref_logprobs)
+        return batch.scored
 
-    def _advantages(self, totals: np.ndarray) -> mx.array:
+    def advantages(self, totals: np.ndarray) -> mx.array:
         """Group-normalised advantages [N] of this rank's rows; scale_rewards = batch takes its std over
         the rows of every rank."""
         G, world = self.cfg.num_generations, self.world
@@ -340,9 +278,15 @@ class Trainer:
         start = sum(len(p) for p in parts[:world.rank])
         return group_advantages(mx.array(np.concatenate(parts)), G, "batch")[start:start + len(totals)]
 
+    # ------------------------------------------------------------------ gradients, step
+    def set_learning_rate(self) -> float:
+        lr = learning_rate_at(self.schedule_position(), self.total_updates, self.cfg)
+        self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
+        return lr
+
     def gradients(self, steps: list[StepData]) -> tuple[object, LossSums | None]:
         """The update's gradient and LossSums over the rows of every rank (None, None when no row enters
-        the loss anywhere). Rewards must be resolved."""
+        the loss anywhere)."""
         cfg = self.cfg
         weights = loss_weights(cfg, steps, self.world)
         if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
@@ -360,34 +304,25 @@ class Trainer:
         grads, sums = self.world.average_gradients(grads), self.world.reduce_sums(sums)
         return (grads, sums) if sums.tokens.item() > 0 else (None, None)
 
-    # ------------------------------------------------------------------ one update
-    def update(self, steps: list[StepData]) -> dict:
-        cfg = self.cfg
-        self.counters.update_step += 1
-        lr = learning_rate_at(self.schedule_position(), self.total_updates, cfg)
-        self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        for s in steps:  # waiting for rewards counts in time_reward_s, not in the training time
-            self.resolve(s)
-        t0 = time.perf_counter()
-        grads, sums = self.gradients(steps)
-        result = {"lr": lr, "loss": None, "grad_norm": None, "kl": None, "clip_fraction": None,
-                  "clip_low_fraction": None, "clip_high_fraction": None, "ratio_min": None, "ratio_mean": None,
-                  "ratio_max": None, "skipped": True, "loss_tokens": 0, "sampler_kl": None, "sampler_diff_max": None,
-                  "is_weight_mean": None, "is_capped_fraction": None}
-        if grads is None:
-            self.world.print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss "
-                             "(every group was dropped or every completion truncated and masked); update skipped")
-        else:
-            self._apply(grads, sums, result)
-        refresh_old = self.policies.separate_old and self.counters.update_step % cfg.update_every == 0
+    def skip(self, metrics: UpdateMetrics) -> None:
+        """A non-finite loss or gradient: the update is not applied; too many in a row stop the run."""
+        self.counters.skipped_updates += 1
+        self.counters.consecutive_skips += 1
+        self.world.print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
+                         f"(loss={metrics.loss}, grad_norm={metrics.grad_norm}); update skipped")
+        if self.counters.consecutive_skips >= self.cfg.max_consecutive_skips:  # the same on every rank
+            self.world.fail(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
+                            "gradient; stopping (try a lower learning_rate or max_grad_norm). The weights "
+                            "of the last finite update are in the latest checkpoint.")
+
+    def refresh_sampler(self, applied: bool) -> None:
+        """Point the old policy at the new weights every update_every updates, and the engine at the
+        sampling policy whenever its weights changed."""
+        refresh_old = self.policies.separate_old and self.counters.update_step % self.cfg.update_every == 0
         if refresh_old:
             self.policies.refresh()
-        if refresh_old or not (self.policies.separate_old or result["skipped"]):  # the sampler's weights changed
+        if refresh_old or (applied and not self.policies.separate_old):
             self.engine.refresh(self.policies.sampler)
-        train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
-        dt = time.perf_counter() - t0
-        return {**result, "t_train": dt, "train_tokens": train_tokens,
-                "train_tokens_per_s": train_tokens / dt if dt > 0 else 0.0, "peak_memory_gb": mx.get_peak_memory() / 1e9}
 
     def schedule_position(self) -> int:
         """The update's place in the learning-rate schedule, by data consumed: the update count when every
@@ -398,43 +333,6 @@ class Trainer:
         iteration = (self.counters.update_step - 1) % cfg.num_iterations + 1
         return min(max(groups - 1, 0) * cfg.num_iterations + iteration, self.total_updates)
 
-    def _apply(self, grads, sums: LossSums, result: dict) -> None:
-        """Clip, check and apply one update's gradients; fill result with its metrics."""
-        cfg = self.cfg
-        grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
-        mx.eval(grads, norm)
-        loss = sums.loss.item()
-        finite = math.isfinite(loss) and math.isfinite(norm.item())
-        tokens = sums.tokens.item()
-        per_token = (lambda x: x.item() / tokens) if tokens else (lambda x: None)
-        drawn = sums.sampled_tokens.item()  # the sampler figures leave demonstrations out
-        per_drawn = (lambda x: x.item() / drawn) if drawn else (lambda x: None)
-        result.update(loss=loss, grad_norm=norm.item(), kl=per_token(sums.kl), skipped=not finite,
-                      clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
-                      clip_fraction=per_token(sums.clipped_low + sums.clipped_high), ratio_mean=per_token(sums.ratio),
-                      ratio_min=sums.ratio_min.item() if tokens else None,
-                      ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
-                      sampler_kl=per_drawn(sums.sampler_kl),
-                      sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
-                      is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))
-        if finite:
-            self.masters.step(self.optimizer, self.model, grads)
-            mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
-            # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients) back
-            # to the device rather than keep them cached beside AdamW's state for the next rollout: near
-            # the memory limit (a 1.9B model on an H100) later updates slowed several-fold (BENCHMARKS.md).
-            mx.clear_cache()
-            self.counters.consecutive_skips = 0
-            return
-        self.counters.skipped_updates += 1
-        self.counters.consecutive_skips += 1
-        self.world.print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
-                         f"(loss={loss}, grad_norm={norm.item()}); update skipped")
-        if self.counters.consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank
-            self.world.fail(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
-                            "gradient; stopping (try a lower learning_rate or max_grad_norm). The weights "
-                            "of the last finite update are in the latest checkpoint.")
-
     # ------------------------------------------------------------------ state
     def state(self) -> dict:
         # Sampling keys derive from (seed, counters.draws, row): the counters are the whole random state.
@@ -444,38 +342,11 @@ class Trainer:
     def restore(self, path: Path, loaded: tuple, adapters: bool) -> None:
         """Continue from the checkpoint at `path`, as rank 0 read it: loaded is load_checkpoint's tuple,
         adapters holds_adapters' answer (other ranks get both sent and may have no `path` of their own)."""
+        ckpt.check_resume(path, loaded, adapters, model=self.model, total_updates=self.total_updates,
+                          world_size=self.world.size, adapter_run=self.adapter_config is not None,
+                          masters_active=self.masters.active)
         weights, opt_state, state, old, masters = loaded
-        if state.get("total_updates", self.total_updates) != self.total_updates:
-            raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} updates and this config "
-                            f"gives {self.total_updates}: the data, epochs or batch shape differ; resume with the "
-                            "run's own config (config.resolved.json)")
-        saved = state.get("world_size", 1)
-        if saved != self.world.size:
-            # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
-            # on the world size: another one would not continue the run exactly.
-            raise UserError(f"--resume: {path} was written by a run of {saved} process(es) and this one has "
-                            f"{self.world.size}; resume with {saved} (e.g. `mlx.launch -n {saved} -- mlx-grpo "
-                            "train ... --resume latest`), or start a new run")
-        if self.adapter_config is not None:
-            self._check_adapter_keys(weights, path)
-        elif adapters:
-            raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
-                            "run's own config (config.resolved.json)")
-        current = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())}
-        saved = sorted({dtype_name(v.dtype) for k, v in weights.items() if k in current and v.dtype != current[k]})
-        if saved:  # loading would silently train in the checkpoint's dtype (or round it to this one's)
-            raise UserError(f"--resume: {path} holds {'/'.join(saved)} weights and this run computes in "
-                            f"{dtype_name(next(iter(current.values())))}: set model_dtype = {saved[0]} to resume "
-                            "it (model_dtype = auto resolves per machine)")
-        if masters is not None and not self.masters.active:
-            raise UserError(f"--resume: {path} holds float32 master weights but this run keeps none "
-                            "(master_weights = false or float32 compute): resume with the run's own config")
-        try:
-            self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
-        except ValueError as exc:  # another model's checkpoint: one line, not mlx's list of every tensor
-            first = str(exc).splitlines()[0][:200]
-            raise UserError(f"--resume: {path} does not fit model {self.cfg.model_name!r} ({first}); resume with "
-                            "the model the run was trained from") from None
+        ckpt.load_weights(self.model, weights, path, self.adapter_config is None, self.cfg.model_name)
         if self.masters.active:  # a checkpoint without masters (written without them) widens its weights
             self.masters.adopt(masters or dict(tree_flatten(self.model.trainable_parameters())))
             self.masters.sync(self.model)
@@ -491,13 +362,6 @@ class Trainer:
             self.policies.refresh(old)
         mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
         self.engine.refresh(self.policies.sampler)
-
-    def _check_adapter_keys(self, weights: dict, path: Path) -> None:
-        expected = set(adapter_parameters(self.model))
-        if set(weights) != expected:
-            raise UserError(f"--resume: the adapters in {path} do not match this config's train_type/lora_* "
-                            f"settings ({len(weights)} tensors saved, {len(expected)} expected); resume with the "
-                            "run's own config (config.resolved.json)")
 
     def save(self) -> Path:
         config_json = json.loads((self.source_dir / "config.json").read_text())
@@ -516,3 +380,20 @@ class Trainer:
         indices = next(self._batches, None)
         return None if indices is None else [self.train_examples[i] for i in indices]
 
+
+def loss_metrics(lr: float, sums: LossSums, norm: mx.array) -> UpdateMetrics:
+    """An update's figures from its (every rank's) LossSums and gradient norm; skipped when either is not
+    finite. Per-token figures are None when no token entered the loss; the sampler figures leave
+    demonstrations out."""
+    loss, tokens, drawn = sums.loss.item(), sums.tokens.item(), sums.sampled_tokens.item()
+    per_token = (lambda x: x.item() / tokens) if tokens else (lambda x: None)
+    per_drawn = (lambda x: x.item() / drawn) if drawn else (lambda x: None)
+    return UpdateMetrics(lr=lr, loss=loss, grad_norm=norm.item(), kl=per_token(sums.kl),
+                         skipped=not (math.isfinite(loss) and math.isfinite(norm.item())),
+                         clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
+                         clip_fraction=per_token(sums.clipped_low + sums.clipped_high),
+                         ratio_mean=per_token(sums.ratio), ratio_min=sums.ratio_min.item() if tokens else None,
+                         ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
+                         sampler_kl=per_drawn(sums.sampler_kl),
+                         sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
+                         is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))
