@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.data import Example
+from mlx_grpo.loss import LossSums
 from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.rollout.records import Rollout
 
@@ -122,3 +124,21 @@ class UpdateMetrics:
     train_tokens_per_s: float = 0.0
     peak_memory_gb: float = 0.0
     time_step_s: float = 0.0
+
+    @classmethod
+    def from_sums(cls, lr: float, sums: LossSums, norm: mx.array) -> UpdateMetrics:
+        """An update's figures from its (every rank's) LossSums and gradient norm; skipped when either is
+        not finite. Per-token figures are None when no token entered the loss; the sampler figures leave
+        demonstrations out."""
+        loss, tokens, drawn = sums.loss.item(), sums.tokens.item(), sums.sampled_tokens.item()
+        per_token = (lambda x: x.item() / tokens) if tokens else (lambda x: None)
+        per_drawn = (lambda x: x.item() / drawn) if drawn else (lambda x: None)
+        return cls(lr=lr, loss=loss, grad_norm=norm.item(), kl=per_token(sums.kl),
+                   skipped=not (math.isfinite(loss) and math.isfinite(norm.item())),
+                   clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
+                   clip_fraction=per_token(sums.clipped_low + sums.clipped_high),
+                   ratio_mean=per_token(sums.ratio), ratio_min=sums.ratio_min.item() if tokens else None,
+                   ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
+                   sampler_kl=per_drawn(sums.sampler_kl),
+                   sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
+                   is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))

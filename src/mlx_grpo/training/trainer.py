@@ -16,7 +16,6 @@ update sums every rank's rows with the weights the whole batch gives them.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,7 +150,7 @@ class Trainer:
         else:
             grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
             mx.eval(grads, norm)
-            metrics = loss_metrics(metrics.lr, sums, norm)
+            metrics = UpdateMetrics.from_sums(metrics.lr, sums, norm)
             if metrics.skipped:
                 self.skip(metrics)
             else:
@@ -379,21 +378,3 @@ class Trainer:
     def next_examples(self) -> list[Example] | None:
         indices = next(self._batches, None)
         return None if indices is None else [self.train_examples[i] for i in indices]
-
-
-def loss_metrics(lr: float, sums: LossSums, norm: mx.array) -> UpdateMetrics:
-    """An update's figures from its (every rank's) LossSums and gradient norm; skipped when either is not
-    finite. Per-token figures are None when no token entered the loss; the sampler figures leave
-    demonstrations out."""
-    loss, tokens, drawn = sums.loss.item(), sums.tokens.item(), sums.sampled_tokens.item()
-    per_token = (lambda x: x.item() / tokens) if tokens else (lambda x: None)
-    per_drawn = (lambda x: x.item() / drawn) if drawn else (lambda x: None)
-    return UpdateMetrics(lr=lr, loss=loss, grad_norm=norm.item(), kl=per_token(sums.kl),
-                         skipped=not (math.isfinite(loss) and math.isfinite(norm.item())),
-                         clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
-                         clip_fraction=per_token(sums.clipped_low + sums.clipped_high),
-                         ratio_mean=per_token(sums.ratio), ratio_min=sums.ratio_min.item() if tokens else None,
-                         ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
-                         sampler_kl=per_drawn(sums.sampler_kl),
-                         sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
-                         is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))
