@@ -18,7 +18,8 @@ import numpy as np
 
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards.builtin import RESERVED_ARGS, RewardFn
-from mlx_grpo.rewards.loading import one_line, resolve_reward
+from mlx_grpo.rewards.loading import resolve_reward
+from mlx_grpo.user_files import one_line
 
 
 @dataclass
