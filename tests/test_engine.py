@@ -130,12 +130,12 @@ def test_the_trainers_engine_holds_the_updated_weights(tiny_model_dir, tmp_path)
         "num_generations=2", "max_new_tokens=8", "learning_rate=1e-2", "warmup_ratio=0", "system_prompt=",
         "max_prompt_length=96", "rollout_engine=copy"]))
     trainer = build_trainer(cfg)
-    step, _ = trainer.batch_step(trainer.next_examples())
+    step = trainer.batch_step(trainer.next_examples())
     mlp = trainer.model.model.layers[0].mlp
     mlp.gate_proj.weight = mlp.gate_proj.weight * 2  # a change the engine has not seen
     trainer.masters.adopt(dict(tree_flatten(trainer.model.trainable_parameters())))
     stale = trainer.engine.weights["layers"][0]["gate_up"]
-    assert not trainer.update([step])["skipped"]
+    assert not trainer.update([step]).skipped
     now = mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight])
     assert not mx.array_equal(stale, now)
     assert mx.array_equal(trainer.engine.weights["layers"][0]["gate_up"], now)
@@ -263,7 +263,7 @@ def test_an_old_policy_kept_apart_is_what_the_engine_samples(tiny_model_dir, tmp
 
     first = gate_up(trainer.model)
     for _ in range(2):
-        step, _ = trainer.batch_step(trainer.next_examples())
+        step = trainer.batch_step(trainer.next_examples())
         trainer.update([step])
         held = trainer.engine.weights["layers"][0]["gate_up"]
         assert mx.array_equal(held, gate_up(trainer.policies.sampler))
