@@ -4,7 +4,7 @@ masters, LoRA/DoRA adapters and the QLoRA base (`build_model`, which `mlx-grpo s
 reference model, the start-up memory check for the rollouts (and the rollout engine's copy), and the
 warnings about settings that will not do what they say
 (check_prompt_lengths: prompts that max_prompt_length cuts, measured before the first update).
-trainer.py holds the GRPO steps and checkpoint state; it never imports this module.
+training/trainer.py holds the GRPO update and checkpoint state; it never imports this module.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`mlx-grpo train`'s run: the run directory, resume, the update loop with its logs, evaluations and
-checkpoints, alone or as one rank of the processes mlx.launch started (trainer.py owns the steps)."""
+checkpoints, alone or as one rank of the processes mlx.launch started (training/trainer.py owns the steps)."""
 
 from __future__ import annotations
 

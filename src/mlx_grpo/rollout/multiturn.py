@@ -8,12 +8,12 @@ A turn ends at the end-of-turn token, a stop string, the stop string that closes
 completion's budget (max_new_tokens counts every token of every turn, tool output included). The
 environment answers each ended turn on a thread pool, off the decode loop (a tool's output right after
 the call, an environment's message after the end token); the answer is rendered in the model's syntax
-(tool_calls.py), tokenized and appended to the row, and the row's next turn decodes with its whole
+(tools/calls.py), tokenized and appended to the row, and the row's next turn decodes with its whole
 context prefilled in one chunk:
 - on the engine's sampling copy, inside the running batch: the engine hands each row that ended to
   `ended` at the loop's next sync, the answer computes while the other rows decode, and at the sync
   after that the row's next turn takes a freed slot (engine refill), ahead of prompts still waiting;
-- on the model itself (rollout.generate_rollout: other families, quantized weights, nanochat, CPUs by
+- on the model itself (decode.generate_rollout: other families, quantized weights, nanochat, CPUs by
   default), in waves: turn w of every row decodes in batch w, and a tool call starts as soon as the loop
   sees its row stopped.
 
@@ -81,7 +81,7 @@ class _Row:
 
 
 class MultiTurn:
-    """Episodes of `env` over the rollout engine. fmt: the model's tool-call syntax (tool_calls.py), which
+    """Episodes of `env` over the rollout engine. fmt: the model's tool-call syntax (tools/calls.py), which
     renders observations; tokenizer: the model's."""
 
     def __init__(self, env: Environment, fmt: ToolFormat, tokenizer):
@@ -136,7 +136,7 @@ class MultiTurn:
 
     def _waves(self, engine, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str,
                ends: "_Ends", pool) -> None:
-        """The model path (rollout.generate_rollout): every row's turn w decodes in batch w; the rows that go
+        """The model path (decode.generate_rollout): every row's turn w decodes in batch w; the rows that go
         on are prefilled with their contexts for the next batch."""
         T = params.max_new_tokens
         live = list(range(len(rows)))

@@ -96,7 +96,7 @@ class Trainer:
         self.model.eval()
         # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
         self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine).refresh(self.policies.sampler)
-        # Tools or an environment: rollouts are episodes (multiturn.py) over the same engine.
+        # Tools or an environment: rollouts are episodes (rollout/multiturn.py) over the same engine.
         self.multiturn = multiturn_for(cfg, self.tokenizer, getattr(getattr(self.model, "args", None),
                                                                     "model_type", None))
         # The one system prompt of the run's rollouts (its worked examples included), and of its evaluations.
