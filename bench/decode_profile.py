@@ -3,11 +3,11 @@ waiting for the device, next to the per-step time of the trainer's own pipelined
 
 A step builder (STEP_BUILDERS; --builders picks) prefills the rows and hands back a Decoder whose
 `step()` builds one decode step's lazy graph (the model on the KV cache, then the sampler) and returns
-the arrays to evaluate. "trainer" is mlx_grpo.rollout.generate_rollout (the loop before the rollout
+the arrays to evaluate. "trainer" is mlx_grpo.rollout.decode.generate_rollout (the loop before the rollout
 engine; what models without a sampling copy still use): each prompt prefilled once and its cache repeated
 G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention kernel (route_attention)
 where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the compiled sampler. "engine" is
-mlx_grpo.engine.RolloutEngine's step, what the trainer now samples with: the fused sampling copy, one
+mlx_grpo.rollout.engine.RolloutEngine's step, what the trainer now samples with: the fused sampling copy, one
 compiled graph per step (model + sampler; it reads the cache), the token's keys/values written into the
 cache outside it. Both run with no EOS (every row decodes). Another decode step plugs in as another
 entry of STEP_BUILDERS.
@@ -86,11 +86,13 @@ class Decoder:
 
 @contextmanager
 def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
-    """The decode step of mlx_grpo.rollout.generate_rollout (default settings, ignore_eos, temperature 1,
+    """The decode step of mlx_grpo.rollout.decode.generate_rollout (default settings, ignore_eos, temperature 1,
     no top-k/top-p), from its own pieces; yields a Decoder over N = len(prompts) * group rows."""
-    from mlx_grpo import rollout as R
+    from mlx_grpo.rollout import decode as R
+    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.sampling import make_sampler
 
-    params = R.SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
     eos = mx.array([-1], dtype=mx.int32)  # as generate_rollout with ignore_eos: no row ends
     logits, caches = R._prefill(model, prompts, pad_id=0)
     logits = mx.repeat(logits, group, axis=0)  # [N, V]
@@ -105,7 +107,7 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
         else:
             R._repeat_caches(caches, group)
         keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys)  # [N, T, 2]
-        sampler = R.make_sampler(params, eos)
+        sampler = make_sampler(params, eos)
         state = list(sampler(logits, keys[:, 0], mx.zeros((n,), dtype=mx.bool_)))
         mx.eval(state, keys)
 
@@ -121,15 +123,16 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
 
 @contextmanager
 def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
-    """The decode step of mlx_grpo.engine.RolloutEngine (its defaults, ignore_eos, temperature 1), from the
+    """The decode step of mlx_grpo.rollout.engine.RolloutEngine (its defaults, ignore_eos, temperature 1), from the
     engine's own pieces as RolloutEngine._generate_fused puts them together: the sampling copy's prefill
     (decoder.prefill, each prompt once, its cache repeated G times into buffers with room for every token,
     laid out as the step reads them), then per step the engine's compiled step (model step + sampler) and
     the new keys/values written into the cache outside it. No row ends, so compaction never drops one; yields a Decoder over N rows."""
-    from mlx_grpo.engine import RolloutEngine
+    from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.models import decoder as D
     from mlx_grpo.models.forward import bucket
-    from mlx_grpo.rollout import SamplingParams, make_sampler
+    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.sampling import make_sampler
 
     engine = RolloutEngine(None, mode="copy").refresh(model)  # the tokenizer is used only to end and decode rows
     if not engine.uses_copy:

@@ -59,9 +59,11 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.forward import pack
 from mlx_grpo.models.loading import load_model
-from mlx_grpo.policy import (StepData, accumulate_gradients, clip_by_global_norm, logprob_pass, loss_weights,
-                             make_grad_fn)
-from mlx_grpo.rollout import Rollout, SamplingParams, encode_chat_prompt, generate_rollout
+from mlx_grpo.training.records import StepData
+from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
+from mlx_grpo.training.policy import logprob_pass
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 
 import rollout_bench
 import shapes
@@ -198,12 +200,13 @@ def bench_step(cfg, repeats: int) -> dict:
     mx.reset_peak_memory()
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        step, stats = trainer.batch_step(trainer.next_examples())
-        result = trainer.update([step])
+        batch = trainer.batch_step(trainer.next_examples())
+        result = trainer.update([batch])
         total = time.perf_counter() - t0
-        rec = {"total_s": total, "rollout_s": stats["t_rollout"], "reward_s": stats["t_reward"],
-               "logprob_s": stats["t_logprob"], "train_s": result["t_train"], "tokens": stats["tokens"],
-               "reward_mean": float(np.mean(stats["rewards"])), "truncated": float(np.mean(stats["truncated"]))}
+        stats = batch.stats
+        rec = {"total_s": total, "rollout_s": stats.t_rollout, "reward_s": stats.t_reward,
+               "logprob_s": stats.t_logprob, "train_s": result.t_train, "tokens": stats.tokens,
+               "reward_mean": float(np.mean(stats.rewards)), "truncated": float(np.mean(stats.truncated))}
         print(f"grpo step {i}{' (warm-up)' if i == 0 else ''}: {total:.2f} s = rollout {rec['rollout_s']:.2f} + "
               f"reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train {rec['train_s']:.2f}; "
               f"{rec['tokens']} tokens", flush=True)

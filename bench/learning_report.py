@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from mlx_grpo.rewards import reasoning_text, substantive  # noqa: E402
+from mlx_grpo.rewards.builtin import reasoning_text, substantive  # noqa: E402
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

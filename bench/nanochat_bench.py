@@ -86,7 +86,8 @@ def rollout_precision(model_dir: Path, rows: int = 128, tokens: int = 64) -> lis
     import mlx.nn as nn
 
     from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
+    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 
     results = []
     for dtype, bits in [("float32", None), ("float32", 4), ("bfloat16", None), ("bfloat16", 4)]:

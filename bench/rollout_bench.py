@@ -2,7 +2,7 @@
 against a plain mlx-lm decode loop run in the same process on the same model and rows.
 
 Variants (ROLLOUT_VARIANTS):
-  engine            mlx_grpo.engine.RolloutEngine as the trainer builds it: the fused sampling copy, one
+  engine            mlx_grpo.rollout.engine.RolloutEngine as the trainer builds it: the fused sampling copy, one
                     compiled graph per decode step, ended rows dropped from the batch (compaction)
   engine_nocompact  the same engine with compact=False: every row decodes until all have ended
   model             rollout.generate_rollout on the model itself (the loop before the engine: fixed-capacity
@@ -16,8 +16,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.rollout import SamplingParams, generate_rollout
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.decode import generate_rollout
 
 from bench_util import GB, timed
 
@@ -180,7 +181,7 @@ def bench_overlap(model, tokenizer, prompts, cfg, b: int, g: int, repeats: int, 
     pass runs (a second thread on its own MLX stream), against the two one after the other."""
     import threading
 
-    from mlx_grpo.policy import logprob_pass
+    from mlx_grpo.training.policy import logprob_pass
 
     engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature)

@@ -26,7 +26,7 @@ def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=
     """Run train(cfg) and stop it with a KeyboardInterrupt just before `update` (what Ctrl-C leaves behind:
     the checkpoints written so far); trainer_class: whose `update` to stop (default: the GRPO Trainer)."""
     if trainer_class is None:
-        from mlx_grpo.trainer import Trainer as trainer_class
+        from mlx_grpo.training.trainer import Trainer as trainer_class
 
     original = trainer_class.update
 

@@ -18,9 +18,8 @@ def main(out: str, items: list[str]) -> None:
     cfg = build_config("train", overrides=parse_set(items))
     world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
     trainer = build_trainer(cfg, world)
-    steps = [trainer.batch_step(trainer.next_examples())[0] for _ in range(cfg.gradient_accumulation_steps)]
-    for step in steps:
-        trainer.resolve(step)
+    batches = [trainer.batch_step(trainer.next_examples()) for _ in range(cfg.gradient_accumulation_steps)]
+    steps = [trainer.score(batch) for batch in batches]
     grads, sums = trainer.gradients(steps)
     if world.is_main:
         arrays = {f"grad/{k}": np.array(v) for k, v in tree_flatten(grads)}

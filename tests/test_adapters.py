@@ -17,16 +17,9 @@ from conftest import write_tiny_model
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.adapters import (
-    adapter_parameters,
-    adapters_disabled,
-    apply_adapters,
-    is_adapter_checkpoint,
-    lora_block_keys,
-    load_with_adapters,
-    quantize_base,
-    run_fuse,
-)
+from mlx_grpo.models.adapters import adapter_parameters, adapters_disabled, apply_adapters, is_adapter_checkpoint, lora_block_keys, quantize_base
+from mlx_grpo.models.loading import load_with_adapters
+from mlx_grpo.models.fuse import run_fuse
 from mlx_grpo.models.loading import load_model
 
 TOKENS = mx.array([[5, 17, 42, 99, 3, 250, 7, 64]])

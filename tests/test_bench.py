@@ -58,7 +58,7 @@ def _load_trl_script():
 def test_trl_comparison_uses_our_rewards_and_data(tmp_path):
     """The TRL script (run on the GPU machine, where torch lives) scores with mlx-grpo's own reward code,
     prefill included, and reads GSM8K rows as our loader does; its CLI parses without torch."""
-    from mlx_grpo.rewards import BUILTIN_REWARDS
+    from mlx_grpo.rewards.builtin import BUILTIN_REWARDS
 
     trl = _load_trl_script()
     data = tmp_path / "gsm8k.jsonl"
@@ -222,7 +222,8 @@ def test_decode_profile_times_the_trainers_decode_step(tiny_model_dir):
     import mlx.core as mx
 
     from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout import SamplingParams, generate_rollout
+    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.decode import generate_rollout
 
     profile = _load_bench_module("decode_profile")
     shapes = _load_bench_module("shapes")
@@ -242,9 +243,9 @@ def test_decode_profile_engine_step_is_the_engines_decode(tiny_model_dir):
     row keys give the tokens engine.generate samples."""
     import mlx.core as mx
 
-    from mlx_grpo.engine import RolloutEngine
+    from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout import SamplingParams
+    from mlx_grpo.rollout.records import SamplingParams
 
     profile = _load_bench_module("decode_profile")
     shapes = _load_bench_module("shapes")

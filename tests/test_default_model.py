@@ -73,6 +73,7 @@ def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, 
     root = loading.Path(__file__).resolve().parents[1]
     cfg = build_config("train", str(root / "configs" / "smoke_test.toml"), parse_set([f"output_dir={tmp_path}"]))
     trainer = build_trainer(cfg)
-    step, stats = trainer.batch_step(trainer.next_examples())
-    trainer.resolve(step)
-    assert stats["zero_std"] < 1.0 and float(np.std(stats["rewards"])) > 0
+    batch = trainer.batch_step(trainer.next_examples())
+    trainer.score(batch)
+    stats = batch.stats
+    assert stats.zero_std < 1.0 and float(np.std(stats.rewards)) > 0

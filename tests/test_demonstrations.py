@@ -21,9 +21,11 @@ from mlx_grpo.data import Example
 from mlx_grpo.demonstrations import Demonstrator, groups_without_reward, with_demonstrations
 from mlx_grpo.errors import UserError
 from mlx_grpo.loss import Objective, objective_sums
-from mlx_grpo.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
-from mlx_grpo.rewards import RewardScores, RewardSet
-from mlx_grpo.rollout import SamplingParams, generate_rollout
+from mlx_grpo.training.records import StepData
+from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.rewards.scoring import RewardScores, RewardSet
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.decode import generate_rollout
 
 from conftest import interrupt_before_update, run_metrics
 

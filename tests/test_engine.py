@@ -11,11 +11,12 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 
-from mlx_grpo.engine import RolloutEngine
+from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.forward import completion_logprobs, pack
-from mlx_grpo.rollout import SamplingParams, generate_rollout
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.decode import generate_rollout
 
 PROMPTS = [[17, 90], [120, 45, 203, 8, 77, 150, 33, 64, 99, 12, 250], [5, 6, 7]]
 
@@ -129,12 +130,12 @@ def test_the_trainers_engine_holds_the_updated_weights(tiny_model_dir, tmp_path)
         "num_generations=2", "max_new_tokens=8", "learning_rate=1e-2", "warmup_ratio=0", "system_prompt=",
         "max_prompt_length=96", "rollout_engine=copy"]))
     trainer = build_trainer(cfg)
-    step, _ = trainer.batch_step(trainer.next_examples())
+    step = trainer.batch_step(trainer.next_examples())
     mlp = trainer.model.model.layers[0].mlp
     mlp.gate_proj.weight = mlp.gate_proj.weight * 2  # a change the engine has not seen
     trainer.masters.adopt(dict(tree_flatten(trainer.model.trainable_parameters())))
     stale = trainer.engine.weights["layers"][0]["gate_up"]
-    assert not trainer.update([step])["skipped"]
+    assert not trainer.update([step]).skipped
     now = mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight])
     assert not mx.array_equal(stale, now)
     assert mx.array_equal(trainer.engine.weights["layers"][0]["gate_up"], now)
@@ -262,7 +263,7 @@ def test_an_old_policy_kept_apart_is_what_the_engine_samples(tiny_model_dir, tmp
 
     first = gate_up(trainer.model)
     for _ in range(2):
-        step, _ = trainer.batch_step(trainer.next_examples())
+        step = trainer.batch_step(trainer.next_examples())
         trainer.update([step])
         held = trainer.engine.weights["layers"][0]["gate_up"]
         assert mx.array_equal(held, gate_up(trainer.policies.sampler))

@@ -10,7 +10,7 @@ import numpy as np
 from mlx_grpo import evaluate
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.rollout import Rollout
+from mlx_grpo.rollout.records import Rollout
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

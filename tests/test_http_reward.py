@@ -11,11 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mlx_grpo import http_reward
+from mlx_grpo.rewards import http as http_reward
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
-from mlx_grpo.http_reward import HttpReward, check_reward_url
-from mlx_grpo.rewards import RewardSet
+from mlx_grpo.rewards.http import HttpReward, check_reward_url
+from mlx_grpo.rewards.scoring import RewardSet
 
 
 class Server:

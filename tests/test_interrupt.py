@@ -76,9 +76,9 @@ def assert_interrupted(done: subprocess.CompletedProcess, command: str) -> None:
 
 
 PHASES = {  # phase: (the function that does its work, the call that stalls, extra config)
-    "rollout": ("mlx_grpo.trainer:Trainer:_generate", 2, ()),
-    "log-prob pass": ("mlx_grpo.trainer::logprob_pass", 2, ("num_iterations=2",)),
-    "training pass": ("mlx_grpo.trainer::accumulate_gradients", 2, ()),
+    "rollout": ("mlx_grpo.training.trainer:Trainer:generate", 2, ()),
+    "log-prob pass": ("mlx_grpo.training.trainer::logprob_pass", 2, ("num_iterations=2",)),
+    "training pass": ("mlx_grpo.training.trainer::accumulate_gradients", 2, ()),
     "evaluation": ("mlx_grpo.run::answer_records", 2, ("eval_every_updates=1",)),
     "saving": ("mlx_grpo.models.writing::make_durable", 2, ()),
 }

@@ -16,15 +16,16 @@ from caller_model import CALLER, END, Scripted, write_caller_model
 from conftest import interrupt_before_update, run_metrics
 from mlx_grpo import run as run_mod
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.environments import Environment, StepResult, ToolEnvironment
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.tools.environments import Environment, StepResult, ToolEnvironment
 from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.loading import load_model
-from mlx_grpo.multiturn import MultiTurn
-from mlx_grpo.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
-from mlx_grpo.rollout import SamplingParams
-from mlx_grpo.tool_calls import NanochatFormat, PlainFormat
+from mlx_grpo.rollout.multiturn import MultiTurn
+from mlx_grpo.training.records import StepData
+from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 
 CALL = "<calc>2+3</calc>"
 RESULT = "<result>5</result>"
@@ -329,12 +330,12 @@ def test_metrics_report_tool_use(caller_dir, tmp_path):
 def test_an_environment_with_tools_gets_the_models_syntax(tmp_path, tiny):
     _, tok = tiny
     (tmp_path / "calc_env.py").write_text(
-        "from mlx_grpo.environments import ToolEnvironment\n\n\n"
+        "from mlx_grpo.tools.environments import ToolEnvironment\n\n\n"
         "class Calc(ToolEnvironment):\n"
         "    def __init__(self, fmt):\n"
         "        super().__init__(['calculator'], fmt, max_turns=2)\n")
     cfg = build_config("train", overrides=parse_set(["model_name=x", f"environment={tmp_path / 'calc_env.py'}:Calc"]))
-    from mlx_grpo.multiturn import multiturn_for
+    from mlx_grpo.rollout.multiturn import multiturn_for
 
     multiturn = multiturn_for(cfg, tok, "llama")
     assert multiturn.env.fmt is multiturn.fmt and multiturn.stop_strings == ("</calc>", "</tool>")

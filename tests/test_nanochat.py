@@ -23,8 +23,9 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import run_eval
 from mlx_grpo.inference import run_chat
 from mlx_grpo.models.convert import run_convert
-from mlx_grpo.policy import logprob_pass
-from mlx_grpo.rollout import SamplingParams, encode_chat_prompt, generate_rollout
+from mlx_grpo.training.policy import logprob_pass
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 from nanochat_fixture import CONFIG, make_encoding, random_state_dict, write_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -336,9 +337,9 @@ def test_bad_inputs_are_clear_errors(tmp_path, config, state, encoding, checkpoi
 def test_tools_speak_nanochats_python_tokens(converted, tmp_path):
     """tools = calculator on a nanochat model: its python/output special tokens carry the calls and results,
     and a training run with them goes through."""
-    from mlx_grpo.environments import StepResult, observation_text
-    from mlx_grpo.multiturn import multiturn_for
-    from mlx_grpo.tool_calls import NanochatFormat
+    from mlx_grpo.tools.environments import StepResult, observation_text
+    from mlx_grpo.rollout.multiturn import multiturn_for
+    from mlx_grpo.tools.calls import NanochatFormat
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={converted}", f"output_dir={tmp_path}", f"dataset_path={FIXTURES / 'gsm8k_tiny.jsonl'}",

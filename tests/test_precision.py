@@ -12,8 +12,9 @@ from mlx_grpo import run as run_mod
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.precision import MasterWeights, rounding_share
-from mlx_grpo.policy import StepData
-from mlx_grpo.rollout import SamplingParams, generate_rollout
+from mlx_grpo.training.records import StepData
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.assembly import build_trainer
 
 
@@ -122,7 +123,7 @@ def test_a_sampler_that_differs_shows_the_mismatch_and_tis_truncates_it(tiny_mod
     """A sampler whose log-probs are 0.05 below the trainer's on every sampled token: the logged k3 KL is
     exp(0.05) - 0.05 - 1 per token and the largest difference 0.05; token_truncate caps every ratio
     exp(0.05) at the cap."""
-    from mlx_grpo.engine import RolloutEngine
+    from mlx_grpo.rollout.engine import RolloutEngine
 
     real = RolloutEngine.generate_many
 

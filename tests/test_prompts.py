@@ -86,7 +86,7 @@ def test_training_and_evaluation_encode_the_run_prompt(tiny_model_dir, tmp_path,
             encoded["eval"] = kwargs["system_prompt"]
             return original(*args, **kwargs)
 
-        trainer_ids = trainer._encode(trainer.train_examples[:2])[0][0]
+        trainer_ids = trainer.encode(trainer.train_examples[:2])[0][0]
         assert trainer.tokenizer.decode(trainer_ids).count(shown.prompt) == 1
     finally:
         trainer.reward_runner.close()

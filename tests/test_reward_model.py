@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from conftest import write_tokenizer
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.convert import run_convert
-from mlx_grpo.models.reward_model import RewardModelReward, load_reward_model, render
+from mlx_grpo.rewards.reward_model import RewardModelReward, load_reward_model, render
 
 
 @pytest.fixture(scope="module")

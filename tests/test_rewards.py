@@ -1,4 +1,4 @@
-"""Tests of mlx_grpo.rewards: parsers, each built-in reward (as tables), RewardSet and custom reward files."""
+"""Tests of mlx_grpo.rewards.builtin: parsers, each built-in reward (as tables), RewardSet and custom reward files."""
 
 from pathlib import Path
 
@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards import (
-    BUILTIN_REWARDS,
-    SYSTEM_PROMPT,
-    RewardSet,
-    answers_match,
-    correctness,
-    extract_answer,
-    load_reward_function,
-)
+from mlx_grpo.rewards.builtin import BUILTIN_REWARDS, SYSTEM_PROMPT, answers_match, correctness, extract_answer
+from mlx_grpo.rewards.scoring import RewardSet
+from mlx_grpo.rewards.loading import load_reward_function
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOOD = "<reasoning>\n2 + 3 = 5\n</reasoning>\n<answer>\n5\n</answer>\n"
@@ -253,7 +247,7 @@ def test_custom_reward_import_error(tmp_path):
 
 def test_overlong_penalty_follows_dapo():
     """DAPO eq. 13 with L_max = 100, L_cache = 20, times the penalty: 0 up to 80 tokens, then linear."""
-    from mlx_grpo.rewards import overlong_penalty
+    from mlx_grpo.rewards.scoring import overlong_penalty
 
     lengths = np.array([1, 79, 80, 81, 90, 99, 100])
     expected = [0.0 if n <= 80 else ((100 - 20) - n) / 20 for n in lengths]
@@ -350,7 +344,7 @@ def test_correctness_compares_answers_of_any_length():
 
 
 def test_reasoned_format_keeps_the_sign_of_a_negative_answer():
-    from mlx_grpo.rewards import reasoned_format
+    from mlx_grpo.rewards.builtin import reasoned_format
 
     text = ("<reasoning>\nThe temperature was 3 degrees and fell by 8 degrees, so it is 3 - 8 = -5 degrees now.\n"
             "</reasoning>\n<answer>\n-5\n</answer>")
@@ -360,8 +354,8 @@ def test_reasoned_format_keeps_the_sign_of_a_negative_answer():
 def test_reasoned_format_grounds_the_answer_in_the_last_tool_result():
     """In a tool run the model's own text ends at its call; the calculator's answer came back as context, so
     an answer equal to it is grounded (full format credit), and one equal to neither is not."""
-    from mlx_grpo.environments import Transcript
-    from mlx_grpo.rewards import reasoned_format
+    from mlx_grpo.tools.environments import Transcript
+    from mlx_grpo.rewards.builtin import reasoned_format
 
     prompt = ["Emma has 17 pencils. A friend gives her 25 more. How many pencils does Emma have now?"]
     text = ("<reasoning>\nEmma starts with 17 pencils and a friend gives her 25 more: <calc>17+25</calc>\n"

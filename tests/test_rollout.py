@@ -12,8 +12,10 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlx_grpo.models.forward import completion_logprobs, pack
-from mlx_grpo.policy import logprob_pass
-from mlx_grpo.rollout import Rollout, SamplingParams, finish_rollout, encode_chat_prompt, generate_rollout
+from mlx_grpo.training.policy import logprob_pass
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampling import finish_rollout
+from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 
 EOS = 2  # <|im_end|> in the conftest tokenizer
 PAD = 0  # <|endoftext|>
@@ -390,7 +392,7 @@ def test_static_cache_decode_equals_growing_cache_decode(tiny, params):
 def test_static_cache_falls_back_for_sliding_window_models(tiny):
     from mlx_lm.models.cache import RotatingKVCache
 
-    from mlx_grpo.rollout import supports_static_cache
+    from mlx_grpo.rollout.decode import supports_static_cache
 
     model, _ = tiny
     assert supports_static_cache(model)
@@ -417,7 +419,7 @@ def test_kernel_routing_decodes_like_the_growing_cache(tiny, monkeypatch):
     what mlx-lm's BatchKVCache decode samples, and mlx-lm's attention function is restored after."""
     import mlx_lm.models.llama as llama_module
 
-    from mlx_grpo import rollout as rollout_mod
+    from mlx_grpo.rollout import decode as rollout_mod
 
     model, tok = tiny
     original = llama_module.scaled_dot_product_attention
@@ -441,7 +443,7 @@ def test_attention_routing_is_restored_after_an_error(tiny):
     import mlx_lm.models.llama as llama_module
 
     from mlx_grpo.models.decode_attention import route_attention
-    from mlx_grpo.rollout import StaticBatchCache
+    from mlx_grpo.rollout.decode import StaticBatchCache
 
     model, _ = tiny
     original = llama_module.scaled_dot_product_attention
@@ -456,7 +458,7 @@ def test_attention_routing_is_restored_after_an_error(tiny):
 def test_stop_scanner_finds_what_stop_cut_finds(tiny, seed):
     """Rows scanned as their tokens arrive, in chunks of any size: the scanner's cut is stop_cut's on the
     whole row at every scan, wherever the stop string falls (across chunks included)."""
-    from mlx_grpo.rollout import StopScanner, stop_cut
+    from mlx_grpo.rollout.sampling import StopScanner, stop_cut
 
     _, tok = tiny
     rng = np.random.default_rng(seed)

@@ -17,7 +17,7 @@ from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.forward import token_logprobs
 from mlx_grpo.models.loading import load_model
-from mlx_grpo.multiturn import encode_prompts
+from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.sft import make_grad_fn, micro_batches, nll_sums, pack_rows, sft_gradients
 from mlx_grpo.sft_data import SFTRow, conversation_row, end_id, file_rows, target_ids
 
@@ -185,7 +185,7 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
 
 def test_lora_checkpoint_fuses_into_a_model_train_starts_from(tiny_model_dir, tmp_path):
     from mlx_grpo.assembly import build_trainer
-    from mlx_grpo.models.adapters import run_fuse
+    from mlx_grpo.models.fuse import run_fuse
     from mlx_grpo.sft_run import run_sft
 
     run_dir = run_sft(sft_cfg(tiny_model_dir, tmp_path, "train_type=lora", "lora_rank=4", "num_epochs=1"))
@@ -259,7 +259,7 @@ def test_arith_rows_and_max_train_samples(tiny, tmp_path):
 
 def test_calculator_answers_are_context_not_targets(tiny, tmp_path):
     """With the calculator the solution's computations are calls; the tool's answers are fed in (mask 0)."""
-    from mlx_grpo.multiturn import multiturn_for
+    from mlx_grpo.rollout.multiturn import multiturn_for
     from mlx_grpo.sft_data import load_sft_data
 
     _, tok = tiny

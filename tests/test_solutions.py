@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import rewards as R
+from mlx_grpo.rewards import builtin as R
 from mlx_grpo.data import Example, load_file, make_arith
 from mlx_grpo.solutions import (Segment, Style, after_prefill, reference_completion, reference_segments,
                                 style_for)
-from mlx_grpo.tool_calls import NanochatFormat, PlainFormat
-from mlx_grpo.tools import calculate
+from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
+from mlx_grpo.tools.calculator import calculate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Eight rows of GSM8K's train split (train_line: where), chosen for: calculator annotations with "$" and

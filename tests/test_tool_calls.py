@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 from conftest import write_tokenizer
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.nanochat_tokenizer import CHAT_TEMPLATE as NANOCHAT_TEMPLATE
-from mlx_grpo.tool_calls import (HermesFormat, NanochatFormat, ParsedCall, PlainFormat, call_output, render_prompt,
+from mlx_grpo.tools.calls import (HermesFormat, NanochatFormat, ParsedCall, PlainFormat, call_output, render_prompt,
                                  tool_format_for)
-from mlx_grpo.tools import resolve_tools
+from mlx_grpo.tools.registry import resolve_tools
 
 # A ChatML template with Hermes-style tools (written for these tests, in the shape of Qwen2.5's):
 # tools listed in the system turn, a tool message rendered as a user turn in <tool_response>.

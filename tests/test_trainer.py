@@ -12,12 +12,14 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo import assembly as assembly_mod
 from mlx_grpo import run as run_mod
-from mlx_grpo import trainer as trainer_mod
+from mlx_grpo.training import trainer as trainer_mod
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
-from mlx_grpo.policy import StepData, accumulate_gradients, loss_weights, make_grad_fn
-from mlx_grpo.rollout import Rollout, SamplingParams, generate_rollout
+from mlx_grpo.training.records import StepData
+from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.decode import generate_rollout
 
 from conftest import interrupt_before_update, run_metrics
 from mlx_grpo.loss import group_advantages
@@ -94,7 +96,8 @@ def test_micro_batches_respect_row_and_token_limits(tiny_model_dir):
     than one row, at most max_tokens tokens in the packed batch itself; longest completions first."""
     from mlx_lm import load
 
-    from mlx_grpo.policy import _chunk_batch, row_chunks
+    from mlx_grpo.training.microbatch import chunk_batch as _chunk_batch
+    from mlx_grpo.training.microbatch import row_chunks
 
     model, tok = load(str(tiny_model_dir))
     prompts = [tok.encode(f"q{i}" + "?" * (3 * i)) for i in range(6)]
@@ -250,7 +253,7 @@ def test_grad_checkpoint_without_effect_is_reported(tiny_model_dir, tmp_path, mo
 def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir, tmp_path):
     from mlx_lm import load
 
-    from mlx_grpo.policy import logprob_pass
+    from mlx_grpo.training.policy import logprob_pass
 
     cfg = make_cfg(tiny_model_dir, tmp_path, "train_type=lora", "kl_coeff=0.04", "learning_rate=1e-2",
                    f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")
@@ -259,7 +262,7 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir,
     trainable = {k for k, _ in tree_flatten(t.model.trainable_parameters())}
     assert trainable and all(k.endswith(("lora_a", "lora_b")) for k in trainable)
     for _ in range(2):
-        step, _ = t.batch_step(t.next_examples())
+        step = t.batch_step(t.next_examples())
         t.update([step])
     after = dict(tree_flatten(t.model.parameters()))
     changed = {k for k in after if not np.array_equal(np.array(after[k]), np.array(before[k]))}
@@ -329,7 +332,7 @@ def test_masked_truncation_leaves_truncated_completions_out(tiny_model_dir, tmp_
 
 
 def test_loss_weights_zero_exactly_the_truncated_rows(tiny_model_dir, tmp_path):
-    from mlx_grpo.policy import loss_weights
+    from mlx_grpo.training.gradients import loss_weights
 
     r = Rollout([[1], [2]], mx.zeros((4, 3), dtype=mx.int32), mx.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1.0]]),
                 mx.zeros((4, 3)), np.array([True, False, False, True]), ["a"] * 4, 2)

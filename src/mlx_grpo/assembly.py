@@ -4,7 +4,7 @@ masters, LoRA/DoRA adapters and the QLoRA base (`build_model`, which `mlx-grpo s
 reference model, the start-up memory check for the rollouts (and the rollout engine's copy), and the
 warnings about settings that will not do what they say
 (check_prompt_lengths: prompts that max_prompt_length cuts, measured before the first update).
-trainer.py holds the GRPO steps and checkpoint state; it never imports this module.
+training/trainer.py holds the GRPO update and checkpoint state; it never imports this module.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from mlx_grpo.checkpoint import load_masters
 from mlx_grpo.config import Config
 from mlx_grpo.data import subset
 from mlx_grpo.distributed import World
-from mlx_grpo.engine import uses_copy
+from mlx_grpo.rollout.engine import uses_copy
 from mlx_grpo.errors import UserError
 from mlx_grpo.health import prompt_cut_report
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, apply_adapters, quantize_base
 from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
-from mlx_grpo.multiturn import encode_prompts
+from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
-from mlx_grpo.policy import Policies
+from mlx_grpo.training.policy import Policies
 from mlx_grpo.prompts import select_worked_examples
-from mlx_grpo.reward_workers import build_reward_set
-from mlx_grpo.rollout import machine_memory_bytes, rollout_memory_bytes
+from mlx_grpo.rewards.workers import build_reward_set
+from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
 from mlx_grpo.sources import run_examples
-from mlx_grpo.trainer import Trainer
+from mlx_grpo.training.trainer import Trainer
 
 
 @dataclass

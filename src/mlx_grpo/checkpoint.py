@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
+from mlx_grpo.models.precision import dtype_name
 from mlx_grpo.models.writing import copy_model_files, staged_output
 
 PREFIX = "checkpoint-"
@@ -174,3 +175,51 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict, dict | None]:
 def load_masters(path: Path) -> dict | None:
     """The float32 master weights (flat) of a mixed-precision checkpoint, or None."""
     return mx.load(str(path / MASTERS)) if (path / MASTERS).is_file() else None
+
+
+def check_resume(path: Path, loaded: tuple, adapters: bool, *, model, total_updates: int, world_size: int,
+                 adapter_run: bool, masters_active: bool) -> None:
+    """Refuse, in one line saying what to do, a checkpoint (load_checkpoint's tuple `loaded`, `adapters`
+    holds_adapters' answer) that this run cannot continue exactly: another run's length, world size,
+    train_type or adapter shapes, compute dtype or master weights."""
+    weights, _, state, _, masters = loaded
+    if state.get("total_updates", total_updates) != total_updates:
+        raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} updates and this config "
+                        f"gives {total_updates}: the data, epochs or batch shape differ; resume with the "
+                        "run's own config (config.resolved.json)")
+    saved = state.get("world_size", 1)
+    if saved != world_size:
+        # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
+        # on the world size: another one would not continue the run exactly.
+        raise UserError(f"--resume: {path} was written by a run of {saved} process(es) and this one has "
+                        f"{world_size}; resume with {saved} (e.g. `mlx.launch -n {saved} -- mlx-grpo "
+                        "train ... --resume latest`), or start a new run")
+    if adapter_run:
+        expected = set(adapter_parameters(model))
+        if set(weights) != expected:
+            raise UserError(f"--resume: the adapters in {path} do not match this config's train_type/lora_* "
+                            f"settings ({len(weights)} tensors saved, {len(expected)} expected); resume with the "
+                            "run's own config (config.resolved.json)")
+    elif adapters:
+        raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
+                        "run's own config (config.resolved.json)")
+    current = {k: v.dtype for k, v in tree_flatten(model.trainable_parameters())}
+    saved = sorted({dtype_name(v.dtype) for k, v in weights.items() if k in current and v.dtype != current[k]})
+    if saved:  # loading would silently train in the checkpoint's dtype (or round it to this one's)
+        raise UserError(f"--resume: {path} holds {'/'.join(saved)} weights and this run computes in "
+                        f"{dtype_name(next(iter(current.values())))}: set model_dtype = {saved[0]} to resume "
+                        "it (model_dtype = auto resolves per machine)")
+    if masters is not None and not masters_active:
+        raise UserError(f"--resume: {path} holds float32 master weights but this run keeps none "
+                        "(master_weights = false or float32 compute): resume with the run's own config")
+
+
+def load_weights(model, weights: dict, path: Path, strict: bool, model_name: str) -> None:
+    """Load a checkpoint's weights into `model`; another model's checkpoint is one line, not mlx's list of
+    every tensor."""
+    try:
+        model.load_weights(list(weights.items()), strict=strict)
+    except ValueError as exc:
+        first = str(exc).splitlines()[0][:200]
+        raise UserError(f"--resume: {path} does not fit model {model_name!r} ({first}); resume with "
+                        "the model the run was trained from") from None

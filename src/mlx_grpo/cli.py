@@ -98,7 +98,7 @@ def _dispatch(args: argparse.Namespace) -> None:
         print(f"wrote {plot_run(args.run_dir, args.output)}")
         return
     if command == "fuse":
-        from mlx_grpo.models.adapters import run_fuse
+        from mlx_grpo.models.fuse import run_fuse
 
         if not args.checkpoint or not args.output_dir:
             raise UserError("fuse needs --checkpoint and --output-dir")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards import RESERVED_ARGS
+from mlx_grpo.rewards.builtin import RESERVED_ARGS
 
 DATASETS = ("arith", "gsm8k")
 # Seed offset of the arith test split: far from any seed a user would pick for train.

@@ -22,8 +22,8 @@ import numpy as np
 
 from mlx_grpo.data import Example, reward_columns
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards import RewardScores, RewardSet, overlong_penalty
-from mlx_grpo.rollout import Rollout
+from mlx_grpo.rewards.scoring import RewardScores, RewardSet, overlong_penalty
+from mlx_grpo.rollout.records import Rollout
 from mlx_grpo.solutions import Style, after_prefill, reference_completion, style_for
 
 

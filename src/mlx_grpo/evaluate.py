@@ -22,11 +22,11 @@ from tqdm import tqdm
 from mlx_grpo.config import Config, command_default, save_json
 from mlx_grpo.data import Example, subset
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards import answers_match, extract_answer
-from mlx_grpo.engine import RolloutEngine
-from mlx_grpo.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
+from mlx_grpo.rewards.builtin import answers_match, extract_answer
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts, question_text, select_worked_examples
-from mlx_grpo.rollout import SamplingParams
+from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.sources import run_examples
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")

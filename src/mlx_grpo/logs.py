@@ -3,6 +3,7 @@ above the progress bar), the pace/ETA text and the end-of-run summary."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+from mlx_grpo.training.records import BatchStats, UpdateMetrics
 
 
 def console(text: str) -> None:
@@ -51,56 +54,56 @@ def _credited(values: np.ndarray) -> float | None:
     return float(np.mean(applied > 0)) if applied.size else None
 
 
-def update_record(trainer, stats: list[dict], result: dict) -> dict:
+def update_record(trainer, stats: list[BatchStats], result: UpdateMetrics) -> dict:
     """The metrics of one optimizer update, from its batch steps' stats and the update's result. Reward,
     length and variance figures cover every completion drawn (dynamic sampling may train on fewer)."""
     c = trainer.counters
-    drawn = [s["drawn_scores"] for s in stats]
+    drawn = [s.drawn_scores for s in stats]
     rewards = np.concatenate([d.total for d in drawn])
-    lengths = np.concatenate([s["lengths"] for s in stats])
-    truncated = np.concatenate([s["truncated"] for s in stats])
-    tokens = sum(s["tokens"] for s in stats)
-    t_rollout = sum(s["t_rollout"] for s in stats)
+    lengths = np.concatenate([s.lengths for s in stats])
+    truncated = np.concatenate([s.truncated for s in stats])
+    tokens = sum(s.tokens for s in stats)
+    t_rollout = sum(s.t_rollout for s in stats)
     record = {
         "update_step": c.update_step, "batch_step": c.batch_step, "epoch": trainer.sampler.epoch,
-        "lr": result["lr"], "loss": result["loss"], "grad_norm": result["grad_norm"],
+        "lr": result.lr, "loss": result.loss, "grad_norm": result.grad_norm,
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         **{f"reward/{n}": _nan_mean(np.concatenate([d.per_func[n] for d in drawn])) for n in drawn[0].per_func},
         # the share of completions each function gave any credit: for a tiered reward, its first tier
         **{f"reward_credited/{n}": _credited(np.concatenate([d.per_func[n] for d in drawn])) for n in drawn[0].per_func},
-        "kl": result["kl"], "clip_fraction": result["clip_fraction"],
-        "clip_low_fraction": result["clip_low_fraction"], "clip_high_fraction": result["clip_high_fraction"],
-        "ratio_min": result["ratio_min"], "ratio_mean": result["ratio_mean"], "ratio_max": result["ratio_max"],
-        "sampler_kl": result["sampler_kl"], "sampler_diff_max": result["sampler_diff_max"],
-        "is_weight_mean": result["is_weight_mean"], "is_capped_fraction": result["is_capped_fraction"],
-        "entropy": sum(s["entropy_sum"] for s in stats) / tokens if tokens else None,
+        "kl": result.kl, "clip_fraction": result.clip_fraction,
+        "clip_low_fraction": result.clip_low_fraction, "clip_high_fraction": result.clip_high_fraction,
+        "ratio_min": result.ratio_min, "ratio_mean": result.ratio_mean, "ratio_max": result.ratio_max,
+        "sampler_kl": result.sampler_kl, "sampler_diff_max": result.sampler_diff_max,
+        "is_weight_mean": result.is_weight_mean, "is_capped_fraction": result.is_capped_fraction,
+        "entropy": sum(s.entropy_sum for s in stats) / tokens if tokens else None,
         "completion_length_mean": float(lengths.mean()), "completion_length_max": int(lengths.max()),
         "truncated_fraction": float(truncated.mean()),
-        "zero_std_fraction": float(np.mean([s["zero_std"] for s in stats])),
-        "loss_tokens": result["loss_tokens"],
-        "draws": sum(s["draws"] for s in stats), "groups_trained": sum(s["groups_trained"] for s in stats),
-        "prompts_cut": c.prompts_cut, "skipped": result["skipped"], "skipped_total": c.skipped_updates,
+        "zero_std_fraction": float(np.mean([s.zero_std for s in stats])),
+        "loss_tokens": result.loss_tokens,
+        "draws": sum(s.draws for s in stats), "groups_trained": sum(s.groups_trained for s in stats),
+        "prompts_cut": c.prompts_cut, "skipped": result.skipped, "skipped_total": c.skipped_updates,
         "rollout_tokens_per_s": tokens / t_rollout if t_rollout > 0 else 0.0,
-        "train_tokens_per_s": result["train_tokens_per_s"],
-        "time_rollout_s": t_rollout, "time_reward_s": sum(s["t_reward"] for s in stats),
-        "time_logprob_s": sum(s["t_logprob"] for s in stats), "time_train_s": result["t_train"],
-        "time_step_s": result["time_step_s"],
-        "peak_memory_gb": result["peak_memory_gb"],
+        "train_tokens_per_s": result.train_tokens_per_s,
+        "time_rollout_s": t_rollout, "time_reward_s": sum(s.t_reward for s in stats),
+        "time_logprob_s": sum(s.t_logprob for s in stats), "time_train_s": result.t_train,
+        "time_step_s": result.time_step_s,
+        "peak_memory_gb": result.peak_memory_gb,
     }
-    if "tool_calls" in stats[0]:  # multi-turn: how often the drawn completions called a tool, how many failed
-        calls = np.concatenate([s["tool_calls"] for s in stats])
-        errors = np.concatenate([s["tool_errors"] for s in stats])
+    if stats[0].tool_calls is not None:  # multi-turn: how often the drawn completions called a tool, how many failed
+        calls = np.concatenate([s.tool_calls for s in stats])
+        errors = np.concatenate([s.tool_errors for s in stats])
         record["tool_call_rate"] = float(np.mean(calls > 0)) if len(calls) else 0.0
         record["tool_calls_mean"] = float(np.mean(calls)) if len(calls) else 0.0
         record["tool_error_fraction"] = float(errors.sum() / calls.sum()) if calls.sum() else 0.0
-    if "demo" in stats[0]:  # demonstrations: the share of trained groups that got one (one row each)
-        groups = sum(s["groups_trained"] for s in stats)
-        record["demo_fraction"] = sum(int(s["demo"].sum()) for s in stats) / groups if groups else 0.0
+    if stats[0].demo is not None:  # demonstrations: the share of trained groups that got one (one row each)
+        groups = sum(s.groups_trained for s in stats)
+        record["demo_fraction"] = sum(int(s.demo.sum()) for s in stats) / groups if groups else 0.0
     record["warnings"] = diagnose(record, trainer.cfg)
     return record
 
 
-def merge_ranks(ranks: list[tuple[list[dict], dict]]) -> tuple[list[dict], dict]:
+def merge_ranks(ranks: list[tuple[list[BatchStats], UpdateMetrics]]) -> tuple[list[BatchStats], UpdateMetrics]:
     """One update's (batch-step stats, result) of every rank of a data-parallel run, in rank order, as
     the (stats, result) of the whole batch: rows concatenated in rank order (the batch's prompt order),
     counts summed, times and memory the slowest rank's. A single rank's pair comes back unchanged. The
@@ -109,29 +112,32 @@ def merge_ranks(ranks: list[tuple[list[dict], dict]]) -> tuple[list[dict], dict]
         return ranks[0]
     merged = []
     for parts in zip(*(stats for stats, _ in ranks)):  # one batch step, every rank
-        drawn = [p["drawn_scores"] for p in parts]
+        drawn = [p.drawn_scores for p in parts]
         sizes = [len(d.total) for d in drawn]
-        merged.append({
-            "examples": [e for p in parts for e in p["examples"]], "texts": [t for p in parts for t in p["texts"]],
-            "transcripts": None if parts[0].get("transcripts") is None
-            else [t for p in parts for t in p["transcripts"]],
-            **{k: np.concatenate([p[k] for p in parts]) for k in ("lengths", "truncated", "rewards", "advantages")
-               + (("tool_calls", "tool_errors") if "tool_calls" in parts[0] else ())
-               + (("demo",) if "demo" in parts[0] else ())},
-            "per_func": {k: np.concatenate([p["per_func"][k] for p in parts]) for k in parts[0]["per_func"]},
-            "drawn_scores": type(drawn[0]).concat(drawn),
-            "zero_std": float(np.average([p["zero_std"] for p in parts], weights=sizes)),
-            "draws": parts[0]["draws"],  # every rank draws its share of each batch
-            **{k: sum(p[k] for p in parts) for k in ("groups_trained", "entropy_sum", "tokens")},
-            **{k: max(p[k] for p in parts) for k in ("t_rollout", "t_logprob", "t_reward")},
-        })
+
+        def rows(name: str):
+            return None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+
+        merged.append(BatchStats(
+            examples=[e for p in parts for e in p.examples], texts=[t for p in parts for t in p.texts],
+            transcripts=None if parts[0].transcripts is None else [t for p in parts for t in p.transcripts],
+            lengths=rows("lengths"), truncated=rows("truncated"), rewards=rows("rewards"),
+            advantages=rows("advantages"), tool_calls=rows("tool_calls"), tool_errors=rows("tool_errors"),
+            demo=rows("demo"),
+            per_func={k: np.concatenate([p.per_func[k] for p in parts]) for k in parts[0].per_func},
+            drawn_scores=type(drawn[0]).concat(drawn),
+            zero_std=float(np.average([p.zero_std for p in parts], weights=sizes)),
+            draws=parts[0].draws,  # every rank draws its share of each batch
+            **{k: sum(getattr(p, k) for p in parts) for k in ("groups_trained", "entropy_sum", "tokens")},
+            **{k: max(getattr(p, k) for p in parts) for k in ("t_rollout", "t_logprob", "t_reward")},
+        ))
     results = [r for _, r in ranks]
-    t_train = max(r["t_train"] for r in results)
-    train_tokens = sum(r["train_tokens"] for r in results)
-    result = {**results[0], "t_train": t_train, "train_tokens": train_tokens,
-              "train_tokens_per_s": train_tokens / t_train if t_train > 0 else 0.0,
-              "peak_memory_gb": max(r["peak_memory_gb"] for r in results),
-              "time_step_s": max(r["time_step_s"] for r in results)}
+    t_train = max(r.t_train for r in results)
+    train_tokens = sum(r.train_tokens for r in results)
+    result = dataclasses.replace(results[0], t_train=t_train, train_tokens=train_tokens,
+                                 train_tokens_per_s=train_tokens / t_train if t_train > 0 else 0.0,
+                                 peak_memory_gb=max(r.peak_memory_gb for r in results),
+                                 time_step_s=max(r.time_step_s for r in results))
     return merged, result
 
 
@@ -199,20 +205,20 @@ class RunLogger:
                 + (f", tool calls {record['tool_call_rate']:.3f}" if "tool_call_rate" in record else "") + ") "
                 f"on {record['num_examples']} examples")
 
-    def log_completions(self, update_step: int, stats: dict) -> None:
+    def log_completions(self, update_step: int, stats: BatchStats) -> None:
         """Every completion of one batch step with its rewards and advantage."""
-        if not stats["examples"]:  # dynamic sampling found no informative group
+        if not stats.examples:  # dynamic sampling found no informative group
             return
-        G = len(stats["texts"]) // len(stats["examples"])
-        transcripts = stats.get("transcripts")
-        for row, text in enumerate(stats["texts"]):
-            example = stats["examples"][row // G]
-            rewards = {n: (None if np.isnan(v[row]) else float(v[row])) for n, v in stats["per_func"].items()}
+        G = len(stats.texts) // len(stats.examples)
+        transcripts = stats.transcripts
+        for row, text in enumerate(stats.texts):
+            example = stats.examples[row // G]
+            rewards = {n: (None if np.isnan(v[row]) else float(v[row])) for n, v in stats.per_func.items()}
             record = {"update_step": update_step, "prompt": example.prompt, "answer": example.answer,
-                      "completion": text, "rewards": rewards, "reward": float(stats["rewards"][row]),
-                      "advantage": float(stats["advantages"][row])}
-            if "demo" in stats:  # a demonstration (the reference solution), not a sample of the policy
-                record["demo"] = bool(stats["demo"][row])
+                      "completion": text, "rewards": rewards, "reward": float(stats.rewards[row]),
+                      "advantage": float(stats.advantages[row])}
+            if stats.demo is not None:  # a demonstration (the reference solution), not a sample of the policy
+                record["demo"] = bool(stats.demo[row])
             if transcripts is not None:  # multi-turn: each turn with its origin (model, tool, environment)
                 record["turns"] = [{"origin": t.origin, "text": t.text,
                                     "info": json.loads(json.dumps(t.info, default=str))}  # an environment's own

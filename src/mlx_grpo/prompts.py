@@ -20,7 +20,7 @@ import numpy as np
 
 from mlx_grpo.data import Example
 from mlx_grpo.errors import UserError
-from mlx_grpo.multiturn import encode_prompts
+from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.solutions import Style, reference_completion, reference_segments, style_for
 
 

@@ -1,5 +1,5 @@
 """`mlx-grpo train`'s run: the run directory, resume, the update loop with its logs, evaluations and
-checkpoints, alone or as one rank of the processes mlx.launch started (trainer.py owns the steps)."""
+checkpoints, alone or as one rank of the processes mlx.launch started (training/trainer.py owns the steps)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.models.writing import recover_staged
-from mlx_grpo.trainer import Trainer
+from mlx_grpo.training.trainer import Trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
 
@@ -320,9 +320,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             if not batches:
                 break
             _phase(bar, "rollout", i, cfg.gradient_accumulation_steps, len(batches))  # and their log-prob passes
-            for step, st in trainer.batch_steps(batches):
-                steps.append(step)
-                stats.append(st)
+            for batch in trainer.batch_steps(batches):
+                steps.append(batch)
+                stats.append(batch.stats)
                 if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
                     _phase(bar, "eval")
                     last_eval = _evaluate(trainer, logger, reporters, legacy_subset, "eval_steps") or last_eval
@@ -334,9 +334,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         for i in range(cfg.num_iterations):
             _phase(bar, "train", i, cfg.num_iterations)  # and the wait for rewards still computing
             result = trainer.update(steps)
-            result["time_step_s"] = time.perf_counter() - t_last  # wall time since the last update's end
+            result.time_step_s = time.perf_counter() - t_last  # wall time since the last update's end
             merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
-            stop = trainer.health.observe_drawn(c.update_step, [s["drawn_scores"] for s in merged])  # every rank
+            stop = trainer.health.observe_drawn(c.update_step, [s.drawn_scores for s in merged])  # every rank
             if not stop and cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
                 _phase(bar, "eval")  # before the update's record, which carries what the eval showed
                 last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo import checkpoint as ckpt
@@ -28,9 +27,9 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import adapter_parameters
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
 from mlx_grpo.models.precision import MasterWeights, dtype_name
-from mlx_grpo.policy import clip_by_global_norm
 from mlx_grpo.sft_data import SFTRow
-from mlx_grpo.trainer import learning_rate_at
+from mlx_grpo.training.gradients import clip_by_global_norm
+from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
 
 # trainer_state.json's "command": an sft checkpoint is resumed by `sft`, never by `train`.
 COMMAND = "sft"
@@ -130,9 +129,7 @@ class SFTTrainer:
             raise UserError(f"{len(self.rows)} training rows give {self.sampler.num_batches_total} batch steps, fewer "
                             f"than gradient_accumulation_steps={cfg.gradient_accumulation_steps}: add data or lower "
                             "batch_size/accumulation")
-        self.optimizer = optim.AdamW(learning_rate=learning_rate_at(1, self.total_updates, cfg),
-                                     betas=[cfg.adam_beta1, cfg.adam_beta2], weight_decay=cfg.weight_decay,
-                                     bias_correction=True)
+        self.optimizer = make_optimizer(cfg, learning_rate_at(1, self.total_updates, cfg))
         self.grad_fn = make_grad_fn(self.model, cfg.grad_checkpoint)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else sorted(tok.eos_token_ids)[0]
@@ -169,8 +166,7 @@ class SFTTrainer:
         loss, norm = loss.item(), norm.item()
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
-            self.masters.step(self.optimizer, self.model, grads)
-            mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
+            optimizer_step(self.optimizer, self.model, grads, self.masters)
             c.consecutive_skips = 0
             c.tokens_seen += tokens
         else:

@@ -22,7 +22,7 @@ from pathlib import Path
 from mlx_grpo.data import Example, subset
 from mlx_grpo.sources import run_examples
 from mlx_grpo.errors import UserError
-from mlx_grpo.multiturn import MultiTurn, encode_prompts
+from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts
 from mlx_grpo.prompts import RunPrompt, build_run_prompts, select_worked_examples
 from mlx_grpo.solutions import Segment, after_prefill, reference_segments, style_for
 

@@ -19,11 +19,11 @@ from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.assembly import build_model
 from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.distributed import World
-from mlx_grpo.engine import RolloutEngine
+from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, duration, fmt, pace
-from mlx_grpo.multiturn import multiturn_for
+from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.run import prepare_run_dir
 from mlx_grpo.sft import SFTTrainer

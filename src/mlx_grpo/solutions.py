@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from mlx_grpo.tool_calls import ToolFormat
-from mlx_grpo.tools import calculate
+from mlx_grpo.tools.calls import ToolFormat
+from mlx_grpo.tools.calculator import calculate
 
 COMPLETION_COLUMN = "completion"
 SOLUTION_COLUMN = "solution"
@@ -46,7 +46,7 @@ _PROSE = str.maketrans({"x": "*", "X": "*", "×": "*", "÷": "/", "–": "-", "�
 @dataclass(frozen=True)
 class Style:
     """The output format of a completion. tag: "reasoning" (<reasoning>, the default rewards) or "think"
-    (R1, configs/reasoning.toml); tools: the run's tool-call syntax (tool_calls.py) when it has the
+    (R1, configs/reasoning.toml); tools: the run's tool-call syntax (tools/calls.py) when it has the
     calculator, so that computations become calls; None writes them as prose."""
 
     tag: str = "reasoning"
@@ -94,7 +94,7 @@ def _same_value(a: str, b: str) -> bool:
 
 
 def _call_text(fmt: ToolFormat, expression: str) -> str:
-    """How the model calls the calculator on `expression` in this syntax (tool_calls.py parses these back)."""
+    """How the model calls the calculator on `expression` in this syntax (tools/calls.py parses these back)."""
     if fmt.name == "plain":
         return f"<calc>{expression}</calc>"
     if fmt.name == "nanochat":

@@ -40,7 +40,7 @@ def _is_reward_model(hf_path: str) -> bool:
     mlx_lm.convert would drop its score head."""
     import json
 
-    from mlx_grpo.models.reward_model import is_sequence_classifier
+    from mlx_grpo.rewards.reward_model import is_sequence_classifier
 
     config = Path(hf_path).expanduser() / "config.json"
     if not config.is_file():
@@ -86,7 +86,7 @@ def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir:
         convert_gguf(gguf, out, dtype=dtype or "bfloat16", quantize=quantize, q_bits=bits,
                      q_group_size=group_size, record={**record, "dtype": dtype or "bfloat16"})
     elif _is_reward_model(hf_path):
-        from mlx_grpo.models.reward_model import convert_reward_model
+        from mlx_grpo.rewards.reward_model import convert_reward_model
 
         convert_reward_model(hf_path, out, dtype=dtype, quantize=quantize, bits=bits, group_size=group_size,
                              record=record)

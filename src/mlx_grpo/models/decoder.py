@@ -1,4 +1,4 @@
-"""The sampling copy of a llama-family policy and its decode step (model plumbing for engine.py).
+"""The sampling copy of a llama-family policy and its decode step (model plumbing for rollout/engine.py).
 
 The copy holds plain arrays in the compute dtype: q/k/v fused into one matrix and gate/up into another
 (two matmuls per layer instead of five), LoRA/DoRA adapters merged into their base weights (an adapter

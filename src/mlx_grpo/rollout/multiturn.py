@@ -8,12 +8,12 @@ A turn ends at the end-of-turn token, a stop string, the stop string that closes
 completion's budget (max_new_tokens counts every token of every turn, tool output included). The
 environment answers each ended turn on a thread pool, off the decode loop (a tool's output right after
 the call, an environment's message after the end token); the answer is rendered in the model's syntax
-(tool_calls.py), tokenized and appended to the row, and the row's next turn decodes with its whole
+(tools/calls.py), tokenized and appended to the row, and the row's next turn decodes with its whole
 context prefilled in one chunk:
 - on the engine's sampling copy, inside the running batch: the engine hands each row that ended to
   `ended` at the loop's next sync, the answer computes while the other rows decode, and at the sync
   after that the row's next turn takes a freed slot (engine refill), ahead of prompts still waiting;
-- on the model itself (rollout.generate_rollout: other families, quantized weights, nanochat, CPUs by
+- on the model itself (decode.generate_rollout: other families, quantized weights, nanochat, CPUs by
   default), in waves: turn w of every row decodes in batch w, and a tool call starts as soon as the loop
   sees its row stopped.
 
@@ -35,12 +35,13 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
+from mlx_grpo.tools.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards import _import_file
-from mlx_grpo.rollout import (Rollout, SamplingParams, completion_end, encode_chat_prompt, end_ids,
-                              select_groups)
-from mlx_grpo.tool_calls import ToolFormat, tool_format_for
+from mlx_grpo.user_files import import_file
+from mlx_grpo.rollout.records import Rollout, SamplingParams, select_groups
+from mlx_grpo.rollout.sampling import completion_end, end_ids
+from mlx_grpo.rollout.decode import encode_chat_prompt
+from mlx_grpo.tools.calls import ToolFormat, tool_format_for
 
 # Environment.step calls at once: tools are mostly waiting (subprocesses, HTTP), not computing.
 TOOL_THREADS = 8
@@ -80,7 +81,7 @@ class _Row:
 
 
 class MultiTurn:
-    """Episodes of `env` over the rollout engine. fmt: the model's tool-call syntax (tool_calls.py), which
+    """Episodes of `env` over the rollout engine. fmt: the model's tool-call syntax (tools/calls.py), which
     renders observations; tokenizer: the model's."""
 
     def __init__(self, env: Environment, fmt: ToolFormat, tokenizer):
@@ -135,7 +136,7 @@ class MultiTurn:
 
     def _waves(self, engine, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str,
                ends: "_Ends", pool) -> None:
-        """The model path (rollout.generate_rollout): every row's turn w decodes in batch w; the rows that go
+        """The model path (decode.generate_rollout): every row's turn w decodes in batch w; the rows that go
         on are prefilled with their contexts for the next batch."""
         T = params.max_new_tokens
         live = list(range(len(rows)))
@@ -283,9 +284,9 @@ def load_environment(spec: str, fmt: ToolFormat | None = None) -> Environment:
     path = Path(file_part).expanduser().resolve()
     if not path.is_file():
         raise UserError(f"environment file not found: {path}")
-    cls = getattr(_import_file(path), name, None)
+    cls = getattr(import_file(path), name, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise UserError(f"environment {spec!r}: {name} is not a subclass of mlx_grpo.environments.Environment")
+        raise UserError(f"environment {spec!r}: {name} is not a subclass of mlx_grpo.tools.environments.Environment")
     try:
         return cls(fmt=fmt) if "fmt" in inspect.signature(cls).parameters else cls()
     except Exception as e:

@@ -15,21 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.rewards import RewardScores, RewardSet
+from mlx_grpo.rewards.scoring import RewardScores, RewardSet
 
 EXECUTORS = ("thread", "process")
 
 
 def build_reward_set(cfg, base_dir: Path) -> RewardSet:
     """The run's reward functions: reward_funcs, plus the HTTP reward and the reward model when set."""
-    from mlx_grpo.http_reward import HttpReward
+    from mlx_grpo.rewards.http import HttpReward
 
     extra = []
     if cfg.reward_url:
         extra.append(("reward_url", HttpReward(cfg.reward_url, cfg.reward_url_timeout, cfg.reward_url_retries,
                                                cfg.reward_url_allowed_hosts), cfg.reward_url_weight))
     if cfg.reward_model:  # MLX: only ever built in the training process (config refuses it with workers)
-        from mlx_grpo.models.reward_model import RewardModelReward
+        from mlx_grpo.rewards.reward_model import RewardModelReward
 
         extra.append(("reward_model", RewardModelReward(cfg.reward_model, cfg.reward_model_clip,
                                                         cfg.reward_model_answer_weight, cfg.reward_model_batch_size),

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.tools import MAX_OUTPUT_CHARS, Tool, run_tool, truncate
+from mlx_grpo.tools.registry import MAX_OUTPUT_CHARS, Tool, run_tool, truncate
 
 # Marker strings rendered through a chat template to read off what it puts around a turn.
 _CALL_MARK, _OUT_MARK = "MLXGRPOCALLMARK", "MLXGRPOOUTPUTMARK"

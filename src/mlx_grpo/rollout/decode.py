@@ -1,4 +1,6 @@
-"""Rollouts: B prompts x G sampled completions in one batched KV-cache decode, as a typed record.
+"""The decode loop on the model: B prompts x G sampled completions in one batched KV-cache decode
+(generate_rollout), prompt encoding, and the memory a rollout needs. The engine (engine.py) samples on a
+fused sampling copy of the model (models/decoder.py) where it can, and with this loop elsewhere.
 
 Each prompt is prefilled once; its cache is then repeated for its G samples. Sampling draws from
 softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with one random key per row,
@@ -15,63 +17,17 @@ Elsewhere (other backends and model families) rows decode on mlx-lm's growing Ba
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_grpo.models.decode_attention import kernel_serves, left_padded_attention, route_attention
 from mlx_grpo.models.forward import bucket
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # decode all max_new_tokens (equal lengths: benchmarks)
-
-
-@dataclass
-class Rollout:
-    """One batch step's samples. N = B*G rows; row r belongs to prompt r // G."""
-
-    prompt_ids: list[list[int]]  # B prompts, as fed to the model
-    completion_ids: mx.array  # [N, T] int32 sampled ids; pad_id after each completion's end
-    mask: mx.array  # [N, T] float32: 1 for sampled completion tokens (incl. the ending EOS)
-    sampler_logprobs: mx.array  # [N, T] float32 log-prob of each sampled id under the sampler's logits/T
-    truncated: np.ndarray  # [N] bool: hit max_new_tokens without EOS or stop string
-    texts: list[str]  # N texts: prefill + decoded completion (without the ending EOS token)
-    group_size: int
-    entropies: mx.array | None = None  # [N, T] float32 entropy of the sampler's softmax(logits/T) per token
-    # Multi-turn rollouts (multiturn.py): each row's episode, and its number of completion tokens, sampled
-    # or fed (mask 0 marks tool output and environment text, which sit inside the completion)
-    transcripts: list | None = None
-    ends: np.ndarray | None = None
-    # [N] bool: rows that are demonstrations (demonstrations.py), teacher-forced, not sampled; None: none are
-    demo: np.ndarray | None = None
-
-    @property
-    def row_prompts(self) -> list[list[int]]:
-        """The prompt of each of the N rows."""
-        return [p for p in self.prompt_ids for _ in range(self.group_size)]
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Tokens the model sampled, per row."""
-        return np.array(self.mask.sum(axis=1).tolist(), dtype=np.int64)
-
-    @property
-    def extents(self) -> np.ndarray:
-        """Completion tokens per row, up to and including its last one (fed context included)."""
-        return self.ends if self.ends is not None else self.lengths
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampling import StopScanner, end_ids, finish_rollout, make_sampler
 
 
 def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, prefill: str,
@@ -92,31 +48,6 @@ def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, 
     return ids, False
 
 
-def _entropy(logprobs: mx.array) -> mx.array:
-    """-sum p log p of each row. logprobs [N, V] -> [N]."""
-    return -(mx.exp(logprobs) * logprobs).sum(axis=-1)
-
-
-def sample(logits: mx.array, keys: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
-    """Draw one token per row with that row's key. logits [N, V], keys [N, 2] -> (tokens [N], logprobs [N]
-    under logits/temperature, entropy [N] of that distribution, before any top-k/top-p/min-p cut).
-    temperature 0 is greedy (argmax), with log-probs of the plain logits."""
-    if params.temperature == 0:
-        logprobs = nn.log_softmax(logits.astype(mx.float32), axis=-1)
-        tokens = mx.argmax(logprobs, axis=-1)
-        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
-    logprobs = nn.log_softmax(logits.astype(mx.float32) / params.temperature, axis=-1)  # [N, V]
-    filtered = logprobs
-    if params.top_k > 0 and params.top_k < logprobs.shape[-1]:
-        filtered = apply_top_k(filtered, params.top_k)
-    if 0 < params.top_p < 1:
-        filtered = apply_top_p(filtered, params.top_p)
-    if params.min_p > 0:
-        filtered = apply_min_p(filtered, params.min_p)
-    tokens = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(filtered, keys)  # [N]
-    return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
-
-
 def _prefill(model: nn.Module, prompts: list[list[int]], pad_id: int) -> tuple[mx.array, list]:
     """Left-pad the B prompts and run them once; -> (last logits [B, V], per-layer caches)."""
     width = bucket(max(len(p) for p in prompts))  # extra left padding: fewer distinct shapes
@@ -134,48 +65,6 @@ def _repeat_caches(caches: list, group_size: int) -> None:
         cache.values = mx.repeat(cache.values, group_size, axis=0)
         cache.offset = mx.repeat(cache.offset, group_size, axis=0)
         cache.left_padding = mx.repeat(cache.left_padding, group_size, axis=0)
-
-
-def end_ids(tokenizer, params: SamplingParams) -> tuple[list[int], int]:
-    """(the ids that end a row: none with ignore_eos, the pad id written after a row's end)."""
-    eos_ids = sorted(tokenizer.eos_token_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    return ([] if params.ignore_eos else eos_ids), pad_id
-
-
-def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
-    """Number of tokens up to and including the one that completes the first stop string, if any."""
-    if not stops or not any(s in tokenizer.decode(ids) for s in stops):
-        return None
-    lo, hi = 1, len(ids)  # the shortest prefix whose text contains a stop string
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in tokenizer.decode(ids[:mid]) for s in stops):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-class StopScanner:
-    """Finds rows' first stop string as their tokens arrive, scan after scan: each scan decodes only the
-    tokens since the row's last scan plus a margin before them (wide enough for a stop string that started
-    there), and stop_cut runs on the whole row only when that tail holds a stop. One per decode loop."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
-        # a stop string spans at most one token per character; leading-space and byte-fallback tokens
-        # can render differently at a window's start, hence the slack
-        self.margin = 2 * max((len(s) for s in stops), default=0) + 8
-        self._clean: dict[int, int] = {}  # row -> tokens scanned without a stop
-
-    def cut(self, row: int, ids: list[int]) -> int | None:
-        """stop_cut(ids): the tokens up to and including the one that completes the first stop string."""
-        start = max(0, self._clean.get(row, 0) - self.margin)
-        if not any(s in self.tokenizer.decode(ids[start:]) for s in self.stops):
-            self._clean[row] = len(ids)
-            return None
-        return stop_cut(self.tokenizer, ids, self.stops)
 
 
 class StepArrays:
@@ -263,17 +152,6 @@ def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: boo
     return out
 
 
-def make_sampler(params: SamplingParams, eos: mx.array):
-    """(logits [N, V], keys [N, 2], ended [N]) -> (token [N], logprob [N], entropy [N], ended [N]), compiled: one
-    fused graph instead of ~10 separately dispatched ops per decode step. Built (and traced) once per rollout."""
-
-    def step(logits, keys, ended):
-        token, logprob, entropy = sample(logits, keys, params)
-        return token, logprob, entropy, ended | (token[:, None] == eos[None]).any(axis=1)
-
-    return mx.compile(step)
-
-
 def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
                      sync_every: int = 8, static_cache: bool | None = None,
@@ -347,63 +225,6 @@ def _all_stopped(scanner: StopScanner, tokens: list[mx.array], ended: np.ndarray
     return stopped
 
 
-def completion_end(tokenizer, ids: list[int], eos: set[int], stops: tuple[str, ...]) -> int | None:
-    """Tokens of a completion up to and including its first end token, or the token that completes its
-    first stop string before that; None when it has neither (it ran to its length)."""
-    end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
-    cut = stop_cut(tokenizer, ids[:end] if end else ids, stops)
-    return cut if cut is not None else end
-
-
-def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
-            params: SamplingParams, group_size: int, prefill_text: str) -> Rollout:
-    """Cut each row after its EOS (or stop string), build the mask and the texts."""
-    rows = ids.tolist()
-    eos_set = set(eos_ids)
-    T = len(rows[0])
-    lengths, texts, truncated = [], [], []
-    for row in rows:
-        end = completion_end(tokenizer, row, eos_set, params.stop)
-        truncated.append(end is None)
-        length = end if end is not None else T
-        lengths.append(length)
-        body = row[:length - 1] if length and row[length - 1] in eos_set else row[:length]
-        texts.append(prefill_text + tokenizer.decode(body))
-    mask = (mx.arange(T)[None, :] < mx.array(lengths)[:, None]).astype(mx.float32)  # [N, T]
-    completion_ids = mx.where(mask > 0, ids, pad_id).astype(mx.int32)
-    return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=completion_ids, mask=mask,
-                   sampler_logprobs=lps * mask, truncated=np.array(truncated), texts=texts,
-                   group_size=group_size, entropies=ents * mask)
-
-
-def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_id: int) -> Rollout:
-    """One Rollout of the chosen groups, picks = [(rollout index, group index)], in that order; completion
-    widths are right-padded to the widest (pad_id, mask 0). Dynamic sampling builds its batch with it."""
-    G = rollouts[0].group_size
-    T = max([rollouts[i].completion_ids.shape[1] for i, _ in picks], default=1)
-
-    def gather(name: str, fill) -> mx.array:
-        parts = []
-        for i, g in picks:
-            part = getattr(rollouts[i], name)[g * G:(g + 1) * G]  # [G, T_i]
-            parts.append(mx.pad(part, [(0, 0), (0, T - part.shape[1])], constant_values=fill))
-        return mx.concatenate(parts) if parts else mx.zeros((0, T), dtype=mx.float32)
-
-    rows = [(i, g * G + k) for i, g in picks for k in range(G)]
-    return Rollout(prompt_ids=[rollouts[i].prompt_ids[g] for i, g in picks],
-                   completion_ids=gather("completion_ids", pad_id).astype(mx.int32), mask=gather("mask", 0.0),
-                   sampler_logprobs=gather("sampler_logprobs", 0.0),
-                   truncated=np.array([rollouts[i].truncated[r] for i, r in rows], dtype=bool),
-                   texts=[rollouts[i].texts[r] for i, r in rows], group_size=G,
-                   entropies=gather("entropies", 0.0),
-                   transcripts=None if rollouts[0].transcripts is None
-                   else [rollouts[i].transcripts[r] for i, r in rows],
-                   ends=None if rollouts[0].ends is None
-                   else np.array([rollouts[i].ends[r] for i, r in rows], np.int64),
-                   demo=None if rollouts[0].demo is None
-                   else np.array([rollouts[i].demo[r] for i, r in rows], dtype=bool))
-
-
 def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:
     """Bytes a rollout of `rows` rows of up to `length` tokens needs at least: its KV cache (every layer's
     keys and values in the compute dtype) plus the float32 logits of one decode step, three times over
@@ -421,8 +242,6 @@ def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None
 
 def machine_memory_bytes() -> int | None:
     """The accelerator's memory (Metal, CUDA) or, on a CPU, the machine's RAM; None when unknown."""
-    import os
-
     size = mx.device_info().get("memory_size")
     if size:
         return int(size)

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_grpo.errors import UserError
+from mlx_grpo.rewards.builtin import completion_text, extract_answer
 from mlx_grpo.models.writing import mlx_dtype, staged_output, write_record
 
 SCORE_HEAD = "score"
@@ -177,12 +178,10 @@ class RewardModelReward:
         return out
 
     def __call__(self, prompts, completions, completion_ids, **columns) -> list[float]:
-        from mlx_grpo.rewards import _text, extract_answer
-
         def clip(s: float) -> float:
             return min(max(s, -self.clip), self.clip)
 
-        texts = [_text(c) for c in completions]
+        texts = [completion_text(c) for c in completions]
         scores = [clip(s) for s in self.score_ids([render(self.tokenizer, p, t) for p, t in zip(prompts, texts)])]
         if self.answer_weight > 0:  # a completion without an <answer> block gets the lowest answer score
             answers = [extract_answer(t) for t in texts]

@@ -2,7 +2,7 @@
 
 An environment turns a data row into the first chat messages (`reset`) and answers each model turn
 (`step`) with an observation, or ends the episode, optionally with a reward. It sees text only: the
-decode loop renders observations into tokens through the model's `ToolFormat` (tool_calls.py) with
+decode loop renders observations into tokens through the model's `ToolFormat` (calls.py) with
 `observation_text`. In the spirit of verifiers' `MultiTurnEnv` (env_response / is_completed) and
 TRL's environments (reset / step), kept to plain methods and one record. Example, a guessing game::
 
@@ -22,7 +22,7 @@ TRL's environments (reset / step), kept to plain methods and one record. Example
 
 `Episode` runs the protocol for one row: it records every turn in a `Transcript` with its origin
 ("model", "tool" or "environment"), and ends the episode after `max_turns` model turns. The decode
-loop's integration (pausing rows, feeding observations back as context) lives in multiturn.py.
+loop's integration (pausing rows, feeding observations back as context) lives in rollout/multiturn.py.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.tool_calls import ToolFormat, call_output
-from mlx_grpo.tools import MAX_OUTPUT_CHARS, Tool, resolve_tools
+from mlx_grpo.tools.calls import ToolFormat, call_output
+from mlx_grpo.tools.registry import MAX_OUTPUT_CHARS, Tool, resolve_tools
 
 Origin = Literal["model", "tool", "environment"]
 ORIGINS = ("model", "tool", "environment")

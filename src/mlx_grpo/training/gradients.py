@@ -1,0 +1,105 @@
+"""The gradient pass of an update: each row's weight in the loss (loss.row_scales over every rank's rows),
+the value_and_grad of one micro-batch's weighted loss sums (compiled with use_compile), their sum over
+every micro-batch of every batch step in float32, and clipping by the global norm."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+from mlx_grpo.config import Config
+from mlx_grpo.distributed import World
+from mlx_grpo.loss import LossSums, Objective, combine_sums, objective_sums, row_scales
+from mlx_grpo.models.forward import PackedBatch, completion_logprobs
+from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.training.microbatch import chunk_batch, row_chunks
+from mlx_grpo.training.records import StepData
+
+
+def make_grad_fn(cfg: Config, model: nn.Module):
+    """value_and_grad of one micro-batch's weighted loss sum (aux: the other LossSums fields); compiled
+    when use_compile is set."""
+    objective = Objective.from_config(cfg)
+
+    def loss_fn(_model, batch_arrays, old, ref, adv, weights, sampler, sampled):
+        lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.temperature,
+                                 checkpoint_layers=cfg.grad_checkpoint)
+        # on-policy the old policy is the model itself: its log-probs, teacher-forced on a demonstration too
+        old_lp = mx.stop_gradient(lp) if old is None else old
+        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective, sampler, sampled)
+        return sums.loss, tuple(sums[1:])
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+
+    def step(batch_arrays, old, ref, adv, weights, sampler, sampled=None):
+        return grad_fn(model, batch_arrays, old, ref, adv, weights, sampler, sampled)
+
+    if cfg.use_compile:
+        # nn.value_and_grad swaps traced arrays into the model while tracing: declare the state as output
+        # too, or the model keeps placeholder arrays after the compiled call. Adapter dropout draws from
+        # the global random state, which must then be threaded through as well.
+        state = [model.state, mx.random.state] if cfg.lora_dropout > 0 else model.state
+        return mx.compile(step, inputs=state, outputs=state)
+    return step
+
+
+def kept_rows(cfg: Config, rollout: Rollout) -> np.ndarray:
+    """[N] bool: rows that enter the loss; completions cut by max_new_tokens are dropped with
+    mask_truncated_completions."""
+    return ~rollout.truncated if cfg.mask_truncated_completions else np.ones(len(rollout.texts), bool)
+
+
+def loss_weights(cfg: Config, steps: list[StepData], world: World | None = None) -> list[mx.array]:
+    """Each of this rank's rows' weight in the update's loss, per batch step: loss.row_scales over the rows
+    of every rank of `world` (default: this process alone), times the number of ranks, so the mean of
+    the ranks' gradients is the whole batch's."""
+    world = world or World()
+    mine = [(s.rollout.lengths, kept_rows(cfg, s.rollout)) for s in steps]
+    ranks = world.gather(mine, "the loss weights")  # [W][steps] (lengths [n], keep [n])
+    scales = row_scales([np.concatenate([r[i][0] for r in ranks]) for i in range(len(steps))],
+                        [np.concatenate([r[i][1] for r in ranks]) for i in range(len(steps))],
+                        cfg.loss_type, cfg.max_new_tokens)
+    weights = []
+    for i, w in enumerate(scales):
+        start = sum(len(r[i][0]) for r in ranks[:world.rank])
+        weights.append(mx.array(w[start:start + len(mine[i][0])] * world.size))
+    return weights
+
+
+def accumulate_gradients(step_fn, steps: list[StepData], weights: list[mx.array], micro_batch: int, pad_id: int,
+                         max_tokens: int = 0):
+    """Sum gradients of every micro-batch of every step; weights[s] [N_s] (loss.row_scales) make the total
+    the update's loss. Rows of weight 0 never enter a pass. Gradients are summed in float32 whatever the
+    compute dtype (they feed float32 master weights). -> (grads or None, LossSums totals)."""
+    grads, totals = None, None
+    for s, w in zip(steps, weights):
+        rows = [r for r, v in enumerate(w.tolist()) if v > 0]
+        for chunk in (row_chunks(s.rollout, micro_batch, max_tokens, rows) if rows else []):
+            batch, width = chunk_batch(s.rollout, chunk, pad_id)
+            old = None if s.old_logprobs is None else s.old_logprobs[chunk, :width]
+            ref = None if s.ref_logprobs is None else s.ref_logprobs[chunk, :width]
+            sampler = s.rollout.sampler_logprobs[chunk, :width]
+            # demonstrations (rollout.demo) are no sampler's draws: 0 leaves them out of the rollout correction
+            sampled = None if s.rollout.demo is None else mx.array(~s.rollout.demo, dtype=mx.float32)[chunk]
+            arrays = (batch.inputs, batch.positions, batch.targets, batch.mask)
+            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk], sampler, sampled)
+            sums = LossSums(loss, *aux)
+            g = tree_map(lambda x: x.astype(mx.float32), g)
+            if grads is None:
+                grads, totals = g, sums
+            else:
+                grads = tree_map(mx.add, grads, g)
+                totals = combine_sums(totals, sums)
+            mx.eval(grads, totals)  # one boundary per micro-batch bounds memory
+    return grads, totals
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """-> (grads, global norm before clipping); max_norm 0 means no clipping."""
+    norm = mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for _, g in tree_flatten(grads)))
+    if max_norm <= 0:
+        return grads, norm
+    factor = mx.minimum(1.0, max_norm / (norm + 1e-6))
+    return tree_map(lambda g: (g * factor).astype(g.dtype), grads), norm

@@ -1,0 +1,88 @@
+"""The three policies of GRPO and the log-prob passes over them (gradients.py holds the gradient pass).
+
+`model` is trained; the old (behaviour) policy samples and gives old log-probs; the reference policy
+(frozen initial weights) anchors the KL term. With lora/dora adapters the reference is `model` itself
+with the adapters switched off, so no second copy of the weights exists. With update_every = 1,
+num_iterations = 1 and no rollout quantization, the old policy *is* `model` and no copy exists.
+Log-prob and gradient passes run in length-sorted micro-batches so full [N, L, V] logits never exist.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_grpo.config import Config
+from mlx_grpo.models.adapters import adapters_disabled
+from mlx_grpo.models.forward import completion_logprobs
+from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.training.microbatch import chunk_batch, row_chunks
+
+ROLLOUT_QUANT_BITS = 4
+ROLLOUT_QUANT_GROUP = 64
+
+
+class Policies:
+    """Owns `model`, the old (sampling) policy and the frozen reference."""
+
+    def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None, adapters: bool = False):
+        self.cfg = cfg
+        self.model = model
+        self.reference = reference
+        self.adapters = adapters  # lora/dora: the reference is `model` with its adapters switched off
+        if reference is not None:
+            reference.freeze()
+        # A separate old policy exists only when it can differ from `model` while sampling.
+        self.separate_old = cfg.update_every > 1 or cfg.quantize_for_rollouts
+        self.old_params = None
+        self.sampler: nn.Module = model
+        if self.separate_old:
+            self.refresh()
+
+    def refresh(self, old_params: dict | None = None) -> None:
+        """Point the old policy at the current weights (arrays are shared, not copied: the optimizer
+        replaces `model`'s arrays, so the old ones stay as they were). Re-quantize if asked."""
+        self.old_params = old_params if old_params is not None else self.model.parameters()
+        sampler = copy.deepcopy(self.model)
+        sampler.update(self.old_params)
+        if self.cfg.quantize_for_rollouts:
+            # Layers whose input width is not a multiple of the group size stay in float.
+            nn.quantize(sampler, group_size=ROLLOUT_QUANT_GROUP, bits=ROLLOUT_QUANT_BITS,
+                        class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                        and m.weight.shape[-1] % ROLLOUT_QUANT_GROUP == 0)
+        sampler.freeze()
+        self.sampler = sampler
+
+    def reference_logprobs(self, rollout: Rollout, pad_id: int) -> mx.array | None:
+        """Log-probs [N, T] under the frozen reference, or None without a KL term."""
+        cfg = self.cfg
+        if cfg.kl_coeff == 0:
+            return None
+        if self.adapters:
+            with adapters_disabled(self.model):
+                return logprob_pass(self.model, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
+                                    cfg.micro_batch_tokens)
+        return logprob_pass(self.reference, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
+                            cfg.micro_batch_tokens)
+
+    @property
+    def needs_old_pass(self) -> bool:
+        """Old log-probs must be computed (not taken as stop_gradient of the current ones)."""
+        return self.separate_old or self.cfg.num_iterations > 1
+
+
+def logprob_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_batch: int,
+                 pad_id: int, max_tokens: int = 0) -> mx.array:
+    """Log-probs [N, T] of the sampled tokens under `model`, without gradients."""
+    N, T = rollout.completion_ids.shape
+    out = mx.zeros((N, T), dtype=mx.float32)
+    for rows in row_chunks(rollout, micro_batch, max_tokens):
+        batch, width = chunk_batch(rollout, rows, pad_id)
+        lp = mx.stop_gradient(completion_logprobs(model, batch, temperature)) * batch.mask
+        out[rows, :width] = lp
+        mx.eval(out)
+    return out
+
+

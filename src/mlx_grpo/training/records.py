@@ -1,0 +1,144 @@
+"""The records handed between the stages of a GRPO update (trainer.py reads them top to bottom):
+
+    Draw         one generation of this rank's prompts x G completions, its rewards submitted
+    Batch        one batch step: the rows trained on, their old/reference log-probs, rewards still pending
+    StepData     what the loss needs of a batch step once scored: rollout, advantages, old/ref log-probs
+    BatchStats   what the logs need of a batch step (sampling figures, then its rewards once scored)
+    UpdateMetrics  one optimizer update's figures (None where no row entered the loss)
+    Counters     the run's position: the whole of its random state (sampling keys derive from it)
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.data import Example
+from mlx_grpo.loss import LossSums
+from mlx_grpo.rewards.scoring import RewardScores
+from mlx_grpo.rollout.records import Rollout
+
+
+@dataclass
+class Counters:
+    update_step: int = 0
+    batch_step: int = 0
+    skipped_updates: int = 0
+    consecutive_skips: int = 0
+    prompts_cut: int = 0
+    draws: int = 0  # rollout generations: batch steps plus dynamic sampling's extra draws (rollout keys)
+
+
+@dataclass
+class Draw:
+    """One generation of B prompts x G completions with its rewards."""
+
+    examples: list[Example]  # this rank's share of the batch
+    rollout: Rollout
+    scores: RewardScores | Future  # a Future while the reward workers score it (Trainer.collect waits)
+    t_rollout: float
+    t_reward: float
+    flags: np.ndarray | None = None  # [B] groups with reward variance, over all ranks (dynamic sampling)
+    sampled: tuple[Rollout, RewardScores] | None = None  # demonstrations: as sampled, before demonstrations
+
+
+@dataclass
+class StepData:
+    """One batch step's rows with everything the loss needs."""
+
+    rollout: Rollout
+    advantages: mx.array  # [N]
+    old_logprobs: mx.array | None  # [N, T]; None: the sampler is the current model (ratio 1 at start)
+    ref_logprobs: mx.array | None  # [N, T]; None when kl_coeff = 0
+
+
+@dataclass
+class BatchStats:
+    """One batch step's figures for the logs: its sampling (Trainer.batch_step) and, once scored
+    (Trainer.score), its rewards. Reward, length and variance figures cover every completion drawn."""
+
+    examples: list[Example]  # the groups trained on (this rank's)
+    texts: list[str]
+    transcripts: list | None
+    lengths: np.ndarray  # [drawn rows] tokens sampled
+    truncated: np.ndarray  # [drawn rows]
+    draws: int
+    groups_trained: int
+    entropy_sum: float
+    tokens: int
+    t_rollout: float
+    t_logprob: float
+    demo: np.ndarray | None = None  # [trained rows] demonstrations
+    tool_calls: np.ndarray | None = None  # [drawn rows] tool calls per row (tools runs)
+    tool_errors: np.ndarray | None = None
+    # the reward part, set by Trainer.score
+    rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [trained rows] totals
+    per_func: dict[str, np.ndarray] = field(default_factory=dict)
+    advantages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    drawn_scores: RewardScores | None = None  # every drawn row's scores
+    zero_std: float = 0.0
+    t_reward: float = 0.0
+
+
+@dataclass
+class Batch:
+    """One batch step sampled and through its log-prob passes; its rewards may still be computing in the
+    reward workers. Trainer.score collects them (once) into `scored`."""
+
+    rollout: Rollout  # the rows trained on (this rank's)
+    old_logprobs: mx.array | None
+    ref_logprobs: mx.array | None
+    draws: list[Draw]  # every draw of the batch step (dynamic sampling may draw more than one)
+    selected: RewardScores | None  # dynamic sampling: the scores of the groups trained on
+    stats: BatchStats
+    scored: StepData | None = None
+
+
+@dataclass
+class UpdateMetrics:
+    """One optimizer update's figures; the loss and gradient ones are None when no row entered the loss,
+    the per-token ones when no token did. Times and memory measure the machine."""
+
+    lr: float
+    skipped: bool = True
+    loss: float | None = None
+    grad_norm: float | None = None
+    kl: float | None = None
+    clip_fraction: float | None = None
+    clip_low_fraction: float | None = None
+    clip_high_fraction: float | None = None
+    ratio_min: float | None = None
+    ratio_mean: float | None = None
+    ratio_max: float | None = None
+    loss_tokens: int = 0
+    sampler_kl: float | None = None
+    sampler_diff_max: float | None = None
+    is_weight_mean: float | None = None
+    is_capped_fraction: float | None = None
+    t_train: float = 0.0
+    train_tokens: int = 0
+    train_tokens_per_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    time_step_s: float = 0.0
+
+    @classmethod
+    def from_sums(cls, lr: float, sums: LossSums, norm: mx.array) -> UpdateMetrics:
+        """An update's figures from its (every rank's) LossSums and gradient norm; skipped when either is
+        not finite. Per-token figures are None when no token entered the loss; the sampler figures leave
+        demonstrations out."""
+        loss, tokens, drawn = sums.loss.item(), sums.tokens.item(), sums.sampled_tokens.item()
+        per_token = (lambda x: x.item() / tokens) if tokens else (lambda x: None)
+        per_drawn = (lambda x: x.item() / drawn) if drawn else (lambda x: None)
+        return cls(lr=lr, loss=loss, grad_norm=norm.item(), kl=per_token(sums.kl),
+                   skipped=not (math.isfinite(loss) and math.isfinite(norm.item())),
+                   clip_low_fraction=per_token(sums.clipped_low), clip_high_fraction=per_token(sums.clipped_high),
+                   clip_fraction=per_token(sums.clipped_low + sums.clipped_high),
+                   ratio_mean=per_token(sums.ratio), ratio_min=sums.ratio_min.item() if tokens else None,
+                   ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
+                   sampler_kl=per_drawn(sums.sampler_kl),
+                   sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
+                   is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))

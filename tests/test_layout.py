@@ -1,0 +1,148 @@
+"""The source layout's rules (DEVELOPERS.md), read from src/ with `ast`, without importing it: imports go one
+way (no cycle between mlx_grpo modules, imports inside functions included), no module imports another's
+private (_name) names, and no module is over MAX_LINES lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "mlx_grpo"
+MAX_LINES = 420  # the standard says "under ~400": 420 leaves room for a docstring line or two
+
+# Each exemption names why it exists and who removes it; an exemption that no longer applies fails the test.
+LONG_MODULES = {
+    "mlx_grpo.config": "issue 24: the config helper groups config.py's fields (its split ends this exemption)",
+}
+CYCLE_EDGES = {  # (importer, imported): an import edge left out of the cycle check
+    ("mlx_grpo.config", "mlx_grpo.validation"): "issue 24: config.check imports validation inside the function; "
+                                                "the config helper's grouped config removes the circle",
+}
+
+
+def modules(src: Path = SRC) -> dict[str, Path]:
+    out = {}
+    for path in sorted((src / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every mlx_grpo import anywhere in the module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == PACKAGE]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                parent = package.split(".")
+                parent = parent[:len(parent) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            if base.split(".")[0] != PACKAGE:
+                continue
+            for a in node.names:  # `from pkg import module` imports the module itself
+                full = f"{base}.{a.name}"
+                out.append((full, [], node.lineno) if full in known else (base, [a.name], node.lineno))
+    return out
+
+
+def graph(src: Path = SRC) -> dict[str, set[str]]:
+    known = modules(src)
+    edges = {name: set() for name in known}
+    for name, path in known.items():
+        for target, _, _ in imports(name, path, known):
+            if target in known and target != name and (name, target) not in CYCLE_EDGES:
+                edges[name].add(target)
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (a list of modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles_not_even_inside_functions():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_exemptions_are_still_needed():
+    known = modules()
+    for importer, imported in CYCLE_EDGES:
+        targets = {t for t, _, _ in imports(importer, known[importer], known)}
+        assert imported in targets, f"{importer} no longer imports {imported}: drop the exemption from CYCLE_EDGES"
+
+
+def private_uses(src: Path = SRC) -> list[str]:
+    """`from mlx_grpo.x import _name` in another module, or `x._name` through a module alias."""
+    known = modules(src)
+    found = []
+    for name, path in known.items():
+        for target, names, line in imports(name, path, known):
+            found += [f"{path.relative_to(src)}:{line}: {target}.{n}" for n in names
+                      if n.startswith("_") and not n.startswith("__") and target != name]
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+                aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                                if f"{node.module}.{a.name}" in known})
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{path.relative_to(src)}:{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_imports_private_names_of_another():
+    found = private_uses()
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path):
+    """A circle closed by an import inside a function, and private names taken from another module."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from mlx_grpo.sub.b import helper\n_secret = 1\n")
+    (pkg / "sub" / "b.py").write_text("def helper():\n    from mlx_grpo import a\n    return a._secret\n")
+    (pkg / "c.py").write_text("from mlx_grpo.a import _secret\n")
+    assert find_cycle(graph(tmp_path)) == ["mlx_grpo.a", "mlx_grpo.sub.b", "mlx_grpo.a"]
+    assert sorted(private_uses(tmp_path)) == ["mlx_grpo/c.py:1: mlx_grpo.a._secret",
+                                              "mlx_grpo/sub/b.py:3: mlx_grpo.a._secret"]
+    (pkg / "sub" / "b.py").write_text("def helper():\n    return 1\n")
+    assert find_cycle(graph(tmp_path)) is None
+
+
+def test_modules_are_short():
+    long = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    long = {name: n for name, n in long.items() if n > MAX_LINES}
+    assert set(long) <= set(LONG_MODULES), f"modules over {MAX_LINES} lines: " + ", ".join(
+        f"{name} ({n})" for name, n in sorted(long.items()) if name not in LONG_MODULES)
+    stale = set(LONG_MODULES) - set(long)
+    assert not stale, f"{', '.join(sorted(stale))} no longer over {MAX_LINES} lines: drop it from LONG_MODULES"
