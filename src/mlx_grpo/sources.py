@@ -134,7 +134,8 @@ def load_examples(dataset: str, split: str, path: str | None, seed: int, *, arit
 def run_examples(cfg, split: str, path: str | None = None, path_key: str | None = None) -> list[Example]:
     """``load_examples`` with a run's data settings (cfg: a Config); path defaults to dataset_path for the
     train split and eval_dataset_path for the others (path_key: the key named in hints, `eval` passes its own)."""
+    data = cfg.data
     if path is None:
-        path = cfg.dataset_path if split == "train" else cfg.eval_dataset_path
-    return load_examples(cfg.dataset, split, path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps,
-                         prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, path_key=path_key)
+        path = data.dataset_path if split == "train" else data.eval_dataset_path
+    return load_examples(data.dataset, split, path or None, cfg.run.seed, arith_max_steps=data.arith_max_steps,
+                         prompt_column=data.prompt_column, answer_column=data.answer_column, path_key=path_key)

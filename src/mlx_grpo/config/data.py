@@ -50,35 +50,32 @@ class DataConfig:
                                 "reads rows of prompt + completion (the target written after the prompt and prefill) "
                                 "or chat `messages` (trained on the assistant turns).", DATA)
     eval_dataset_path: str = setting("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA)
-    prompt_column: str = setting("", "Column holding the prompt (text or chat messages) in a data file or hub data set; "
+    prompt_column: str = setting("", "Column holding the prompt (text or chat messages) in a data file or hub data "
+                                 "set; "
                                  f"empty = the first of {', '.join(PROMPT_COLUMNS)} that the data has.", DATA)
     answer_column: str = setting("", "Column holding the gold answer; empty = the first of "
                                  f"{', '.join(ANSWER_COLUMNS)} that the data has. A GSM8K '#### N' line or a last "
                                  "\\boxed{...} is reduced to the final answer; other columns reach the rewards.", DATA)
-    arith_max_steps: int = setting(4, "Built-in arith: most operations per problem. 4 = the mix of every template "
-                                   "(2-4 steps); 1-3 = running-count stories of 1 to N steps, which a small model "
-                                   "can learn (configs/arith.toml uses 1).", DATA,
-                                   range="[1, 4]", note="4 = every template")
+    arith_max_steps: int = setting(4, "Built-in arith: most operations per problem. 4 = the mix of every template (2-4 "
+                                   "steps); 1-3 = running-count stories of 1 to N steps, which a small model can learn "
+                                   "(configs/arith.toml uses 1).", DATA, range="[1, 4]", note="4 = every template")
     max_train_samples: int = setting(0, "Use only the first N training examples after shuffling (0 = all).", TUNE,
                                      range=">= 0")
-    max_prompt_length: int = setting(512, "Prompts longer than this many tokens are cut from the left, keeping "
-                                     "the generation prompt; cuts are counted in the logs.", DATA,
-                                     range="> 0")
+    max_prompt_length: int = setting(512, "Prompts longer than this many tokens are cut from the left, keeping the "
+                                     "generation prompt; cuts are counted in the logs.", DATA, range="> 0")
     system_prompt: str = setting(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
                                  "empty means none.", MODEL_CMDS)
-    prefill: str = setting("", "Text appended after the generation prompt (e.g. '<reasoning>'); rewards see "
-                           "prefill + completion.", DATA)
-    worked_examples: int = setting(0, "Worked examples shown after the system prompt (prompts.py): this many drawn from "
-                                   "the training split with worked_examples_seed, each its question and its worked "
-                                   "solution written in the run's format (GSM8K's own solution, arith's, or a "
+    prefill: str = setting("", "Text appended after the generation prompt (e.g. '<reasoning>'); rewards see prefill + "
+                           "completion.", DATA)
+    worked_examples: int = setting(0, "Worked examples shown after the system prompt (prompts.py): this many drawn "
+                                   "from the training split with worked_examples_seed, each its question and its "
+                                   "worked solution written in the run's format (GSM8K's own solution, arith's, or a "
                                    "'solution'/'completion' column; solutions.py). Never an example whose question is "
                                    "in the evaluation set; the drawn examples are left out of training (their answers "
-                                   "are in every prompt). 0 = none.", DATA,
-                                   range=">= 0", note="0 = none")
+                                   "are in every prompt). 0 = none.", DATA, range=">= 0", note="0 = none")
     worked_examples_seed: int = setting(0, "Seed of the draw of worked_examples: the same seed, the same prompt. Kept "
                                         "apart from `seed`: runs over several seeds show the same GSM8K or file "
-                                        "examples (arith's training split itself follows `seed`).", DATA,
-                                        range=">= 0")
+                                        "examples (arith's training split itself follows `seed`).", DATA, range=">= 0")
     worked_examples_text: list[str] = setting([], "Worked examples written out, each shown as is after the system "
-                                              "prompt (after any drawn ones); an evaluation question may not appear "
-                                              "in one.", DATA)
+                                              "prompt (after any drawn ones); an evaluation question may not appear in "
+                                              "one.", DATA)

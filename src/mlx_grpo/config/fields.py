@@ -40,7 +40,9 @@ EVAL = frozenset({"eval"})
 COMMANDS = ("convert", "generate", "chat", "train", "eval", "sft", "fuse", "plot")
 
 Choices = tuple[Any, ...] | Callable[[], Any]
-_RANGE = re.compile(r"^(?:(?P<op>>=|>|<=|<) ?(?P<bound>\S+)|(?P<lo_br>[\[(])(?P<lo>[^,]+), ?(?P<hi>[^\])]+)(?P<hi_br>[\])]))$")
+# '> 0', '>= 1', '<= 8' or an interval '(0, 1]', '[1, 4]'
+_RANGE = re.compile(r"^(?:(?P<op>>=|>|<=|<) ?(?P<bound>\S+)"
+                    r"|(?P<lo_br>[\[(])(?P<lo>[^,]+), ?(?P<hi>[^\])]+)(?P<hi_br>[\])]))$")
 
 
 def setting(default: Any, help: str, commands: frozenset[str], *, choices: Choices = (), range: str = "",

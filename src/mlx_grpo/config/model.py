@@ -12,22 +12,19 @@ from mlx_grpo.config.fields import DEFAULT_MODEL, MODEL_CMDS, TUNE, setting
 class ModelConfig:
     """The model and which of its weights train."""
 
-    model_name: str = setting(DEFAULT_MODEL, "Model: 'smollm2-135m-instruct' (embedded default, offline), an MLX "
-                              "model directory, a checkpoint directory, or a Hugging Face hub id.", MODEL_CMDS)
+    model_name: str = setting(DEFAULT_MODEL, "Model: 'smollm2-135m-instruct' (embedded default, offline), an MLX model "
+                              "directory, a checkpoint directory, or a Hugging Face hub id.", MODEL_CMDS)
     model_dtype: str = setting("auto", "Compute dtype of the model's float weights (forward, backward, rollouts): "
                                "auto, float32, bfloat16 or float16. auto = bfloat16 for the embedded default on a GPU "
-                               "or Apple Silicon (float32 on a CPU, where MLX's bfloat16 matmuls are ~30x slower), "
-                               "the stored dtype for any other model. Training keeps float32 master weights "
-                               "(master_weights).", MODEL_CMDS,
-                               choices=("auto", "float32", "bfloat16", "float16"))
-    train_type: str = setting("full", "full: train every weight; lora: low-rank adapters on the chosen "
-                              "projections (Hu et al. 2021); dora: weight-decomposed adapters (Liu et al. 2024). "
-                              "With lora/dora the base weights stay frozen and shared by the sampler and the KL "
-                              "reference (the adapters switched off), and checkpoints hold only the adapters. "
-                              "Use a ~10x higher learning_rate than for full training.", TUNE,
-                              choices=("full", "lora", "dora"))
-    lora_rank: int = setting(16, "Rank of each adapter (lora/dora).", TUNE,
-                             range=">= 1")
+                               "or Apple Silicon (float32 on a CPU, where MLX's bfloat16 matmuls are ~30x slower), the "
+                               "stored dtype for any other model. Training keeps float32 master weights "
+                               "(master_weights).", MODEL_CMDS, choices=("auto", "float32", "bfloat16", "float16"))
+    train_type: str = setting("full", "full: train every weight; lora: low-rank adapters on the chosen projections (Hu "
+                              "et al. 2021); dora: weight-decomposed adapters (Liu et al. 2024). With lora/dora the "
+                              "base weights stay frozen and shared by the sampler and the KL reference (the adapters "
+                              "switched off), and checkpoints hold only the adapters. Use a ~10x higher learning_rate "
+                              "than for full training.", TUNE, choices=("full", "lora", "dora"))
+    lora_rank: int = setting(16, "Rank of each adapter (lora/dora).", TUNE, range=">= 1")
     lora_alpha: float = setting(32.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A.", TUNE,
                                 range="> 0")
     lora_dropout: float = setting(0.0, "Dropout on the adapters' input in the gradient pass (0 = off). RL trainers "
@@ -39,7 +36,6 @@ class ModelConfig:
                                range=">= 0", note="0 = all blocks")
     lora_keys: list[str] = setting([], "Projections to adapt, as named inside a block, e.g. self_attn.q_proj, "
                                    "mlp.down_proj (empty = every linear layer of the block).", TUNE)
-    load_in_bits: int = setting(0, "QLoRA (Dettmers et al. 2023): quantize the frozen base to 4 or 8 bits (group "
-                                "64) at load time, adapters on top in float; 0 = keep the base as loaded. A model "
-                                "already quantized on disk trains with lora/dora as it is.", TUNE,
-                                choices=(0, 4, 8))
+    load_in_bits: int = setting(0, "QLoRA (Dettmers et al. 2023): quantize the frozen base to 4 or 8 bits (group 64) "
+                                "at load time, adapters on top in float; 0 = keep the base as loaded. A model already "
+                                "quantized on disk trains with lora/dora as it is.", TUNE, choices=(0, 4, 8))
