@@ -238,7 +238,7 @@ def test_config_imports_go_one_way_and_never_load_mlx():
                     assert order.index(inner) < order.index(path.stem), (path.name, node.module)
                 else:
                     assert node.module in allowed, (path.name, node.module)
-    code = "import sys, mlx_grpo.config, mlx_grpo.cli; print('mlx.core' in sys.modules)"
+    code = "import sys, mlx_grpo.config, mlx_grpo.cli; mlx_grpo.cli.build_parser(); print('mlx.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(ROOT / "src")}).stdout
     assert out.strip() == "False"

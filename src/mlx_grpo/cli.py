@@ -65,11 +65,20 @@ def _add_config_fields(parser: argparse.ArgumentParser, command: str) -> None:
                                             (cls.__doc__ or "").strip())
         for name in mine:
             flags = [f"--{name.replace('_', '-')}"] + aliases.get(name, [])
-            default = command_default(command, name)
-            # argparse %-formats help texts: a literal % must be doubled
-            text = field_help(FIELDS[name]).replace("%", "%%")
-            section.add_argument(*flags, dest=f"field__{name}", default=None, metavar="VALUE",
-                                 help=f"{text} (default: {default!r})")
+            action = section.add_argument(*flags, dest=f"field__{name}", default=None, metavar="VALUE",
+                                          help=f"(default: {command_default(command, name)!r})".replace("%", "%%"))
+            action.config_field = name  # the rest of its help is written when shown (_FieldHelp)
+
+
+class _FieldHelp(argparse.HelpFormatter):
+    """Writes a config field's help (text, choices, range) only when --help shows it: loss_type's choices
+    come from loss.py, which imports mlx.core, and `plot` or a run before its BLAS is chosen must not."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        name = getattr(action, "config_field", None)
+        if name is None:
+            return super()._get_help_string(action)
+        return field_help(FIELDS[name]).replace("%", "%%") + " " + action.help  # argparse %-formats help
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlx-grpo {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command, description in DESCRIPTIONS.items():
-        sub = subparsers.add_parser(command, help=description, description=description, allow_abbrev=False)
+        sub = subparsers.add_parser(command, help=description, description=description, allow_abbrev=False,
+                                    formatter_class=_FieldHelp)
         for opt in COMMAND_OPTIONS.get(command, []):
             _add_option(sub, opt)
         if fields_for(command):
@@ -141,15 +151,10 @@ def _dispatch(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before anything imports mlx.core (the --help of loss_type reads loss.LOSS_TYPES): this module and the
-    # config package must not import it at the top.
-    try:
-        use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
-    except UserError as exc:
-        print(f"mlx-grpo: error: {exc}", file=sys.stderr)
-        return 2
     args = build_parser().parse_args(argv)
     try:
+        # Before any subcommand imports mlx.core: this module and the config package must not import it at the top.
+        use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
         # Ctrl-C ends the command within a moment even inside a long native call (interrupt.py)
         with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted"):
             _dispatch(args)
