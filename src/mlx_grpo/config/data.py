@@ -63,8 +63,9 @@ class DataConfig:
                                      range=">= 0")
     max_prompt_length: int = setting(512, "Prompts longer than this many tokens are cut from the left, keeping the "
                                      "generation prompt; cuts are counted in the logs.", DATA, range="> 0")
+    # Interactive use asks no XML format of the model.
     system_prompt: str = setting(SYSTEM_PROMPT, "System message put before each prompt through the chat template; "
-                                 "empty means none.", MODEL_CMDS)
+                                 "empty means none.", MODEL_CMDS, per_command={"generate": "", "chat": ""})
     prefill: str = setting("", "Text appended after the generation prompt (e.g. '<reasoning>'); rewards see prefill + "
                            "completion.", DATA)
     worked_examples: int = setting(0, "Worked examples shown after the system prompt (prompts.py): this many drawn "

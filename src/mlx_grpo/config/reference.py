@@ -65,8 +65,10 @@ def markdown() -> str:
             limits = ", ".join(f"`{c}`" for c in choices_of(f)) if f.metadata["choices"] else ""
             if f.metadata["range"]:
                 limits = (limits + "; " if limits else "") + _cell(range_words(f))
-            default = _default(default_of(f)).replace("|", "\\|")  # a code span: tags stay as written
-            lines.append(f"| `{name}` | `{default}` | {commands} | {limits} | {_cell(field_help(f, False))} |")
+            default = f"`{_default(default_of(f))}`" + "".join(
+                f"; {command}: `{_default(value)}`" for command, value in f.metadata["per_command"].items())
+            default = default.replace("|", "\\|")  # code spans: tags stay as written
+            lines.append(f"| `{name}` | {default} | {commands} | {limits} | {_cell(field_help(f, False))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,8 +15,10 @@ class RolloutConfig:
 
     max_new_tokens: int = setting(256, "Maximum number of tokens generated per completion (eval: eval_max_new_tokens).",
                                   INFER | TRAIN, range="> 0")
+    # Interactive use and evaluation are greedy by default; training samples.
     temperature: float = setting(1.0, "Sampling temperature; 0 is greedy. Training log-probs use the same temperature "
-                                 "as the sampler.", SAMPLING, range=">= 0", note="0 = greedy")
+                                 "as the sampler.", SAMPLING, range=">= 0", note="0 = greedy",
+                                 per_command={"generate": 0.0, "chat": 0.0, "eval": 0.0})
     top_p: float = setting(1.0, "Nucleus sampling: keep the smallest token set with this total probability (1.0 = "
                            "off).", SAMPLING, range="(0, 1]", note="1.0 = off")
     top_k: int = setting(0, "Sample only among the k most likely tokens (0 = off).", SAMPLING,

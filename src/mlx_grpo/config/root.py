@@ -82,14 +82,13 @@ def _copy(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
-# Where a command's natural default differs from training's (interactive use is greedy, no XML prompt).
-COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "generate": {"temperature": 0.0, "system_prompt": ""},
-    "chat": {"temperature": 0.0, "system_prompt": ""},
-    "eval": {"temperature": 0.0},
-    # Supervised steps follow one fixed target, not sampled rewards: a larger step is safe.
-    "sft": {"run_name": "sft", "learning_rate": 1e-5},
-}
+# Where a command's natural default differs from training's: {command: {field: default}}, from the
+# declarations' per_command.
+COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {}
+for _name, _f in FIELDS.items():
+    for _command, _value in _f.metadata["per_command"].items():
+        COMMAND_DEFAULTS.setdefault(_command, {})[_name] = _value
+del _name, _f, _command, _value
 
 
 def command_default(command: str, name: str) -> Any:

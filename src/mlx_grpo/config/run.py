@@ -15,7 +15,7 @@ class RunConfig:
     """The run directory, seed, time budget, processes, logs and checkpoints."""
 
     output_dir: str = setting("runs", "Directory that holds run directories.", TUNE)
-    run_name: str = setting("grpo", "Run directory name under output_dir.", TUNE)
+    run_name: str = setting("grpo", "Run directory name under output_dir.", TUNE, per_command={"sft": "sft"})
     seed: int = setting(42, "Random seed for sampling, data order and initialisation.", SAMPLING | {"sft"})
     max_minutes: float = setting(0.0, "Stop training once this many minutes of updates have passed (0 = no limit): the "
                                  "run ends after the update that crosses it, with its checkpoint. The learning-rate "

@@ -13,7 +13,8 @@ from mlx_grpo.config.fields import TRAIN, TUNE, setting
 class OptimizerConfig:
     """The optimizer step: AdamW, learning-rate schedule, clipping, precision."""
 
-    learning_rate: float = setting(1e-6, "Peak AdamW learning rate.", TUNE, range="> 0")
+    # Supervised steps follow one fixed target, not sampled rewards: a larger step is safe.
+    learning_rate: float = setting(1e-6, "Peak AdamW learning rate.", TUNE, range="> 0", per_command={"sft": 1e-5})
     lr_scheduler_type: str = setting("cosine", "Learning-rate schedule after warmup: cosine, linear or constant.", TUNE,
                                      choices=("cosine", "linear", "constant"))
     warmup_ratio: float = setting(0.1, "Fraction of the run's updates spent in linear warmup.", TUNE, range="[0, 1)")
