@@ -39,7 +39,8 @@ def unknown_dataset(name: str) -> str:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The examples and the prompt each becomes."""
+    """Where the training and evaluation examples come from, and the prompt each becomes: system prompt,
+    worked examples, prefill, length limit."""
 
     dataset: str = setting("arith", "Data set: 'arith' (built-in, offline arithmetic word problems), 'gsm8k' "
                            "(openai/gsm8k from the Hugging Face hub), a JSONL/Parquet file (serves train and eval), a "

@@ -10,7 +10,8 @@ from mlx_grpo.config.fields import DEFAULT_MODEL, MODEL_CMDS, TUNE, setting
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model and which of its weights train."""
+    """The model to load, its compute dtype, and which of its weights train: all of them, or LoRA/DoRA
+    adapters on a frozen (optionally quantized) base."""
 
     model_name: str = setting(DEFAULT_MODEL, "Model: 'smollm2-135m-instruct' (embedded default, offline), an MLX model "
                               "directory, a checkpoint directory, or a Hugging Face hub id.", MODEL_CMDS)

@@ -19,7 +19,8 @@ def loss_types():
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """The loss and its variants (README, "The algorithm and its variants")."""
+    """The loss that turns scored groups into gradients, and its variants: aggregation, advantage scaling,
+    clipping, KL, importance sampling, rollout correction, off-policy passes, demonstrations."""
 
     loss_type: str = setting("grpo", "How token losses are averaged. grpo: mean over each sequence's tokens, then over "
                              "sequences (DeepSeekMath, Shao et al. 2024); bnpo: sum over the batch step's tokens / "

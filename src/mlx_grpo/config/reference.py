@@ -56,7 +56,7 @@ def markdown() -> str:
         "Groups: " + ", ".join(f"[{g}](#{g})" for g in GROUPS) + ".",
     ]
     for group, cls in GROUPS.items():
-        lines += ["", f"## {group}", "", (cls.__doc__ or "").strip(), "",
+        lines += ["", f"## {group}", "", " ".join((cls.__doc__ or "").split()), "",
                   "| Field | Default | Commands | Choices / range | What it does |", "|---|---|---|---|---|"]
         for name, f in FIELDS.items():
             if FIELD_GROUP[name] != group:

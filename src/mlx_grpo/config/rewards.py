@@ -12,7 +12,8 @@ from mlx_grpo.config.fields import (BUILTIN_REWARD_NAMES, EPISODE_REWARD_NAMES, 
 
 @dataclass(frozen=True)
 class RewardsConfig:
-    """What scores a completion, and where the scoring runs."""
+    """What scores a completion (reward functions, an HTTP server, a reward model, the overlong penalty)
+    and where the scoring runs."""
 
     reward_funcs: list[str] = setting(BUILTIN_REWARD_NAMES, "Reward functions: built-in names "
                                       f"({', '.join(BUILTIN_REWARD_NAMES + REASONED_REWARD_NAMES)}, "

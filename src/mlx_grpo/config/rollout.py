@@ -11,7 +11,8 @@ from mlx_grpo.config.fields import DATA, INFER, SAMPLING, TRAIN, TUNE, setting
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """How completions are drawn."""
+    """How completions are sampled (training rollouts; also generate, chat and eval), how many per prompt,
+    which groups are kept, tool calls and environments, and the engine that decodes them."""
 
     max_new_tokens: int = setting(256, "Maximum number of tokens generated per completion (eval: eval_max_new_tokens).",
                                   INFER | TRAIN, range="> 0")

@@ -46,7 +46,8 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class HealthConfig:
-    """When a run warns about, or stops, training that learns nothing."""
+    """When a run warns about, or stops, training that learns nothing (no reward signal, a reward that never
+    pays, reward gaming, non-finite steps)."""
 
     max_consecutive_skips: int = setting(5, "Abort after this many consecutive updates skipped for a non-finite loss "
                                          "or gradient.", TUNE, range=">= 1")

@@ -11,7 +11,7 @@ from mlx_grpo.config.fields import TRAIN, TUNE, setting
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """The optimizer step: AdamW, learning-rate schedule, clipping, precision."""
+    """The optimizer step: AdamW, its learning-rate schedule, gradient clipping, float32 master weights."""
 
     # Supervised steps follow one fixed target, not sampled rewards: a larger step is safe.
     learning_rate: float = setting(1e-6, "Peak AdamW learning rate.", TUNE, range="> 0", per_command={"sft": 1e-5})
