@@ -242,3 +242,14 @@ def test_config_imports_go_one_way_and_never_load_mlx():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(ROOT / "src")}).stdout
     assert out.strip() == "False"
+
+
+def test_resume_may_change_is_declared_on_the_fields():
+    """The fields a resumed run may change come from their declarations (checkpoint.config_changes reads them):
+    logging, evaluation, saving, timeouts and memory/speed knobs; never the math or the data."""
+    from mlx_grpo import checkpoint
+    from mlx_grpo.config import RESUME_MAY_CHANGE
+
+    assert checkpoint.RESUME_MAY_CHANGE is RESUME_MAY_CHANGE
+    assert {"save_steps", "eval_every_updates", "micro_batch_size", "report_to"} <= RESUME_MAY_CHANGE
+    assert not {"learning_rate", "seed", "dataset", "loss_type", "batch_size", "model_name"} & RESUME_MAY_CHANGE

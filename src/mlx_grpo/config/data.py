@@ -50,7 +50,8 @@ class DataConfig:
                                 "`dataset` for training (and, in eval, for drawing the worked_examples). sft also "
                                 "reads rows of prompt + completion (the target written after the prompt and prefill) "
                                 "or chat `messages` (trained on the assistant turns).", DATA)
-    eval_dataset_path: str = setting("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA)
+    eval_dataset_path: str = setting("", "Local JSONL/Parquet evaluation file; overrides `dataset` for eval.", DATA,
+                                     resume_may_change=True)
     prompt_column: str = setting("", "Column holding the prompt (text or chat messages) in a data file or hub data "
                                  "set; "
                                  f"empty = the first of {', '.join(PROMPT_COLUMNS)} that the data has.", DATA)

@@ -46,18 +46,21 @@ _RANGE = re.compile(r"^(?:(?P<op>>=|>|<=|<) ?(?P<bound>\S+)"
 
 
 def setting(default: Any, help: str, commands: frozenset[str], *, choices: Choices = (), range: str = "",
-            note: str = "", item: str = "value", per_command: Mapping[str, Any] | None = None) -> Any:
+            note: str = "", item: str = "value", per_command: Mapping[str, Any] | None = None,
+            resume_may_change: bool = False) -> Any:
     """One setting: its default, help text, the commands it applies to, and where it has them its choices
     (a tuple, or a function returning the tuple/dict declared elsewhere, e.g. loss.LOSS_TYPES) and its
     range ('> 0', '>= 1', '(0, 1]', '[1, 4]'; `note` is added to the range error, e.g. '0 = off'). `item`
     names one entry of a list setting with choices in its error ('reporter'). `per_command`: the default
-    of the commands whose natural default differs from training's ({"generate": 0.0})."""
+    of the commands whose natural default differs from training's ({"generate": 0.0}). `resume_may_change`:
+    a resumed run may set it differently from its checkpoint (it decides what is logged, evaluated, saved or
+    how long to wait, never the run's math or data); any other difference is refused (checkpoint.py)."""
     if range:
         parse_range(range)  # a typo in a declaration fails at import, not in a user's run
     if set(per_command or {}) - commands:
         raise ValueError(f"per_command names commands the setting does not apply to: {set(per_command) - commands}")
     metadata = {"help": help, "commands": commands, "choices": choices, "range": range, "note": note,
-                "item": item, "per_command": dict(per_command or {})}
+                "item": item, "per_command": dict(per_command or {}), "resume_may_change": resume_may_change}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -25,6 +25,8 @@ def field_help(f: dataclasses.Field, limits: bool = True) -> str:
         text += f" One of: {listed}."
     if f.metadata["range"] and limits:
         text += f" Range: {range_words(f)}."
+    if f.metadata["resume_may_change"] and limits:
+        text += " May differ from the checkpoint's on --resume."
     return text
 
 
@@ -57,7 +59,8 @@ def markdown() -> str:
     ]
     for group, cls in GROUPS.items():
         lines += ["", f"## {group}", "", " ".join((cls.__doc__ or "").split()), "",
-                  "| Field | Default | Commands | Choices / range | What it does |", "|---|---|---|---|---|"]
+                  "| Field | Default | Commands | Choices / range | On --resume | What it does |",
+                  "|---|---|---|---|---|---|"]
         for name, f in FIELDS.items():
             if FIELD_GROUP[name] != group:
                 continue
@@ -68,7 +71,8 @@ def markdown() -> str:
             default = f"`{_default(default_of(f))}`" + "".join(
                 f"; {command}: `{_default(value)}`" for command, value in f.metadata["per_command"].items())
             default = default.replace("|", "\\|")  # code spans: tags stay as written
-            lines.append(f"| `{name}` | {default} | {commands} | {limits} | {_cell(field_help(f, False))} |")
+            resume = "may change" if f.metadata["resume_may_change"] else ""
+            lines.append(f"| `{name}` | {default} | {commands} | {limits} | {resume} | {_cell(field_help(f, False))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,9 +25,10 @@ class RewardsConfig:
                               "as the reward 'reward_url'. Loopback hosts only, unless listed in "
                               "reward_url_allowed_hosts. Empty = none.", TRAIN)
     reward_url_weight: float = setting(1.0, "Weight of the reward_url reward.", TRAIN)
-    reward_url_timeout: float = setting(30.0, "Seconds to wait for the reward server per request.", TRAIN, range="> 0")
+    reward_url_timeout: float = setting(30.0, "Seconds to wait for the reward server per request.", TRAIN, range="> 0",
+                                        resume_may_change=True)
     reward_url_retries: int = setting(3, "Retries after a timeout, a refused connection or an HTTP 5xx, waiting 0.5, "
-                                      "1, 2, ... s between them.", TRAIN, range=">= 0")
+                                      "1, 2, ... s between them.", TRAIN, range=">= 0", resume_may_change=True)
     reward_url_allowed_hosts: list[str] = setting([], "Non-loopback hosts reward_url may name (completions are sent to "
                                                   "them).", TRAIN)
     reward_model: str = setting("", "Reward model: an MLX directory (convert --hf-path) or hub id of a Hugging Face "
@@ -42,11 +43,11 @@ class RewardsConfig:
     reward_workers: int = setting(0, "Compute rewards in a pool of this many workers while the GPU goes on (the "
                                   "log-prob passes, the next rollouts of an accumulation group); 0 = inline. The "
                                   "scores, and so the run, are the same either way.", TRAIN,
-                                  range=">= 0", note="0 = inline")
+                                  range=">= 0", note="0 = inline", resume_may_change=True)
     reward_executor: str = setting("thread", "Kind of reward workers: thread (shares memory; for I/O-bound or "
                                    "GIL-releasing rewards, e.g. reward_url) or process (spawned processes that "
                                    "re-import reward files; for CPU-bound Python rewards).", TRAIN,
-                                   choices=("thread", "process"))
+                                   choices=("thread", "process"), resume_may_change=True)
     overlong_penalty: float = setting(0.0, "DAPO soft overlong punishment added to the reward: 0 up to max_new_tokens "
                                       "- overlong_buffer tokens, then falling linearly to -overlong_penalty at "
                                       "max_new_tokens (DAPO uses 1.0). 0 = off.", TRAIN, range=">= 0", note="0 = off")

@@ -58,7 +58,7 @@ class RolloutConfig:
                                   "mistral, qwen2, qwen3 with unquantized weights; costs one more copy of the layer "
                                   "weights); model: the model itself through mlx-lm's modules; auto: copy on NVIDIA "
                                   "GPUs, model elsewhere (off CUDA the copy has no fused attention kernel yet).", TUNE,
-                                  choices=("auto", "copy", "model"))
+                                  choices=("auto", "copy", "model"), resume_may_change=True)
     quantize_for_rollouts: bool = setting(False, "Sample from a 4-bit (group 64) copy of the old policy, re-quantized "
                                           "at each refresh. Measured 20x slower than float weights on MLX 0.32's CUDA "
                                           "backend (BENCHMARKS.md).", TRAIN)

@@ -40,11 +40,11 @@ class TrainingConfig:
                               "batch_size / ranks of them). sft: examples per batch step.", TUNE, range=">= 1")
     gradient_accumulation_steps: int = setting(1, "Batch steps per optimizer update.", TUNE, range=">= 1")
     micro_batch_size: int = setting(16, "Sequences per forward/backward chunk in log-prob and training passes; bounds "
-                                    "memory, does not change results.", TUNE, range=">= 1")
+                                    "memory, does not change results.", TUNE, range=">= 1", resume_may_change=True)
     micro_batch_tokens: int = setting(8192, "Most padded prompt+completion tokens per forward/backward chunk (0 = no "
                                       "limit): bounds memory whatever the batch size; does not change results.", TUNE,
-                                      range=">= 0")
+                                      range=">= 0", resume_may_change=True)
     grad_checkpoint: bool = setting(False, "Recompute each transformer layer in the backward pass instead of keeping "
                                     "its activations: training memory drops to about the layers' inputs, for ~1/3 more "
-                                    "compute. Same results.", TUNE)
+                                    "compute. Same results.", TUNE, resume_may_change=True)
     use_compile: bool = setting(False, "Compile the loss/gradient step with mx.compile.", TRAIN)
