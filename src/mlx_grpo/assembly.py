@@ -51,25 +51,26 @@ class TrainedModel:
 
 
 def build_model(cfg: Config, say=print) -> TrainedModel:
-    """Load cfg.model_name for training as train_type / load_in_bits / master_weights say. A full-weight
+    """Load cfg.model.model_name for training as train_type / load_in_bits / master_weights say. A full-weight
     checkpoint that holds float32 masters (a mixed-precision `train` or `sft` run) lends them to this
     run's masters, so a run started from it continues from exactly its weights. say: prints warnings."""
-    source_dir = Path(resolve_model_path(cfg.model_name))
+    spec = cfg.model  # what is trained; the other groups this reads are named in full
+    source_dir = Path(resolve_model_path(spec.model_name))
     if not source_dir.is_dir():  # a hub id: mlx-lm downloads it; find its local snapshot
         from mlx_lm.utils import hf_repo_to_path
 
-        source_dir = Path(hf_repo_to_path(cfg.model_name))
-    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype, cast=False)
-    dtype = compute_dtype(cfg.model_name, cfg.model_dtype, model)
-    mixed = cfg.master_weights and dtype != mx.float32  # float32 masters of the trained weights
+        source_dir = Path(hf_repo_to_path(spec.model_name))
+    model, tokenizer = load_model(spec.model_name, spec.model_dtype, cast=False)
+    dtype = compute_dtype(spec.model_name, spec.model_dtype, model)
+    mixed = cfg.optimizer.master_weights and dtype != mx.float32  # float32 masters of the trained weights
     if any(isinstance(m, ADAPTER_LAYERS) for _, m in model.named_modules()):
-        raise UserError(f"model {cfg.model_name!r} carries lora/dora adapters: continue its run with --resume, "
+        raise UserError(f"model {spec.model_name!r} carries lora/dora adapters: continue its run with --resume, "
                         "or merge them first with `mlx-grpo fuse`")
     quantized = any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters()))
     adapter_config = None
-    if cfg.train_type == "full":
+    if spec.train_type == "full":
         if quantized:
-            raise UserError(f"model {cfg.model_name!r} is quantized; full fine-tuning needs float weights: convert "
+            raise UserError(f"model {spec.model_name!r} is quantized; full fine-tuning needs float weights: convert "
                             "it without --quantize, or train adapters on it (train_type = lora: QLoRA)")
         masters = MasterWeights(model, mixed)  # from the weights as stored, before they are cast
         cast_floats(model, dtype)
@@ -80,23 +81,23 @@ def build_model(cfg: Config, say=print) -> TrainedModel:
             masters.sync(model)
     else:
         cast_floats(model, dtype)  # the frozen base computes in the compute dtype; adapters get masters
-        if cfg.load_in_bits:
-            quantize_base(model, cfg.load_in_bits)
-        elif quantized and cfg.quantize_for_rollouts:
-            raise UserError(f"model {cfg.model_name!r} is already quantized: quantize_for_rollouts has nothing to "
+        if spec.load_in_bits:
+            quantize_base(model, spec.load_in_bits)
+        elif quantized and cfg.rollout.quantize_for_rollouts:
+            raise UserError(f"model {spec.model_name!r} is already quantized: quantize_for_rollouts has nothing to "
                             "do; drop it")
-        mx.random.seed(cfg.seed)  # the adapters' initial weights come from the global generator
-        adapter_config = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                                        cfg.lora_layers, cfg.lora_keys)
-        adapter_config["mlx_grpo"] = {"base_model": cfg.model_name, "base_dir": str(source_dir.resolve()),
-                                      "load_in_bits": cfg.load_in_bits, "model_dtype": dtype_name(dtype)}
+        mx.random.seed(cfg.run.seed)  # the adapters' initial weights come from the global generator
+        adapter_config = apply_adapters(model, spec.train_type, spec.lora_rank, spec.lora_alpha, spec.lora_dropout,
+                                        spec.lora_layers, spec.lora_keys)
+        adapter_config["mlx_grpo"] = {"base_model": spec.model_name, "base_dir": str(source_dir.resolve()),
+                                      "load_in_bits": spec.load_in_bits, "model_dtype": dtype_name(dtype)}
         masters = MasterWeights(model, mixed)  # mlx-lm creates the adapters in float32
         cast_floats(model, dtype)
-    if cfg.grad_checkpoint and not supports_layer_checkpointing(model):
+    if cfg.training.grad_checkpoint and not supports_layer_checkpointing(model):
         say(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
             f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it")
     if not masters.active:
-        warning = check_rounding(dict(tree_flatten(model.trainable_parameters())), cfg.learning_rate, dtype,
+        warning = check_rounding(dict(tree_flatten(model.trainable_parameters())), cfg.optimizer.learning_rate, dtype,
                                  "set master_weights = true (float32 masters) or model_dtype = float32")
         if warning:
             say(f"[mlx-grpo] warning: {warning}")
@@ -108,35 +109,37 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     in a data-parallel run (default: alone)."""
     train = run_examples(cfg, "train")
     evals = None
-    if cfg.eval_every_updates or cfg.eval_steps or cfg.worked_examples or cfg.worked_examples_text:
+    if cfg.eval.eval_every_updates or cfg.eval.eval_steps or cfg.data.worked_examples \
+            or cfg.data.worked_examples_text:
         evals = run_examples(cfg, "test")
     # the worked examples come from the whole training split, before max_train_samples, and leave it
     worked, train = select_worked_examples(cfg, train, evals or [])
-    if cfg.max_train_samples:
-        train = subset(train, cfg.max_train_samples, cfg.seed)
+    if cfg.data.max_train_samples:
+        train = subset(train, cfg.data.max_train_samples, cfg.run.seed)
     rewards = build_reward_set(cfg, Path.cwd())
     main = world is None or world.is_main
     built = build_model(cfg, say=lambda line: print(line, flush=True) if main else None)
     model, tokenizer, masters, adapter_config = built.model, built.tokenizer, built.masters, built.adapter_config
     source_dir, dtype = built.source_dir, built.dtype
     # the KL reference: a frozen copy for full training; with adapters, `model` with its adapters switched off
-    reference = load_model(cfg.model_name, cfg.model_dtype)[0] if cfg.kl_coeff > 0 and adapter_config is None \
-        else None
-    rows = cfg.batch_size // (world.size if world else 1) * cfg.num_generations
-    need, have = rollout_memory_bytes(model, rows, cfg.max_prompt_length + cfg.max_new_tokens), machine_memory_bytes()
-    copy = decoder.copy_bytes(model, dtype) if need and uses_copy(cfg.rollout_engine, model) else 0
+    reference = load_model(cfg.model.model_name, cfg.model.model_dtype)[0] \
+        if cfg.objective.kl_coeff > 0 and adapter_config is None else None
+    rows = cfg.training.batch_size // (world.size if world else 1) * cfg.rollout.num_generations
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    need, have = rollout_memory_bytes(model, rows, longest), machine_memory_bytes()
+    copy = decoder.copy_bytes(model, dtype) if need and uses_copy(cfg.rollout.rollout_engine, model) else 0
     if need and have and need + copy > have:  # found up front, not by the OOM killer a minute in
-        raise UserError(f"{rows} rollout rows (batch_size {cfg.batch_size} x num_generations {cfg.num_generations}"
-                        f"{' per rank' if world and world.size > 1 else ''}) of up to "
-                        f"{cfg.max_prompt_length + cfg.max_new_tokens} tokens need at least {need / 1e9:.1f} GB for "
+        raise UserError(f"{rows} rollout rows (batch_size {cfg.training.batch_size} x num_generations "
+                        f"{cfg.rollout.num_generations}{' per rank' if world and world.size > 1 else ''}) of up to "
+                        f"{longest} tokens need at least {need / 1e9:.1f} GB for "
                         f"their KV cache and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
                                                        "of the weights" if copy else "")
                         + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
                         "max_new_tokens" + (", or set rollout_engine = model" if copy else ""))
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
-    if not (cfg.eval_every_updates or cfg.eval_steps):
+    if not (cfg.eval.eval_every_updates or cfg.eval.eval_steps):
         evals = None  # loaded only to keep its questions out of the worked examples
-    return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
+    return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.run.output_dir) / cfg.run.run_name,
                    source_dir, evals, adapter_config, masters, world or World(), worked=worked)
 
 
@@ -145,10 +148,10 @@ def check_prompt_lengths(trainer: Trainer, measured: int = 2000) -> None:
     refuse a length that would cut the question out of most of them."""
     cfg = trainer.cfg
     whole = replace(cfg, max_prompt_length=sys.maxsize)  # each prompt's length uncut
-    examples = subset(trainer.train_examples, measured, cfg.seed)
+    examples = subset(trainer.train_examples, measured, cfg.run.seed)
     lengths = [len(ids) for ids, _ in encode_prompts(trainer.multiturn, trainer.tokenizer, examples, whole,
                                                     trainer.prompt.system)]
-    warning, error = prompt_cut_report(lengths, cfg.max_prompt_length)
+    warning, error = prompt_cut_report(lengths, cfg.data.max_prompt_length)
     if error:
         trainer.world.fail(error)
     if warning:

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_grpo.config import Config, save_json, to_dict
+from mlx_grpo.config import RESUME_MAY_CHANGE, Config, save_json, to_dict
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.precision import dtype_name
@@ -116,20 +116,11 @@ def read_for_resume(run_dir: Path, resume: str, say=print) -> tuple[Path, tuple]
     raise UserError(f"--resume: none of the {len(checkpoints)} checkpoints in {run_dir} can be read")
 
 
-# Settings a resumed run may change: they decide what is logged, evaluated, saved or how long to wait,
-# never the run's math or data. Any other difference from the checkpoint's config is refused.
-RESUME_MAY_CHANGE = frozenset({
-    "output_dir", "run_name", "logging_steps", "log_jsonl", "log_completions_steps", "save_steps",
-    "save_total_limit", "eval_every_updates", "eval_subset_size", "eval_max_new_tokens", "eval_batch_size",
-    "eval_steps", "eval_samples", "eval_num_samples", "eval_dataset_path", "report_to", "distributed_timeout",
-    "distributed_backend", "reward_url_timeout", "reward_url_retries", "reward_workers", "reward_executor",
-    "max_consecutive_skips", "micro_batch_size", "micro_batch_tokens", "grad_checkpoint", "rollout_engine",
-    "max_minutes", "max_updates_without_signal", "plateau_updates", "gaming_evals"})
 
 
 def config_changes(path: Path, config: Config) -> list[str]:
     """The fields whose value differs from the config the checkpoint at path was written with, among
-    those that change the run (not in RESUME_MAY_CHANGE)."""
+    those that change the run (not declared resume_may_change: config.RESUME_MAY_CHANGE)."""
     saved_file = path / "config.resolved.json"
     if not saved_file.is_file():
         return []

@@ -1,7 +1,8 @@
 """The `mlx-grpo` command line: argument parsing only; each subcommand calls one public function.
 
-Every config field of a command is a flag (`--field-name VALUE`), equivalent to `--set field_name=VALUE`;
-its help and default come from config.py.
+Every config field of a command is a flag (`--field-name VALUE`), equivalent to `--set field_name=VALUE`
+or `--set group.field_name=VALUE`; --help lists them by group, with the help, choices, range and default that
+their declarations in the config package give.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import sys
 
 from mlx_grpo import __version__
 from mlx_grpo.blas import use_optimized_blas
-from mlx_grpo.config import FIELDS, build_config, command_default, fields_for, parse_set
+from mlx_grpo.config import FIELD_GROUP, FIELDS, GROUPS, build_config, command_default, fields_for, parse_set
+from mlx_grpo.config.reference import field_help
 from mlx_grpo.options import COMMAND_FLAG_ALIASES, COMMAND_OPTIONS, FLAG_ALIASES, Option
 from mlx_grpo.errors import UserError
 from mlx_grpo.interrupt import exit_on_interrupt
@@ -48,16 +50,35 @@ def _add_option(parser: argparse.ArgumentParser, opt: Option) -> None:
 
 
 def _add_config_fields(parser: argparse.ArgumentParser, command: str) -> None:
-    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flat or under "
-                        "[mlx_grpo]); a missing file is an error.")
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flat, in group tables "
+                        "such as [rollout], or either under [mlx_grpo]); a missing file is an error.")
     parser.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
-                        help="Override a config key; repeatable; wins over --config and flags.")
-    group = parser.add_argument_group("config fields (also settable in --config or with --set)")
-    for name in fields_for(command):
-        flags = [f"--{name.replace('_', '-')}"] + {**FLAG_ALIASES, **COMMAND_FLAG_ALIASES.get(command, {})}.get(name, [])
-        default = command_default(command, name)
-        group.add_argument(*flags, dest=f"field__{name}", default=None, metavar="VALUE",
-                           help=f"{FIELDS[name].metadata['help']} (default: {default!r})")
+                        help="Override a config key (field or group.field); repeatable; wins over --config and "
+                        "flags.")
+    aliases = {**FLAG_ALIASES, **COMMAND_FLAG_ALIASES.get(command, {})}
+    names = fields_for(command)
+    for group, cls in GROUPS.items():
+        mine = [name for name in names if FIELD_GROUP[name] == group]
+        if not mine:
+            continue
+        section = parser.add_argument_group(f"{group} settings (cfg.{group}; TOML [{group}])",
+                                            (cls.__doc__ or "").strip())
+        for name in mine:
+            flags = [f"--{name.replace('_', '-')}"] + aliases.get(name, [])
+            action = section.add_argument(*flags, dest=f"field__{name}", default=None, metavar="VALUE",
+                                          help=f"(default: {command_default(command, name)!r})".replace("%", "%%"))
+            action.config_field = name  # the rest of its help is written when shown (_FieldHelp)
+
+
+class _FieldHelp(argparse.HelpFormatter):
+    """Writes a config field's help (text, choices, range) only when --help shows it: loss_type's choices
+    come from loss.py, which imports mlx.core, and `plot` or a run before its BLAS is chosen must not."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        name = getattr(action, "config_field", None)
+        if name is None:
+            return super()._get_help_string(action)
+        return field_help(FIELDS[name]).replace("%", "%%") + " " + action.help  # argparse %-formats help
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlx-grpo {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command, description in DESCRIPTIONS.items():
-        sub = subparsers.add_parser(command, help=description, description=description, allow_abbrev=False)
+        sub = subparsers.add_parser(command, help=description, description=description, allow_abbrev=False,
+                                    formatter_class=_FieldHelp)
         for opt in COMMAND_OPTIONS.get(command, []):
             _add_option(sub, opt)
         if fields_for(command):
@@ -131,7 +153,7 @@ def _dispatch(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        # Before any subcommand imports mlx.core: this module and config.py must not import it at the top.
+        # Before any subcommand imports mlx.core: this module and the config package must not import it at the top.
         use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
         # Ctrl-C ends the command within a moment even inside a long native call (interrupt.py)
         with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted"):

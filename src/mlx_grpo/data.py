@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from mlx_grpo.config import BUILTIN_DATASETS as DATASETS
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards.builtin import RESERVED_ARGS
 
-DATASETS = ("arith", "gsm8k")
 # Seed offset of the arith test split: far from any seed a user would pick for train.
 TEST_SEED_OFFSET = 1_000_003
 

@@ -55,30 +55,31 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
                    multiturn: MultiTurn | None = None, system_prompt: str | None = None,
                    lines: bool = False) -> list[dict]:
     """One record per example: its completions and whether they are right (greedy when num_samples == 1;
-    an example passes if any sample is right). seed (default cfg.seed) keys sampled evaluations.
+    an example passes if any sample is right). seed (default cfg.run.seed) keys sampled evaluations.
     progress: show a progress bar over the examples (on a terminal only). engine: one already sampling from
     `model` (the trainer's), so evaluation builds no second copy of the weights. multiturn: the run's tools or
     environment (default: built from cfg); answers are then scored on the model's own turns. system_prompt: the
-    run's, with its worked examples (prompts.RunPrompt.system; default cfg.system_prompt). lines: where
+    run's, with its worked examples (prompts.RunPrompt.system; default cfg.data.system_prompt). lines: where
     progress shows no bar (not a terminal), print a line to stderr after each batch of eval_batch_size."""
-    params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, cfg.top_p, cfg.top_k,
-                            cfg.min_p, tuple(cfg.stop))
+    sampling = cfg.rollout
+    params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, sampling.top_p, sampling.top_k,
+                            sampling.min_p, tuple(sampling.stop))
     records = []
-    engine = engine or RolloutEngine(tokenizer, mode=cfg.rollout_engine).refresh(model)
+    engine = engine or RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine).refresh(model)
     if multiturn is None:
         multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
-    key = mx.random.key(cfg.seed if seed is None else seed)
+    key = mx.random.key(cfg.run.seed if seed is None else seed)
     # lines: the eval command's own bar stays on screen when done; a training run's disappears under its own
     bar = tqdm(total=len(examples), desc="eval", unit="example", leave=lines, disable=None if progress else True)
     started = time.perf_counter()
     with _ticking(bar):
-        for start in range(0, len(examples), cfg.eval_batch_size):
-            chunk = examples[start:start + cfg.eval_batch_size]
+        for start in range(0, len(examples), cfg.eval.eval_batch_size):
+            chunk = examples[start:start + cfg.eval.eval_batch_size]
             key, sub = mx.random.split(key)
             prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg, system_prompt)]
             keys = mx.random.split(sub, len(prompts) * num_samples)
-            rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.prefill)[0]
-            written = model_texts(rollout, cfg.prefill)  # with tools: what the model wrote, not the tools' output
+            rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.data.prefill)[0]
+            written = model_texts(rollout, cfg.data.prefill)  # with tools: what the model wrote, not the tools' output
             calls = None if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
             for i, example in enumerate(chunk):
                 texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
@@ -140,7 +141,7 @@ def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, ma
 def _worked_examples(cfg: Config, split: str, pool: list[Example]) -> WorkedExamples:
     """The run's drawn worked examples, drawn as training drew them (the whole training split, the test
     split's questions excluded), so that evaluation sees the prompt training saw."""
-    if not cfg.eval_worked_examples or not (cfg.worked_examples or cfg.worked_examples_text):
+    if not cfg.eval.eval_worked_examples or not (cfg.data.worked_examples or cfg.data.worked_examples_text):
         return WorkedExamples()
     train = run_examples(cfg, "train")
     test = pool if split == "test" else run_examples(cfg, "test")
@@ -167,12 +168,12 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
     """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written."""
     from mlx_grpo.models.loading import load_model
 
-    pool = run_examples(cfg, split, cfg.eval_dataset_path, path_key="eval_dataset_path")
+    pool = run_examples(cfg, split, cfg.data.eval_dataset_path, path_key="eval_dataset_path")
     worked = _worked_examples(cfg, split, pool)
-    examples = subset(pool, cfg.eval_subset_size, cfg.seed)
+    examples = subset(pool, cfg.eval.eval_subset_size, cfg.run.seed)
     where = None
     if output is None:
-        out, where = default_output(cfg.model_name, split)
+        out, where = default_output(cfg.model.model_name, split)
         output = str(out)
     out = Path(output)
     # Checked before the (slow) evaluation; the write itself can still fail (a full disk): one line then.
@@ -182,19 +183,19 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
-    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     prompt = build_run_prompts(cfg, tokenizer, multiturn, worked, examples, lambda line: None)[1]
     print(f"[mlx-grpo] evaluating with {prompt.describe()}", file=sys.stderr)
-    result = summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval_max_new_tokens,
-                                      num_samples=cfg.eval_num_samples, temperature=cfg.temperature, progress=True,
-                                      multiturn=multiturn, system_prompt=prompt.system, lines=True))
+    result = summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval.eval_max_new_tokens,
+                                      num_samples=cfg.eval.eval_num_samples, temperature=cfg.rollout.temperature,
+                                      progress=True, multiturn=multiturn, system_prompt=prompt.system, lines=True))
     try:
         out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
         save_json(cfg, f"{output}.config.json", {"split": split, "prompt": prompt.record()})
     except OSError as exc:
         raise UserError(f"--output {out}: cannot write the results: {exc.strerror or exc}") from None
-    metric = "accuracy" if cfg.eval_num_samples == 1 else f"pass@{cfg.eval_num_samples}"
+    metric = "accuracy" if cfg.eval.eval_num_samples == 1 else f"pass@{cfg.eval.eval_num_samples}"
     print(f"{metric}: {result.accuracy:.4f} ({sum(r['correct'] for r in result.records)}/{len(result.records)})"
           f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}"
           + ("" if result.tool_call_rate is None else f"  tool calls: {result.tool_call_rate:.4f}"))

@@ -46,10 +46,10 @@ def encode_prompt(tokenizer, prompt: str, system: str = "", raw: bool = False,
 def _sampling_kwargs(cfg: Config) -> dict:
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-    sampler = make_sampler(temp=cfg.temperature, top_p=cfg.top_p if cfg.top_p < 1 else 0.0,
-                           min_p=cfg.min_p, top_k=cfg.top_k)
+    sampler = make_sampler(temp=cfg.rollout.temperature, top_p=cfg.rollout.top_p if cfg.rollout.top_p < 1 else 0.0,
+                           min_p=cfg.rollout.min_p, top_k=cfg.rollout.top_k)
     processors = make_logits_processors(
-        repetition_penalty=cfg.repetition_penalty if cfg.repetition_penalty != 1.0 else None)
+        repetition_penalty=cfg.rollout.repetition_penalty if cfg.rollout.repetition_penalty != 1.0 else None)
     return {"sampler": sampler, "logits_processors": processors}
 
 
@@ -59,10 +59,10 @@ def generate(model, tokenizer, prompt_ids: list[int], cfg: Config,
     from mlx_lm import stream_generate
 
     # mlx-lm's samplers draw from MLX's global generator: seed it for a reproducible call.
-    mx.random.seed(cfg.seed)
+    mx.random.seed(cfg.run.seed)
     pieces: list[str] = []
     last = None
-    for last in stream_generate(model, tokenizer, prompt_ids, max_tokens=cfg.max_new_tokens,
+    for last in stream_generate(model, tokenizer, prompt_ids, max_tokens=cfg.rollout.max_new_tokens,
                                 **_sampling_kwargs(cfg)):
         pieces.append(last.text)
         if on_text is not None and last.text:
@@ -78,11 +78,11 @@ def generate_batch(model, tokenizer, prompts_ids: list[list[int]], cfg: Config,
     """Generate for many prompts in batches; results come back in input order."""
     from mlx_lm import batch_generate
 
-    mx.random.seed(cfg.seed)
+    mx.random.seed(cfg.run.seed)
     texts: list[str] = []
     for start in range(0, len(prompts_ids), batch_size):
         chunk = prompts_ids[start:start + batch_size]
-        response = batch_generate(model, tokenizer, chunk, max_tokens=cfg.max_new_tokens,
+        response = batch_generate(model, tokenizer, chunk, max_tokens=cfg.rollout.max_new_tokens,
                                   completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 8),
                                   **_sampling_kwargs(cfg))
         texts.extend(response.texts)
@@ -132,9 +132,9 @@ def run_generate(cfg: Config, prompt: str | None = None, prompts_file: str | Non
     prompts = read_prompts_file(prompts_file) if prompts_file else None
     if prompt == "-":
         prompt = sys.stdin.read()
-    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
     if prompts is None:
-        ids = encode_prompt(tokenizer, prompt, cfg.system_prompt, raw)
+        ids = encode_prompt(tokenizer, prompt, cfg.data.system_prompt, raw)
         on_text = (lambda t: (out.write(t), out.flush())) if stream else None
         result = generate(model, tokenizer, ids, cfg, on_text)
         out.write(("" if stream else result.text) + "\n")
@@ -142,7 +142,7 @@ def run_generate(cfg: Config, prompt: str | None = None, prompts_file: str | Non
         if verbose:
             print(_verbose_line(result), file=sys.stderr)
         return
-    ids = [encode_prompt(tokenizer, p, cfg.system_prompt, raw) for p in prompts]
+    ids = [encode_prompt(tokenizer, p, cfg.data.system_prompt, raw) for p in prompts]
     texts = generate_batch(model, tokenizer, ids, cfg, batch_size)
     rows = [json.dumps({"prompt": p, "completion": t}) for p, t in zip(prompts, texts)]
     if output:
@@ -167,7 +167,7 @@ def run_chat(cfg: Config, verbose: bool = False, lines: Iterable[str] | None = N
     from mlx_grpo.models import load_model
 
     out = out or sys.stdout
-    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
     interactive = lines is None and sys.stdin.isatty()
     source = iter(lines) if lines is not None else sys.stdin
     history: list[dict] = []
@@ -188,7 +188,7 @@ def run_chat(cfg: Config, verbose: bool = False, lines: Iterable[str] | None = N
             history = []
             out.write("[conversation cleared]\n")
             continue
-        ids = encode_prompt(tokenizer, message, cfg.system_prompt, history=history)
+        ids = encode_prompt(tokenizer, message, cfg.data.system_prompt, history=history)
         result = generate(model, tokenizer, ids, cfg, lambda t: (out.write(t), out.flush()))
         out.write("\n")
         if verbose:

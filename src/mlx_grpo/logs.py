@@ -161,11 +161,11 @@ def diagnose(record: dict, cfg) -> dict[str, str]:
                            f"run's rewards ({', '.join(names)}), so their advantages are 0 and they teach nothing: "
                            "add a reward that gives partial credit (e.g. the built-ins xmlcount, soft_format), "
                            "prefill the start of the format, raise num_generations or temperature, or use easier "
-                           "data" + ("" if cfg.dynamic_sampling else "; dynamic_sampling skips such groups"))
+                           "data" + ("" if cfg.rollout.dynamic_sampling else "; dynamic_sampling skips such groups"))
     if record["truncated_fraction"] >= TRUNCATED_ALARM:
         out["truncated"] = (f"{record['truncated_fraction']:.0%} of completions hit max_new_tokens before ending: "
                             "raise max_new_tokens or add a stop string"
-                            + ("" if cfg.mask_truncated_completions else
+                            + ("" if cfg.objective.mask_truncated_completions else
                                "; mask_truncated_completions keeps them out of the loss"))
     return out
 

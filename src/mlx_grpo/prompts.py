@@ -83,11 +83,12 @@ class WorkedExamples:
 
 def select_worked_examples(cfg, train: Sequence[Example], evals: Sequence[Example]
                            ) -> tuple[WorkedExamples, list[Example]]:
-    """(cfg.worked_examples drawn from the training split, the training examples without them): an example
+    """(cfg.data.worked_examples drawn from the training split, the training examples without them): an example
     whose answer is in every prompt would pay for copying it, so it is not trained on. evals: the
     evaluation split, whose questions are never shown (and may not appear in worked_examples_text)."""
-    check_written_examples(cfg.worked_examples_text, evals)
-    drawn = draw_worked_examples(train, cfg.worked_examples, cfg.worked_examples_seed, [e.prompt for e in evals])
+    check_written_examples(cfg.data.worked_examples_text, evals)
+    drawn = draw_worked_examples(train, cfg.data.worked_examples, cfg.data.worked_examples_seed,
+                                 [e.prompt for e in evals])
     taken = set(drawn)
     return (WorkedExamples(tuple(train[i] for i in drawn), tuple(drawn)),
             [ex for i, ex in enumerate(train) if i not in taken])
@@ -144,21 +145,21 @@ def check_length(prompt: RunPrompt, bare: RunPrompt, encode, questions: Sequence
 
 def build_run_prompts(cfg, tokenizer, multiturn, worked: WorkedExamples, examples: Sequence[Example],
                       say=print) -> tuple[RunPrompt, RunPrompt]:
-    """(the prompt of the run's rollouts, the prompt of its evaluations): cfg.system_prompt with the drawn and
+    """(the prompt of the run's rollouts, the prompt of its evaluations): cfg.data.system_prompt with the drawn and
     written worked examples in the run's style (its tool syntax: multiturn.fmt); the evaluations' without the
     examples when eval_worked_examples is off. Checks that the longest of `examples` stays within
     max_prompt_length and says (through `say`) which prompts are used and what the examples cost."""
     style = style_for(cfg, multiturn.fmt if multiturn is not None else None)
-    bare = RunPrompt(cfg.system_prompt)
-    prompt = run_prompt(cfg.system_prompt, worked.examples, cfg.worked_examples_text, style, worked.indices)
-    eval_prompt = prompt if cfg.eval_worked_examples else bare
+    bare = RunPrompt(cfg.data.system_prompt)
+    prompt = run_prompt(cfg.data.system_prompt, worked.examples, cfg.data.worked_examples_text, style, worked.indices)
+    eval_prompt = prompt if cfg.eval.eval_worked_examples else bare
     if prompt.examples:
         uncut = replace(cfg, max_prompt_length=1 << 30)
 
         def encode(system: str, question) -> list[int]:
             return encode_prompts(multiturn, tokenizer, [Example(question, "")], uncut, system)[0][0]
 
-        cost = check_length(prompt, bare, encode, [e.prompt for e in examples], cfg.max_prompt_length)
+        cost = check_length(prompt, bare, encode, [e.prompt for e in examples], cfg.data.max_prompt_length)
         say(f"[mlx-grpo] prompt: {prompt.describe()}; {cost}")
     if eval_prompt is not prompt:
         say(f"[mlx-grpo] evaluation prompt: {eval_prompt.describe()} (eval_worked_examples = false)")

@@ -41,8 +41,9 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
     # the trainer's engine samples the trained model itself unless an old policy is kept apart
     engine = trainer.engine if trainer.policies.sampler is trainer.model else None
     mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
-                          max_new_tokens=cfg.eval_max_new_tokens, seed=world.seed(cfg.seed), progress=world.is_main,
-                          engine=engine, multiturn=trainer.multiturn, system_prompt=trainer.eval_prompt.system)
+                          max_new_tokens=cfg.eval.eval_max_new_tokens, seed=world.seed(cfg.run.seed),
+                          progress=world.is_main, engine=engine, multiturn=trainer.multiturn,
+                          system_prompt=trainer.eval_prompt.system)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
     trainer.health.observe_eval(trainer.counters.update_step, result.accuracy, len(examples))  # every rank
     if not world.is_main:
@@ -62,15 +63,15 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     """Run GRPO as configured (or continue a checkpoint), alone or as one rank of the processes that
     mlx.launch started; returns the run directory."""
     started = time.perf_counter()
-    world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
+    world = init_world(cfg.run.distributed_backend, cfg.run.distributed_timeout)
     if world.is_main:  # rank 0 reports: a missing package stops the run before the model loads
-        check_installed(cfg.report_to)
+        check_installed(cfg.run.report_to)
     trainer = build_trainer(cfg, world)
     try:
         if world.size > 1:
             _check_same_job(trainer)
-            world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.batch_size // world.size} of "
-                        f"{cfg.batch_size} prompts per batch step each")
+            world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.training.batch_size // world.size} of "
+                        f"{cfg.training.batch_size} prompts per batch step each")
         check_prompt_lengths(trainer)
         run_dir = _run(trainer, cfg, resume, started)
     except BaseException:
@@ -98,7 +99,7 @@ def _check_same_job(trainer: Trainer) -> None:
     same path on another host): their collectives would pair up wrongly or silently mix jobs."""
     world, cfg = trainer.world, trainer.cfg
     # Ranks load at different speeds (a first run converts the default model): a long wait is normal.
-    timeout = 0 if cfg.distributed_timeout == 0 else max(cfg.distributed_timeout, STARTUP_TIMEOUT)
+    timeout = 0 if cfg.run.distributed_timeout == 0 else max(cfg.run.distributed_timeout, STARTUP_TIMEOUT)
     prints = world.gather(_fingerprint(trainer), "start-up", timeout)
     differ = {}
     for rank, other in enumerate(prints[1:], start=1):
@@ -240,12 +241,12 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
 def _run_locked(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> Path:
     run_dir, world = trainer.run_dir, trainer.world
     main = world.is_main
-    logger = RunLogger(run_dir, cfg.log_jsonl and main)
+    logger = RunLogger(run_dir, cfg.run.log_jsonl and main)
     _resume(trainer, run_dir, resume, logger)
     if main:
         save_json(cfg, run_dir / "config.resolved.json")
     start_update = trainer.counters.update_step
-    reporters = Reporters(cfg.report_to if main else [], run_dir, to_dict(cfg),
+    reporters = Reporters(cfg.run.report_to if main else [], run_dir, to_dict(cfg),
                           resumed_at=start_update if resume is not None else None)
     try:
         records, last_eval = _loop(trainer, cfg, resume, logger, reporters)
@@ -297,8 +298,8 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
     main = world.is_main
     records, last_eval = [], None
     evals = trainer.eval_examples
-    eval_subset = subset(evals, cfg.eval_subset_size, cfg.seed) if evals else None
-    legacy_subset = subset(evals, cfg.eval_samples or cfg.eval_subset_size, cfg.seed) if evals else None
+    eval_subset = subset(evals, cfg.eval.eval_subset_size, cfg.run.seed) if evals else None
+    legacy_subset = subset(evals, cfg.eval.eval_samples or cfg.eval.eval_subset_size, cfg.run.seed) if evals else None
     c = trainer.counters
     bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="grpo", unit="update",
                disable=None if main else True)
@@ -310,8 +311,8 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         steps, stats = [], []
         # Dynamic sampling draws more prompts inside a batch step, so its steps go one by one; otherwise
         # the update's batch steps are taken first and their rollouts decode together (engine refill).
-        together = 1 if cfg.dynamic_sampling else cfg.gradient_accumulation_steps
-        for i in range(0, cfg.gradient_accumulation_steps, together):
+        together = 1 if cfg.rollout.dynamic_sampling else cfg.training.gradient_accumulation_steps
+        for i in range(0, cfg.training.gradient_accumulation_steps, together):
             batches = []
             while len(batches) < together and (examples := trainer.next_examples()) is not None:
                 batches.append(examples)
@@ -319,11 +320,11 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                 data_left = False
             if not batches:
                 break
-            _phase(bar, "rollout", i, cfg.gradient_accumulation_steps, len(batches))  # and their log-prob passes
+            _phase(bar, "rollout", i, cfg.training.gradient_accumulation_steps, len(batches))  # and their log-prob passes
             for batch in trainer.batch_steps(batches):
                 steps.append(batch)
                 stats.append(batch.stats)
-                if cfg.eval_steps and c.batch_step % cfg.eval_steps == 0:
+                if cfg.eval.eval_steps and c.batch_step % cfg.eval.eval_steps == 0:
                     _phase(bar, "eval")
                     last_eval = _evaluate(trainer, logger, reporters, legacy_subset, "eval_steps") or last_eval
             if not data_left:
@@ -331,13 +332,13 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         if not steps:
             break
         save_due = False
-        for i in range(cfg.num_iterations):
-            _phase(bar, "train", i, cfg.num_iterations)  # and the wait for rewards still computing
+        for i in range(cfg.objective.num_iterations):
+            _phase(bar, "train", i, cfg.objective.num_iterations)  # and the wait for rewards still computing
             result = trainer.update(steps)
             result.time_step_s = time.perf_counter() - t_last  # wall time since the last update's end
             merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
             stop = trainer.health.observe_drawn(c.update_step, [s.drawn_scores for s in merged])  # every rank
-            if not stop and cfg.eval_every_updates and c.update_step % cfg.eval_every_updates == 0:
+            if not stop and cfg.eval.eval_every_updates and c.update_step % cfg.eval.eval_every_updates == 0:
                 _phase(bar, "eval")  # before the update's record, which carries what the eval showed
                 last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval
             warnings = trainer.health.take_warnings()
@@ -348,18 +349,18 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                 reporters.log(record, c.update_step)
                 records.append(record)
                 logger.warn(record)
-                if cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
+                if cfg.run.logging_steps and c.update_step % cfg.run.logging_steps == 0:
                     bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
                                     kl=fmt(record["kl"], ".4f"), refresh=False)
                     if bar.disable:  # no bar (not a terminal): the line says how far and how long
                         logger.print_line(record, pace(time.perf_counter() - t_start, c.update_step - start_update,
                                                        trainer.total_updates - c.update_step))
-                if cfg.log_completions_steps and c.update_step % cfg.log_completions_steps == 0:
+                if cfg.run.log_completions_steps and c.update_step % cfg.run.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
             if stop:  # logged first: metrics.jsonl shows the update that stopped the run
                 bar.close()
                 world.fail(stop)
-            save_due = save_due or bool(cfg.save_steps and c.update_step % cfg.save_steps == 0)
+            save_due = save_due or bool(cfg.run.save_steps and c.update_step % cfg.run.save_steps == 0)
             bar.update(1)
             t_last = time.perf_counter()
             if trainer.health.s.solved:  # every rank: the figures it decided on are merged
@@ -370,9 +371,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             t_last = time.perf_counter()  # time_step_s leaves the checkpoint out
         if trainer.health.s.solved:
             break
-        if cfg.max_minutes and c.update_step < trainer.total_updates and any(
-                world.gather(time.perf_counter() - t_start >= 60 * cfg.max_minutes, "the time limit")):
-            world.print(f"[mlx-grpo] max_minutes = {cfg.max_minutes:g} reached after {c.update_step} of "
+        if cfg.run.max_minutes and c.update_step < trainer.total_updates and any(
+                world.gather(time.perf_counter() - t_start >= 60 * cfg.run.max_minutes, "the time limit")):
+            world.print(f"[mlx-grpo] max_minutes = {cfg.run.max_minutes:g} reached after {c.update_step} of "
                         f"{trainer.total_updates} updates")
             break
     bar.set_description_str("grpo", refresh=False)

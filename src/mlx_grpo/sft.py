@@ -123,14 +123,14 @@ class SFTTrainer:
 
     def __post_init__(self):
         cfg = self.cfg
-        self.sampler = EpochSampler(len(self.rows), cfg.batch_size, cfg.num_epochs, cfg.seed)
-        self.total_updates = self.sampler.num_batches_total // cfg.gradient_accumulation_steps
+        self.sampler = EpochSampler(len(self.rows), cfg.training.batch_size, cfg.training.num_epochs, cfg.run.seed)
+        self.total_updates = self.sampler.num_batches_total // cfg.training.gradient_accumulation_steps
         if self.total_updates == 0:
             raise UserError(f"{len(self.rows)} training rows give {self.sampler.num_batches_total} batch steps, fewer "
-                            f"than gradient_accumulation_steps={cfg.gradient_accumulation_steps}: add data or lower "
+                            f"than gradient_accumulation_steps={cfg.training.gradient_accumulation_steps}: add data or lower "
                             "batch_size/accumulation")
         self.optimizer = make_optimizer(cfg, learning_rate_at(1, self.total_updates, cfg))
-        self.grad_fn = make_grad_fn(self.model, cfg.grad_checkpoint)
+        self.grad_fn = make_grad_fn(self.model, cfg.training.grad_checkpoint)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else sorted(tok.eos_token_ids)[0]
         self._batches = iter(self.sampler)
@@ -139,7 +139,7 @@ class SFTTrainer:
     def next_rows(self) -> list[SFTRow] | None:
         """The rows of the next update (gradient_accumulation_steps batches), or None when the data is done."""
         rows = []
-        for _ in range(self.cfg.gradient_accumulation_steps):
+        for _ in range(self.cfg.training.gradient_accumulation_steps):
             indices = next(self._batches, None)
             if indices is None:
                 return None
@@ -152,16 +152,16 @@ class SFTTrainer:
         c.update_step += 1
         lr = learning_rate_at(c.update_step, self.total_updates, cfg)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the seed
-            mx.random.seed((cfg.seed * 1_000_003 + c.update_step) % 2 ** 63)
+        if cfg.model.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the seed
+            mx.random.seed((cfg.run.seed * 1_000_003 + c.update_step) % 2 ** 63)
         t0 = time.perf_counter()
         self.model.train()
         try:
-            grads, loss, tokens = sft_gradients(self.grad_fn, rows, self.pad_id, cfg.micro_batch_size,
-                                                cfg.micro_batch_tokens)
+            grads, loss, tokens = sft_gradients(self.grad_fn, rows, self.pad_id, cfg.training.micro_batch_size,
+                                                cfg.training.micro_batch_tokens)
         finally:
             self.model.eval()
-        grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
+        grads, norm = clip_by_global_norm(grads, cfg.optimizer.max_grad_norm)
         mx.eval(grads, norm)
         loss, norm = loss.item(), norm.item()
         finite = math.isfinite(loss) and math.isfinite(norm)
@@ -174,7 +174,7 @@ class SFTTrainer:
             c.consecutive_skips += 1
             print(f"[mlx-grpo] sft update {c.update_step}: non-finite loss or gradient (loss={loss}, "
                   f"grad_norm={norm}); update skipped", flush=True)
-            if c.consecutive_skips >= cfg.max_consecutive_skips:
+            if c.consecutive_skips >= cfg.health.max_consecutive_skips:
                 raise UserError(f"{c.consecutive_skips} consecutive updates had a non-finite loss or gradient; "
                                 "stopping (try a lower learning_rate or max_grad_norm). The weights of the last "
                                 "finite update are in the latest checkpoint.")
@@ -197,7 +197,7 @@ class SFTTrainer:
                                     optimizer=self.optimizer, trainer_state=self.state(), config=self.cfg,
                                     source_dir=self.source_dir, model_config=config_json,
                                     adapter_config=self.adapter_config, masters=self.masters.masters)
-        ckpt.prune(self.run_dir, self.cfg.save_total_limit, path)
+        ckpt.prune(self.run_dir, self.cfg.run.save_total_limit, path)
         return path
 
     def restore(self, path: Path, loaded: tuple) -> None:
@@ -224,7 +224,7 @@ class SFTTrainer:
         try:
             self.model.load_weights(list(weights.items()), strict=self.adapter_config is None)
         except ValueError as exc:
-            raise UserError(f"--resume: {path} does not fit model {self.cfg.model_name!r} "
+            raise UserError(f"--resume: {path} does not fit model {self.cfg.model.model_name!r} "
                             f"({str(exc).splitlines()[0][:200]})") from None
         if self.masters.active:
             self.masters.adopt(masters or dict(tree_flatten(self.model.trainable_parameters())))

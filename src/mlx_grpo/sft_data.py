@@ -108,8 +108,8 @@ def conversation_row(messages: list[dict], tokenizer, cfg, where: str, system: s
         done = through
     first = mask.index(1)
     prompt, cut = ids[:first], False
-    if len(prompt) > cfg.max_prompt_length:  # as prompts are cut: from the left
-        prompt, cut = prompt[-cfg.max_prompt_length:], True
+    if len(prompt) > cfg.data.max_prompt_length:  # as prompts are cut: from the left
+        prompt, cut = prompt[-cfg.data.max_prompt_length:], True
     return SFTRow(prompt, ids[first:], mask[first:]), cut
 
 
@@ -147,8 +147,8 @@ def read_rows(path: Path) -> list[tuple[str, dict]]:
 def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None, system: str) -> tuple[list[SFTRow], int]:
     """The rows of a prompt/completion or messages file (max_train_samples of them: a seeded subset)."""
     raw = read_rows(path)
-    if cfg.max_train_samples:
-        raw = subset(raw, cfg.max_train_samples, cfg.seed)
+    if cfg.data.max_train_samples:
+        raw = subset(raw, cfg.data.max_train_samples, cfg.run.seed)
     rows, cut, pending = [], 0, []  # pending: (index, Example, completion) encoded together below
     for where, row in raw:
         if "messages" in row:
@@ -173,7 +173,7 @@ def file_rows(path: Path, tokenizer, cfg, multiturn: MultiTurn | None, system: s
             raise UserError(f"{where}: 'completion' must be text, got {completion!r}")
         example = Example(prompt=prompt, answer=str(row.get("answer", "")),
                           columns={k: v for k, v in row.items() if k not in ("prompt", "completion", "answer")})
-        pending.append((len(rows), example, strip_prefill(completion, cfg.prefill, where)))
+        pending.append((len(rows), example, strip_prefill(completion, cfg.data.prefill, where)))
         rows.append(None)
     if pending:
         made, n_cut = prompt_rows([e for _, e, _ in pending], [c for _, _, c in pending], tokenizer, cfg, multiturn,
@@ -220,17 +220,17 @@ def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn
     rows = []
     for i, (prompt, _) in zip(kept, encoded):
         first, *rest = pieces[i]
-        text = after_prefill(first.text, cfg.prefill) if first.origin == "model" else None
+        text = after_prefill(first.text, cfg.data.prefill) if first.origin == "model" else None
         if text is None:
             raise UserError(f"the worked solutions are written as {first.text[:20]!r}... but prefill = "
-                            f"{cfg.prefill!r} does not open them: set the prefill the format starts with")
+                            f"{cfg.data.prefill!r} does not open them: set the prefill the format starts with")
         ids, mask = [], []
         for seg in [Segment(text), *rest]:
             seg_ids = list(tokenizer.encode(seg.text, add_special_tokens=False))
             ids += seg_ids
             mask += [int(seg.origin == "model")] * len(seg_ids)
         if not any(mask):
-            raise UserError(f"example {i}: its worked solution is empty after the prefill {cfg.prefill!r}")
+            raise UserError(f"example {i}: its worked solution is empty after the prefill {cfg.data.prefill!r}")
         rows.append(SFTRow(list(prompt), ids + [end_id(tokenizer)], mask + [1]))
     return rows, sum(cut for _, cut in encoded)
 
@@ -250,12 +250,12 @@ def load_sft_data(cfg, tokenizer, multiturn: MultiTurn | None, say=print) -> SFT
     """The rows of an sft run (max_train_samples of them, a seeded subset as `train` takes), its eval subset
     and its prompts. Worked examples are drawn as `train` draws them (prompts.py: from the whole training
     split, never an eval question) and their examples are left out of the rows, as `train` leaves them out."""
-    path = Path(cfg.dataset_path).expanduser() if cfg.dataset_path else None
+    path = Path(cfg.data.dataset_path).expanduser() if cfg.data.dataset_path else None
     evals = None
-    if cfg.eval_every_updates or cfg.worked_examples or cfg.worked_examples_text:
+    if cfg.eval.eval_every_updates or cfg.data.worked_examples or cfg.data.worked_examples_text:
         evals = run_examples(cfg, "test")
     if path is not None and is_sft_file(path):
-        if cfg.worked_examples:
+        if cfg.data.worked_examples:
             raise UserError(f"worked_examples draws from question/answer data, and {path} holds sft rows: write the "
                             "examples out in worked_examples_text instead")
         worked, _ = select_worked_examples(cfg, [], evals or [])
@@ -264,11 +264,11 @@ def load_sft_data(cfg, tokenizer, multiturn: MultiTurn | None, say=print) -> SFT
     else:
         examples = run_examples(cfg, "train")
         worked, examples = select_worked_examples(cfg, examples, evals or [])
-        if cfg.max_train_samples:
-            examples = subset(examples, cfg.max_train_samples, cfg.seed)
+        if cfg.data.max_train_samples:
+            examples = subset(examples, cfg.data.max_train_samples, cfg.run.seed)
         prompt, eval_prompt = build_run_prompts(cfg, tokenizer, multiturn, worked, examples + (evals or []), say)
         rows, cut = reference_rows(examples, tokenizer, cfg, multiturn, prompt.system)
-    evals = subset(evals, cfg.eval_subset_size, cfg.seed) if cfg.eval_every_updates else None
+    evals = subset(evals, cfg.eval.eval_subset_size, cfg.run.seed) if cfg.eval.eval_every_updates else None
     return SFTData(rows, cut, evals, prompt, eval_prompt)
 
 

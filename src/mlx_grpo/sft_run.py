@@ -33,12 +33,12 @@ from mlx_grpo.sft_data import SFTData, load_sft_data
 def run_sft(cfg: Config, resume: str | None = None) -> Path:
     """Supervised fine-tuning as configured (or continue its checkpoint); returns the run directory."""
     started = time.perf_counter()
-    check_installed(cfg.report_to)
+    check_installed(cfg.run.report_to)
     built = build_model(cfg, say=lambda line: print(line, flush=True))
     model_type = getattr(getattr(built.model, "args", None), "model_type", None)
     multiturn = multiturn_for(cfg, built.tokenizer, model_type)
     data = load_sft_data(cfg, built.tokenizer, multiturn, say=console)
-    run_dir = Path(cfg.output_dir) / cfg.run_name
+    run_dir = Path(cfg.run.output_dir) / cfg.run.run_name
     trainer = SFTTrainer(cfg, built.model, built.tokenizer, data.rows, run_dir, built.source_dir, built.masters,
                          built.adapter_config)
     created = not run_dir.exists()
@@ -84,8 +84,9 @@ def _evaluate(trainer: SFTTrainer, engine: RolloutEngine, data: SFTData, multitu
     evaluates with), logged."""
     cfg = trainer.cfg
     engine.refresh(trainer.model)  # the weights changed since the engine last sampled
-    records = answer_records(trainer.model, trainer.tokenizer, data.evals, cfg, max_new_tokens=cfg.eval_max_new_tokens,
-                             progress=True, engine=engine, multiturn=multiturn, system_prompt=data.eval_prompt.system)
+    records = answer_records(trainer.model, trainer.tokenizer, data.evals, cfg,
+                             max_new_tokens=cfg.eval.eval_max_new_tokens, progress=True, engine=engine,
+                             multiturn=multiturn, system_prompt=data.eval_prompt.system)
     result = summarize(records)
     record = {"update_step": trainer.counters.update_step, "trigger": trigger, "accuracy": result.accuracy,
               "accuracy_lenient": result.lenient_accuracy, "format_rate": result.format_rate,
@@ -99,18 +100,19 @@ def _evaluate(trainer: SFTTrainer, engine: RolloutEngine, data: SFTData, multitu
 
 def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multiturn, started: float) -> Path:
     cfg, run_dir, cut, evals = trainer.cfg, trainer.run_dir, data.cut, data.evals
-    logger = RunLogger(run_dir, cfg.log_jsonl)
+    logger = RunLogger(run_dir, cfg.run.log_jsonl)
     _resume(trainer, resume, logger)
     c = trainer.counters
     save_json(cfg, run_dir / "config.resolved.json")
     start_update = c.update_step
-    reporters = Reporters(cfg.report_to, run_dir, to_dict(cfg), resumed_at=start_update if resume else None)
-    engine = RolloutEngine(trainer.tokenizer, mode=cfg.rollout_engine) if evals else None
+    reporters = Reporters(cfg.run.report_to, run_dir, to_dict(cfg), resumed_at=start_update if resume else None)
+    engine = RolloutEngine(trainer.tokenizer, mode=cfg.rollout.rollout_engine) if evals else None
     if cut:
         console(f"[mlx-grpo] {cut} of {len(trainer.rows)} prompts were longer than max_prompt_length = "
-                f"{cfg.max_prompt_length} tokens and were cut from the left")
+                f"{cfg.data.max_prompt_length} tokens and were cut from the left")
     console(f"[mlx-grpo] sft: {len(trainer.rows)} rows, {sum(r.trained for r in trainer.rows)} trained tokens, "
-            f"{trainer.total_updates} updates of {cfg.batch_size * cfg.gradient_accumulation_steps} rows")
+            f"{trainer.total_updates} updates of "
+            f"{cfg.training.batch_size * cfg.training.gradient_accumulation_steps} rows")
     losses, last_eval, last_saved = [], None, c.update_step if resume else -1
     bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="sft", unit="update", disable=None)
     t_start = t_last = time.perf_counter()
@@ -123,20 +125,20 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
             losses.append(record["loss"])
             bar.set_postfix(loss=fmt(record["loss"], ".4f"), refresh=False)
             bar.update(1)
-            if bar.disable and cfg.logging_steps and c.update_step % cfg.logging_steps == 0:
+            if bar.disable and cfg.run.logging_steps and c.update_step % cfg.run.logging_steps == 0:
                 console(f"[mlx-grpo] sft update {c.update_step}: loss {fmt(record['loss'], '.4f')} tokens "
                         f"{record['tokens']} lr {record['lr']:.2e}, " + pace(time.perf_counter() - t_start,
                                                                              c.update_step - start_update,
                                                                              trainer.total_updates - c.update_step))
-            if evals and c.update_step % cfg.eval_every_updates == 0:
+            if evals and c.update_step % cfg.eval.eval_every_updates == 0:
                 last_eval = _evaluate(trainer, engine, data, multiturn, logger, reporters, "eval_every_updates")
-            if cfg.save_steps and c.update_step % cfg.save_steps == 0:
+            if cfg.run.save_steps and c.update_step % cfg.run.save_steps == 0:
                 trainer.save()
                 last_saved = c.update_step
             t_last = time.perf_counter()
-            if cfg.max_minutes and time.perf_counter() - t_start >= 60 * cfg.max_minutes \
+            if cfg.run.max_minutes and time.perf_counter() - t_start >= 60 * cfg.run.max_minutes \
                     and c.update_step < trainer.total_updates:
-                console(f"[mlx-grpo] max_minutes = {cfg.max_minutes:g} reached after {c.update_step} of "
+                console(f"[mlx-grpo] max_minutes = {cfg.run.max_minutes:g} reached after {c.update_step} of "
                         f"{trainer.total_updates} updates")
                 break
         bar.close()

@@ -8,31 +8,15 @@ a file in the old forms (`prompt`/`answer`, GSM8K's `question`/`answer ... #### 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlx_grpo.config import ANSWER_COLUMNS, PROMPT_COLUMNS
-from mlx_grpo.data import DATASETS, Example, load_examples as load_builtin, read_rows, row_to_example
+from mlx_grpo.config import ANSWER_COLUMNS, PROMPT_COLUMNS, dataset_kind, unknown_dataset
+from mlx_grpo.data import Example, load_examples as load_builtin, read_rows, row_to_example
 from mlx_grpo.errors import UserError
 
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-# "owner/name" as the hub spells repository ids.
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 BOXED = "\\boxed{"
-
-
-def dataset_kind(name: str) -> str:
-    """'builtin', 'file', 'directory', 'hub', or 'unknown' for a name that is none of them."""
-    if name in DATASETS:
-        return "builtin"
-    path = Path(name).expanduser()
-    if path.suffix.lower() in FILE_SUFFIXES or path.is_file():
-        return "file"
-    if path.is_dir():
-        return "directory"
-    return "hub" if HUB_ID.match(name) else "unknown"
 
 
 def detect_columns(keys: Iterable[str], source: str, prompt_column: str = "",
@@ -150,17 +134,8 @@ def load_examples(dataset: str, split: str, path: str | None, seed: int, *, arit
 def run_examples(cfg, split: str, path: str | None = None, path_key: str | None = None) -> list[Example]:
     """``load_examples`` with a run's data settings (cfg: a Config); path defaults to dataset_path for the
     train split and eval_dataset_path for the others (path_key: the key named in hints, `eval` passes its own)."""
+    data = cfg.data
     if path is None:
-        path = cfg.dataset_path if split == "train" else cfg.eval_dataset_path
-    return load_examples(cfg.dataset, split, path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps,
-                         prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, path_key=path_key)
-
-
-def unknown_dataset(name: str) -> str:
-    """The error line for a `dataset` that is neither a built-in, a data file or directory, nor a hub id."""
-    import difflib
-
-    close = difflib.get_close_matches(name, DATASETS, n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return (f"dataset must be 'arith' or 'gsm8k', a .jsonl/.json/.parquet file, a data set directory or a hub id "
-            f"'owner/name'; got {name!r}{hint}")
+        path = data.dataset_path if split == "train" else data.eval_dataset_path
+    return load_examples(data.dataset, split, path or None, cfg.run.seed, arith_max_steps=data.arith_max_steps,
+                         prompt_column=data.prompt_column, answer_column=data.answer_column, path_key=path_key)

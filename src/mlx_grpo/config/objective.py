@@ -1,0 +1,94 @@
+"""The `objective` settings (cfg.objective; TOML [objective]): the loss that turns scored groups into
+gradients: loss aggregation (loss.LOSS_TYPES), advantage scaling, clipping, KL, importance sampling and
+rollout correction, off-policy passes, demonstrations. Read by loss.py and the update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_grpo.config.fields import TRAIN, setting
+
+
+def loss_types():
+    """loss.LOSS_TYPES, the one declaration of the loss types. Imported when first needed: loss.py imports
+    mlx.core, which the CLI may load only after choosing a BLAS (blas.py)."""
+    from mlx_grpo.loss import LOSS_TYPES
+
+    return LOSS_TYPES
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """The loss that turns scored groups into gradients, and its variants: aggregation, advantage scaling,
+    clipping, KL, importance sampling, rollout correction, off-policy passes, demonstrations."""
+
+    loss_type: str = setting("grpo", "How token losses are averaged. grpo: mean over each sequence's tokens, then over "
+                             "sequences (DeepSeekMath, Shao et al. 2024); bnpo: sum over the batch step's tokens / "
+                             "their number; dr_grpo: sum / (sequences x max_new_tokens), no length bias (Dr. GRPO, Liu "
+                             "et al. 2025 'Understanding R1-Zero-like training'); dapo: token mean over the whole "
+                             "accumulated update (DAPO, Yu et al. 2025). Use dapo or dr_grpo for long reasoning, where "
+                             "grpo under-weights each token of a long answer.", TRAIN, choices=loss_types)
+    scale_rewards: str = setting("group", "Advantage scaling after subtracting the group mean: group = divide by the "
+                                 "group's reward std (GRPO); batch = by the std of the batch step's rewards (more "
+                                 "robust for near-flat groups); none = no division (Dr. GRPO recommends none: the std "
+                                 "division over-weights easy and hard prompts).", TRAIN,
+                                 choices=("group", "batch", "none"))
+    clip_eps: float = setting(0.2, "PPO clipping range for the probability ratio.", TRAIN, range="(0, 1)")
+    clip_eps_high: float = setting(0.0, "Upper clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] "
+                                   "(DAPO 'clip-higher', Yu et al. 2025, uses 0.28 with clip_eps 0.2: lets rare good "
+                                   "tokens grow, keeps entropy from collapsing). 0 = same as clip_eps. Like all "
+                                   "clipping it acts only when the ratio can leave 1: num_iterations >= 2, "
+                                   "update_every >= 2 or quantize_for_rollouts.", TRAIN,
+                                   range="[0, 10)", note="0 = same as clip_eps")
+    delta: float = setting(0.0, "Two-sided clipping: for negative advantages the ratio is also capped at delta (> 1 + "
+                           "clip_eps_high), bounding the loss when the policy has moved far from the sampler "
+                           "(INTELLECT-2, Prime Intellect 2025; e.g. 4.0). 0 = off. Needs an off-policy ratio, as "
+                           "clip_eps_high.", TRAIN)
+    importance_sampling_level: str = setting("token", "token: one importance ratio per token (PPO/GRPO); sequence: one "
+                                             "length-normalised ratio per completion, exp(mean of token log-ratios), "
+                                             "clipped per sequence (GSPO, Zheng et al. 2025; stabler for long answers "
+                                             "and MoE models; use a small clip_eps such as 3e-4 / clip_eps_high 4e-4). "
+                                             "On-policy (num_iterations = update_every = 1) the ratio is 1 and GSPO "
+                                             "equals GRPO, so it needs num_iterations >= 2 (as in the paper) or "
+                                             "update_every >= 2.", TRAIN, choices=("token", "sequence"))
+    kl_coeff: float = setting(0.04, "Weight of the KL penalty to the reference model (0 = no reference model).", TRAIN,
+                              range=">= 0")
+    kl_estimator: str = setting("k3", "Per-token KL estimator for the penalty (Schulman 2020, 'Approximating KL "
+                                "divergence'): k3 = exp(ref - logp) - (ref - logp) - 1, unbiased, low variance, always "
+                                ">= 0 (DeepSeekMath/GRPO); k1 = logp - ref, unbiased but high variance and can be "
+                                "negative; as a loss its expected gradient on fresh samples is 0, so it pulls towards "
+                                "the reference only weakly. Needs kl_coeff > 0.", TRAIN, choices=("k3", "k1"))
+    mask_truncated_completions: bool = setting(False, "Leave completions cut by max_new_tokens out of the loss (DAPO's "
+                                               "overlong filtering): an unfinished answer is not evidence against its "
+                                               "reasoning. Their rewards still enter the group's advantages.", TRAIN)
+    rollout_correction: str = setting("none", "Truncated importance sampling on the sampler ratio exp(trainer log-prob "
+                                      "- sampler log-prob) of each sampled token (TIS, Yao et al. 2025 'Your efficient "
+                                      "RL framework secretly brings you off-policy RL training'; TRL's "
+                                      "vllm_importance_sampling_mode, verl's rollout_is): none; token_truncate = each "
+                                      "token's loss times min(ratio, cap); token_mask = times the ratio, 0 where it "
+                                      "exceeds cap; sequence_truncate / sequence_mask = the same with one ratio per "
+                                      "completion (exp of the summed token differences). Corrects for the rollout "
+                                      "engine's decoding differing from the training pass (half-precision kernels); "
+                                      "with quantize_for_rollouts the old policy is the quantized copy, whose "
+                                      "difference enters the clipped PPO ratio instead. The mismatch is logged either "
+                                      "way (sampler_kl). Not with lora_dropout.", TRAIN,
+                                      choices=("none", "token_truncate", "token_mask", "sequence_truncate",
+                                               "sequence_mask"))
+    rollout_correction_cap: float = setting(2.0, "Cap C of rollout_correction's ratio (TRL's default 2.0).", TRAIN,
+                                            range="> 1", note="TRL uses 2.0")
+    num_iterations: int = setting(1, "Optimizer passes over each rollout batch.", TRAIN, range=">= 1")
+    update_every: int = setting(1, "Refresh the sampling (old) policy from the trained model every N updates.", TRAIN,
+                                range=">= 1")
+    demonstrations: str = setting("off", "Off-policy guidance in the group (LUFFY, Yan et al. 2025 'Learning to Reason "
+                                  "under Off-Policy Guidance'). zero_groups: when no completion of a group earns "
+                                  "anything (reward > 0; of demo_reward when set), its last completion is replaced by "
+                                  "the example's reference solution in the run's format (the data's 'completion' "
+                                  "column verbatim, prefill included; else GSM8K's worked solution or the one arith "
+                                  "writes, converted: solutions.py), scored by the same rewards and trained with the "
+                                  "clipped PPO ratio against the rollout policy's teacher-forced log-probs, outside "
+                                  "the rollout correction (docs/algorithms-demonstrations.md). Logged as "
+                                  "demo_fraction. off: never. Single-turn runs only.", TRAIN,
+                                  choices=("off", "zero_groups"))
+    demo_reward: str = setting("", "With demonstrations: the reward function (as named in reward_funcs; a custom one "
+                               "by its function name) that no completion of a group may have earned for the group to "
+                               "get a demonstration, e.g. reasoned_correctness; empty = the total reward.", TRAIN)

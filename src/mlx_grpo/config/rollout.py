@@ -1,0 +1,64 @@
+"""The `rollout` settings (cfg.rollout; TOML [rollout]): how completions are sampled (also by generate, chat
+and eval), how many per prompt, which groups are kept, tool calls and environments, and which engine
+decodes. Read by the rollout modules (engine, sampling, multi-turn, tools)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_grpo.config.fields import DATA, INFER, SAMPLING, TRAIN, TUNE, setting
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How completions are sampled (training rollouts; also generate, chat and eval), how many per prompt,
+    which groups are kept, tool calls and environments, and the engine that decodes them."""
+
+    max_new_tokens: int = setting(256, "Maximum number of tokens generated per completion (eval: eval_max_new_tokens).",
+                                  INFER | TRAIN, range="> 0")
+    # Interactive use and evaluation are greedy by default; training samples.
+    temperature: float = setting(1.0, "Sampling temperature; 0 is greedy. Training log-probs use the same temperature "
+                                 "as the sampler.", SAMPLING, range=">= 0", note="0 = greedy",
+                                 per_command={"generate": 0.0, "chat": 0.0, "eval": 0.0})
+    top_p: float = setting(1.0, "Nucleus sampling: keep the smallest token set with this total probability (1.0 = "
+                           "off).", SAMPLING, range="(0, 1]", note="1.0 = off")
+    top_k: int = setting(0, "Sample only among the k most likely tokens (0 = off).", SAMPLING,
+                         range=">= 0", note="0 = off")
+    min_p: float = setting(0.0, "Drop tokens whose probability is below min_p times the top token's (0 = off).",
+                           SAMPLING, range="[0, 1)", note="0 = off")
+    repetition_penalty: float = setting(1.0, "Penalty for tokens in the last 20 tokens (1.0 = off).", INFER,
+                                        range="> 0", note="1.0 = off")
+    stop: list[str] = setting([], "Extra stop strings: a completion ends after the token that completes one (in "
+                              "training rollouts and in evaluation).", DATA)
+    num_generations: int = setting(8, "Completions sampled per prompt (G); advantages are normalised within each group "
+                                   "of G.", TRAIN,
+                                   range=">= 2",
+                                   note="group-relative advantages need at least two completions per prompt")
+    dynamic_sampling: bool = setting(False, "DAPO dynamic sampling: drop groups whose rewards are all equal (they give "
+                                     "no gradient) and draw more prompts until the batch step has batch_size "
+                                     "informative groups or max_resample_batches extra draws were made. Consumes more "
+                                     "prompts per step; the run (and the learning-rate schedule, which follows the "
+                                     "data consumed) ends when the data does.", TRAIN)
+    max_resample_batches: int = setting(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
+                                        "step; a step still short trains on the groups it has.", TRAIN, range=">= 0")
+    tools: list[str] = setting([], "Tools the model may call during rollouts and evaluation: calculator (safe "
+                               "arithmetic), python (code in a sandboxed subprocess), 'module:function' or "
+                               "'file.py:function' (a typed, documented function). Empty = single-turn.", DATA)
+    tool_format: str = setting("auto", "Tool-call syntax: auto (nanochat's python tokens for nanochat models, the chat "
+                               "template's <tool_call> JSON where it has one, else plain <calc>/<tool> tags), hermes, "
+                               "nanochat or plain.", DATA, choices=("auto", "hermes", "nanochat", "plain"))
+    max_tool_turns: int = setting(4, "Tool calls per completion; the model's turn after the last one gets no tool "
+                                  "answer. max_new_tokens counts every token of every turn, tool output included.",
+                                  DATA, range=">= 1")
+    environment: str = setting("", "Multi-turn environment 'file.py:ClassName' (a subclass of "
+                               "mlx_grpo.environments.Environment); list the reward 'environment_reward' in "
+                               "reward_funcs to train on the rewards it gives. Empty = none.", DATA)
+    rollout_engine: str = setting("auto", "Where rollouts (and eval) decode. copy: a sampling copy of the policy "
+                                  "(q/k/v and gate/up fused, LoRA/DoRA merged, one compiled graph per step; llama, "
+                                  "mistral, qwen2, qwen3 with unquantized weights; costs one more copy of the layer "
+                                  "weights); model: the model itself through mlx-lm's modules; auto: copy on NVIDIA "
+                                  "GPUs, model elsewhere (off CUDA the copy has no fused attention kernel yet).", TUNE,
+                                  choices=("auto", "copy", "model"), resume_may_change=True)
+    quantize_for_rollouts: bool = setting(False, "Sample from a 4-bit (group 64) copy of the old policy, re-quantized "
+                                          "at each refresh. Measured 20x slower than float weights on MLX 0.32's CUDA "
+                                          "backend (BENCHMARKS.md).", TRAIN)
