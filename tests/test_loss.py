@@ -1,7 +1,7 @@
 """The GRPO objective against naive float64 references written from the spec.
 
 Advantages, the clipped loss with KL and clip fraction, padding invariance, the gradient w.r.t. the
-policy log-probs, and rollout correction. The training forward (log-probs from a model) is in
+policy log-probs, rollout correction, and the CISPO and SAPO policy terms. The training forward (log-probs from a model) is in
 test_forward.py.
 """
 
@@ -28,21 +28,34 @@ def naive_advantages(rewards, group_size):
 
 
 def naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, clip_high=None, delta=0.0,
-                      sequence=False, estimator="k3"):
-    """Per-token loss, kl, ratio, clipped-low and clipped-high flags as float64 [N, T] from plain loops."""
+                      sequence=False, estimator="k3", loss_type="grpo", cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05,
+                      weight_logp=None):
+    """Per-token loss, kl, ratio, clipped-low and clipped-high flags as float64 [N, T] from plain loops.
+    loss_type picks the policy term: the clipped surrogate, cispo (weight min(rho, cap) * A * logp, the weight
+    a constant: computed from weight_logp when given, so finite differences see it fixed) or sapo (gate
+    4 / tau * sigmoid(tau * (rho - 1)) * A)."""
     hi = clip_eps if clip_high is None else clip_high
+    weight_logp = logp if weight_logp is None else weight_logp
     N, T = logp.shape
     loss, kl, ratio, low, high = (np.zeros((N, T)) for _ in range(5))
     for n in range(N):
         a = float(adv[n])
         idx = [t for t in range(T) if mask[n, t] > 0]
         seq = math.exp(sum(float(logp[n, t]) - float(old[n, t]) for t in idx) / max(len(idx), 1))
+        seq_w = math.exp(sum(float(weight_logp[n, t]) - float(old[n, t]) for t in idx) / max(len(idx), 1))
         for t in range(T):
             lp = float(logp[n, t])
             rho = seq if sequence else math.exp(lp - float(old[n, t]))
-            unclipped_term = (min(rho, delta) if delta else rho) * a
-            clipped_term = min(max(rho, 1 - clip_eps), 1 + hi) * a
-            pg = min(unclipped_term, clipped_term)
+            if loss_type == "cispo":
+                rho_w = seq_w if sequence else math.exp(float(weight_logp[n, t]) - float(old[n, t]))
+                pg = min(rho_w, cispo_cap) * a * lp
+            elif loss_type == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                pg = 4 / tau / (1 + math.exp(-tau * (rho - 1))) * a
+            else:
+                unclipped_term = (min(rho, delta) if delta else rho) * a
+                clipped_term = min(max(rho, 1 - clip_eps), 1 + hi) * a
+                pg = min(unclipped_term, clipped_term)
             if ref is None:
                 k = 0.0
             elif estimator == "k1":
@@ -52,8 +65,11 @@ def naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, clip_high=N
                 k = math.exp(d) - d - 1
             loss[n, t] = -(pg - kl_coeff * k)
             kl[n, t], ratio[n, t] = k, rho
-            low[n, t] = float(rho < 1 - clip_eps and a < 0)
-            high[n, t] = float((rho > 1 + hi and a > 0) or (delta > 0 and rho > delta and a < 0))
+            if loss_type == "cispo":
+                high[n, t] = float(rho > cispo_cap)
+            elif loss_type != "sapo":
+                low[n, t] = float(rho < 1 - clip_eps and a < 0)
+                high[n, t] = float((rho > 1 + hi and a > 0) or (delta > 0 and rho > delta and a < 0))
     return loss, kl, ratio, low, high
 
 
@@ -72,19 +88,19 @@ def naive_update_loss(steps, loss_type, max_new_tokens, clip_eps, kl_coeff, **va
     rows with keep False are left out (their tokens do not count either)."""
     per_step = []  # (token losses of kept rows, rows in the step)
     for logp, old, ref, adv, mask, keep in steps:
-        loss = naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, **variant)[0]
+        loss = naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, loss_type=loss_type, **variant)[0]
         rows = [[loss[n, t] for t in range(logp.shape[1]) if mask[n, t] > 0] if keep[n] else []
                 for n in range(logp.shape[0])]
         per_step.append((rows, logp.shape[0]))
     n_rows = sum(count for _, count in per_step)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):  # TRL normalises sapo as grpo, cispo as dapo
         return sum(sum(r) / len(r) for rows, _ in per_step for r in rows if r) / n_rows
     if loss_type == "bnpo":
         means = [sum(map(sum, rows)) / sum(map(len, rows)) for rows, _ in per_step if sum(map(len, rows))]
         return sum(means) / len(means)
     if loss_type == "dr_grpo":
         return sum(sum(r) for rows, _ in per_step for r in rows) / (n_rows * max_new_tokens)
-    assert loss_type == "dapo"
+    assert loss_type in ("dapo", "cispo")
     return (sum(sum(r) for rows, _ in per_step for r in rows)
             / sum(len(r) for rows, _ in per_step for r in rows))
 
@@ -209,9 +225,11 @@ VARIANTS = {
 }
 
 
-def objective(clip_eps=0.2, kl_coeff=0.04, clip_high=None, delta=0.0, sequence=False, estimator="k3"):
+def objective(clip_eps=0.2, kl_coeff=0.04, clip_high=None, delta=0.0, sequence=False, estimator="k3",
+              loss_type="grpo", cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05):
     return Objective(clip_low=clip_eps, clip_high=clip_eps if clip_high is None else clip_high, delta=delta,
-                     sequence_level=sequence, kl_coeff=kl_coeff, kl_estimator=estimator)
+                     sequence_level=sequence, kl_coeff=kl_coeff, kl_estimator=estimator, loss_type=loss_type,
+                     cispo_cap=cispo_cap, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg)
 
 
 def per_sequence_weights(mask):
@@ -310,7 +328,7 @@ def test_update_loss_of_each_loss_type_matches_naive(loss_type, variant, masked)
         logp, old, ref, adv, mask = _loss_case(seed=seed)
         steps.append((logp, old, ref, adv, mask, np.array(keep) if masked else np.ones(6, bool)))
     weights = row_scales([s[4].sum(axis=1) for s in steps], [s[5] for s in steps], loss_type, max_new_tokens=9)
-    obj = objective(**kw)
+    obj = objective(loss_type=loss_type, **kw)
     total = 0.0
     for (logp, old, ref, adv, mask, _), w in zip(steps, weights):
         for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
@@ -320,11 +338,14 @@ def test_update_loss_of_each_loss_type_matches_naive(loss_type, variant, masked)
     np.testing.assert_allclose(total, expected, rtol=RTOL, atol=ATOL)
 
 
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # one policy term, four normalisations
+
+
 def test_loss_types_differ_and_dapo_is_accumulation_invariant():
     """dapo and dr_grpo weigh every token alike across the update; bnpo per batch step; grpo per sequence."""
     logp, old, ref, adv, mask = _loss_case()
     keep = np.ones(6, bool)
-    whole = {t: naive_update_loss([(logp, old, ref, adv, mask, keep)], t, 9, 0.2, 0.04) for t in LOSS_TYPES}
+    whole = {t: naive_update_loss([(logp, old, ref, adv, mask, keep)], t, 9, 0.2, 0.04) for t in CLIPPED}
     assert len({round(v, 9) for v in whole.values()}) == 3
     np.testing.assert_allclose(whole["bnpo"], whole["dapo"], rtol=1e-12)  # the same within one batch step
     halves = [tuple(a[rows] for a in (logp, old, ref, adv, mask, keep)) for rows in (slice(0, 3), slice(3, 6))]

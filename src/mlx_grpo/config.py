@@ -205,12 +205,21 @@ class Config:
                            "negative; as a loss its expected gradient on fresh samples is 0, so it pulls "
                            "towards the reference only weakly. Needs kl_coeff > 0.", TRAIN)
     # --- objective variants (README, "The algorithm and its variants") ---
-    loss_type: str = _f("grpo", "How token losses are averaged. grpo: mean over each sequence's tokens, then "
-                        "over sequences (DeepSeekMath, Shao et al. 2024); bnpo: sum over the batch step's "
-                        "tokens / their number; dr_grpo: sum / (sequences x max_new_tokens), no length bias "
-                        "(Dr. GRPO, Liu et al. 2025 'Understanding R1-Zero-like training'); dapo: token mean "
-                        "over the whole accumulated update (DAPO, Yu et al. 2025). Use dapo or dr_grpo for "
-                        "long reasoning, where grpo under-weights each token of a long answer.", TRAIN)
+    loss_type: str = _f("grpo", "The objective: a per-token policy term and how token losses are averaged, "
+                        "one of the loss types declared in loss.py's LOSSES with their papers (docs/algorithms.md "
+                        "compares them; a wrong name lists them all). grpo, the default, is DeepSeekMath's "
+                        "clipped surrogate averaged per sequence; dapo, dr_grpo and cispo weigh every token "
+                        "alike: use one for long reasoning, where grpo under-weights each token of a long "
+                        "answer.", TRAIN)
+    cispo_cap: float = _f(5.0, "loss_type = cispo: the IS weight is sg(min(ratio, cispo_cap)) (MiniMax-M1, arXiv "
+                          "2506.13585; TRL's epsilon_high under cispo; ScaleRL recommends 5.0). >= 1; acts only "
+                          "off-policy (num_iterations >= 2 or update_every >= 2).", TRAIN)
+    sapo_temperature_pos: float = _f(1.0, "loss_type = sapo: gate temperature for tokens with A > 0 (SAPO, arXiv "
+                                     "2511.20347; TRL's name): larger = harder gate, off-policy tokens fade "
+                                     "faster.", TRAIN)
+    sapo_temperature_neg: float = _f(1.05, "loss_type = sapo: gate temperature for tokens with A <= 0; SAPO "
+                                     "uses a larger one than for A > 0 (negative updates destabilise "
+                                     "more).", TRAIN)
     scale_rewards: str = _f("group", "Advantage scaling after subtracting the group mean: group = divide by "
                             "the group's reward std (GRPO); batch = by the std of the batch step's rewards "
                             "(more robust for near-flat groups); none = no division (Dr. GRPO recommends "

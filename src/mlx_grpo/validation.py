@@ -7,6 +7,7 @@ import difflib
 
 from mlx_grpo.config import DATA, Config, command_default
 from mlx_grpo.errors import UserError
+from mlx_grpo.loss import LOSS_TYPES, LOSSES
 from mlx_grpo.reporting import REPORTERS
 from mlx_grpo.sources import dataset_kind, unknown_dataset
 
@@ -151,7 +152,12 @@ def _choice(c: Config, name: str, choices: tuple[str, ...]) -> None:
 
 
 def _validate_objective(c: Config) -> None:
-    _choice(c, "loss_type", ("grpo", "bnpo", "dr_grpo", "dapo"))
+    _choice(c, "loss_type", LOSS_TYPES)
+    _require(c.cispo_cap >= 1, "cispo_cap must be >= 1: on-policy (ratio 1) the weight must stay 1")
+    _require(c.sapo_temperature_pos > 0 and c.sapo_temperature_neg > 0, "sapo temperatures must be > 0")
+    for name in dict.fromkeys(f for t in LOSSES.values() for f in t.fields):  # a loss type's own settings
+        _unused_unless(c, name, name in LOSSES[c.loss_type].fields,
+                       "loss_type " + " or ".join(k for k, t in LOSSES.items() if name in t.fields))
     _choice(c, "scale_rewards", ("group", "batch", "none"))
     _choice(c, "importance_sampling_level", ("token", "sequence"))
     _choice(c, "kl_estimator", ("k3", "k1"))
@@ -167,7 +173,9 @@ def _validate_objective(c: Config) -> None:
     _require(c.max_resample_batches >= 0, "max_resample_batches must be >= 0")
     off_policy = c.num_iterations > 1 or c.update_every > 1 or c.quantize_for_rollouts
     for name, active in (("clip_eps_high", c.clip_eps_high > 0), ("delta", c.delta > 0),
-                         ("importance_sampling_level", c.importance_sampling_level == "sequence")):
+                         ("importance_sampling_level", c.importance_sampling_level == "sequence"),
+                         *((n, getattr(c, n) != command_default("train", n))  # the gate and cap act on rho != 1
+                           for n in ("cispo_cap", "sapo_temperature_pos", "sapo_temperature_neg"))):
         _require(not active or off_policy, f"{name} has no effect here: with num_iterations = 1 and update_every = "
                  "1 the sampler is the policy being trained, every importance ratio is exactly 1 and nothing is "
                  "clipped; set num_iterations >= 2 (several optimizer passes per rollout) or update_every >= 2")
