@@ -206,11 +206,13 @@ class Config:
                            "towards the reference only weakly. Needs kl_coeff > 0.", TRAIN)
     # --- objective variants (README, "The algorithm and its variants") ---
     loss_type: str = _f("grpo", "The objective: a per-token policy term and how token losses are averaged, "
-                        "one of the loss types declared in loss.py's LOSSES with their papers (docs/algorithms.md "
-                        "compares them; a wrong name lists them all). grpo, the default, is DeepSeekMath's "
-                        "clipped surrogate averaged per sequence; dapo, dr_grpo and cispo weigh every token "
-                        "alike: use one for long reasoning, where grpo under-weights each token of a long "
-                        "answer.", TRAIN)
+                        "one of the types declared in loss.py's LOSSES (docs/algorithms.md; a wrong name lists "
+                        "them all). grpo (DeepSeekMath, Shao et al. 2024): clipped surrogate, mean over each "
+                        "sequence's tokens, then over sequences; dapo (DAPO, Yu et al. 2025), bnpo and dr_grpo "
+                        "(Dr. GRPO, Liu et al. 2025): token mean over the update, the batch step, or sum / "
+                        "(sequences x max_new_tokens), for long reasoning, where grpo under-weights each token "
+                        "of a long answer; cispo (MiniMax-M1 2025): clipped, detached IS weight x A x logp, "
+                        "token mean; sapo (SAPO, Qwen 2025): a soft temperature gate instead of the clip.", TRAIN)
     cispo_cap: float = _f(5.0, "loss_type = cispo: the IS weight is sg(min(ratio, cispo_cap)) (MiniMax-M1, arXiv "
                           "2506.13585; TRL's epsilon_high under cispo; ScaleRL recommends 5.0). >= 1; acts only "
                           "off-policy (num_iterations >= 2 or update_every >= 2).", TRAIN)
