@@ -1,8 +1,8 @@
 """The GRPO objective against naive float64 references written from the spec.
 
 Advantages, the clipped loss with KL and clip fraction, padding invariance, the gradient w.r.t. the
-policy log-probs, rollout correction, and the CISPO and SAPO policy terms. The training forward (log-probs from a model) is in
-test_forward.py.
+policy log-probs, rollout correction, and the CISPO and SAPO policy terms. The training forward
+(log-probs from a model) is in test_forward.py.
 """
 
 from __future__ import annotations
@@ -738,7 +738,7 @@ def test_loss_types_are_declared_once():
     """Every loss type is one LOSSES entry: row_scales and token_terms read it, nothing else lists names."""
     assert LOSS_TYPES == tuple(LOSSES) and {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"} <= set(LOSS_TYPES)
     for name, spec in LOSSES.items():
-        assert spec.describe and callable(spec.term) and callable(spec.norm), name
+        assert callable(spec.term) and callable(spec.norm), name
     lengths, keep = [np.array([3, 5])], [np.array([True, True])]
     np.testing.assert_allclose(row_scales(lengths, keep, "cispo", 8)[0], row_scales(lengths, keep, "dapo", 8)[0])
     np.testing.assert_allclose(row_scales(lengths, keep, "sapo", 8)[0], row_scales(lengths, keep, "grpo", 8)[0])

@@ -1,5 +1,5 @@
 """The GRPO objective as pure array functions: advantages, the per-token policy terms with KL, the per-row
-weights, and LOSSES, the one declaration of each `loss_type` (its policy term, its normalisation, a line).
+weights, and LOSSES, the one declaration of each `loss_type` (its policy term and its normalisation).
 
 Notation: N = B*G sequences (B prompts, G completions each), T completion tokens.
 Log-probs come in as arrays (models/forward.py computes them under logits / temperature, the
@@ -153,13 +153,11 @@ def per_token(n: np.ndarray, tokens_s: float, c: Counts) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LossType:
-    """One `loss_type`: its per-token policy term, its row weights (w_i below, row_scales) and a line for
-    docs and error messages. `fields`: the config fields only its term reads (validation rejects them
-    changed under another loss type)."""
+    """One `loss_type`: its per-token policy term and its row weights (w_i below, row_scales). `fields`: the
+    config fields only its term reads (validation rejects them changed under another loss type)."""
 
     term: Callable[[mx.array, mx.array, mx.array, Objective], PolicyTerm]
     norm: Callable[[np.ndarray, float, Counts], np.ndarray]
-    describe: str
     fields: tuple[str, ...] = ()
 
 
@@ -167,18 +165,18 @@ CLIP_FIELDS = ("clip_eps", "clip_eps_high", "delta")
 # The one declaration of each loss type. Update loss = sum_i w_i * sum_t loss_it over kept rows i, with
 # len_i the row's tokens, N the update's rows, tokens_s the kept tokens of batch step s (S steps with any).
 LOSSES: dict[str, LossType] = {
-    "grpo": LossType(clipped_surrogate, per_sequence, "clipped surrogate; w = 1 / (len_i * N): mean over each "
-                     "sequence's tokens, then over sequences (DeepSeekMath, Shao et al. 2024)", CLIP_FIELDS),
-    "bnpo": LossType(clipped_surrogate, per_step_token, "clipped surrogate; w = 1 / (tokens_s * S): token mean "
-                     "per batch step", CLIP_FIELDS),
-    "dr_grpo": LossType(clipped_surrogate, per_constant, "clipped surrogate; w = 1 / (N * max_new_tokens), no "
-                        "length bias (Dr. GRPO, Liu et al. 2025)", CLIP_FIELDS),
-    "dapo": LossType(clipped_surrogate, per_token, "clipped surrogate; w = 1 / tokens: token mean over the whole "
-                     "update (DAPO, Yu et al. 2025)", CLIP_FIELDS),
-    "cispo": LossType(cispo_term, per_token, "sg(min(ratio, cispo_cap)) * A * logp, token mean over the update: "
-                      "clips the IS weight, not the update (CISPO, MiniMax-M1 2025)", ("cispo_cap",)),
-    "sapo": LossType(sapo_term, per_sequence, "soft temperature gate instead of the clip, mean per sequence "
-                     "(SAPO, Qwen 2025)", ("sapo_temperature_pos", "sapo_temperature_neg")),
+    # clipped surrogate; w = 1 / (len_i * N): mean over each sequence's tokens, then over sequences (DeepSeekMath)
+    "grpo": LossType(clipped_surrogate, per_sequence, CLIP_FIELDS),
+    # clipped surrogate; w = 1 / (tokens_s * S): token mean per batch step
+    "bnpo": LossType(clipped_surrogate, per_step_token, CLIP_FIELDS),
+    # clipped surrogate; w = 1 / (N * max_new_tokens): no length bias (Dr. GRPO, Liu et al. 2025)
+    "dr_grpo": LossType(clipped_surrogate, per_constant, CLIP_FIELDS),
+    # clipped surrogate; w = 1 / tokens: token mean over the whole update (DAPO, Yu et al. 2025)
+    "dapo": LossType(clipped_surrogate, per_token, CLIP_FIELDS),
+    # sg(min(rho, cispo_cap)) * A * logp, token mean over the update as TRL (CISPO, MiniMax-M1 2025)
+    "cispo": LossType(cispo_term, per_token, ("cispo_cap",)),
+    # soft temperature gate instead of the clip, per-sequence mean as TRL (SAPO, Qwen 2025)
+    "sapo": LossType(sapo_term, per_sequence, ("sapo_temperature_pos", "sapo_temperature_neg")),
 }
 LOSS_TYPES = tuple(LOSSES)
 
