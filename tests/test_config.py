@@ -97,7 +97,16 @@ def test_key_for_other_command_rejected():
     (["temperature=0"], "temperature must be > 0"),
     (["lr_scheduler_type=step"], "lr_scheduler_type must be"),
     (["eval_samples=20"], "eval_samples only sizes the eval_steps evaluations"),
-    (["loss_type=dr-grpo"], "loss_type must be one of grpo, bnpo, dr_grpo, dapo, got 'dr-grpo'; did you mean 'dr_grpo'"),
+    (["loss_type=dr-grpo"], "loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, got 'dr-grpo'; did you "
+     "mean 'dr_grpo'"),
+    (["cispo_cap=3"], "cispo_cap only applies with loss_type cispo; drop it"),
+    (["loss_type=cispo", "cispo_cap=0.5", "num_iterations=2"], "cispo_cap must be >= 1"),
+    (["loss_type=cispo", "cispo_cap=3"], "cispo_cap has no effect here"),
+    (["loss_type=cispo", "clip_eps_high=0.28", "num_iterations=2"],
+     "clip_eps_high only applies with loss_type grpo or bnpo or dr_grpo or dapo"),
+    (["loss_type=sapo", "sapo_temperature_neg=0", "num_iterations=2"], "sapo temperatures must be > 0"),
+    (["sapo_temperature_pos=2", "num_iterations=2"], "sapo_temperature_pos only applies with loss_type sapo"),
+    (["loss_type=sapo", "sapo_temperature_pos=2"], "sapo_temperature_pos has no effect here"),
     (["scale_rewards=std"], "scale_rewards must be one of group, batch, none"),
     (["importance_sampling_level=seq"], "did you mean 'sequence'"),
     (["kl_estimator=k2"], "kl_estimator must be one of k3, k1"),
@@ -127,7 +136,9 @@ def test_cross_field_rules(items, message):
 
 
 @pytest.mark.parametrize("items", [["clip_eps_high=0.28", "num_iterations=2"], ["delta=4", "update_every=2"],
-                                   ["importance_sampling_level=sequence", "quantize_for_rollouts=true"]])
+                                   ["importance_sampling_level=sequence", "quantize_for_rollouts=true"],
+                                   ["loss_type=cispo"], ["loss_type=cispo", "cispo_cap=2", "num_iterations=2"],
+                                   ["loss_type=sapo"], ["loss_type=sapo", "sapo_temperature_neg=2", "update_every=2"]])
 def test_off_policy_options_accepted_where_the_ratio_moves(items):
     build_config("train", overrides=parse_set(items))
 

@@ -210,10 +210,10 @@ def test_a_server_that_trickles_bytes_hits_the_total_deadline():
 
     sock, port = _raw_server(trickle)
     try:
-        t0 = time.monotonic()
+        # No clock here: only the total deadline can end the request with "timed out". Read byte by byte
+        # without it, the trickle's 50 bytes arrive, the server closes, and the answer is short, invalid JSON.
         with pytest.raises(UserError, match=r"did not answer after 1 tries \(timed out after 0.5 s\)"):
             _score(HttpReward(f"http://127.0.0.1:{port}/", timeout_s=0.5, retries=0))
-        assert time.monotonic() - t0 < 2.0  # not the 5 s the trickle would take
     finally:
         sock.close()
 

@@ -1,8 +1,8 @@
 """The GRPO objective against naive float64 references written from the spec.
 
 Advantages, the clipped loss with KL and clip fraction, padding invariance, the gradient w.r.t. the
-policy log-probs, and rollout correction. The training forward (log-probs from a model) is in
-test_forward.py.
+policy log-probs, rollout correction, and the CISPO and SAPO policy terms. The training forward
+(log-probs from a model) is in test_forward.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_grpo.loss import LOSS_TYPES, Objective, group_advantages, objective_sums, row_scales, token_terms
+from mlx_grpo.loss import (LOSS_TYPES, LOSSES, Objective, group_advantages, objective_sums, row_scales,
+                           token_terms)
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -28,21 +29,34 @@ def naive_advantages(rewards, group_size):
 
 
 def naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, clip_high=None, delta=0.0,
-                      sequence=False, estimator="k3"):
-    """Per-token loss, kl, ratio, clipped-low and clipped-high flags as float64 [N, T] from plain loops."""
+                      sequence=False, estimator="k3", loss_type="grpo", cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05,
+                      weight_logp=None):
+    """Per-token loss, kl, ratio, clipped-low and clipped-high flags as float64 [N, T] from plain loops.
+    loss_type picks the policy term: the clipped surrogate, cispo (weight min(rho, cap) * A * logp, the weight
+    a constant: computed from weight_logp when given, so finite differences see it fixed) or sapo (gate
+    4 / tau * sigmoid(tau * (rho - 1)) * A)."""
     hi = clip_eps if clip_high is None else clip_high
+    weight_logp = logp if weight_logp is None else weight_logp
     N, T = logp.shape
     loss, kl, ratio, low, high = (np.zeros((N, T)) for _ in range(5))
     for n in range(N):
         a = float(adv[n])
         idx = [t for t in range(T) if mask[n, t] > 0]
         seq = math.exp(sum(float(logp[n, t]) - float(old[n, t]) for t in idx) / max(len(idx), 1))
+        seq_w = math.exp(sum(float(weight_logp[n, t]) - float(old[n, t]) for t in idx) / max(len(idx), 1))
         for t in range(T):
             lp = float(logp[n, t])
             rho = seq if sequence else math.exp(lp - float(old[n, t]))
-            unclipped_term = (min(rho, delta) if delta else rho) * a
-            clipped_term = min(max(rho, 1 - clip_eps), 1 + hi) * a
-            pg = min(unclipped_term, clipped_term)
+            if loss_type == "cispo":
+                rho_w = seq_w if sequence else math.exp(float(weight_logp[n, t]) - float(old[n, t]))
+                pg = min(rho_w, cispo_cap) * a * lp
+            elif loss_type == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                pg = 4 / tau / (1 + math.exp(-tau * (rho - 1))) * a
+            else:
+                unclipped_term = (min(rho, delta) if delta else rho) * a
+                clipped_term = min(max(rho, 1 - clip_eps), 1 + hi) * a
+                pg = min(unclipped_term, clipped_term)
             if ref is None:
                 k = 0.0
             elif estimator == "k1":
@@ -52,8 +66,11 @@ def naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, clip_high=N
                 k = math.exp(d) - d - 1
             loss[n, t] = -(pg - kl_coeff * k)
             kl[n, t], ratio[n, t] = k, rho
-            low[n, t] = float(rho < 1 - clip_eps and a < 0)
-            high[n, t] = float((rho > 1 + hi and a > 0) or (delta > 0 and rho > delta and a < 0))
+            if loss_type == "cispo":
+                high[n, t] = float(rho > cispo_cap)
+            elif loss_type != "sapo":
+                low[n, t] = float(rho < 1 - clip_eps and a < 0)
+                high[n, t] = float((rho > 1 + hi and a > 0) or (delta > 0 and rho > delta and a < 0))
     return loss, kl, ratio, low, high
 
 
@@ -72,19 +89,19 @@ def naive_update_loss(steps, loss_type, max_new_tokens, clip_eps, kl_coeff, **va
     rows with keep False are left out (their tokens do not count either)."""
     per_step = []  # (token losses of kept rows, rows in the step)
     for logp, old, ref, adv, mask, keep in steps:
-        loss = naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, **variant)[0]
+        loss = naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, loss_type=loss_type, **variant)[0]
         rows = [[loss[n, t] for t in range(logp.shape[1]) if mask[n, t] > 0] if keep[n] else []
                 for n in range(logp.shape[0])]
         per_step.append((rows, logp.shape[0]))
     n_rows = sum(count for _, count in per_step)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):  # TRL normalises sapo as grpo, cispo as dapo
         return sum(sum(r) / len(r) for rows, _ in per_step for r in rows if r) / n_rows
     if loss_type == "bnpo":
         means = [sum(map(sum, rows)) / sum(map(len, rows)) for rows, _ in per_step if sum(map(len, rows))]
         return sum(means) / len(means)
     if loss_type == "dr_grpo":
         return sum(sum(r) for rows, _ in per_step for r in rows) / (n_rows * max_new_tokens)
-    assert loss_type == "dapo"
+    assert loss_type in ("dapo", "cispo")
     return (sum(sum(r) for rows, _ in per_step for r in rows)
             / sum(len(r) for rows, _ in per_step for r in rows))
 
@@ -209,9 +226,11 @@ VARIANTS = {
 }
 
 
-def objective(clip_eps=0.2, kl_coeff=0.04, clip_high=None, delta=0.0, sequence=False, estimator="k3"):
+def objective(clip_eps=0.2, kl_coeff=0.04, clip_high=None, delta=0.0, sequence=False, estimator="k3",
+              loss_type="grpo", cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05):
     return Objective(clip_low=clip_eps, clip_high=clip_eps if clip_high is None else clip_high, delta=delta,
-                     sequence_level=sequence, kl_coeff=kl_coeff, kl_estimator=estimator)
+                     sequence_level=sequence, kl_coeff=kl_coeff, kl_estimator=estimator, loss_type=loss_type,
+                     cispo_cap=cispo_cap, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg)
 
 
 def per_sequence_weights(mask):
@@ -310,7 +329,7 @@ def test_update_loss_of_each_loss_type_matches_naive(loss_type, variant, masked)
         logp, old, ref, adv, mask = _loss_case(seed=seed)
         steps.append((logp, old, ref, adv, mask, np.array(keep) if masked else np.ones(6, bool)))
     weights = row_scales([s[4].sum(axis=1) for s in steps], [s[5] for s in steps], loss_type, max_new_tokens=9)
-    obj = objective(**kw)
+    obj = objective(loss_type=loss_type, **kw)
     total = 0.0
     for (logp, old, ref, adv, mask, _), w in zip(steps, weights):
         for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
@@ -320,11 +339,14 @@ def test_update_loss_of_each_loss_type_matches_naive(loss_type, variant, masked)
     np.testing.assert_allclose(total, expected, rtol=RTOL, atol=ATOL)
 
 
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # one policy term, four normalisations
+
+
 def test_loss_types_differ_and_dapo_is_accumulation_invariant():
     """dapo and dr_grpo weigh every token alike across the update; bnpo per batch step; grpo per sequence."""
     logp, old, ref, adv, mask = _loss_case()
     keep = np.ones(6, bool)
-    whole = {t: naive_update_loss([(logp, old, ref, adv, mask, keep)], t, 9, 0.2, 0.04) for t in LOSS_TYPES}
+    whole = {t: naive_update_loss([(logp, old, ref, adv, mask, keep)], t, 9, 0.2, 0.04) for t in CLIPPED}
     assert len({round(v, 9) for v in whole.values()}) == 3
     np.testing.assert_allclose(whole["bnpo"], whole["dapo"], rtol=1e-12)  # the same within one batch step
     halves = [tuple(a[rows] for a in (logp, old, ref, adv, mask, keep)) for rows in (slice(0, 3), slice(3, 6))]
@@ -501,3 +523,224 @@ def test_mismatch_sums_are_zero_for_one_model_and_k3_otherwise():
     real = mask > 0
     np.testing.assert_allclose(sums.sampler_kl.item(), (np.exp(d) - d - 1)[real].sum(), rtol=1e-5)
     np.testing.assert_allclose(sums.sampler_diff_max.item(), np.abs(d)[real].max(), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- CISPO and SAPO
+
+# Settings of the two policy terms that are not the clipped surrogate; caps and temperatures that bind on
+# _loss_case's ratios (exp of -0.6 .. 0.7).
+TERMS = {
+    "cispo": {"loss_type": "cispo", "cispo_cap": 1.3},
+    "cispo_default_cap": {"loss_type": "cispo"},
+    "cispo_gspo": {"loss_type": "cispo", "cispo_cap": 1.05, "sequence": True},
+    "sapo": {"loss_type": "sapo"},
+    "sapo_hot": {"loss_type": "sapo", "tau_pos": 4.0, "tau_neg": 8.0},
+    "sapo_gspo": {"loss_type": "sapo", "tau_pos": 2.0, "tau_neg": 3.0, "sequence": True},
+}
+
+
+def _sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+@pytest.mark.parametrize("term", list(TERMS))
+@pytest.mark.parametrize("kl_coeff", [0.0, 0.04])
+@pytest.mark.parametrize("with_ref", [True, False])
+def test_cispo_sapo_token_terms_match_naive(term, kl_coeff, with_ref):
+    logp, old, ref, adv, mask = _loss_case()
+    ref = ref if with_ref else None
+    kw = TERMS[term]
+    terms = token_terms(mx.array(logp), mx.array(old), None if ref is None else mx.array(ref), mx.array(adv),
+                        mx.array(mask), objective(kl_coeff=kl_coeff, **kw))
+    real = mask > 0
+    expected = naive_token_terms(logp, old, ref, adv, mask, 0.2, kl_coeff, **kw)
+    for got, want in zip((terms.loss, terms.kl, terms.ratio, terms.clipped_low, terms.clipped_high), expected):
+        np.testing.assert_allclose(np_(got)[real], want[real], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("term", list(TERMS))
+def test_cispo_sapo_objective_sums_match_naive(term):
+    logp, old, ref, adv, mask = _loss_case()
+    kw = TERMS[term]
+    sums = loss_sums(logp, old, ref, adv, mask, objective(**kw))
+    np.testing.assert_allclose(sums.loss.item(), naive_loss_sum(logp, old, ref, adv, mask, 0.2, 0.04, **kw),
+                               rtol=RTOL, atol=ATOL)
+    _, _, _, low, high = naive_token_terms(logp, old, ref, adv, mask, 0.2, 0.04, **kw)
+    real = mask > 0
+    assert sums.clipped_low.item() == 0.0  # neither clips from below
+    np.testing.assert_allclose(sums.clipped_high.item(), high[real].sum())
+    if term in ("cispo", "cispo_gspo"):
+        assert high[real].sum() > 0  # the cap binds on this case
+    if kw["loss_type"] == "sapo":
+        assert high[real].sum() == 0  # a gate, no hard clip
+
+
+def test_cispo_sapo_differ_from_each_other_and_from_grpo():
+    logp, old, ref, adv, mask = _loss_case()
+    values = {name: naive_loss_sum(logp, old, ref, adv, mask, 0.2, 0.04, **kw)
+              for name, kw in {**TERMS, "grpo": {}}.items()}
+    assert len({round(v, 9) for v in values.values()}) == len(values), values
+
+
+@pytest.mark.parametrize("term", list(TERMS))
+def test_cispo_sapo_gradient_matches_finite_differences(term):
+    """Central differences of the float64 naive loss; CISPO's weight is detached, so the reference holds it
+    at the unperturbed log-probs (weight_logp); GSPO's sequence ratio moves with every token of the row."""
+    logp, old, ref, adv, mask = _loss_case()
+    kw = TERMS[term]
+    args = (mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask), per_sequence_weights(mask),
+            objective(**kw))
+    grad = np_(mx.grad(lambda lp: objective_sums(lp, *args).loss)(mx.array(logp)))
+    h = 1e-5
+    base = logp.astype(np.float64)
+    for n, t in [(0, 0), (0, 3), (1, 2), (2, 0), (3, 5), (5, 4), (2, 3), (4, 1)]:
+        plus, minus = base.copy(), base.copy()
+        plus[n, t] += h
+        minus[n, t] -= h
+        fd = (naive_loss_sum(plus, old, ref, adv, mask, 0.2, 0.04, weight_logp=base, **kw)
+              - naive_loss_sum(minus, old, ref, adv, mask, 0.2, 0.04, weight_logp=base, **kw)) / (2 * h)
+        np.testing.assert_allclose(grad[n, t], fd, rtol=1e-3, atol=1e-6)
+
+
+def naive_policy_grad(logp, old, adv, mask, loss_type, cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05):
+    """d(sum of per-sequence token means of -pg)/d logp per token, from the formulas: CISPO -min(rho, cap) * A
+    (the weight is a constant); SAPO -4 s (1 - s) * rho * A with s = sigmoid(tau (rho - 1)); / row length."""
+    N, T = logp.shape
+    g = np.zeros((N, T))
+    for n in range(N):
+        length, a = mask[n].sum(), float(adv[n])
+        for t in range(T):
+            if mask[n, t] == 0:
+                continue
+            rho = math.exp(float(logp[n, t]) - float(old[n, t]))
+            if loss_type == "cispo":
+                g[n, t] = -min(rho, cispo_cap) * a / length
+            else:
+                tau = tau_pos if a > 0 else tau_neg
+                s = _sigmoid(tau * (rho - 1))
+                g[n, t] = -4 * s * (1 - s) * rho * a / length
+    return g
+
+
+def _policy_grad(logp, old, adv, mask, obj):
+    args = (mx.array(old), None, mx.array(adv), mx.array(mask), per_sequence_weights(mask), obj)
+    return np_(mx.grad(lambda lp: objective_sums(lp, *args).loss)(mx.array(logp)))
+
+
+@pytest.mark.parametrize("term", ["cispo", "cispo_default_cap", "sapo", "sapo_hot"])
+def test_cispo_sapo_gradient_matches_analytic(term):
+    logp, old, _, adv, mask = _loss_case()
+    kw = TERMS[term]
+    grad = _policy_grad(logp, old, adv, mask, objective(kl_coeff=0.0, **kw))
+    expected = naive_policy_grad(logp, old, adv, mask, **{k: v for k, v in kw.items()})
+    np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("term", list(TERMS))
+def test_cispo_sapo_on_policy_match_grpo_gradient(term):
+    """old = logp (ratio 1): CISPO's weight is 1 and SAPO's gate has slope 1, so both give GRPO's gradient
+    -A / len per token; the values are CISPO -A * logp and SAPO -(2 / tau) * A per token; nothing clipped."""
+    logp, _, _, adv, mask = _loss_case()
+    kw = TERMS[term]
+    obj = objective(kl_coeff=0.0, **kw)
+    grad = _policy_grad(logp, logp, adv, mask, obj)
+    np.testing.assert_allclose(grad, _policy_grad(logp, logp, adv, mask, objective(kl_coeff=0.0)), rtol=1e-6,
+                               atol=1e-8)
+    assert np.any(grad != 0)
+    sums = loss_sums(logp, logp, None, adv, mask, obj)
+    real = mask > 0
+    a = np.broadcast_to(adv.astype(np.float64)[:, None], logp.shape)
+    if kw["loss_type"] == "cispo":
+        per_token = -a * logp
+    else:
+        per_token = -2 / np.where(a > 0, kw.get("tau_pos", 1.0), kw.get("tau_neg", 1.05)) * a
+    expected = sum(per_token[n][real[n]].mean() for n in range(len(adv)))
+    np.testing.assert_allclose(sums.loss.item(), expected, rtol=RTOL, atol=ATOL)
+    assert sums.clipped_low.item() == 0.0 and sums.clipped_high.item() == 0.0 and sums.ratio_max.item() == 1.0
+
+
+def test_cispo_keeps_the_gradient_of_tokens_past_the_cap():
+    """Where PPO's clip zeroes a token's gradient (rho > 1 + eps, A > 0), CISPO keeps -cap * A / len; below
+    the cap its gradient is -rho * A / len, GRPO's unclipped one."""
+    logp, old, _, adv, mask = _loss_case()
+    cap = 1.3
+    cispo = _policy_grad(logp, old, adv, mask, objective(kl_coeff=0.0, loss_type="cispo", cispo_cap=cap))
+    grpo = _policy_grad(logp, old, adv, mask, objective(kl_coeff=0.0))
+    rho = np.exp(logp.astype(np.float64) - old)
+    a = np.broadcast_to(adv.astype(np.float64)[:, None], rho.shape)
+    length = mask.sum(axis=1, keepdims=True)
+    real = mask > 0
+    past = real & (rho > cap) & (a > 0)
+    assert past.any() and np.all(grpo[past] == 0.0)
+    np.testing.assert_allclose(cispo[past], (-cap * a / length)[past], rtol=1e-5)
+    inside = real & (rho < 1.2) & (rho > 0.8) & (a != 0)  # GRPO unclipped here too
+    assert inside.any()
+    np.testing.assert_allclose(cispo[inside], grpo[inside], rtol=1e-5)
+    below = real & (rho < 0.8) & (a < 0)  # PPO clips these; CISPO has no lower bound
+    assert below.any() and np.all(grpo[below] == 0.0)
+    np.testing.assert_allclose(cispo[below], (-rho * a / length)[below], rtol=1e-5)
+
+
+def test_sapo_gate_is_soft_and_picks_its_temperature_by_the_sign_of_the_advantage():
+    """SAPO's gradient weight 4 s (1 - s) rho (relative to -A / len) is 1 at rho = 1, positive everywhere
+    (tokens PPO clips keep a signal) and shrinks with |rho - 1| faster for a hotter gate; tau_pos acts only
+    on rows with A > 0, tau_neg only on rows with A <= 0."""
+    logp, old, _, adv, mask = _loss_case()
+    rho = np.exp(logp.astype(np.float64) - old)
+    a = np.broadcast_to(adv.astype(np.float64)[:, None], rho.shape)
+    length = mask.sum(axis=1, keepdims=True)
+    real = (mask > 0) & (a != 0)
+
+    def relative(tau_pos, tau_neg):  # the gradient weight per token
+        g = _policy_grad(logp, old, adv, mask, objective(kl_coeff=0.0, loss_type="sapo", tau_pos=tau_pos,
+                                                         tau_neg=tau_neg))
+        return np.where(real, g / np.where(real, -a / length, 1.0), 0.0)
+
+    mild, hot = relative(1.0, 1.05), relative(6.0, 6.0)
+    assert np.all(mild[real] > 0) and np.all(hot[real] > 0)
+    far = real & (np.abs(rho - 1) > 0.25)
+    assert far.any() and np.all(hot[far] < mild[far])
+    clipped_by_ppo = real & (((rho > 1.2) & (a > 0)) | ((rho < 0.8) & (a < 0)))
+    assert clipped_by_ppo.any() and np.all(hot[clipped_by_ppo] > 0)
+    pos, neg = real & (a > 0), real & (a < 0)
+    changed_pos = relative(3.0, 1.05)
+    np.testing.assert_array_equal(changed_pos[neg], mild[neg])
+    assert np.all(changed_pos[pos & (np.abs(rho - 1) > 0.05)] != mild[pos & (np.abs(rho - 1) > 0.05)])
+    changed_neg = relative(1.0, 3.0)
+    np.testing.assert_array_equal(changed_neg[pos], mild[pos])
+    assert np.all(changed_neg[neg & (np.abs(rho - 1) > 0.05)] != mild[neg & (np.abs(rho - 1) > 0.05)])
+
+
+@pytest.mark.parametrize("term", list(TERMS))
+def test_cispo_sapo_padding_with_garbage_does_not_change_loss_or_gradient(term):
+    logp, old, ref, adv, mask = _loss_case()
+    obj = objective(**TERMS[term])
+    base = loss_sums(logp, old, ref, adv, mask, obj)
+    args = (mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask), per_sequence_weights(mask), obj)
+    base_grad = np_(mx.grad(lambda lp: objective_sums(lp, *args).loss)(mx.array(logp)))
+    rng = np.random.default_rng(4)
+    for extra in (1, 5):
+        p_logp, p_old, p_ref, p_mask = _pad(logp, old, ref, mask, extra, rng, -30.0, 5.0)
+        tail = p_mask == 0
+        p_logp = np.where(tail, rng.uniform(-30, 5, size=p_logp.shape), p_logp).astype(np.float32)
+        padded = loss_sums(p_logp, p_old, p_ref, adv, p_mask, obj)
+        for a, b in zip(base, padded):
+            np.testing.assert_allclose(b.item(), a.item(), rtol=RTOL, atol=ATOL)
+        p_args = (mx.array(p_old), mx.array(p_ref), mx.array(adv), mx.array(p_mask), per_sequence_weights(p_mask),
+                  obj)
+        grad = np_(mx.grad(lambda lp: objective_sums(lp, *p_args).loss)(mx.array(p_logp)))
+        assert np.all(grad[tail] == 0.0)
+        T = logp.shape[1]
+        np.testing.assert_allclose(grad[:, :T][mask > 0], base_grad[mask > 0], rtol=1e-5, atol=1e-8)
+
+
+def test_loss_types_are_declared_once():
+    """Every loss type is one LOSSES entry: row_scales and token_terms read it, nothing else lists names."""
+    assert LOSS_TYPES == tuple(LOSSES) and {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"} <= set(LOSS_TYPES)
+    for name, spec in LOSSES.items():
+        assert callable(spec.term) and callable(spec.norm), name
+    lengths, keep = [np.array([3, 5])], [np.array([True, True])]
+    np.testing.assert_allclose(row_scales(lengths, keep, "cispo", 8)[0], row_scales(lengths, keep, "dapo", 8)[0])
+    np.testing.assert_allclose(row_scales(lengths, keep, "sapo", 8)[0], row_scales(lengths, keep, "grpo", 8)[0])
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        row_scales(lengths, keep, "ppo", 8)

@@ -68,7 +68,8 @@ def _split_rollout(r: Rollout, prompt: int) -> Rollout:
 
 
 @pytest.mark.parametrize("micro,max_tokens,loss_type", [(1, 0, "grpo"), (3, 0, "grpo"), (64, 0, "grpo"),
-                                                     (64, 40, "grpo"), (3, 0, "dapo"), (3, 40, "dr_grpo")])
+                                                     (64, 40, "grpo"), (3, 0, "dapo"), (3, 40, "dr_grpo"),
+                                                     (3, 0, "cispo"), (3, 40, "sapo")])
 def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens, loss_type):
     """One batch step of 8 prompts == 8 accumulated steps of 1 (bnpo normalises per step by definition)."""
     from mlx_lm import load
@@ -89,6 +90,28 @@ def test_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens
     for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g8)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-7, err_msg=k)
     assert any(float(mx.abs(a).max()) > 0 for _, a in tree_flatten(g1))  # not a vacuous comparison
+
+
+@pytest.mark.parametrize("loss_type,same_as,compiled", [("cispo", "dapo", False), ("sapo", "grpo", False),
+                                                       ("cispo", "dapo", True), ("sapo", "grpo", True)])
+def test_cispo_sapo_on_policy_gradients_equal_their_clipped_counterparts(tiny_model_dir, tmp_path, loss_type,
+                                                                         same_as, compiled):
+    """On-policy (ratio 1) CISPO's weight is 1 and SAPO's gate has slope 1: through the real model, CISPO's
+    gradient is DAPO's (both token means) and SAPO's is GRPO's (both per-sequence means), compiled too."""
+    from mlx_lm import load
+
+    model, tok = load(str(tiny_model_dir))
+    prompts = [tok.encode(f"question {i}" + "?" * i) for i in range(4)]
+    r = generate_rollout(model, tok, prompts, 4, SamplingParams(8, 1.0), mx.random.key(2))
+    adv = group_advantages(mx.array(np.random.default_rng(1).normal(size=16).astype(np.float32)), 4)
+    steps = [StepData(r, adv, None, None)]
+    grads = {}
+    for name in (loss_type, same_as):
+        cfg = make_cfg(tiny_model_dir, tmp_path, "kl_coeff=0", f"loss_type={name}", f"use_compile={compiled}")
+        grads[name], _ = accumulate_gradients(make_grad_fn(cfg, model), steps, loss_weights(cfg, steps), 3, 0)
+    for (k, a), (_, b) in zip(tree_flatten(grads[loss_type]), tree_flatten(grads[same_as])):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-7, err_msg=k)
+    assert any(float(mx.abs(a).max()) > 0 for _, a in tree_flatten(grads[loss_type]))
 
 
 def test_micro_batches_respect_row_and_token_limits(tiny_model_dir):

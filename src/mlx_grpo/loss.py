@@ -1,4 +1,5 @@
-"""The GRPO objective as pure array functions: advantages, the clipped loss with KL, its per-row weights.
+"""The GRPO objective as pure array functions: advantages, the per-token policy terms with KL, the per-row
+weights, and LOSSES, the one declaration of each `loss_type` (its policy term and its normalisation).
 
 Notation: N = B*G sequences (B prompts, G completions each), T completion tokens.
 Log-probs come in as arrays (models/forward.py computes them under logits / temperature, the
@@ -7,6 +8,7 @@ distribution the sampler drew from); nothing here touches a model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -14,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 
 ADV_EPS = 1e-4
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def group_advantages(rewards: mx.array, group_size: int, scale: str = "group") -> mx.array:
@@ -42,8 +43,9 @@ def group_advantages(rewards: mx.array, group_size: int, scale: str = "group") -
 
 @dataclass(frozen=True)
 class Objective:
-    """The clipped surrogate's settings (config.py documents each and cites its paper)."""
+    """The objective's settings (config.py documents each and cites its paper)."""
 
+    loss_type: str = "grpo"  # a key of LOSSES: the policy term (and, in row_scales, the normalisation)
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
     delta: float = 0.0  # > 0: ratios of negative-advantage tokens also capped at delta
@@ -52,10 +54,15 @@ class Objective:
     kl_estimator: str = "k3"
     rollout_correction: str = "none"  # TIS on the sampler ratio: none, {token,sequence}_{truncate,mask}
     rollout_cap: float = 2.0
+    cispo_cap: float = 5.0  # CISPO: IS weight sg(min(ratio, cispo_cap))
+    sapo_temperature_pos: float = 1.0  # SAPO: gate temperature for A > 0
+    sapo_temperature_neg: float = 1.05  # ... and for A <= 0
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
-        return cls(clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, delta=cfg.delta,
+        return cls(loss_type=cfg.loss_type, cispo_cap=cfg.cispo_cap, sapo_temperature_pos=cfg.sapo_temperature_pos,
+                   sapo_temperature_neg=cfg.sapo_temperature_neg,
+                   clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, delta=cfg.delta,
                    sequence_level=cfg.importance_sampling_level == "sequence", kl_coeff=cfg.kl_coeff,
                    kl_estimator=cfg.kl_estimator, rollout_correction=cfg.rollout_correction,
                    rollout_cap=cfg.rollout_correction_cap)
@@ -69,9 +76,109 @@ class LossTerms:
     kl: mx.array
     ratio: mx.array
     clipped_low: mx.array  # 1 where the ratio is clipped from below (A < 0): no gradient
-    clipped_high: mx.array  # 1 where it is clipped from above (A > 0, or A < 0 past delta)
+    clipped_high: mx.array  # 1 where it is clipped from above (A > 0, or A < 0 past delta; CISPO: weight capped)
     is_weight: mx.array  # the rollout-correction weight of each token's policy term (1 when off)
     is_capped: mx.array  # 1 where the sampler ratio exceeds the cap (truncated or masked)
+
+
+# ----------------------------------------------------------------------------- loss types
+# A loss type is a per-token policy term (what each token contributes before the rollout-correction weight
+# and the KL) and a normalisation (how token losses are averaged into the update's loss, row_scales).
+
+
+class PolicyTerm(NamedTuple):
+    """One loss type's per-token surrogate, to be maximised, and its clip flags. All [N, T]."""
+
+    pg: mx.array
+    clipped_low: mx.array
+    clipped_high: mx.array
+
+
+def clipped_surrogate(ratio: mx.array, logp: mx.array, adv: mx.array, obj: Objective) -> PolicyTerm:
+    """PPO's clipped surrogate (GRPO, DeepSeekMath arXiv 2402.03300): pg = min(min(rho, delta) * A,
+    clip(rho, 1 - eps_low, 1 + eps_high) * A), the delta cap only with delta (INTELLECT-2).
+    ratio/logp [N, T], adv [N, 1]."""
+    clipped_ratio = mx.clip(ratio, 1 - obj.clip_low, 1 + obj.clip_high)
+    capped = mx.minimum(ratio, obj.delta) if obj.delta > 0 else ratio
+    low = (ratio < 1 - obj.clip_low) & (adv < 0)
+    high = (ratio > 1 + obj.clip_high) & (adv > 0)
+    if obj.delta > 0:
+        high = high | ((ratio > obj.delta) & (adv < 0))
+    return PolicyTerm(mx.minimum(capped * adv, clipped_ratio * adv), low.astype(mx.float32),
+                      high.astype(mx.float32))
+
+
+def cispo_term(ratio: mx.array, logp: mx.array, adv: mx.array, obj: Objective) -> PolicyTerm:
+    """CISPO (MiniMax-M1, arXiv 2506.13585; TRL loss_type="cispo"): pg = sg(min(rho, cap)) * A * logp.
+    The IS weight is clipped and detached instead of the update, so every token keeps a gradient w * A
+    (PPO's clip zeroes it for tokens past the range). Flags: clipped_high where rho > cap (any sign of A)."""
+    weight = mx.stop_gradient(mx.minimum(ratio, obj.cispo_cap))
+    return PolicyTerm(weight * adv * logp, 0.0 * ratio, (ratio > obj.cispo_cap).astype(mx.float32))
+
+
+def sapo_term(ratio: mx.array, logp: mx.array, adv: mx.array, obj: Objective) -> PolicyTerm:
+    """SAPO (Soft Adaptive Policy Optimization, Qwen, arXiv 2511.20347; TRL loss_type="sapo"):
+    pg = (4 / tau) * sigmoid(tau * (rho - 1)) * A, tau = temperature_pos if A > 0 else temperature_neg.
+    A soft gate instead of the hard clip: d pg / d rho = 4 s (1 - s) A, which is A at rho = 1 (GRPO's
+    on-policy gradient) and decays smoothly off-policy, faster for a larger tau. No hard clip: flags 0."""
+    tau = mx.where(adv > 0, obj.sapo_temperature_pos, obj.sapo_temperature_neg)  # [N, 1]
+    # distinct expressions for the zero flags: mx.compile fails on two outputs that are one node
+    return PolicyTerm(mx.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv, 0.0 * ratio, 0.0 * logp)
+
+
+class Counts(NamedTuple):
+    """What one update's normalisations need (row_scales)."""
+
+    rows: int  # rows of the update (dropped rows count, as in TRL)
+    steps_with_tokens: int  # batch steps with any kept token
+    tokens: float  # kept tokens of the whole update
+    max_new_tokens: int
+
+
+def per_sequence(n: np.ndarray, tokens_s: float, c: Counts) -> np.ndarray:
+    return 1.0 / (np.maximum(n, 1.0) * c.rows)
+
+
+def per_step_token(n: np.ndarray, tokens_s: float, c: Counts) -> np.ndarray:
+    return np.full(n.shape, 1.0 / (tokens_s * c.steps_with_tokens) if tokens_s else 0.0)
+
+
+def per_constant(n: np.ndarray, tokens_s: float, c: Counts) -> np.ndarray:
+    return np.full(n.shape, 1.0 / (c.rows * c.max_new_tokens))
+
+
+def per_token(n: np.ndarray, tokens_s: float, c: Counts) -> np.ndarray:
+    return np.full(n.shape, 1.0 / c.tokens if c.tokens else 0.0)
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One `loss_type`: its per-token policy term and its row weights (w_i below, row_scales). `fields`: the
+    config fields only its term reads (validation rejects them changed under another loss type)."""
+
+    term: Callable[[mx.array, mx.array, mx.array, Objective], PolicyTerm]
+    norm: Callable[[np.ndarray, float, Counts], np.ndarray]
+    fields: tuple[str, ...] = ()
+
+
+CLIP_FIELDS = ("clip_eps", "clip_eps_high", "delta")
+# The one declaration of each loss type. Update loss = sum_i w_i * sum_t loss_it over kept rows i, with
+# len_i the row's tokens, N the update's rows, tokens_s the kept tokens of batch step s (S steps with any).
+LOSSES: dict[str, LossType] = {
+    # clipped surrogate; w = 1 / (len_i * N): mean over each sequence's tokens, then over sequences (DeepSeekMath)
+    "grpo": LossType(clipped_surrogate, per_sequence, CLIP_FIELDS),
+    # clipped surrogate; w = 1 / (tokens_s * S): token mean per batch step
+    "bnpo": LossType(clipped_surrogate, per_step_token, CLIP_FIELDS),
+    # clipped surrogate; w = 1 / (N * max_new_tokens): no length bias (Dr. GRPO, Liu et al. 2025)
+    "dr_grpo": LossType(clipped_surrogate, per_constant, CLIP_FIELDS),
+    # clipped surrogate; w = 1 / tokens: token mean over the whole update (DAPO, Yu et al. 2025)
+    "dapo": LossType(clipped_surrogate, per_token, CLIP_FIELDS),
+    # sg(min(rho, cispo_cap)) * A * logp, token mean over the update as TRL (CISPO, MiniMax-M1 2025)
+    "cispo": LossType(cispo_term, per_token, ("cispo_cap",)),
+    # soft temperature gate instead of the clip, per-sequence mean as TRL (SAPO, Qwen 2025)
+    "sapo": LossType(sapo_term, per_sequence, ("sapo_temperature_pos", "sapo_temperature_neg")),
+}
+LOSS_TYPES = tuple(LOSSES)
 
 
 def sampler_weights(old_logp: mx.array, sampler_logp: mx.array, mask: mx.array, mode: str,
@@ -97,8 +204,8 @@ def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
 def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, advantages: mx.array,
                 mask: mx.array, obj: Objective, sampler_logp: mx.array | None = None,
                 sampled: mx.array | None = None) -> LossTerms:
-    """rho = exp(logp - old) per token, or exp(masked mean of logp - old) per sequence (GSPO);
-    pg = min(min(rho, delta) * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) (the delta cap only with delta);
+    """rho = exp(logp - old) per token, or exp(masked mean of logp - old) per sequence (GSPO); pg = the loss
+    type's policy term (LOSSES[obj.loss_type].term: clipped_surrogate, cispo_term, sapo_term);
     kl = k3: exp(ref - logp) - (ref - logp) - 1, k1: logp - ref; loss_t = -(w * pg - kl_coeff * kl), with w
     the rollout-correction weight (sampler_weights; 1 when off), applied to the policy term as TRL does.
     sampled [N] (None: every row): 1 for sampled rows, 0 for demonstrations (demonstrations.py), whose tokens
@@ -110,9 +217,7 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
     if obj.sequence_level:
         log_ratio = masked_sequence_mean(log_ratio, mask)[:, None]  # [N, 1]
     ratio = mx.broadcast_to(mx.exp(log_ratio), logp.shape)  # [N, T]
-    clipped_ratio = mx.clip(ratio, 1 - obj.clip_low, 1 + obj.clip_high)
-    capped = mx.minimum(ratio, obj.delta) if obj.delta > 0 else ratio
-    pg = mx.minimum(capped * adv, clipped_ratio * adv)  # [N, T]
+    policy = LOSSES[obj.loss_type].term(ratio, logp, adv, obj)
     if ref_logp is None:
         kl = mx.zeros_like(logp)
     elif obj.kl_estimator == "k1":
@@ -120,10 +225,6 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
     else:
         delta = ref_logp - logp
         kl = mx.exp(delta) - delta - 1  # [N, T], >= 0
-    low = (ratio < 1 - obj.clip_low) & (adv < 0)
-    high = (ratio > 1 + obj.clip_high) & (adv > 0)
-    if obj.delta > 0:
-        high = high | ((ratio > obj.delta) & (adv < 0))
     # Off: weight 1 and no capped token, written as expressions of logp: mx.compile fails on two outputs
     # that are the same constant (this zero and the KL's when there is no reference).
     weight, capped = mx.ones_like(logp), 0.0 * logp
@@ -132,41 +233,27 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
         if sampled is not None:  # a demonstration has no sampler log-prob: nothing to correct
             on = sampled[:, None] > 0  # [N, 1]
             weight, capped = mx.where(on, weight, 1.0), mx.where(on, capped, 0.0)
-    return LossTerms(loss=-(weight * pg - obj.kl_coeff * kl), kl=kl, ratio=ratio,
-                     clipped_low=low.astype(mx.float32), clipped_high=high.astype(mx.float32),
+    return LossTerms(loss=-(weight * policy.pg - obj.kl_coeff * kl), kl=kl, ratio=ratio,
+                     clipped_low=policy.clipped_low, clipped_high=policy.clipped_high,
                      is_weight=weight, is_capped=capped)
 
 
 def row_scales(lengths: list[np.ndarray], keep: list[np.ndarray], loss_type: str,
                max_new_tokens: int) -> list[np.ndarray]:
-    """Weight of each row's summed token loss in one update's loss, for each of its batch steps.
+    """Weight of each row's summed token loss in one update's loss, for each of its batch steps: the loss
+    type's normalisation (LOSSES[loss_type].norm), zero for rows left out.
 
     lengths[s] [N_s] completion tokens per row of batch step s; keep[s] [N_s] rows that enter the loss
-    (mask_truncated_completions drops some). The update's loss is sum_s sum_i w_si * sum_t loss_sit:
-      grpo     w = 1 / (len_i * N)              N rows of the update (dropped rows count, as in TRL)
-      bnpo     w = 1 / (tokens_s * S)           tokens of kept rows of step s; S steps with any
-      dr_grpo  w = 1 / (N * max_new_tokens)
-      dapo     w = 1 / tokens                   tokens of kept rows of the whole update
+    (mask_truncated_completions drops some). The update's loss is sum_s sum_i w_si * sum_t loss_sit.
     Known before any gradient pass, so micro-batches and accumulation steps add up to the exact loss."""
-    if loss_type not in LOSS_TYPES:
+    if loss_type not in LOSSES:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    rows = sum(len(x) for x in lengths)
     kept_tokens = [float((np.asarray(n) * k).sum()) for n, k in zip(lengths, keep)]
-    steps_with_tokens = sum(t > 0 for t in kept_tokens)
-    out = []
-    for n, k, tokens_s in zip(lengths, keep, kept_tokens):
-        n = np.asarray(n, dtype=np.float64)
-        if loss_type == "grpo":
-            w = 1.0 / (np.maximum(n, 1.0) * rows)
-        elif loss_type == "bnpo":
-            w = np.full(n.shape, 1.0 / (tokens_s * steps_with_tokens) if tokens_s else 0.0)
-        elif loss_type == "dr_grpo":
-            w = np.full(n.shape, 1.0 / (rows * max_new_tokens))
-        else:
-            total = sum(kept_tokens)
-            w = np.full(n.shape, 1.0 / total if total else 0.0)
-        out.append((w * np.asarray(k, dtype=np.float64)).astype(np.float32))
-    return out
+    counts = Counts(rows=sum(len(x) for x in lengths), steps_with_tokens=sum(t > 0 for t in kept_tokens),
+                    tokens=sum(kept_tokens), max_new_tokens=max_new_tokens)
+    norm = LOSSES[loss_type].norm
+    return [(norm(np.asarray(n, dtype=np.float64), tokens_s, counts) * np.asarray(k, dtype=np.float64))
+            .astype(np.float32) for n, k, tokens_s in zip(lengths, keep, kept_tokens)]
 
 
 class LossSums(NamedTuple):

@@ -17,17 +17,36 @@ def loss_types():
     return LOSS_TYPES
 
 
+def loss_own_fields() -> dict[str, tuple[str, ...]]:
+    """{loss type: the settings only its policy term reads} from loss.LOSSES (imported when first needed, as
+    loss_types)."""
+    from mlx_grpo.loss import LOSSES
+
+    return {name: tuple(t.fields) for name, t in LOSSES.items()}
+
+
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """The loss that turns scored groups into gradients, and its variants: aggregation, advantage scaling,
     clipping, KL, importance sampling, rollout correction, off-policy passes, demonstrations."""
 
-    loss_type: str = setting("grpo", "How token losses are averaged. grpo: mean over each sequence's tokens, then over "
-                             "sequences (DeepSeekMath, Shao et al. 2024); bnpo: sum over the batch step's tokens / "
-                             "their number; dr_grpo: sum / (sequences x max_new_tokens), no length bias (Dr. GRPO, Liu "
-                             "et al. 2025 'Understanding R1-Zero-like training'); dapo: token mean over the whole "
-                             "accumulated update (DAPO, Yu et al. 2025). Use dapo or dr_grpo for long reasoning, where "
-                             "grpo under-weights each token of a long answer.", TRAIN, choices=loss_types)
+    loss_type: str = setting("grpo", "The objective: a per-token policy term and how token losses are averaged, one of "
+                             "the types declared in loss.py's LOSSES (docs/algorithms.md; a wrong name lists them "
+                             "all). grpo (DeepSeekMath, Shao et al. 2024): clipped surrogate, mean over each "
+                             "sequence's tokens, then over sequences; dapo (DAPO, Yu et al. 2025), bnpo and dr_grpo "
+                             "(Dr. GRPO, Liu et al. 2025): token mean over the update, the batch step, or sum / "
+                             "(sequences x max_new_tokens), for long reasoning, where grpo under-weights each token of "
+                             "a long answer; cispo (MiniMax-M1 2025): clipped, detached IS weight x A x logp, token "
+                             "mean; sapo (SAPO, Qwen 2025): a soft temperature gate instead of the clip.", TRAIN,
+                             choices=loss_types)
+    cispo_cap: float = setting(5.0, "loss_type = cispo: the IS weight is sg(min(ratio, cispo_cap)) (MiniMax-M1, arXiv "
+                               "2506.13585; TRL's epsilon_high under cispo; ScaleRL recommends 5.0). >= 1; acts only "
+                               "off-policy (num_iterations >= 2 or update_every >= 2).", TRAIN, range=">= 1")
+    sapo_temperature_pos: float = setting(1.0, "loss_type = sapo: gate temperature for tokens with A > 0 (SAPO, arXiv "
+                                          "2511.20347; TRL's name): larger = harder gate, off-policy tokens fade "
+                                          "faster.", TRAIN)
+    sapo_temperature_neg: float = setting(1.05, "loss_type = sapo: gate temperature for tokens with A <= 0; SAPO uses a "
+                                          "larger one than for A > 0 (negative updates destabilise more).", TRAIN)
     scale_rewards: str = setting("group", "Advantage scaling after subtracting the group mean: group = divide by the "
                                  "group's reward std (GRPO); batch = by the std of the batch step's rewards (more "
                                  "robust for near-flat groups); none = no division (Dr. GRPO recommends none: the std "

@@ -8,6 +8,7 @@ import difflib
 
 from mlx_grpo.config.data import dataset_kind, unknown_dataset
 from mlx_grpo.config.fields import DATA, choices_of, in_range, range_words
+from mlx_grpo.config.objective import loss_own_fields
 from mlx_grpo.config.root import FIELD_GROUP, FIELDS, Config, command_default, fields_for
 from mlx_grpo.errors import UserError
 
@@ -120,9 +121,16 @@ def _validate_objective(c: Config) -> None:
     _require(w.overlong_penalty == 0 or 0 < w.overlong_buffer <= r.max_new_tokens,
              f"overlong_penalty needs 0 < overlong_buffer <= max_new_tokens ({r.max_new_tokens}), got "
              f"overlong_buffer={w.overlong_buffer}")
+    _require(o.sapo_temperature_pos > 0 and o.sapo_temperature_neg > 0, "sapo temperatures must be > 0")
+    own = loss_own_fields()
+    for name in dict.fromkeys(f for fields in own.values() for f in fields):  # a loss type's own settings
+        _unused_unless(c, name, name in own[o.loss_type],
+                       "loss_type " + " or ".join(k for k, fields in own.items() if name in fields))
     off_policy = o.num_iterations > 1 or o.update_every > 1 or r.quantize_for_rollouts
     for name, active in (("clip_eps_high", o.clip_eps_high > 0), ("delta", o.delta > 0),
-                         ("importance_sampling_level", o.importance_sampling_level == "sequence")):
+                         ("importance_sampling_level", o.importance_sampling_level == "sequence"),
+                         *((n, getattr(o, n) != command_default("train", n))  # the gate and cap act on rho != 1
+                           for n in ("cispo_cap", "sapo_temperature_pos", "sapo_temperature_neg"))):
         _require(not active or off_policy, f"{name} has no effect here: with num_iterations = 1 and update_every = "
                  "1 the sampler is the policy being trained, every importance ratio is exactly 1 and nothing is "
                  "clipped; set num_iterations >= 2 (several optimizer passes per rollout) or update_every >= 2")
