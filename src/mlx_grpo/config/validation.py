@@ -124,7 +124,7 @@ def _validate_objective(c: Config) -> None:
     _require(o.sapo_temperature_pos > 0 and o.sapo_temperature_neg > 0, "sapo temperatures must be > 0")
     own = loss_own_fields()
     for name in dict.fromkeys(f for fields in own.values() for f in fields):  # a loss type's own settings
-        _unused_unless(c, name, name in own[o.loss_type],
+        _unused_unless(c, name, name in own.get(o.loss_type, ()),
                        "loss_type " + " or ".join(k for k, fields in own.items() if name in fields))
     off_policy = o.num_iterations > 1 or o.update_every > 1 or r.quantize_for_rollouts
     for name, active in (("clip_eps_high", o.clip_eps_high > 0), ("delta", o.delta > 0),
