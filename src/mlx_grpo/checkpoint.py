@@ -122,7 +122,7 @@ RESUME_MAY_CHANGE = frozenset({
     "save_total_limit", "eval_every_updates", "eval_subset_size", "eval_max_new_tokens", "eval_batch_size",
     "eval_steps", "eval_samples", "eval_num_samples", "eval_dataset_path", "report_to", "distributed_timeout",
     "distributed_backend", "reward_url_timeout", "reward_url_retries", "reward_workers", "reward_executor",
-    "max_consecutive_skips", "micro_batch_size", "micro_batch_tokens", "grad_checkpoint", "rollout_engine",
+    "max_consecutive_skips", "micro_batch_size", "micro_batch_tokens", "grad_checkpoint", "rollout_engine", "decode_graph",
     "max_minutes", "max_updates_without_signal", "plateau_updates", "gaming_evals"})
 
 

@@ -284,6 +284,12 @@ class Config:
                              "qwen2, qwen3 with unquantized weights; costs one more copy of the layer weights); "
                              "model: the model itself through mlx-lm's modules; auto: copy on NVIDIA GPUs, model "
                              "elsewhere (off CUDA the copy has no fused attention kernel yet).", TUNE)
+    # --- speed (issue 25) ---
+    decode_graph: bool = _f(False, "The sampling copy's decode step with fewer primitives per step "
+                            "(models/compiled_decode.py: 2-D hidden state, transposed matrices, the cache slot a "
+                            "device array; one trace per cache capacity). Same tokens and log-probs as without it "
+                            "on CPU in float32 (tests); costs a copy of o_proj/down_proj. Needs the copy "
+                            "(rollout_engine = copy, or auto on NVIDIA GPUs).", TUNE)
     # --- parameter-efficient training ---
     train_type: str = _f("full", "full: train every weight; lora: low-rank adapters on the chosen "
                          "projections (Hu et al. 2021); dora: weight-decomposed adapters (Liu et al. 2024). "

@@ -147,7 +147,7 @@ class Trainer:
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
         # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
-        self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine).refresh(self.policies.sampler)
+        self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine, graph=cfg.decode_graph).refresh(self.policies.sampler)
         # Tools or an environment: rollouts are episodes (multiturn.py) over the same engine.
         self.multiturn = multiturn_for(cfg, self.tokenizer, getattr(getattr(self.model, "args", None),
                                                                     "model_type", None))

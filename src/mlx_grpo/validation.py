@@ -77,6 +77,8 @@ def _validate_tuning(c: Config) -> None:
     _require(c.learning_rate > 0, "learning_rate must be > 0")
     _require(0 <= c.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
     _require(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+    _require(not (c.decode_graph and c.rollout_engine == "model"),
+             "decode_graph = true needs the sampling copy: set rollout_engine = copy or auto")
     _require(c.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, "
              f"got {c.rollout_engine!r}")
     _require(c.lr_scheduler_type in ("cosine", "linear", "constant"),
