@@ -41,6 +41,7 @@ from mlx_grpo.engine import RolloutEngine
 from mlx_grpo.multiturn import encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts
 from mlx_grpo.rollout import SamplingParams, select_groups
+from mlx_grpo.train_step import CompiledUpdate
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
@@ -134,6 +135,7 @@ class Trainer:
                                      betas=[cfg.adam_beta1, cfg.adam_beta2], weight_decay=cfg.weight_decay,
                                      bias_correction=True)
         self.grad_fn = make_grad_fn(cfg, self.model)
+        self.compiled_update = CompiledUpdate(self.optimizer, self.model, self.masters) if cfg.compile_update else None
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else sorted(self.tokenizer.eos_token_ids)[0]
         self.params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
@@ -418,7 +420,10 @@ class Trainer:
                       sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
                       is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))
         if finite:
-            self.masters.step(self.optimizer, self.model, grads)
+            if self.compiled_update is not None:
+                self.compiled_update.step(grads)
+            else:
+                self.masters.step(self.optimizer, self.model, grads)
             mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
             # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients) back
             # to the device rather than keep them cached beside AdamW's state for the next rollout: near
