@@ -189,7 +189,59 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
                                                             "cache_layout": "per layer" if per_layer else "stacked"})
 
 
-STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step}  # name -> context manager yielding a Decoder
+@contextmanager
+def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+    """The engine's step under decode_graph = true (models/compiled_decode.py): 2-D hidden state, matrices
+    stored transposed, the cache slot a device array the graph advances; the new keys/values written outside
+    it by slice_update at that slot. Otherwise as engine_step."""
+    from mlx_grpo.rollout.engine import RolloutEngine
+    from mlx_grpo.models import compiled_decode as C
+    from mlx_grpo.models import decoder as D
+    from mlx_grpo.models.forward import bucket
+    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.sampling import make_sampler
+
+    engine = RolloutEngine(None, mode="copy", graph=True).refresh(model)
+    if not engine.uses_copy:
+        raise UserError(f"the engine has no sampling copy of this model ({type(model).__module__}): "
+                        "no engine step to profile")
+    spec, weights = engine.spec, engine.weights
+    params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
+    width = bucket(max(len(p) for p in prompts))
+    padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
+    tokens = mx.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)
+    logits, keys, values = D.prefill(spec, C.model_layout(weights), tokens, padding)
+    tail = [(0, 0), (0, 0), (0, 0), (0, max_new_tokens), (0, 0)]
+    keys = mx.repeat(mx.pad(mx.stack(keys), tail), group, axis=1)  # [layers, N, Hkv, width + T, Dh]
+    values = mx.repeat(mx.pad(mx.stack(values), tail), group, axis=1)
+    start = mx.repeat(padding, group)
+    logits = mx.repeat(logits, group, axis=0)
+    n = logits.shape[0]
+    row_keys = mx.random.split(mx.random.key(seed), n)
+    step_keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys).transpose(1, 0, 2)  # [T, N, 2]
+    state = list(make_sampler(params, mx.array([-1], dtype=mx.int32))(logits, step_keys[0],
+                                                                     mx.zeros((n,), dtype=mx.bool_)))
+    kernel = D.kernel_serves(spec)
+    compiled = engine._step_fn(params, (), kernel)
+    cache = [keys, values, mx.array([width], dtype=mx.int32), mx.ones((n,), dtype=mx.int32)]  # + slot, kstep
+    mx.eval(cache, step_keys, state)
+
+    def step(index: int) -> list[mx.array]:
+        keys, values, slot, kstep = cache
+        cache.clear()  # the old buffers' only owner is the write below (donated: written in place)
+        token, logprob, entropy, ended, new_k, new_v, next_slot, kstep = compiled(
+            weights, state[0], keys, values, slot, start, kstep, step_keys[index], state[3])
+        cache[:] = [C.write_slot(keys, new_k, slot), C.write_slot(values, new_v, slot), next_slot, kstep]
+        del keys, values
+        state[:] = [token, logprob, entropy, ended]
+        return list(state)
+
+    yield Decoder(step, sync_every=engine.sync_every, info={"cache": "decode_graph (compiled_decode)",
+                                                            "attention_kernel": bool(kernel),
+                                                            "cache_layout": "stacked"})
+
+
+STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step, "graph": graph_step}  # name -> context manager yielding a Decoder
 
 
 def count_primitives(outputs: list[mx.array]) -> dict:

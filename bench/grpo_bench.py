@@ -14,6 +14,8 @@ Sections (all by default; pick with --sections):
            full length
   logprob  tokens/s and peak memory of the no-gradient log-prob pass
   train    tokens/s of forward+backward+AdamW update against a plain nn.value_and_grad + AdamW loop
+  split    the training pass piece by piece (bench/train_split.py): forward, backward, clip, optimizer,
+           master cast; eager against use_compile + compile_update
   memory   peak memory of the log-prob and training passes on a large synthetic batch (default
            256 rows x 512 completion tokens), against model + optimizer + 4 GB
   step     one full GRPO step of the trainer with its split and peak memory
@@ -68,9 +70,10 @@ from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 import rollout_bench
 import shapes
 import short_answers
+import train_split
 from bench_util import GB, device_name, nbytes, peak_during, timed, versions
 
-SECTIONS = ("rollout", "short", "refill", "overlap", "logprob", "train", "memory", "step")
+SECTIONS = ("rollout", "short", "refill", "overlap", "logprob", "train", "split", "memory", "step")
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -233,6 +236,8 @@ def markdown(result: dict) -> str:
         r = result["train"]
         lines.append(f"| train step tok/s (fwd+bwd+AdamW) | {r['tok_s']:,.0f} | {r['plain_tok_s']:,.0f} "
                      f"(plain value_and_grad) | {r['ratio_vs_plain']:.2f}x |")
+    if "split" in result:
+        lines += train_split.markdown_rows(result["split"])
     for r in result.get("memory", []):
         setting = f"micro_batch_tokens={r['micro_batch_tokens']}"
         lines.append(f"| log-prob pass peak above model, {r['rows']}x{r['length']} tokens, {setting} (full logits: "
@@ -392,7 +397,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
     if "overlap" in sections:
         result["overlap"] = rollout_bench.bench_overlap(model, tokenizer, prompts, cfg, args.batch, args.group,
                                                         args.repeats, pad_id)
-    if "logprob" in sections or "train" in sections:
+    if {"logprob", "train", "split"} & set(sections):
         full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,
                                 SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=True),
                                 mx.random.key(cfg.seed))
@@ -400,6 +405,8 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
             result["logprob"] = bench_logprob(model, full, cfg, args.repeats, pad_id)
         if "train" in sections:
             result["train"] = bench_train(model, full, cfg, args.repeats, pad_id)
+        if "split" in sections:
+            result["split"] = train_split.bench_split(model, [step_data(full, cfg.seed)], cfg, args.repeats, pad_id)
     if "memory" in sections:
         rows, length = (int(x) for x in args.memory_shape.lower().split("x"))
         budgets = [int(x) for x in args.memory_budgets.split(",") if x] or [cfg.micro_batch_tokens]

@@ -126,6 +126,8 @@ def _validate_objective(c: Config) -> None:
     for name in dict.fromkeys(f for fields in own.values() for f in fields):  # a loss type's own settings
         _unused_unless(c, name, name in own.get(o.loss_type, ()),
                        "loss_type " + " or ".join(k for k, fields in own.items() if name in fields))
+    _require(not (r.decode_graph and r.rollout_engine == "model"),
+             "decode_graph = true needs the sampling copy: set rollout_engine = copy or auto")
     off_policy = o.num_iterations > 1 or o.update_every > 1 or r.quantize_for_rollouts
     for name, active in (("clip_eps_high", o.clip_eps_high > 0), ("delta", o.delta > 0),
                          ("importance_sampling_level", o.importance_sampling_level == "sequence"),

@@ -225,14 +225,25 @@ def cache_attention(q: mx.array, keys: mx.array, values: mx.array, start: mx.arr
     return out.reshape(n, H, 1, Dh).astype(q.dtype), lse.reshape(n, H, 1)
 
 
+def merge_own_slot(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx.array, scale: float) -> mx.array:
+    """The cached slots' attention (out [n, H, 1, Dh], lse [n, H, 1]) merged with the token's own slot (q
+    [n, H, 1, Dh], its k, v [n, Hkv, 1, Dh]): softmax weights exp(lse) and exp(q.k). -> float32 [n, H, 1, Dh]."""
+    n, H, _, Dh = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(n, Hkv, H // Hkv, Dh).astype(mx.float32)
+    own = ((qg * k.astype(mx.float32)).sum(-1) * scale).reshape(n, H, 1)  # [n, H, 1]
+    top = mx.maximum(lse, own)
+    a, b = mx.exp(lse - top), mx.exp(own - top)
+    v_rep = mx.repeat(v, H // Hkv, axis=1).astype(mx.float32)  # [n, H, 1, Dh]
+    return (out.astype(mx.float32) * a[..., None] + v_rep * b[..., None]) / (a + b)[..., None]
+
+
 def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx.array, offset: mx.array,
                 start: mx.array, stop: mx.array, kernel: bool):
     """One token per row: token [n] at RoPE position offset [n], attending cache slots [start, stop) plus
     itself; keys, values [layers, n, Hkv, S, Dh]. -> (logits [n, V], the token's keys and values
     [layers, n, Hkv, 1, Dh]). Reads the cache only: the caller writes the returned keys/values at slot stop."""
-    n = token.shape[0]
-    H, Hkv, Dh = spec.heads, spec.kv_heads, spec.head_dim
-    scale = spec.scale
+    H, scale = spec.heads, spec.scale
     x = w["embed"][token][:, None, :]  # [n, 1, D]
     new_keys, new_values = [], []
     fused = kernel and spec.theta is not None and not spec.qk_norm
@@ -246,14 +257,7 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx
             continue
         q, k, v = _qkv(spec, lw, x, offset)  # [n, H, 1, Dh], [n, Hkv, 1, Dh] x2
         out, lse = cache_attention(q, keys, values, start, stop, scale, kernel, layer)
-        # merge the cached slots' softmax with the token's own slot: weights exp(lse) and exp(q.k)
-        qg = q.reshape(n, Hkv, H // Hkv, Dh).astype(mx.float32)
-        own = ((qg * k.astype(mx.float32)).sum(-1) * scale).reshape(n, H, 1)  # [n, H, 1]
-        top = mx.maximum(lse, own)
-        a, b = mx.exp(lse - top), mx.exp(own - top)
-        v_rep = mx.repeat(v, H // Hkv, axis=1).astype(mx.float32)  # [n, H, 1, Dh]
-        merged = (out.astype(mx.float32) * a[..., None] + v_rep * b[..., None]) / (a + b)[..., None]
-        x = _finish_layer(lw, x, merged.astype(x.dtype), spec.eps)
+        x = _finish_layer(lw, x, merge_own_slot(q, k, v, out, lse, scale).astype(x.dtype), spec.eps)
         new_keys.append(k)
         new_values.append(v)
     return _logits(w, spec, x[:, 0, :]), mx.stack(new_keys), mx.stack(new_values)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_grpo.models import decoder
+from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.records import Rollout, SamplingParams
@@ -49,14 +49,18 @@ class RolloutEngine:
     """Samples rollouts from the policy it was last refreshed with.
 
     mode: rollout_engine (copy, model or auto: the copy on NVIDIA GPUs). compact: drop ended rows from the
-    batch (False: every row decodes to the end, for comparisons).
+    batch (False: every row decodes to the end, for comparisons). graph: decode_graph, the copy's step with
+    fewer primitives (models/compiled_decode.py).
     """
 
-    def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8):
+    def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
+                 graph: bool = False):
         self.tokenizer = tokenizer
         self.mode = mode
         self.compact = compact
         self.sync_every = sync_every
+        self.graph = graph
+        self.traces = 0  # times a decode step was traced (compiled): once per batch shape and cache capacity
         self.model = None
         self._copy = None  # (spec, weights), built on first use after each refresh
         self._stale = False
@@ -76,6 +80,8 @@ class RolloutEngine:
         if self._stale:
             # its compute dtype is the embedding's (quantized models never get a copy)
             self._copy = decoder.build(self.model, self.model.model.embed_tokens.weight.dtype)
+            if self.graph:  # its matrices stored transposed, as compiled_decode's step reads them
+                self._copy = (self._copy[0], compiled_decode.graph_weights(self._copy[1]))
             self._stale = False
         return self._copy
 
@@ -137,11 +143,16 @@ class RolloutEngine:
         spec = self.spec
         shape = (spec.heads, spec.kv_heads, spec.head_dim, spec.scale, spec.eps, spec.qk_norm,
                  None if spec.theta is None else tuple(spec.theta.tolist()))
-        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel, shape)
+        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel, shape, self.graph)
+        if cache_key not in self._steps and self.graph:
+            self._steps[cache_key] = compiled_decode.make_step(
+                self.spec, lambda logits, keys: sample(logits, keys, params), mx.array(list(eos) or [-1], mx.int32),
+                kernel, on_trace=self._traced)
         if cache_key not in self._steps:  # a refresh with the same shapes keeps the traced step
             spec, eos_array = self.spec, mx.array(list(eos) or [-1], dtype=mx.int32)
 
             def step(weights, token, keys, values, offset, start, stop, row_keys, ended):
+                self._traced()
                 logits, new_k, new_v = decoder.decode_step(spec, weights, token, keys, values, offset, start,
                                                            stop, kernel)
                 token, logprob, entropy = sample(logits, row_keys, params)
@@ -151,11 +162,15 @@ class RolloutEngine:
             self._steps[cache_key] = mx.compile(step)
         return self._steps[cache_key]
 
+    def _traced(self) -> None:
+        self.traces += 1
+
     def _prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int, pad_id: int):
         """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
         ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows],
         last logits [rows, V])."""
         spec, weights = self._current()
+        weights = compiled_decode.model_layout(weights) if self.graph else weights
         longest = max(len(c) for c in contexts)
         width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
         padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
@@ -199,7 +214,7 @@ class RolloutEngine:
         segments, columns, opened = [], ([token], [logprob], [entropy]), 0
         self.row_steps, self.steps = len(rows), 0
         s, last = 1, T  # decode steps until every admitted row has T tokens
-        slot_rows = None
+        slot_rows, slot, slot_at = None, None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
         # with turns, the loop also goes on to the sync that hands the last rows to turns.ended
         while s < last or queue or (turns is not None and (turns.pending() or not reported.all())):
             if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
@@ -251,15 +266,24 @@ class RolloutEngine:
                             new_rows, all_keys, sampler, join, s, segments)
                         last = max(last, s - 1 + T)
                     rows, slot_rows = new_rows, None
-            stop = mx.array([idx], dtype=mx.int32)
             if slot_rows is None or len(slot_rows) != len(rows):  # after a rebuild: the slots' rows on the device
                 slot_rows = mx.array(np.maximum(rows, 0))
             row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
-            token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
-                                                                stop, row_keys, ended)
-            keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph (inside, it would copy)
-            values[..., idx:idx + 1, :] = new_v
-            idx, s, kstep = idx + 1, s + 1, kstep + 1
+            if self.graph:  # the slot stays on the device; the graph advances it
+                if slot_at != idx:
+                    slot = mx.array([idx], dtype=mx.int32)
+                token, logprob, entropy, ended, new_k, new_v, next_slot, kstep = step(
+                    weights, token, keys, values, slot, start, kstep, row_keys, ended)
+                keys = compiled_decode.write_slot(keys, new_k, slot)  # outside the graph: in place
+                values = compiled_decode.write_slot(values, new_v, slot)
+                slot, slot_at = next_slot, idx + 1
+            else:
+                token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
+                                                                    mx.array([idx], dtype=mx.int32), row_keys, ended)
+                keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph (inside, it would copy)
+                values[..., idx:idx + 1, :] = new_v
+                kstep = kstep + 1
+            idx, s = idx + 1, s + 1
             self.row_steps += len(rows)
             self.steps += 1
             for column, value in zip(columns, (token, logprob, entropy)):

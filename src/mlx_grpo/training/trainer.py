@@ -40,6 +40,7 @@ from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts
 from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.training.compiled_update import CompiledUpdate
 from mlx_grpo.training.draws import add_rewards, batch_stats, collect, informative_batch, reward_inputs, row_keys
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
@@ -82,6 +83,7 @@ class Trainer:
         self.total_updates = groups * cfg.num_iterations
         self.optimizer = make_optimizer(cfg, learning_rate_at(1, self.total_updates, cfg))
         self.grad_fn = make_grad_fn(cfg, self.model)
+        self.compiled_update = CompiledUpdate(self.optimizer, self.model, self.masters) if cfg.compile_update else None
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else sorted(self.tokenizer.eos_token_ids)[0]
         self.params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
@@ -95,7 +97,8 @@ class Trainer:
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
         # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
-        self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine).refresh(self.policies.sampler)
+        self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine, graph=cfg.decode_graph).refresh(
+            self.policies.sampler)
         # Tools or an environment: rollouts are episodes (rollout/multiturn.py) over the same engine.
         self.multiturn = multiturn_for(cfg, self.tokenizer, getattr(getattr(self.model, "args", None),
                                                                     "model_type", None))
@@ -154,7 +157,10 @@ class Trainer:
             if metrics.skipped:
                 self.skip(metrics)
             else:
-                optimizer_step(self.optimizer, self.model, grads, self.masters)
+                if self.compiled_update is not None:  # compile_update: the same step as one compiled function
+                    self.compiled_update.step(grads)
+                else:
+                    optimizer_step(self.optimizer, self.model, grads, self.masters)
                 # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients)
                 # back to the device rather than keep them cached beside AdamW's state for the next
                 # rollout: near the memory limit (a 1.9B model on an H100) later updates slowed

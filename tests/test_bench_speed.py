@@ -1,0 +1,58 @@
+"""Issue 25's bench pieces on tiny models: decode_profile's "graph" builder is the engine's decode_graph step
+(same tokens as engine.generate) with fewer primitives than the "engine" step; grpo_bench --sections split
+times the training pass piece by piece."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from test_bench import _load_bench_module
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_decode_profile_graph_step_is_the_engines_decode_graph(tiny_model_dir):
+    from mlx_grpo.rollout.engine import RolloutEngine
+    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.rollout.records import SamplingParams
+
+    profile = _load_bench_module("decode_profile")
+    shapes = _load_bench_module("shapes")
+    model = shapes.build("tiny-qwen2", mx.float32)
+    prompts = profile.make_prompts(2, 12, 300, seed=0)
+    with profile.graph_step(model, prompts, 3, 10, seed=5) as decoder:
+        got = [decoder.step()[0] for _ in range(6)]
+        mx.eval(got)
+        graph = profile.count_primitives(decoder.step())  # one step's graph, its inputs evaluated
+    with profile.engine_step(model, prompts, 3, 10, seed=5) as decoder:
+        today = profile.count_primitives(decoder.step())
+    tokenizer = load_model(str(tiny_model_dir), "float32")[1]
+    want = RolloutEngine(tokenizer, mode="copy", graph=True).refresh(model).generate(
+        prompts, 3, SamplingParams(10, 1.0, ignore_eos=True), mx.random.key(5))
+    assert mx.array_equal(mx.stack(got, axis=1), want.completion_ids[:, 1:7])
+    # per layer: no Flatten/Unflatten around matmuls, no weight transposes
+    assert graph["primitives"] < today["primitives"]
+    assert "Flatten" not in graph["by_type"] and graph["by_type"].get("Transpose", 0) < today["by_type"]["Transpose"]
+
+
+def test_grpo_bench_split_section(tmp_path):
+    from conftest import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--model", str(model), "--dtype",
+                           "bfloat16", "--dataset", "arith", "--batch", "2", "--group", "2", "--max-new-tokens", "6",
+                           "--sections", "split", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    split = json.loads(next(out.glob("grpo_bench-*.json")).read_text())["split"]
+    assert split["masters"] and split["tokens"] == 2 * 2 * 6  # bfloat16 compute: float32 masters
+    for key in ("forward_s", "fwd_bwd_eager_s", "fwd_bwd_compiled_s", "clip_s", "optimizer_s", "master_cast_s",
+                "update_eager_s", "update_compiled_s"):
+        assert split[key] > 0, key
+    assert "| training pass split s" in proc.stdout
