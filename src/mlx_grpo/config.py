@@ -92,6 +92,14 @@ class Config:
     answer_column: str = _f("", "Column holding the gold answer; empty = the first of "
                             f"{', '.join(ANSWER_COLUMNS)} that the data has. A GSM8K '#### N' line or a last "
                             "\\boxed{...} is reduced to the final answer; other columns reach the rewards.", DATA)
+    # --- vision-language models (vlm/; docs/vision.md) ---
+    image_column: str = _f("", "Column holding each example's image(s) (a file path relative to the working "
+                           "directory, bytes, or a `datasets` Image value; or a list of them): set, `train` runs "
+                           "GRPO on image + text prompts with a Qwen2-VL / Qwen2.5-VL model (the `vlm` extra). "
+                           "The built-in 'shapes' data set keeps its images in 'image'.", DATA)
+    train_vision: bool = _f(False, "With image_column: train the vision tower too (full: its weights; lora/dora: "
+                            "adapters on the language model plus the whole tower). Off: the tower stays frozen and "
+                            "each prompt's images are encoded once per rollout.", TRAIN)
     arith_max_steps: int = _f(4, "Built-in arith: most operations per problem. 4 = the mix of every template "
                               "(2-4 steps); 1-3 = running-count stories of 1 to N steps, which a small model "
                               "can learn (configs/arith.toml uses 1).", DATA)

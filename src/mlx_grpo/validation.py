@@ -23,6 +23,13 @@ def _require(ok: bool, message: str) -> None:
 def check(c: Config, command: str) -> None:
     """Cross-field and range rules, each with a message saying what to change."""
     _require(c.max_new_tokens > 0, "max_new_tokens must be > 0")
+    if c.image_column:  # settings the image rollouts (vlm/rollout.py) do not implement: refused, not ignored
+        bad = [name for flag, name in [(c.update_every > 1, "update_every > 1"), (c.quantize_for_rollouts,
+               "quantize_for_rollouts"), (bool(c.stop), "stop"), (c.demonstrations != "off", "demonstrations"),
+               (c.use_compile, "use_compile"), (bool(c.tools or c.environment), "tools/environment"),
+               (bool(c.prefill), "prefill")] if flag]
+        _require(not bad, f"image_column (GRPO on images) does not support {', '.join(bad)}: drop them")
+    _require(c.image_column or not c.train_vision, "train_vision needs image_column (a GRPO run on images)")
     _require(c.temperature >= 0, "temperature must be >= 0 (0 = greedy)")
     _require(0 < c.top_p <= 1, "top_p must be in (0, 1]; use 1.0 to turn it off")
     _require(c.top_k >= 0, "top_k must be >= 0 (0 = off)")
