@@ -124,16 +124,28 @@ def test_train_vision_gives_the_tower_gradients(tiny_vlm_dir, tmp_path):
     assert t.model.table.encodings - before <= t.cfg.batch_size * 2  # once per prompt per micro-batch at most
 
 
+REWARD = """
+def image_reward(prompts, completions, completion_ids, image=None, colour=None, **columns):
+    assert all(isinstance(i["bytes"], bytes) and i["path"].startswith("shapes/") for i in image)  # the images
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+"""
+
+
 def test_resume_is_exact_and_completions_name_the_images(tiny_vlm_dir, tmp_path, monkeypatch):
     from mlx_grpo.run import train
 
-    whole = _cfg(tiny_vlm_dir, tmp_path, run_name="whole")
+    (tmp_path / "reward.py").write_text(REWARD)
+    monkeypatch.chdir(tmp_path)
+    over = {"reward_funcs": "reward.py:image_reward", "log_completions_steps": 1}
+    whole = _cfg(tiny_vlm_dir, tmp_path, run_name="whole", **over)
     train(whole)
-    cut = _cfg(tiny_vlm_dir, tmp_path, run_name="cut")
+    cut = _cfg(tiny_vlm_dir, tmp_path, run_name="cut", **over)
     interrupt_before_update(train, cut, monkeypatch, 2)
     train(cut, resume="latest")
     runs = tmp_path / "runs"
-    assert run_metrics(runs / "whole") == run_metrics(runs / "cut") and len(run_metrics(runs / "whole")) == 2
+    metrics = run_metrics(runs / "whole")
+    assert metrics == run_metrics(runs / "cut") and len(metrics) == 2
+    assert all(m["loss"] != 0 for m in metrics)  # the rewards differ within groups: the updates move weights
     rows = [json.loads(line) for line in (runs / "whole" / "completions.jsonl").read_text().splitlines()]
     assert rows[0]["images"][0].startswith("shapes/train/")
 
