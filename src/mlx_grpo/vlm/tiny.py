@@ -44,16 +44,19 @@ def write_tiny_vlm(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2,
                       extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
     config_file.write_text(json.dumps(tok_config))
     (path / "chat_template.json").write_text(json.dumps({"chat_template": VLM_CHAT_TEMPLATE}))
-    head_dim = hidden // 2
+    heads = max(2, hidden // 128)  # 128-wide heads as Qwen2-VL's (2 for the tests' width 32)
+    kv_heads = max(1, heads // 6)
+    head_dim = hidden // heads
     config = Qwen2VLConfig(
         text_config={"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 2 * hidden,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": vocab,
+                     "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
                      "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                      "tie_word_embeddings": True, "eos_token_id": 2,
                      # the three mrope sections (temporal, height, width) cover head_dim / 2 frequencies
                      "rope_scaling": {"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8,
                                                                          head_dim // 8]}},
-        vision_config={"depth": vision_depth, "embed_dim": vision_dim, "hidden_size": hidden, "num_heads": 2,
+        vision_config={"depth": vision_depth, "embed_dim": vision_dim, "hidden_size": hidden,
+                       "num_heads": max(2, vision_dim // 80),
                        "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                        "in_channels": 3},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
