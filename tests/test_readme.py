@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 # Examples of the built-in data sets: the arith generator's train size, GSM8K's train split.
-DATA_SIZES = {"arith": 1000, "gsm8k": 7473}
+DATA_SIZES = {"arith": 1000, "gsm8k": 7473, "shapes": 1000}
 # Files the reader brings (their own data, prompts, a GGUF download) or that a doc's earlier step writes
 # (guess.py is printed above its command; hosts.json is written by mlx.distributed_config).
 USER_FILES = {"train.jsonl", "test.jsonl", "prompts.jsonl", "model.Q4_1.gguf", "guess.py", "hosts.json",

@@ -38,6 +38,8 @@ def _add_option(parser: argparse.ArgumentParser, opt: Option) -> None:
         parser.add_argument(dest, metavar=dest.upper(), help=opt.help)
     elif opt.kind == "flag":
         parser.add_argument(*opt.flags, dest=dest, action="store_true", help=opt.help)
+    elif opt.kind == "append":
+        parser.add_argument(*opt.flags, dest=dest, action="append", default=None, help=opt.help)
     elif opt.kind == "optional":
         parser.add_argument(*opt.flags, dest=dest, nargs="?", const="latest", default=None, help=opt.help)
     elif opt.kind == "choice":
@@ -127,7 +129,14 @@ def _dispatch(args: argparse.Namespace) -> None:
         print(f"wrote merged model to {run_fuse(args.checkpoint, args.output_dir, dequantize=args.dequantize)}")
         return
     cfg = _config_from_args(command, args)
-    if command == "generate":
+    if command in ("generate", "chat") and args.image:  # vision-language models (vlm/)
+        from mlx_grpo.vlm.inference import run_chat_images, run_generate_images
+
+        if command == "generate":
+            run_generate_images(cfg, args.prompt, args.image, stream=args.stream, verbose=args.verbose)
+        else:
+            run_chat_images(cfg, args.image, verbose=args.verbose)
+    elif command == "generate":
         from mlx_grpo.inference import run_generate
 
         run_generate(cfg, prompt=args.prompt, prompts_file=args.prompts_file, output=args.output,

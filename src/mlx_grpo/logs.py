@@ -217,6 +217,8 @@ class RunLogger:
             record = {"update_step": update_step, "prompt": example.prompt, "answer": example.answer,
                       "completion": text, "rewards": rewards, "reward": float(stats.rewards[row]),
                       "advantage": float(stats.advantages[row])}
+            if stats.images is not None:  # image prompts (vlm/): the images it was asked about
+                record["images"] = stats.images[row // G]
             if stats.demo is not None:  # a demonstration (the reference solution), not a sample of the policy
                 record["demo"] = bool(stats.demo[row])
             if transcripts is not None:  # multi-turn: each turn with its origin (model, tool, environment)

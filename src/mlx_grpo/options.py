@@ -25,7 +25,7 @@ class Option:
 
     flags: tuple[str, ...]
     help: str
-    kind: str = "str"  # str | int | flag | choice | optional | positional
+    kind: str = "str"  # str | int | flag | choice | optional | positional | append (repeatable str)
     default: Any = None
     choices: tuple[str, ...] = ()
 
@@ -57,10 +57,14 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
         Option(("--stream",), "Print tokens as they are generated.", kind="flag", default=False),
         Option(("--raw",), "Send the prompt as raw text, without the chat template.", kind="flag",
                default=False),
+        Option(("--image",), "Image file for a vision-language model (repeatable; with --prompt).",
+               kind="append"),
         Option(("--verbose", "-v"), "Print prompt/generation tokens per second and peak memory.",
                kind="flag", default=False),
     ],
     "chat": [
+        Option(("--image",), "Image file the conversation is about, for a vision-language model (repeatable).",
+               kind="append"),
         Option(("--verbose", "-v"), "Print tokens per second and peak memory after each answer.",
                kind="flag", default=False),
     ],

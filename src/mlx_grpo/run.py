@@ -40,7 +40,8 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
     per = -(-len(examples) // world.size)
     # the trainer's engine samples the trained model itself unless an old policy is kept apart
     engine = trainer.engine if trainer.policies.sampler is trainer.model else None
-    mine = answer_records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
+    records = getattr(trainer, "answer_records", answer_records)  # image prompts: vlm/trainer.py's own
+    mine = records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
                           max_new_tokens=cfg.eval.eval_max_new_tokens, seed=world.seed(cfg.run.seed),
                           progress=world.is_main, engine=engine, multiturn=trainer.multiturn,
                           system_prompt=trainer.eval_prompt.system)

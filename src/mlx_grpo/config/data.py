@@ -10,8 +10,9 @@ from pathlib import Path
 
 from mlx_grpo.config.fields import ANSWER_COLUMNS, DATA, MODEL_CMDS, PROMPT_COLUMNS, SYSTEM_PROMPT, TUNE, setting
 
-# The built-in data sets (data.py generates arith, loads gsm8k); with the forms below, what `dataset` accepts.
-BUILTIN_DATASETS = ("arith", "gsm8k")
+# The built-in data sets (data.py generates arith, loads gsm8k; vlm/shapes.py draws shapes, the image task);
+# with the forms below, what `dataset` accepts.
+BUILTIN_DATASETS = ("arith", "gsm8k", "shapes")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 # "owner/name" as the hub spells repository ids.
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -33,8 +34,8 @@ def unknown_dataset(name: str) -> str:
     """The error line for a `dataset` that is neither a built-in, a data file or directory, nor a hub id."""
     close = difflib.get_close_matches(name, BUILTIN_DATASETS, n=1, cutoff=0.6)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return (f"dataset must be 'arith' or 'gsm8k', a .jsonl/.json/.parquet file, a data set directory or a hub id "
-            f"'owner/name'; got {name!r}{hint}")
+    return (f"dataset must be 'arith' or 'gsm8k' (or the image task 'shapes'), a .jsonl/.json/.parquet file, a "
+            f"data set directory or a hub id 'owner/name'; got {name!r}{hint}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class DataConfig:
     answer_column: str = setting("", "Column holding the gold answer; empty = the first of "
                                  f"{', '.join(ANSWER_COLUMNS)} that the data has. A GSM8K '#### N' line or a last "
                                  "\\boxed{...} is reduced to the final answer; other columns reach the rewards.", DATA)
+    image_column: str = setting("", "Column holding each example's image(s) (a file path relative to the working "
+                                "directory, bytes, or a `datasets` Image value; or a list of them): set, `train` runs "
+                                "GRPO on image + text prompts with a Qwen2-VL / Qwen2.5-VL model (the `vlm` extra, "
+                                "docs/vision.md). The built-in 'shapes' data set keeps its images in 'image'.", DATA)
     arith_max_steps: int = setting(4, "Built-in arith: most operations per problem. 4 = the mix of every template (2-4 "
                                    "steps); 1-3 = running-count stories of 1 to N steps, which a small model can learn "
                                    "(configs/arith.toml uses 1).", DATA, range="[1, 4]", note="4 = every template")

@@ -48,6 +48,9 @@ class TrainingConfig:
                                     "its activations: training memory drops to about the layers' inputs, for ~1/3 more "
                                     "compute. Same results.", TUNE, resume_may_change=True)
     use_compile: bool = setting(False, "Compile the loss/gradient step with mx.compile.", TRAIN)
+    train_vision: bool = setting(False, "With image_column: train the vision tower too (full: its weights; lora/dora: "
+                                 "adapters on the language model plus the whole tower). Off: the tower stays frozen "
+                                 "and each prompt's images are encoded once per rollout.", TRAIN)
     compile_update: bool = setting(False, "Run each optimizer step (AdamW on the float32 masters, or on the model, and "
                                    "the compute copy cast from them) as one compiled function "
                                    "(training/compiled_update.py): one fused kernel per tensor instead of ~15 "

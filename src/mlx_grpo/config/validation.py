@@ -25,6 +25,7 @@ def check(c: Config, command: str) -> None:
     if command not in DATA:
         return
     _validate_data(c)
+    _validate_images(c)
     if command == "train":
         _validate_train(c)
     elif command == "sft":
@@ -70,6 +71,19 @@ def _validate_data(c: Config) -> None:
     _require(all(t.strip() for t in d.worked_examples_text), "worked_examples_text entries must not be empty")
     _require(c.eval.eval_num_samples == 1 or r.temperature > 0,
              "eval_num_samples > 1 (pass@k) needs temperature > 0; set temperature=1.0")
+
+
+def _validate_images(c: Config) -> None:
+    """Settings the image rollouts (vlm/rollout.py) do not implement: refused, not ignored."""
+    r, o = c.rollout, c.objective
+    if c.data.image_column:
+        bad = [name for flag, name in [(o.update_every > 1, "update_every > 1"), (r.quantize_for_rollouts,
+               "quantize_for_rollouts"), (bool(r.stop), "stop"), (o.demonstrations != "off", "demonstrations"),
+               (c.training.use_compile, "use_compile"), (bool(r.tools or r.environment), "tools/environment"),
+               (bool(c.data.prefill), "prefill")] if flag]
+        _require(not bad, f"image_column (GRPO on images) does not support {', '.join(bad)}: drop them")
+    _require(c.data.image_column or not c.training.train_vision,
+             "train_vision needs image_column (a GRPO run on images)")
 
 
 def _validate_tuning(c: Config) -> None:

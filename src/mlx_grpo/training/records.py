@@ -75,6 +75,7 @@ class BatchStats:
     demo: np.ndarray | None = None  # [trained rows] demonstrations
     tool_calls: np.ndarray | None = None  # [drawn rows] tool calls per row (tools runs)
     tool_errors: np.ndarray | None = None
+    images: list | None = None  # [trained groups] each prompt's images (image runs, vlm/)
     # the reward part, set by Trainer.score
     rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [trained rows] totals
     per_func: dict[str, np.ndarray] = field(default_factory=dict)

@@ -1,0 +1,81 @@
+"""A VisionTrainer from a Config (assembly.build_trainer hands runs with image_column here): the examples and
+rewards as for text, the mlx-vlm model loaded and wrapped (VisionPolicy) in its compute dtype with its float32
+masters, LoRA/DoRA on the language model's blocks, the vision tower frozen unless train_vision, and the KL
+reference sharing the feature table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_grpo.config import Config
+from mlx_grpo.data import subset
+from mlx_grpo.distributed import World
+from mlx_grpo.errors import UserError
+from mlx_grpo.models.adapters import apply_adapters
+from mlx_grpo.models.precision import MasterWeights, cast_floats, compute_dtype, dtype_name
+from mlx_grpo.training.policy import Policies
+from mlx_grpo.rewards.workers import build_reward_set
+from mlx_grpo.sources import run_examples
+from mlx_grpo.vlm.families import check_grpo_family, read_config
+from mlx_grpo.vlm.inference import load_vlm
+from mlx_grpo.vlm.policy_model import VisionPolicy
+from mlx_grpo.vlm.trainer import VisionTrainer
+
+
+def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:
+    """(VisionPolicy in the compute dtype, processor); table: share another policy's feature table."""
+    kind = read_config(Path(cfg.model_name)).get("model_type", "")
+    check_grpo_family(kind, cfg.model_name)
+    vlm, processor = load_vlm(cfg.model_name)
+    if any(k.endswith(".scales") for k, _ in tree_flatten(vlm.parameters())):
+        raise UserError(f"model {cfg.model_name!r} is quantized: GRPO on images trains float weights; convert it "
+                        "without --quantize")
+    policy = VisionPolicy(vlm, table, cfg.train_vision)
+    return policy, processor
+
+
+def build_vision_trainer(cfg: Config, world: World | None = None) -> VisionTrainer:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    train = run_examples(cfg, "train")
+    evals = run_examples(cfg, "test") if cfg.eval_every_updates or cfg.eval_steps else None
+    if cfg.max_train_samples:
+        train = subset(train, cfg.max_train_samples, cfg.seed)
+    rewards = build_reward_set(cfg, Path.cwd())
+    model, processor = load_policy(cfg)
+    dtype = compute_dtype(cfg.model_name, cfg.model_dtype, model)
+    mixed = cfg.master_weights and dtype != mx.float32
+    adapter_config = None
+    if cfg.train_type == "full":
+        if not cfg.train_vision:
+            model.vision_tower.freeze()
+        masters = MasterWeights(model, mixed)
+        cast_floats(model, dtype)
+    else:
+        cast_floats(model, dtype)
+        mx.random.seed(cfg.seed)  # the adapters' initial weights come from the global generator
+        adapter_config = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                                        cfg.lora_layers, cfg.lora_keys)
+        if cfg.train_vision:
+            model.vision_tower.unfreeze()
+        adapter_config["mlx_grpo"] = {"base_model": cfg.model_name, "base_dir": str(Path(cfg.model_name).resolve()),
+                                      "load_in_bits": 0, "model_dtype": dtype_name(dtype)}
+        masters = MasterWeights(model, mixed)
+        cast_floats(model, dtype)
+    reference = None
+    if cfg.kl_coeff > 0 and adapter_config is None:
+        reference = load_policy(cfg, table=model.table)[0]
+        cast_floats(reference, dtype)
+    policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
+    tokenizer = TokenizerWrapper(processor.tokenizer, eos_token_ids=_eos_ids(cfg.model_name, processor.tokenizer))
+    return VisionTrainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
+                         Path(cfg.model_name), evals, adapter_config, masters, world or World(), processor=processor)
+
+
+def _eos_ids(model_dir: str, tokenizer) -> set[int]:
+    eos = read_config(Path(model_dir)).get("eos_token_id")
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids or {tokenizer.eos_token_id}

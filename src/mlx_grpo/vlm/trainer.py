@@ -1,0 +1,83 @@
+"""GRPO on image + text prompts: the Trainer with its prompts built by the model's processor and its rollouts
+drawn by vlm/rollout.py. Everything after the rollout (rewards, advantages, the old/reference log-prob passes,
+the micro-batched update on float32 masters, TIS, checkpoints, resume) is the text Trainer's own: the model is
+a VisionPolicy, whose forward reads each prompt's image features from the shared table by token id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_grpo.data import Example
+from mlx_grpo.rewards.builtin import answers_match, extract_answer
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.training.draws import row_keys
+from mlx_grpo.training.records import Batch
+from mlx_grpo.training.trainer import Trainer
+from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
+
+
+@dataclass
+class VisionTrainer(Trainer):
+    processor: object = None  # the model's mlx-vlm processor (images -> pixels, the chat template)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    def _prompts(self, examples: list[Example], system: str) -> list:
+        return [encode_vision_prompt(self.processor, e, self.cfg.image_column, system, Path.cwd(),
+                                     self.cfg.max_prompt_length) for e in examples]
+
+    def encode(self, examples: list[Example]):
+        cfg, G = self.cfg, self.cfg.num_generations
+        share = self.world.share(len(examples))
+        keys = row_keys(cfg.seed, self.counters.draws, len(examples) * G, slice(share.start * G, share.stop * G))
+        self.counters.draws += 1
+        return self._prompts(examples[share], self.prompt.system), keys, examples[share]
+
+    def generate(self, jobs: list) -> list:
+        sampler = self.policies.sampler
+        out = []
+        for prompts, keys, _ in jobs:
+            ids = [sampler.register(p.ids, p.pixel_values, p.grid_thw) for p in prompts]  # encoded once each
+            out.append(vision_rollout(sampler, ids, keys, self.cfg.num_generations, self.params, self.eos_ids,
+                                      self.pad_id, self.tokenizer))
+        return out
+
+    def batch_steps(self, batches: list[list[Example]]) -> list:
+        self.model.table.clear()  # the previous update's steps are done with: a new table for these rollouts
+        return super().batch_steps(batches)
+
+    def logprob_passes(self, draws) -> Batch:
+        batch = super().logprob_passes(draws)
+        batch.stats.images = [[str(x) for x in _names(e, self.cfg.image_column)] for e in batch.stats.examples]
+        return batch
+
+    def answer_records(self, model, tokenizer, examples: list[Example], cfg, *, max_new_tokens: int, seed=None,
+                       system_prompt=None, **_) -> list[dict]:
+        """Greedy answers to image prompts (run.py's evaluation): one record per example, naming its images."""
+        params = SamplingParams(max_new_tokens, 0.0)
+        records = []
+        for start in range(0, len(examples), cfg.eval_batch_size):
+            chunk = examples[start:start + cfg.eval_batch_size]
+            prompts = self._prompts(chunk, cfg.system_prompt if system_prompt is None else system_prompt)
+            ids = [model.register(p.ids, p.pixel_values, p.grid_thw) for p in prompts]
+            keys = mx.random.split(mx.random.key(cfg.seed if seed is None else seed), len(chunk))
+            rollout = vision_rollout(model, ids, keys, 1, params, self.eos_ids, self.pad_id, tokenizer)
+            for example, prompt, text in zip(chunk, prompts, rollout.texts):
+                ok = answers_match(extract_answer(text), example.answer)
+                records.append({"prompt": example.prompt, "images": prompt.images, "answer": example.answer,
+                                "completions": [text], "correct": ok, "lenient": ok,
+                                "formatted": extract_answer(text) is not None})
+        return records
+
+
+def _names(example: Example, column: str) -> list:
+    from mlx_grpo.vlm.images import image_name
+
+    value = example.columns.get(column)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [image_name(v) for v in values]
