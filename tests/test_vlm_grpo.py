@@ -115,8 +115,7 @@ def test_train_vision_gives_the_tower_gradients(tiny_vlm_dir, tmp_path):
     from mlx_grpo.assembly import build_trainer
 
     t = build_trainer(_cfg(tiny_vlm_dir, tmp_path, train_type="full", train_vision="true"))
-    steps = [s for s, _ in t.batch_steps([t.next_examples()])]
-    t.resolve(steps[0])
+    steps = [t.score(b) for b in t.batch_steps([t.next_examples()])]
     before = t.model.table.encodings
     grads, _ = t.gradients(steps)
     names = {k for k, _ in tree_flatten(grads)}
