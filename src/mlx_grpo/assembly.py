@@ -107,7 +107,7 @@ def build_model(cfg: Config, say=print) -> TrainedModel:
 def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
     in a data-parallel run (default: alone)."""
-    if cfg.image_column:  # GRPO on image + text prompts (vlm/)
+    if cfg.data.image_column:  # GRPO on image + text prompts (vlm/)
         from mlx_grpo.vlm.assembly import build_vision_trainer
 
         return build_vision_trainer(cfg, world)
@@ -151,7 +151,7 @@ def check_prompt_lengths(trainer: Trainer, measured: int = 2000) -> None:
     """Say at start how much max_prompt_length cuts the training prompts (a seeded sample of them), and
     refuse a length that would cut the question out of most of them."""
     cfg = trainer.cfg
-    if cfg.image_column:  # image prompts are never cut: vlm/rollout.py refuses a longer one
+    if cfg.data.image_column:  # image prompts are never cut: vlm/rollout.py refuses a longer one
         return
     whole = replace(cfg, max_prompt_length=sys.maxsize)  # each prompt's length uncut
     examples = subset(trainer.train_examples, measured, cfg.run.seed)

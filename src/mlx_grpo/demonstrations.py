@@ -106,32 +106,32 @@ class Demonstrator:
         """The draw's rollout and scores with a demonstration in place of the last completion of each group
         that earned nothing and whose example has a reference; rollout.demo marks the rows (all False when
         none)."""
-        cfg, G = self.cfg, self.cfg.num_generations
+        cfg, G = self.cfg, self.cfg.rollout.num_generations
         demos, texts = {}, {}
-        for g in np.flatnonzero(groups_without_reward(scores, G, cfg.demo_reward)):
+        for g in np.flatnonzero(groups_without_reward(scores, G, cfg.objective.demo_reward)):
             text = reference_completion(examples[g], self.style)
             if text is None:
                 continue
-            ids = demo_ids(self.tokenizer, text, cfg.prefill, self.end_id)
-            if len(ids) > cfg.max_new_tokens:  # a cut demonstration would show an unfinished answer
+            ids = demo_ids(self.tokenizer, text, cfg.data.prefill, self.end_id)
+            if len(ids) > cfg.rollout.max_new_tokens:  # a cut demonstration would show an unfinished answer
                 if not self._warned_long:
                     self._warned_long = True
                     self.warn(f"[mlx-grpo] warning: a reference completion of {len(ids)} tokens exceeds "
-                              f"max_new_tokens ({cfg.max_new_tokens}): such examples get no demonstration; "
+                              f"max_new_tokens ({cfg.rollout.max_new_tokens}): such examples get no demonstration; "
                               "raise max_new_tokens")
                 continue
             r = int(g) * G + G - 1  # the group's last completion: deterministic
             demos[r] = ids
             # the text as rewards see sampled rows': prefill + the decoded tokens before the end token
-            texts[r] = cfg.prefill + self.tokenizer.decode(ids[:-1])
+            texts[r] = cfg.data.prefill + self.tokenizer.decode(ids[:-1])
         if not demos:
             return dataclasses.replace(rollout, demo=np.zeros(len(rollout.texts), dtype=bool)), scores
         rows = sorted(demos)
         mine = [examples[r // G] for r in rows]
         demo_scores = self.rewards.score([e.prompt for e in mine], [texts[r] for r in rows],
                                          [demos[r] for r in rows], reward_columns(mine))
-        if cfg.overlong_penalty > 0:  # the same length penalty as the sampled rows
+        if cfg.rewards.overlong_penalty > 0:  # the same length penalty as the sampled rows
             demo_scores = demo_scores.with_penalty("overlong_penalty", overlong_penalty(
-                np.array([len(demos[r]) for r in rows]), cfg.max_new_tokens, cfg.overlong_buffer,
-                cfg.overlong_penalty))
+                np.array([len(demos[r]) for r in rows]), cfg.rollout.max_new_tokens, cfg.rewards.overlong_buffer,
+                cfg.rewards.overlong_penalty))
         return with_demonstrations(rollout, demos, texts, self.pad_id), with_scores(scores, rows, demo_scores)

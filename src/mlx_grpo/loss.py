@@ -60,12 +60,13 @@ class Objective:
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
-        return cls(loss_type=cfg.loss_type, cispo_cap=cfg.cispo_cap, sapo_temperature_pos=cfg.sapo_temperature_pos,
-                   sapo_temperature_neg=cfg.sapo_temperature_neg,
-                   clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, delta=cfg.delta,
-                   sequence_level=cfg.importance_sampling_level == "sequence", kl_coeff=cfg.kl_coeff,
-                   kl_estimator=cfg.kl_estimator, rollout_correction=cfg.rollout_correction,
-                   rollout_cap=cfg.rollout_correction_cap)
+        o = cfg.objective  # the objective reads only its group
+        return cls(loss_type=o.loss_type, cispo_cap=o.cispo_cap, sapo_temperature_pos=o.sapo_temperature_pos,
+                   sapo_temperature_neg=o.sapo_temperature_neg, clip_low=o.clip_eps,
+                   clip_high=o.clip_eps_high or o.clip_eps, delta=o.delta,
+                   sequence_level=o.importance_sampling_level == "sequence", kl_coeff=o.kl_coeff,
+                   kl_estimator=o.kl_estimator, rollout_correction=o.rollout_correction,
+                   rollout_cap=o.rollout_correction_cap)
 
 
 @dataclass

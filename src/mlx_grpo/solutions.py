@@ -70,10 +70,10 @@ def style_for(cfg: Any, fmt: ToolFormat | None = None) -> Style:
     """The style a run's rewards expect: <think> when its prefill or system prompt opens that tag (and never
     mentions <reasoning>), calculator calls in `fmt` when the run has the calculator (fmt: its tool format,
     multiturn.MultiTurn.fmt; required then)."""
-    think = cfg.prefill.lstrip().startswith("<think>") or (
-        "<think>" in cfg.system_prompt and "<reasoning>" not in cfg.system_prompt)
+    think = cfg.data.prefill.lstrip().startswith("<think>") or (
+        "<think>" in cfg.data.system_prompt and "<reasoning>" not in cfg.data.system_prompt)
     tools = None
-    if "calculator" in cfg.tools:
+    if "calculator" in cfg.rollout.tools:
         if fmt is None:
             raise ValueError("a run with the calculator needs its tool format to write reference solutions")
         tools = fmt

@@ -24,17 +24,18 @@ def build_reward_set(cfg, base_dir: Path) -> RewardSet:
     """The run's reward functions: reward_funcs, plus the HTTP reward and the reward model when set."""
     from mlx_grpo.rewards.http import HttpReward
 
+    w = cfg.rewards  # the rewards group: all this needs
     extra = []
-    if cfg.reward_url:
-        extra.append(("reward_url", HttpReward(cfg.reward_url, cfg.reward_url_timeout, cfg.reward_url_retries,
-                                               cfg.reward_url_allowed_hosts), cfg.reward_url_weight))
-    if cfg.reward_model:  # MLX: only ever built in the training process (config refuses it with workers)
+    if w.reward_url:
+        extra.append(("reward_url", HttpReward(w.reward_url, w.reward_url_timeout, w.reward_url_retries,
+                                               w.reward_url_allowed_hosts), w.reward_url_weight))
+    if w.reward_model:  # MLX: only ever built in the training process (config refuses it with workers)
         from mlx_grpo.rewards.reward_model import RewardModelReward
 
-        extra.append(("reward_model", RewardModelReward(cfg.reward_model, cfg.reward_model_clip,
-                                                        cfg.reward_model_answer_weight, cfg.reward_model_batch_size),
-                      cfg.reward_model_weight))
-    return RewardSet(cfg.reward_funcs, cfg.reward_weights or None, base_dir=base_dir, extra=extra)
+        extra.append(("reward_model", RewardModelReward(w.reward_model, w.reward_model_clip,
+                                                        w.reward_model_answer_weight, w.reward_model_batch_size),
+                      w.reward_model_weight))
+    return RewardSet(w.reward_funcs, w.reward_weights or None, base_dir=base_dir, extra=extra)
 
 
 # Each process worker holds the RewardSet its initializer built (one per worker process, never shared).
@@ -56,10 +57,10 @@ class RewardRunner:
     def __init__(self, rewards: RewardSet, cfg, base_dir: Path):
         self.rewards = rewards
         self.pool: Executor | None = None
-        if cfg.reward_workers > 0 and cfg.reward_executor == "thread":
-            self.pool = ThreadPoolExecutor(cfg.reward_workers, thread_name_prefix="mlx-grpo-reward")
-        elif cfg.reward_workers > 0:
-            self.pool = ProcessPoolExecutor(cfg.reward_workers, mp_context=multiprocessing.get_context("spawn"),
+        if cfg.rewards.reward_workers > 0 and cfg.rewards.reward_executor == "thread":
+            self.pool = ThreadPoolExecutor(cfg.rewards.reward_workers, thread_name_prefix="mlx-grpo-reward")
+        elif cfg.rewards.reward_workers > 0:
+            self.pool = ProcessPoolExecutor(cfg.rewards.reward_workers, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=_init_process_worker, initargs=(cfg, base_dir))
 
     def submit(self, prompts: list[Any], completions: list[str], completion_ids: list[list[int]],

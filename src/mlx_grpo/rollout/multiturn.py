@@ -35,8 +35,9 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.tools.environments import Environment, Episode, StepResult, ToolEnvironment, observation_text, prompt_messages
 from mlx_grpo.errors import UserError
+from mlx_grpo.tools.environments import (Environment, Episode, StepResult, ToolEnvironment, observation_text,
+                                         prompt_messages)
 from mlx_grpo.user_files import import_file
 from mlx_grpo.rollout.records import Rollout, SamplingParams, select_groups
 from mlx_grpo.rollout.sampling import completion_end, end_ids
@@ -295,16 +296,16 @@ def load_environment(spec: str, fmt: ToolFormat | None = None) -> Environment:
 
 def multiturn_for(cfg, tokenizer, model_type: str | None = None) -> MultiTurn | None:
     """The run's MultiTurn: tools (a ToolEnvironment) or a custom environment; None for single-turn runs."""
-    if not cfg.tools and not cfg.environment:
+    if not cfg.rollout.tools and not cfg.rollout.environment:
         return None
-    fmt = tool_format_for(tokenizer, model_type, cfg.tool_format)
-    if cfg.environment:
-        env = load_environment(cfg.environment, fmt)
+    fmt = tool_format_for(tokenizer, model_type, cfg.rollout.tool_format)
+    if cfg.rollout.environment:
+        env = load_environment(cfg.rollout.environment, fmt)
         if isinstance(env, ToolEnvironment):  # its calls are found in its own syntax: render in it too
             fmt = env.fmt
     else:
         # max_tool_turns calls, each answered, then one more turn to give the answer
-        env = ToolEnvironment(cfg.tools, fmt, max_turns=cfg.max_tool_turns + 1)
+        env = ToolEnvironment(cfg.rollout.tools, fmt, max_turns=cfg.rollout.max_tool_turns + 1)
     return MultiTurn(env, fmt, tokenizer)
 
 
@@ -319,11 +320,12 @@ def encode_prompts(multiturn: MultiTurn | None, tokenizer, examples: list, cfg,
                    system_prompt: str | None = None) -> list[tuple[list[int], bool]]:
     """Each example's prompt ids and whether they were cut: its episode's first messages (with the tools) in
     multi-turn runs, else its prompt through the chat template. system_prompt: the run's (prompts.RunPrompt,
-    with its worked examples); default cfg.system_prompt."""
-    system = cfg.system_prompt if system_prompt is None else system_prompt
+    with its worked examples); default cfg.data.system_prompt."""
+    d = cfg.data
+    system = d.system_prompt if system_prompt is None else system_prompt
     if multiturn is None:
-        return [encode_chat_prompt(tokenizer, e.prompt, system, cfg.prefill, cfg.max_prompt_length) for e in examples]
-    return [multiturn.encode(data_row(e), system, cfg.prefill, cfg.max_prompt_length) for e in examples]
+        return [encode_chat_prompt(tokenizer, e.prompt, system, d.prefill, d.max_prompt_length) for e in examples]
+    return [multiturn.encode(data_row(e), system, d.prefill, d.max_prompt_length) for e in examples]
 
 
 def rollouts(engine, multiturn: MultiTurn | None, jobs: list[tuple[list[list[int]], mx.array, list]], group_size: int,

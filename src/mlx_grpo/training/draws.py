@@ -45,9 +45,10 @@ def collect(draw: Draw, cfg, demonstrator) -> None:
     except BrokenExecutor as e:
         raise UserError(f"the reward workers stopped ({type(e).__name__}: {e}); try reward_executor = thread "
                         "or reward_workers = 0") from None
-    if cfg.overlong_penalty > 0:
+    if cfg.rewards.overlong_penalty > 0:
         scores = scores.with_penalty("overlong_penalty", overlong_penalty(
-            draw.rollout.extents, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty))
+            draw.rollout.extents, cfg.rollout.max_new_tokens, cfg.rewards.overlong_buffer,
+            cfg.rewards.overlong_penalty))
     draw.scores = scores
     if demonstrator is not None:  # groups that earned nothing get a demonstration (demonstrations.py)
         draw.sampled = (draw.rollout, scores)

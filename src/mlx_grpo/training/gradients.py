@@ -24,8 +24,8 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     objective = Objective.from_config(cfg)
 
     def loss_fn(_model, batch_arrays, old, ref, adv, weights, sampler, sampled):
-        lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.temperature,
-                                 checkpoint_layers=cfg.grad_checkpoint)
+        lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.rollout.temperature,
+                                 checkpoint_layers=cfg.training.grad_checkpoint)
         # on-policy the old policy is the model itself: its log-probs, teacher-forced on a demonstration too
         old_lp = mx.stop_gradient(lp) if old is None else old
         sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective, sampler, sampled)
@@ -36,11 +36,11 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     def step(batch_arrays, old, ref, adv, weights, sampler, sampled=None):
         return grad_fn(model, batch_arrays, old, ref, adv, weights, sampler, sampled)
 
-    if cfg.use_compile:
+    if cfg.training.use_compile:
         # nn.value_and_grad swaps traced arrays into the model while tracing: declare the state as output
         # too, or the model keeps placeholder arrays after the compiled call. Adapter dropout draws from
         # the global random state, which must then be threaded through as well.
-        state = [model.state, mx.random.state] if cfg.lora_dropout > 0 else model.state
+        state = [model.state, mx.random.state] if cfg.model.lora_dropout > 0 else model.state
         return mx.compile(step, inputs=state, outputs=state)
     return step
 
@@ -48,7 +48,7 @@ def make_grad_fn(cfg: Config, model: nn.Module):
 def kept_rows(cfg: Config, rollout: Rollout) -> np.ndarray:
     """[N] bool: rows that enter the loss; completions cut by max_new_tokens are dropped with
     mask_truncated_completions."""
-    return ~rollout.truncated if cfg.mask_truncated_completions else np.ones(len(rollout.texts), bool)
+    return ~rollout.truncated if cfg.objective.mask_truncated_completions else np.ones(len(rollout.texts), bool)
 
 
 def loss_weights(cfg: Config, steps: list[StepData], world: World | None = None) -> list[mx.array]:
@@ -60,7 +60,7 @@ def loss_weights(cfg: Config, steps: list[StepData], world: World | None = None)
     ranks = world.gather(mine, "the loss weights")  # [W][steps] (lengths [n], keep [n])
     scales = row_scales([np.concatenate([r[i][0] for r in ranks]) for i in range(len(steps))],
                         [np.concatenate([r[i][1] for r in ranks]) for i in range(len(steps))],
-                        cfg.loss_type, cfg.max_new_tokens)
+                        cfg.objective.loss_type, cfg.rollout.max_new_tokens)
     weights = []
     for i, w in enumerate(scales):
         start = sum(len(r[i][0]) for r in ranks[:world.rank])

@@ -16,22 +16,22 @@ from mlx_grpo.models.precision import MasterWeights
 
 
 def make_optimizer(cfg: Config, learning_rate: float) -> optim.AdamW:
-    return optim.AdamW(learning_rate=learning_rate, betas=[cfg.adam_beta1, cfg.adam_beta2],
-                       weight_decay=cfg.weight_decay, bias_correction=True)
+    return optim.AdamW(learning_rate=learning_rate, betas=[cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2],
+                       weight_decay=cfg.optimizer.weight_decay, bias_correction=True)
 
 
 def learning_rate_at(update: int, total: int, cfg: Config) -> float:
     """Linear warmup then cosine/linear/constant decay towards 0. update is 1-based; the decay
     starts from the peak at the first update after warmup, so no update has a zero rate."""
-    warmup = int(math.ceil(cfg.warmup_ratio * total))
+    warmup = int(math.ceil(cfg.optimizer.warmup_ratio * total))
     if update <= warmup:
-        return cfg.learning_rate * update / warmup
-    if cfg.lr_scheduler_type == "constant" or total <= warmup:
-        return cfg.learning_rate
+        return cfg.optimizer.learning_rate * update / warmup
+    if cfg.optimizer.lr_scheduler_type == "constant" or total <= warmup:
+        return cfg.optimizer.learning_rate
     progress = (update - warmup - 1) / (total - warmup)
-    if cfg.lr_scheduler_type == "linear":
-        return cfg.learning_rate * max(0.0, 1.0 - progress)
-    return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.optimizer.lr_scheduler_type == "linear":
+        return cfg.optimizer.learning_rate * max(0.0, 1.0 - progress)
+    return cfg.optimizer.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def optimizer_step(optimizer, model: nn.Module, grads, masters: MasterWeights) -> None:

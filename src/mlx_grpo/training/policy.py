@@ -35,7 +35,7 @@ class Policies:
         if reference is not None:
             reference.freeze()
         # A separate old policy exists only when it can differ from `model` while sampling.
-        self.separate_old = cfg.update_every > 1 or cfg.quantize_for_rollouts
+        self.separate_old = cfg.objective.update_every > 1 or cfg.rollout.quantize_for_rollouts
         self.old_params = None
         self.sampler: nn.Module = model
         if self.separate_old:
@@ -47,7 +47,7 @@ class Policies:
         self.old_params = old_params if old_params is not None else self.model.parameters()
         sampler = copy.deepcopy(self.model)
         sampler.update(self.old_params)
-        if self.cfg.quantize_for_rollouts:
+        if self.cfg.rollout.quantize_for_rollouts:
             # Layers whose input width is not a multiple of the group size stay in float.
             nn.quantize(sampler, group_size=ROLLOUT_QUANT_GROUP, bits=ROLLOUT_QUANT_BITS,
                         class_predicate=lambda _, m: hasattr(m, "to_quantized")
@@ -58,19 +58,19 @@ class Policies:
     def reference_logprobs(self, rollout: Rollout, pad_id: int) -> mx.array | None:
         """Log-probs [N, T] under the frozen reference, or None without a KL term."""
         cfg = self.cfg
-        if cfg.kl_coeff == 0:
+        if cfg.objective.kl_coeff == 0:
             return None
         if self.adapters:
             with adapters_disabled(self.model):
-                return logprob_pass(self.model, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
-                                    cfg.micro_batch_tokens)
-        return logprob_pass(self.reference, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
-                            cfg.micro_batch_tokens)
+                return logprob_pass(self.model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
+                                    cfg.training.micro_batch_tokens)
+        return logprob_pass(self.reference, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
+                            cfg.training.micro_batch_tokens)
 
     @property
     def needs_old_pass(self) -> bool:
         """Old log-probs must be computed (not taken as stop_gradient of the current ones)."""
-        return self.separate_old or self.cfg.num_iterations > 1
+        return self.separate_old or self.cfg.objective.num_iterations > 1
 
 
 def logprob_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_batch: int,

@@ -69,35 +69,37 @@ class Trainer:
         cfg, world = self.cfg, self.world
         if self.masters is None:
             self.masters = MasterWeights(self.model, enabled=False)
-        if cfg.batch_size % world.size:
-            fits = [n for n in range(2, cfg.batch_size + 1) if cfg.batch_size % n == 0]
-            world.fail(f"batch_size = {cfg.batch_size} prompts do not divide among {world.size} ranks: set "
-                       f"batch_size to a multiple of {world.size} (e.g. {-(-cfg.batch_size // world.size) * world.size})"
+        B = cfg.training.batch_size
+        if B % world.size:
+            fits = [n for n in range(2, B + 1) if B % n == 0]
+            world.fail(f"batch_size = {B} prompts do not divide among {world.size} ranks: set batch_size to a "
+                       f"multiple of {world.size} (e.g. {-(-B // world.size) * world.size})"
                        + (f", or launch {' / '.join(map(str, fits))} processes" if fits else ""))
-        self.sampler = EpochSampler(len(self.train_examples), cfg.batch_size, cfg.num_epochs, cfg.seed)
-        groups = self.sampler.num_batches_total // cfg.gradient_accumulation_steps
+        self.sampler = EpochSampler(len(self.train_examples), B, cfg.training.num_epochs, cfg.run.seed)
+        groups = self.sampler.num_batches_total // cfg.training.gradient_accumulation_steps
         if groups == 0:
             raise UserError(f"{len(self.train_examples)} training examples give {self.sampler.num_batches_total} "
                             f"batch steps, fewer than gradient_accumulation_steps="
-                            f"{cfg.gradient_accumulation_steps}: add data or lower batch_size/accumulation")
-        self.total_updates = groups * cfg.num_iterations
+                            f"{cfg.training.gradient_accumulation_steps}: add data or lower batch_size/accumulation")
+        self.total_updates = groups * cfg.objective.num_iterations
         self.optimizer = make_optimizer(cfg, learning_rate_at(1, self.total_updates, cfg))
         self.grad_fn = make_grad_fn(cfg, self.model)
-        self.compiled_update = CompiledUpdate(self.optimizer, self.model, self.masters) if cfg.compile_update else None
+        self.compiled_update = CompiledUpdate(self.optimizer, self.model, self.masters) \
+            if cfg.training.compile_update else None
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else sorted(self.tokenizer.eos_token_ids)[0]
-        self.params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
-                                     tuple(cfg.stop))
+        r = cfg.rollout
+        self.params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p, tuple(r.stop))
         self._batches = iter(self.sampler)
         self.reward_runner = RewardRunner(self.rewards, cfg, Path.cwd())
         self._warned_context = False
-        self.demonstrator = None if cfg.demonstrations == "off" else Demonstrator(
+        self.demonstrator = None if cfg.objective.demonstrations == "off" else Demonstrator(
             cfg, self.tokenizer, self.rewards, self.pad_id, self.world.print)
         # Dropout (lora_dropout) acts only in the gradient pass: rollouts and log-prob passes see the
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
         # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
-        self.engine = RolloutEngine(self.tokenizer, mode=cfg.rollout_engine, graph=cfg.decode_graph).refresh(
+        self.engine = RolloutEngine(self.tokenizer, mode=r.rollout_engine, graph=r.decode_graph).refresh(
             self.policies.sampler)
         # Tools or an environment: rollouts are episodes (rollout/multiturn.py) over the same engine.
         self.multiturn = multiturn_for(cfg, self.tokenizer, getattr(getattr(self.model, "args", None),
@@ -107,15 +109,15 @@ class Trainer:
                                                           self.train_examples + (self.eval_examples or []),
                                                           self.world.print)
         # Silent-reward, plateau and gaming checks (health.py); their state is part of the checkpoint's.
-        self.health = RunHealth(self.rewards.names, cfg.max_updates_without_signal, cfg.plateau_updates,
-                                cfg.gaming_evals)
+        self.health = RunHealth(self.rewards.names, cfg.health.max_updates_without_signal, cfg.health.plateau_updates,
+                                cfg.health.gaming_evals)
 
     # ------------------------------------------------------------------ the update, top to bottom
     def batch_steps(self, batches: list[list[Example]]) -> list[Batch]:
         """An update's batch steps. Without dynamic sampling their rollouts decode together (the engine
         refills slots freed by ended rows with the next steps' prompts), each row with its own keys, so
         every step samples what it would alone; with it, each step draws in turn (batch_step)."""
-        if self.cfg.dynamic_sampling or len(batches) == 1:
+        if self.cfg.rollout.dynamic_sampling or len(batches) == 1:
             return [self.batch_step(examples) for examples in batches]
         encoded = [self.encode(examples) for examples in batches]
         t0 = time.perf_counter()
@@ -130,8 +132,8 @@ class Trainer:
         while the rewards compute. `update` collects the rewards."""
         cfg = self.cfg
         draws = [self.draw(examples)]  # sample -> score (submitted)
-        if cfg.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
-            while self.informative(draws) < cfg.batch_size and len(draws) <= cfg.max_resample_batches:
+        if cfg.rollout.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
+            while self.informative(draws) < cfg.training.batch_size and len(draws) <= cfg.rollout.max_resample_batches:
                 more = self.next_examples()
                 if more is None:  # the data is exhausted: train on what there is
                     break
@@ -151,7 +153,7 @@ class Trainer:
             self.world.print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss "
                              "(every group was dropped or every completion truncated and masked); update skipped")
         else:
-            grads, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
+            grads, norm = clip_by_global_norm(grads, cfg.optimizer.max_grad_norm)
             mx.eval(grads, norm)
             metrics = UpdateMetrics.from_sums(metrics.lr, sums, norm)
             if metrics.skipped:
@@ -177,27 +179,29 @@ class Trainer:
     # ------------------------------------------------------------------ sample
     def encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
         """This rank's share of a draw: (its prompts' ids, their row keys, its examples)."""
-        cfg, G = self.cfg, self.cfg.num_generations
+        cfg, G = self.cfg, self.cfg.rollout.num_generations
         # Every rank encodes the whole batch (cheap), so prompts_cut counts it without a collective.
         encoded = encode_prompts(self.multiturn, self.tokenizer, examples, cfg, self.prompt.system)
         self.counters.prompts_cut += sum(cut for _, cut in encoded)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         longest = max(len(ids) for ids, _ in encoded)
-        if isinstance(context, int) and longest + cfg.max_new_tokens > context and not self._warned_context:
+        if isinstance(context, int) and longest + cfg.rollout.max_new_tokens > context and not self._warned_context:
             # RoPE models run past it, on positions they never saw in training: say so once, do not stop
             self._warned_context = True
             self.world.print(f"[mlx-grpo] warning: a prompt of {longest} tokens + max_new_tokens "
-                             f"({cfg.max_new_tokens}) exceed {cfg.model_name!r}'s context window of {context} "
+                             f"({cfg.rollout.max_new_tokens}) exceed {cfg.model.model_name!r}'s context window of "
+                             f"{context} "
                              "tokens: the model works past positions it was trained on; lower max_prompt_length "
                              "(prompts are cut to it from the left) or max_new_tokens")
         share = self.world.share(len(examples))
-        keys = row_keys(cfg.seed, self.counters.draws, len(encoded) * G, slice(share.start * G, share.stop * G))
+        keys = row_keys(cfg.run.seed, self.counters.draws, len(encoded) * G, slice(share.start * G, share.stop * G))
         self.counters.draws += 1
         return [ids for ids, _ in encoded[share]], keys, examples[share]
 
     def generate(self, jobs: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list[Rollout]:
         """The rollouts of batch steps [(prompts, row keys, examples)], decoded together."""
-        return rollouts(self.engine, self.multiturn, jobs, self.cfg.num_generations, self.params, self.cfg.prefill)
+        return rollouts(self.engine, self.multiturn, jobs, self.cfg.rollout.num_generations, self.params,
+                        self.cfg.data.prefill)
 
     def draw(self, examples: list[Example]) -> Draw:
         """Generate G completions for each of this rank's share of the batch's examples, submitted for scoring."""
@@ -210,8 +214,8 @@ class Trainer:
     def submit_rewards(self, examples: list[Example], rollout: Rollout, t_rollout: float) -> Draw:
         """Submit a draw's completions for scoring (inline or to the reward workers); scores() collects them."""
         t1 = time.perf_counter()
-        pending = self.reward_runner.submit(*reward_inputs(examples, rollout, self.cfg.num_generations,
-                                                           self.cfg.prefill))
+        pending = self.reward_runner.submit(*reward_inputs(examples, rollout, self.cfg.rollout.num_generations,
+                                                           self.cfg.data.prefill))
         return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
 
     def scores(self, draw: Draw, sampled: bool = False) -> RewardScores:
@@ -228,7 +232,7 @@ class Trainer:
     def flags(self, draw: Draw) -> np.ndarray:
         """Which of a draw's B groups (all ranks) have rewards that are not all equal."""
         if draw.flags is None:
-            mine = np.ptp(self.scores(draw).total.reshape(-1, self.cfg.num_generations), axis=1) > 0
+            mine = np.ptp(self.scores(draw).total.reshape(-1, self.cfg.rollout.num_generations), axis=1) > 0
             draw.flags = np.concatenate(self.world.gather(mine, "dynamic sampling"))
         return draw.flags
 
@@ -240,18 +244,18 @@ class Trainer:
         selected = None
         for d in draws if self.demonstrator is not None else ():  # demonstrations enter before the passes
             self.scores(d)
-        if cfg.dynamic_sampling:
+        if cfg.rollout.dynamic_sampling:
             examples, rollout, selected = informative_batch(draws, [self.flags(d) for d in draws],
-                                                            self.world.share(cfg.batch_size), cfg.batch_size,
-                                                            self.pad_id)
+                                                            self.world.share(cfg.training.batch_size),
+                                                            cfg.training.batch_size, self.pad_id)
         else:
             examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
         t0 = time.perf_counter()
         old = ref = None
         if len(rollout.texts):
             if self.policies.needs_old_pass:
-                old = logprob_pass(self.policies.sampler, rollout, cfg.temperature, cfg.micro_batch_size,
-                                   self.pad_id, cfg.micro_batch_tokens)
+                old = logprob_pass(self.policies.sampler, rollout, cfg.rollout.temperature,
+                                   cfg.training.micro_batch_size, self.pad_id, cfg.training.micro_batch_tokens)
             ref = self.policies.reference_logprobs(rollout, self.pad_id)
         t_logprob = time.perf_counter() - t0
         self.counters.batch_step += 1
@@ -265,7 +269,7 @@ class Trainer:
         if isinstance(batch, StepData):
             return batch
         if batch.scored is None:
-            G, draws = self.cfg.num_generations, batch.draws
+            G, draws = self.cfg.rollout.num_generations, batch.draws
             scores = batch.selected if batch.selected is not None else self.scores(draws[0])
             advantages = self.advantages(scores.total)  # [N]
             drawn = RewardScores.concat([self.scores(d, sampled=True) for d in draws])
@@ -276,9 +280,9 @@ class Trainer:
     def advantages(self, totals: np.ndarray) -> mx.array:
         """Group-normalised advantages [N] of this rank's rows; scale_rewards = batch takes its std over
         the rows of every rank."""
-        G, world = self.cfg.num_generations, self.world
-        if self.cfg.scale_rewards != "batch" or world.size == 1:
-            return group_advantages(mx.array(totals), G, self.cfg.scale_rewards)
+        G, world = self.cfg.rollout.num_generations, self.world
+        if self.cfg.objective.scale_rewards != "batch" or world.size == 1:
+            return group_advantages(mx.array(totals), G, self.cfg.objective.scale_rewards)
         parts = world.gather(totals, "the batch reward scale")
         start = sum(len(p) for p in parts[:world.rank])
         return group_advantages(mx.array(np.concatenate(parts)), G, "batch")[start:start + len(totals)]
@@ -294,12 +298,12 @@ class Trainer:
         the loss anywhere)."""
         cfg = self.cfg
         weights = loss_weights(cfg, steps, self.world)
-        if cfg.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
-            mx.random.seed((self.world.seed(cfg.seed) * 1_000_003 + self.counters.update_step) % 2 ** 63)
+        if cfg.model.lora_dropout > 0:  # dropout masks come from the global generator: derive them from the run's seed
+            mx.random.seed((self.world.seed(cfg.run.seed) * 1_000_003 + self.counters.update_step) % 2 ** 63)
         self.model.train()
         try:
-            grads, sums = accumulate_gradients(self.grad_fn, steps, weights, cfg.micro_batch_size, self.pad_id,
-                                               cfg.micro_batch_tokens)
+            grads, sums = accumulate_gradients(self.grad_fn, steps, weights, cfg.training.micro_batch_size, self.pad_id,
+                                               cfg.training.micro_batch_tokens)
         finally:
             self.model.eval()
         if self.world.size == 1:
@@ -315,7 +319,7 @@ class Trainer:
         self.counters.consecutive_skips += 1
         self.world.print(f"[mlx-grpo] update {self.counters.update_step}: non-finite loss or gradient "
                          f"(loss={metrics.loss}, grad_norm={metrics.grad_norm}); update skipped")
-        if self.counters.consecutive_skips >= self.cfg.max_consecutive_skips:  # the same on every rank
+        if self.counters.consecutive_skips >= self.cfg.health.max_consecutive_skips:  # the same on every rank
             self.world.fail(f"{self.counters.consecutive_skips} consecutive updates had a non-finite loss or "
                             "gradient; stopping (try a lower learning_rate or max_grad_norm). The weights "
                             "of the last finite update are in the latest checkpoint.")
@@ -323,7 +327,7 @@ class Trainer:
     def refresh_sampler(self, applied: bool) -> None:
         """Point the old policy at the new weights every update_every updates, and the engine at the
         sampling policy whenever its weights changed."""
-        refresh_old = self.policies.separate_old and self.counters.update_step % self.cfg.update_every == 0
+        refresh_old = self.policies.separate_old and self.counters.update_step % self.cfg.objective.update_every == 0
         if refresh_old:
             self.policies.refresh()
         if refresh_old or (applied and not self.policies.separate_old):
@@ -334,9 +338,9 @@ class Trainer:
         batch step draws once; ahead of it when dynamic sampling drew extra batches, so the decay ends
         where the data does. 1-based."""
         cfg = self.cfg
-        groups = -(-self.sampler.batches_done // cfg.gradient_accumulation_steps)  # rollout groups consumed
-        iteration = (self.counters.update_step - 1) % cfg.num_iterations + 1
-        return min(max(groups - 1, 0) * cfg.num_iterations + iteration, self.total_updates)
+        groups = -(-self.sampler.batches_done // cfg.training.gradient_accumulation_steps)  # rollout groups consumed
+        iteration = (self.counters.update_step - 1) % cfg.objective.num_iterations + 1
+        return min(max(groups - 1, 0) * cfg.objective.num_iterations + iteration, self.total_updates)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict:
@@ -351,7 +355,7 @@ class Trainer:
                           world_size=self.world.size, adapter_run=self.adapter_config is not None,
                           masters_active=self.masters.active)
         weights, opt_state, state, old, masters = loaded
-        ckpt.load_weights(self.model, weights, path, self.adapter_config is None, self.cfg.model_name)
+        ckpt.load_weights(self.model, weights, path, self.adapter_config is None, self.cfg.model.model_name)
         if self.masters.active:  # a checkpoint without masters (written without them) widens its weights
             self.masters.adopt(masters or dict(tree_flatten(self.model.trainable_parameters())))
             self.masters.sync(self.model)
@@ -378,7 +382,7 @@ class Trainer:
                                     optimizer=self.optimizer, trainer_state=self.state(), config=self.cfg,
                                     source_dir=self.source_dir, model_config=config_json, old_params=old,
                                     adapter_config=self.adapter_config, masters=self.masters.masters)
-        ckpt.prune(self.run_dir, self.cfg.save_total_limit, path)
+        ckpt.prune(self.run_dir, self.cfg.run.save_total_limit, path)
         return path
 
     def next_examples(self) -> list[Example] | None:

@@ -27,13 +27,13 @@ from mlx_grpo.vlm.trainer import VisionTrainer
 
 def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:
     """(VisionPolicy in the compute dtype, processor); table: share another policy's feature table."""
-    kind = read_config(Path(cfg.model_name)).get("model_type", "")
-    check_grpo_family(kind, cfg.model_name)
-    vlm, processor = load_vlm(cfg.model_name)
+    kind = read_config(Path(cfg.model.model_name)).get("model_type", "")
+    check_grpo_family(kind, cfg.model.model_name)
+    vlm, processor = load_vlm(cfg.model.model_name)
     if any(k.endswith(".scales") for k, _ in tree_flatten(vlm.parameters())):
-        raise UserError(f"model {cfg.model_name!r} is quantized: GRPO on images trains float weights; convert it "
+        raise UserError(f"model {cfg.model.model_name!r} is quantized: GRPO on images trains float weights; convert it "
                         "without --quantize")
-    policy = VisionPolicy(vlm, table, cfg.train_vision)
+    policy = VisionPolicy(vlm, table, cfg.training.train_vision)
     return policy, processor
 
 
@@ -41,38 +41,40 @@ def build_vision_trainer(cfg: Config, world: World | None = None) -> VisionTrain
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     train = run_examples(cfg, "train")
-    evals = run_examples(cfg, "test") if cfg.eval_every_updates or cfg.eval_steps else None
-    if cfg.max_train_samples:
-        train = subset(train, cfg.max_train_samples, cfg.seed)
+    evals = run_examples(cfg, "test") if cfg.eval.eval_every_updates or cfg.eval.eval_steps else None
+    if cfg.data.max_train_samples:
+        train = subset(train, cfg.data.max_train_samples, cfg.run.seed)
     rewards = build_reward_set(cfg, Path.cwd())
     model, processor = load_policy(cfg)
-    dtype = compute_dtype(cfg.model_name, cfg.model_dtype, model)
-    mixed = cfg.master_weights and dtype != mx.float32
+    dtype = compute_dtype(cfg.model.model_name, cfg.model.model_dtype, model)
+    mixed = cfg.optimizer.master_weights and dtype != mx.float32
     adapter_config = None
-    if cfg.train_type == "full":
-        if not cfg.train_vision:
+    if cfg.model.train_type == "full":
+        if not cfg.training.train_vision:
             model.vision_tower.freeze()
         masters = MasterWeights(model, mixed)
         cast_floats(model, dtype)
     else:
         cast_floats(model, dtype)
-        mx.random.seed(cfg.seed)  # the adapters' initial weights come from the global generator
-        adapter_config = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                                        cfg.lora_layers, cfg.lora_keys)
-        if cfg.train_vision:
+        mx.random.seed(cfg.run.seed)  # the adapters' initial weights come from the global generator
+        m = cfg.model
+        adapter_config = apply_adapters(model, m.train_type, m.lora_rank, m.lora_alpha, m.lora_dropout,
+                                        m.lora_layers, m.lora_keys)
+        if cfg.training.train_vision:
             model.vision_tower.unfreeze()
-        adapter_config["mlx_grpo"] = {"base_model": cfg.model_name, "base_dir": str(Path(cfg.model_name).resolve()),
+        adapter_config["mlx_grpo"] = {"base_model": m.model_name, "base_dir": str(Path(m.model_name).resolve()),
                                       "load_in_bits": 0, "model_dtype": dtype_name(dtype)}
         masters = MasterWeights(model, mixed)
         cast_floats(model, dtype)
     reference = None
-    if cfg.kl_coeff > 0 and adapter_config is None:
+    if cfg.objective.kl_coeff > 0 and adapter_config is None:
         reference = load_policy(cfg, table=model.table)[0]
         cast_floats(reference, dtype)
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
-    tokenizer = TokenizerWrapper(processor.tokenizer, eos_token_ids=_eos_ids(cfg.model_name, processor.tokenizer))
-    return VisionTrainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.output_dir) / cfg.run_name,
-                         Path(cfg.model_name), evals, adapter_config, masters, world or World(), processor=processor)
+    tokenizer = TokenizerWrapper(processor.tokenizer,
+                                 eos_token_ids=_eos_ids(cfg.model.model_name, processor.tokenizer))
+    return VisionTrainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.run.output_dir) / cfg.run.run_name,
+                         Path(cfg.model.model_name), evals, adapter_config, masters, world or World(), processor=processor)
 
 
 def _eos_ids(model_dir: str, tokenizer) -> set[int]:

@@ -45,13 +45,13 @@ def stream_answer(model, processor, text: str, images: list, cfg: Config, on_tex
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
     from mlx_vlm import stream_generate
 
-    mx.random.seed(cfg.seed)
-    sampler = make_sampler(temp=cfg.temperature, top_p=cfg.top_p if cfg.top_p < 1 else 0.0, min_p=cfg.min_p,
-                           top_k=cfg.top_k)
+    mx.random.seed(cfg.run.seed)
+    r = cfg.rollout
+    sampler = make_sampler(temp=r.temperature, top_p=r.top_p if r.top_p < 1 else 0.0, min_p=r.min_p, top_k=r.top_k)
     processors = make_logits_processors(
-        repetition_penalty=cfg.repetition_penalty if cfg.repetition_penalty != 1.0 else None)
+        repetition_penalty=r.repetition_penalty if r.repetition_penalty != 1.0 else None)
     pieces, last = [], None
-    for last in stream_generate(model, processor, text, image=images or None, max_tokens=cfg.max_new_tokens,
+    for last in stream_generate(model, processor, text, image=images or None, max_tokens=cfg.rollout.max_new_tokens,
                                 sampler=sampler, logits_processors=processors):
         pieces.append(last.text)
         if on_text is not None and last.text:
@@ -76,8 +76,8 @@ def run_generate_images(cfg: Config, prompt: str, images: list[str], stream: boo
     if prompt == "-":
         prompt = sys.stdin.read()
     pictures = [load_image(path, where=f"--image {path}") for path in images]
-    model, processor = load_vlm(cfg.model_name)
-    text = prompt_text(processor, image_messages(prompt, len(pictures), cfg.system_prompt))
+    model, processor = load_vlm(cfg.model.model_name)
+    text = prompt_text(processor, image_messages(prompt, len(pictures), cfg.data.system_prompt))
     on_text = (lambda t: (out.write(t), out.flush())) if stream else None
     answer, last = stream_answer(model, processor, text, pictures, cfg, on_text)
     out.write(("" if stream else answer) + "\n")
@@ -92,7 +92,7 @@ def run_chat_images(cfg: Config, images: list[str], verbose: bool = False, lines
     """The chat REPL about images: they go with the first message (and again after /reset)."""
     out = out or sys.stdout
     pictures = [load_image(path, where=f"--image {path}") for path in images]
-    model, processor = load_vlm(cfg.model_name)
+    model, processor = load_vlm(cfg.model.model_name)
     interactive = lines is None and sys.stdin.isatty()
     source = iter(lines) if lines is not None else sys.stdin
     history: list[dict] = []
@@ -114,7 +114,7 @@ def run_chat_images(cfg: Config, images: list[str], verbose: bool = False, lines
             out.write("[conversation cleared]\n")
             continue
         n = 0 if history else len(pictures)  # the images belong to the conversation's first turn
-        messages = image_messages(message, n, cfg.system_prompt, history)
+        messages = image_messages(message, n, cfg.data.system_prompt, history)
         answer, last = stream_answer(model, processor, prompt_text(processor, messages),
                                      pictures, cfg,
                                      lambda t: (out.write(t), out.flush()))

@@ -28,13 +28,13 @@ class VisionTrainer(Trainer):
         return set(self.tokenizer.eos_token_ids)
 
     def _prompts(self, examples: list[Example], system: str) -> list:
-        return [encode_vision_prompt(self.processor, e, self.cfg.image_column, system, Path.cwd(),
-                                     self.cfg.max_prompt_length) for e in examples]
+        return [encode_vision_prompt(self.processor, e, self.cfg.data.image_column, system, Path.cwd(),
+                                     self.cfg.data.max_prompt_length) for e in examples]
 
     def encode(self, examples: list[Example]):
-        cfg, G = self.cfg, self.cfg.num_generations
+        cfg, G = self.cfg, self.cfg.rollout.num_generations
         share = self.world.share(len(examples))
-        keys = row_keys(cfg.seed, self.counters.draws, len(examples) * G, slice(share.start * G, share.stop * G))
+        keys = row_keys(cfg.run.seed, self.counters.draws, len(examples) * G, slice(share.start * G, share.stop * G))
         self.counters.draws += 1
         return self._prompts(examples[share], self.prompt.system), keys, examples[share]
 
@@ -43,7 +43,7 @@ class VisionTrainer(Trainer):
         out = []
         for prompts, keys, _ in jobs:
             ids = [sampler.register(p.ids, p.pixel_values, p.grid_thw) for p in prompts]  # encoded once each
-            out.append(vision_rollout(sampler, ids, keys, self.cfg.num_generations, self.params, self.eos_ids,
+            out.append(vision_rollout(sampler, ids, keys, self.cfg.rollout.num_generations, self.params, self.eos_ids,
                                       self.pad_id, self.tokenizer))
         return out
 
@@ -53,7 +53,7 @@ class VisionTrainer(Trainer):
 
     def logprob_passes(self, draws) -> Batch:
         batch = super().logprob_passes(draws)
-        batch.stats.images = [[str(x) for x in _names(e, self.cfg.image_column)] for e in batch.stats.examples]
+        batch.stats.images = [[str(x) for x in _names(e, self.cfg.data.image_column)] for e in batch.stats.examples]
         return batch
 
     def answer_records(self, model, tokenizer, examples: list[Example], cfg, *, max_new_tokens: int, seed=None,
@@ -61,11 +61,11 @@ class VisionTrainer(Trainer):
         """Greedy answers to image prompts (run.py's evaluation): one record per example, naming its images."""
         params = SamplingParams(max_new_tokens, 0.0)
         records = []
-        for start in range(0, len(examples), cfg.eval_batch_size):
-            chunk = examples[start:start + cfg.eval_batch_size]
-            prompts = self._prompts(chunk, cfg.system_prompt if system_prompt is None else system_prompt)
+        for start in range(0, len(examples), cfg.eval.eval_batch_size):
+            chunk = examples[start:start + cfg.eval.eval_batch_size]
+            prompts = self._prompts(chunk, cfg.data.system_prompt if system_prompt is None else system_prompt)
             ids = [model.register(p.ids, p.pixel_values, p.grid_thw) for p in prompts]
-            keys = mx.random.split(mx.random.key(cfg.seed if seed is None else seed), len(chunk))
+            keys = mx.random.split(mx.random.key(cfg.run.seed if seed is None else seed), len(chunk))
             rollout = vision_rollout(model, ids, keys, 1, params, self.eos_ids, self.pad_id, tokenizer)
             for example, prompt, text in zip(chunk, prompts, rollout.texts):
                 ok = answers_match(extract_answer(text), example.answer)
