@@ -313,6 +313,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         # Dynamic sampling draws more prompts inside a batch step, so its steps go one by one; otherwise
         # the update's batch steps are taken first and their rollouts decode together (engine refill).
         together = 1 if cfg.rollout.dynamic_sampling else cfg.training.gradient_accumulation_steps
+        # train_step samples the update's prompts itself unless steps are sampled apart (dynamic sampling,
+        # eval_steps between batch steps)
+        fresh = not (cfg.rollout.dynamic_sampling or cfg.eval.eval_steps)
         for i in range(0, cfg.training.gradient_accumulation_steps, together):
             batches = []
             while len(batches) < together and (examples := trainer.next_examples()) is not None:
@@ -321,6 +324,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                 data_left = False
             if not batches:
                 break
+            if fresh:
+                steps += batches
+                continue
             _phase(bar, "rollout", i, cfg.training.gradient_accumulation_steps, len(batches))  # and their log-prob passes
             for batch in trainer.batch_steps(batches):
                 steps.append(batch)
@@ -334,8 +340,14 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             break
         save_due = False
         for i in range(cfg.objective.num_iterations):
-            _phase(bar, "train", i, cfg.objective.num_iterations)  # and the wait for rewards still computing
-            result = trainer.update(steps)
+            if fresh and i == 0:  # sample, score, old/reference log-probs, then the update: one call
+                _phase(bar, "rollout", 0, cfg.training.gradient_accumulation_steps, len(steps))
+                steps, result = trainer.train_step(
+                    steps, phase=lambda name: _phase(bar, name, 0, cfg.objective.num_iterations))
+                stats = [batch.stats for batch in steps]
+            else:
+                _phase(bar, "train", i, cfg.objective.num_iterations)  # and the wait for rewards still computing
+                result = trainer.update(steps)
             result.time_step_s = time.perf_counter() - t_last  # wall time since the last update's end
             merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
             stop = trainer.health.observe_drawn(c.update_step, [s.drawn_scores for s in merged])  # every rank

@@ -15,6 +15,8 @@ update sums every rank's rows with the weights the whole batch gives them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import time
 from dataclasses import dataclass, field
@@ -114,17 +116,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the update, top to bottom
     def batch_steps(self, batches: list[list[Example]]) -> list[Batch]:
-        """An update's batch steps. Without dynamic sampling their rollouts decode together (the engine
-        refills slots freed by ended rows with the next steps' prompts), each row with its own keys, so
-        every step samples what it would alone; with it, each step draws in turn (batch_step)."""
-        if self.cfg.rollout.dynamic_sampling or len(batches) == 1:
-            return [self.batch_step(examples) for examples in batches]
-        encoded = [self.encode(examples) for examples in batches]
-        t0 = time.perf_counter()
-        rollouts = self.generate(encoded)  # sample
-        share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
-        draws = [self.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, rollouts)]
-        return [self.logprob_passes([draw]) for draw in draws]
+        """An update's batch steps sampled one by one, apart from their update (train_step samples them
+        together): dynamic sampling draws more prompts inside a step, eval_steps evaluates between them."""
+        return [self.batch_step(examples) for examples in batches]
 
     def batch_step(self, examples: list[Example]) -> Batch:
         """One batch step: sample G completions per prompt, submit them for scoring, and (dynamic
@@ -140,41 +134,61 @@ class Trainer:
                 draws.append(self.draw(more))
         return self.logprob_passes(draws)  # old/reference log-probs, rewards computing meanwhile
 
-    def update(self, batches: list[Batch | StepData]) -> UpdateMetrics:
-        """One optimizer update on an update's batch steps: their rewards (waiting for the workers if
-        still at it) -> advantages -> gradients -> clip -> optimizer step -> metrics."""
+    def train_step(self, batches: list[list[Example]] | list[Batch | StepData],
+                   phase: Callable[[str], None] = lambda name: None) -> tuple[list, UpdateMetrics]:
+        """One GRPO update, top to bottom. `batches`: the prompts of each batch step (sampled here, their
+        rollouts decoding together: the engine refills rows freed by ended ones), or batch steps sampled
+        before (dynamic sampling, eval_steps, num_iterations > 1 reuse: run.py). -> (the batch steps, the
+        update's metrics). The reward workers score while the GPU computes the old/reference log-probs.
+        phase("train"): called when the sampling is done (run.py's progress bar)."""
         cfg = self.cfg
+        if batches and not isinstance(batches[0], (Batch, StepData)):
+            encoded = [self.encode(examples) for examples in batches]  # prompts, row keys
+            t0 = time.perf_counter()
+            rollouts = self.generate(encoded)  # sample
+            share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
+            draws = [self.submit_rewards(mine, rollout, share)  # score: submitted to the reward workers
+                     for (_, _, mine), rollout in zip(encoded, rollouts)]
+            batches = [self.logprob_passes([draw]) for draw in draws]  # old/reference log-probs meanwhile
+        phase("train")
         self.counters.update_step += 1
         metrics = UpdateMetrics(lr=self.set_learning_rate())
-        steps = [self.score(b) for b in batches]  # rewards -> advantages (waiting counts in time_reward_s)
+        steps = [self.score(b) for b in batches]  # rewards (waiting counts in time_reward_s) -> advantages
         t0 = time.perf_counter()
-        grads, sums = self.gradients(steps)
+        grads, sums = self.gradients(steps)  # every rank's rows
         if grads is None:
             self.world.print(f"[mlx-grpo] update {self.counters.update_step}: no completion entered the loss "
                              "(every group was dropped or every completion truncated and masked); update skipped")
         else:
-            grads, norm = clip_by_global_norm(grads, cfg.optimizer.max_grad_norm)
+            grads, norm = clip_by_global_norm(grads, cfg.optimizer.max_grad_norm)  # clip
             mx.eval(grads, norm)
-            metrics = UpdateMetrics.from_sums(metrics.lr, sums, norm)
+            metrics = UpdateMetrics.from_sums(metrics.lr, sums, norm)  # not finite: skipped
             if metrics.skipped:
                 self.skip(metrics)
             else:
-                if self.compiled_update is not None:  # compile_update: the same step as one compiled function
-                    self.compiled_update.step(grads)
-                else:
-                    optimizer_step(self.optimizer, self.model, grads, self.masters)
-                # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients)
-                # back to the device rather than keep them cached beside AdamW's state for the next
-                # rollout: near the memory limit (a 1.9B model on an H100) later updates slowed
-                # several-fold (BENCHMARKS.md).
-                mx.clear_cache()
-                self.counters.consecutive_skips = 0
+                self.optimizer_step(grads)  # float32 masters, then the compute copy
         self.refresh_sampler(applied=not metrics.skipped)
         metrics.t_train = time.perf_counter() - t0
         metrics.train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
         metrics.train_tokens_per_s = metrics.train_tokens / metrics.t_train if metrics.t_train > 0 else 0.0
         metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
-        return metrics
+        return batches, metrics
+
+    def update(self, batches: list[Batch | StepData]) -> UpdateMetrics:
+        """train_step on batch steps sampled before: the update's metrics."""
+        return self.train_step(batches)[1]
+
+    def optimizer_step(self, grads) -> None:
+        """The optimizer step on the clipped gradient (compile_update: as one compiled function)."""
+        if self.compiled_update is not None:
+            self.compiled_update.step(grads)
+        else:
+            optimizer_step(self.optimizer, self.model, grads, self.masters)
+        # Hand this update's freed buffers (rollout KV caches, activations, optimizer transients) back to
+        # the device rather than keep them cached beside AdamW's state for the next rollout: near the
+        # memory limit (a 1.9B model on an H100) later updates slowed several-fold (BENCHMARKS.md).
+        mx.clear_cache()
+        self.counters.consecutive_skips = 0
 
     # ------------------------------------------------------------------ sample
     def encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
