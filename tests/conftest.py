@@ -24,21 +24,22 @@ def run_metrics(run_dir) -> list[dict]:
 
 def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=None) -> None:
     """Run train(cfg) and stop it with a KeyboardInterrupt just before `update` (what Ctrl-C leaves behind:
-    the checkpoints written so far); trainer_class: whose `update` to stop (default: the GRPO Trainer)."""
+    the checkpoints written so far); trainer_class: whose update to stop (default: the GRPO Trainer, whose
+    every update goes through train_step; SFT's through update)."""
     if trainer_class is None:
         from mlx_grpo.training.trainer import Trainer as trainer_class
+    name = "train_step" if hasattr(trainer_class, "train_step") else "update"
+    original = getattr(trainer_class, name)
 
-    original = trainer_class.update
-
-    def crashing(self, steps):
+    def crashing(self, steps, *args, **kwargs):
         if self.counters.update_step + 1 == update:
             raise KeyboardInterrupt
-        return original(self, steps)
+        return original(self, steps, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_class, "update", crashing)
+    monkeypatch.setattr(trainer_class, name, crashing)
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
-    monkeypatch.setattr(trainer_class, "update", original)
+    monkeypatch.setattr(trainer_class, name, original)
 
 
 @pytest.fixture(scope="session")

@@ -241,7 +241,16 @@ def test_a_run_that_earns_every_reward_on_every_sample_ends_as_done_not_as_an_er
     stuck = health(names=("a", "b"), stop=3, plateau=0)
     *_, (_, _, stop) = feed(stuck, [{"a": [0.0] * 4, "b": [0.5] * 4}] * 3)
     assert stop and not stuck.s.solved
-    # the state survives a checkpoint
+    # a negative constant (every answer penalised) or a streak that began unpaid is no success
+    assert not feed_solved([{"a": [-1.0] * 4, "b": [-1.0] * 4}] * 3)
+    assert not feed_solved([{"a": [0.0] * 4, "b": [0.5] * 4}] + [{"a": [2.0] * 4, "b": [0.5] * 4}] * 2)
+    # a resumed run decides again (max_updates_without_signal may have changed), its streak kept
     again = health(names=("a", "b"), stop=3, plateau=0)
     again.load_state(h.state())
-    assert again.s.solved == h.s.solved
+    assert not again.s.solved and again.s.paid_streak == 3
+
+
+def feed_solved(stream) -> bool:
+    h = health(names=("a", "b"), stop=3, plateau=0)
+    feed(h, stream)
+    return bool(h.s.solved)

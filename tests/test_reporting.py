@@ -197,14 +197,14 @@ def test_training_run_reports_every_update_and_eval(tiny_model_dir, tmp_path, fa
 
 
 def test_reporters_close_when_the_run_fails(tiny_model_dir, tmp_path, fake_wandb, monkeypatch):
-    update = run_mod.Trainer.update
+    train_step = run_mod.Trainer.train_step  # every update goes through it
 
-    def failing(self, steps):
+    def failing(self, steps, *args, **kwargs):
         if self.counters.update_step >= 1:
             raise RuntimeError("boom")
-        return update(self, steps)
+        return train_step(self, steps, *args, **kwargs)
 
-    monkeypatch.setattr(run_mod.Trainer, "update", failing)
+    monkeypatch.setattr(run_mod.Trainer, "train_step", failing)
     with pytest.raises(RuntimeError, match="boom"):
         run_mod.train(make_cfg(tiny_model_dir, tmp_path, "report_to=wandb"))
     assert [c[0] for c in fake_wandb.calls] == ["init", "log", "finish"] and fake_wandb.calls[-1] == ("finish", 1)

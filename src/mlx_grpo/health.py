@@ -4,8 +4,8 @@ Owns four checks, all pure functions of what the run logs (no MLX, no model):
 - silent rewards: a reward function that returned None (not applicable) or one same value for every
   completion of an update gives no signal; an update where no function gives any trains nothing, and
   `max_updates_without_signal` such updates in a row stop the run (all-None stops it at once), as an error,
-  or, when every function paid the same nonzero value to every completion, as done (`solved`: the data has
-  nothing left to teach);
+  or, when every function paid the same positive value to every completion in each of them, as done
+  (`solved`: the data has nothing left to teach; decided again after a resume);
 - plateau: a reward function that paid nothing (None or 0 for every completion) for `plateau_updates`
   updates in a row while another one paid: the model never produces what it rewards;
 - gaming: over the last `gaming_evals` evaluations the training reward rose significantly while eval
@@ -107,7 +107,8 @@ class HealthState:
     since_eval: list[float] = field(default_factory=list)  # reward_mean of the updates since the last evaluation
     evals: list[dict] = field(default_factory=list)  # the last gaming_evals EvalPoints, as dicts
     pending: dict[str, str] = field(default_factory=dict)  # warnings for the next update record
-    solved: str = ""  # set when the run should end as done: every completion earned the same nonzero rewards
+    paid_streak: int = 0  # consecutive updates in which every function paid every completion one value > 0
+    solved: str = ""  # set when the run should end as done: every completion earned the same positive rewards
 
 
 class RunHealth:
@@ -138,16 +139,19 @@ class RunHealth:
                 s.pending[f"silent_reward/{name}"] = silent_message(name, returned, update)
         self._plateau(update, per_func)
         if any(v is None for v in silent.values()):
-            s.no_signal_streak = 0
+            s.no_signal_streak = s.paid_streak = 0
             return None
         s.no_signal_streak += 1
+        # every function paid every completion the same positive value: full marks everywhere, not a failure
+        paid = all(v not in ("None",) and float(v) > 0 for v in silent.values())
+        s.paid_streak = s.paid_streak + 1 if paid else 0
         said = ", ".join(f"'{n}' returned {v}" for n, v in silent.items())
         allow = "; set max_updates_without_signal = 0 to train on anyway"
         if all(v == "None" for v in silent.values()) and self.max_without_signal:
             return (f"no reward function scored any completion of update {update} ({said} for every completion): "
                     f"nothing can be learnt; check the reward functions against the data's columns{allow}")
         if self.max_without_signal and s.no_signal_streak >= self.max_without_signal:
-            if all(v not in ("None", "0") for v in silent.values()):
+            if s.paid_streak >= s.no_signal_streak:
                 # a model that earns every reward on every sample is done, not broken: no error
                 s.solved = (f"every completion earned the same rewards in {s.no_signal_streak} updates in a row (at "
                             f"update {update}: {said}): nothing is left to learn from this data, so the run ends "
@@ -201,6 +205,7 @@ class RunHealth:
 
     def load_state(self, state: dict | None) -> None:
         self.s = HealthState(**state) if state else HealthState()
+        self.s.solved = ""  # a resumed run decides again (max_updates_without_signal may have changed)
 
 
 # ----------------------------------------------------------------------------- prompt cutting

@@ -3,12 +3,10 @@ checkpoints, alone or as one rank of the processes mlx.launch started (training/
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
 from mlx_grpo.reporting import Reporters, check_installed
-from mlx_grpo.models.writing import recover_staged
+from mlx_grpo.run_dir import prepare_run_dir
 from mlx_grpo.training.trainer import Trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
@@ -169,50 +167,6 @@ def _tree(flat: dict):
     return tree_unflatten(list(flat.items()))
 
 
-LOGS = ("metrics.jsonl", "completions.jsonl", "eval.jsonl")
-
-
-def _lock(run_dir: Path):
-    """Hold an exclusive lock on the run directory for this process's lifetime (released by the OS when
-    it dies, however it dies): a second run in the same directory is refused instead of interleaving."""
-    lock = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        owner = lock.read().strip() or "?"
-        lock.close()
-        raise UserError(f"run directory {run_dir} is in use by another mlx-grpo run (pid {owner}); wait for it, "
-                        "or choose another run_name") from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(str(os.getpid()))
-    lock.flush()
-    return lock
-
-
-def prepare_run_dir(run_dir: Path, resume: str | None, world) -> object:
-    """Rank 0: create and lock the run directory, clean up after a killed checkpoint write, and move the
-    logs of an earlier run that never reached a checkpoint aside (a fresh start must not append to them).
-    -> the lock to hold."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = _lock(run_dir)
-    # A run killed while writing a checkpoint leaves its temporary (or a checkpoint moved aside).
-    for line in recover_staged(run_dir, ckpt.TMP_PREFIX):
-        world.print(f"[mlx-grpo] {run_dir}: {line} (left by an interrupted checkpoint write)")
-    old_logs = [run_dir / n for n in LOGS if (run_dir / n).is_file()]
-    if resume is None and old_logs and not ckpt.list_checkpoints(run_dir):
-        n = 1
-        while (run_dir / f"previous-{n}").exists():
-            n += 1
-        (run_dir / f"previous-{n}").mkdir()
-        for path in old_logs:
-            path.rename(run_dir / f"previous-{n}" / path.name)
-        world.print(f"[mlx-grpo] {run_dir} held the logs of an earlier run without a checkpoint: moved to "
-                    f"{run_dir / f'previous-{n}'}")
-    return lock
-
-
 def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> Path:
     run_dir, world = trainer.run_dir, trainer.world
     main = world.is_main  # rank 0 alone writes the run directory and the console
@@ -291,6 +245,19 @@ def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1, span: int = 1) -> None:
         bar.set_description_str(f"grpo [{name}{f' {steps}/{n}' if n > 1 else ''}]")
 
 
+def _sampled(trainer: Trainer, bar: tqdm, logger: RunLogger, reporters: Reporters, examples, n: int) -> list:
+    """After train_step sampled an update's n batch steps, before its update: eval_steps' evaluations (one per
+    batch step numbered a multiple of it, as when steps were sampled one by one); -> their records."""
+    cfg, step = trainer.cfg, trainer.counters.batch_step
+    records = []
+    for k in range(step - n + 1, step + 1):
+        if cfg.eval.eval_steps and k % cfg.eval.eval_steps == 0:
+            _phase(bar, "eval")
+            records.append(_evaluate(trainer, logger, reporters, examples, "eval_steps"))
+    _phase(bar, "train", 0, cfg.objective.num_iterations)  # and the wait for rewards still computing
+    return records
+
+
 def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
           reporters: Reporters) -> tuple[list[dict], dict | None]:
     """The updates with their logs, evaluations and checkpoints; returns the metrics records of this
@@ -313,9 +280,8 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         # Dynamic sampling draws more prompts inside a batch step, so its steps go one by one; otherwise
         # the update's batch steps are taken first and their rollouts decode together (engine refill).
         together = 1 if cfg.rollout.dynamic_sampling else cfg.training.gradient_accumulation_steps
-        # train_step samples the update's prompts itself unless steps are sampled apart (dynamic sampling,
-        # eval_steps between batch steps)
-        fresh = not (cfg.rollout.dynamic_sampling or cfg.eval.eval_steps)
+        # train_step samples the update's prompts itself unless dynamic sampling draws them one by one
+        fresh = not cfg.rollout.dynamic_sampling
         for i in range(0, cfg.training.gradient_accumulation_steps, together):
             batches = []
             while len(batches) < together and (examples := trainer.next_examples()) is not None:
@@ -342,8 +308,10 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         for i in range(cfg.objective.num_iterations):
             if fresh and i == 0:  # sample, score, old/reference log-probs, then the update: one call
                 _phase(bar, "rollout", 0, cfg.training.gradient_accumulation_steps, len(steps))
-                steps, result = trainer.train_step(
-                    steps, phase=lambda name: _phase(bar, name, 0, cfg.objective.num_iterations))
+                evaluated: list[dict | None] = []
+                steps, result = trainer.train_step(steps, sampled=lambda batches: evaluated.extend(
+                    _sampled(trainer, bar, logger, reporters, legacy_subset, len(batches))))
+                last_eval = next((e for e in reversed(evaluated) if e), last_eval)
                 stats = [batch.stats for batch in steps]
             else:
                 _phase(bar, "train", i, cfg.objective.num_iterations)  # and the wait for rewards still computing
@@ -376,13 +344,11 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             save_due = save_due or bool(cfg.run.save_steps and c.update_step % cfg.run.save_steps == 0)
             bar.update(1)
             t_last = time.perf_counter()
-            if trainer.health.s.solved:  # every rank: the figures it decided on are merged
-                break
         if save_due:  # only between rollout groups, where resume reproduces the run exactly
             _save(trainer)
             last_saved = c.update_step
             t_last = time.perf_counter()  # time_step_s leaves the checkpoint out
-        if trainer.health.s.solved:
+        if trainer.health.s.solved:  # every rank (merged figures); after the group, where a checkpoint resumes exactly
             break
         if cfg.run.max_minutes and c.update_step < trainer.total_updates and any(
                 world.gather(time.perf_counter() - t_start >= 60 * cfg.run.max_minutes, "the time limit")):

@@ -25,7 +25,7 @@ from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, duration, fmt, pace
 from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.reporting import Reporters, check_installed
-from mlx_grpo.run import prepare_run_dir
+from mlx_grpo.run_dir import prepare_run_dir
 from mlx_grpo.sft import SFTTrainer
 from mlx_grpo.sft_data import SFTData, load_sft_data
 

@@ -64,7 +64,7 @@ class RolloutConfig:
                                  "device array; one trace per cache capacity). Same tokens and log-probs as without it "
                                  "on CPU in float32 (tests); costs a copy of o_proj/down_proj. Off by default: on an "
                                  "H100 it decoded slower (BENCHMARKS.md, issue 25). Needs the copy (rollout_engine = "
-                                 "copy, or auto on NVIDIA GPUs).", TUNE, resume_may_change=True)
+                                 "copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
     quantize_for_rollouts: bool = setting(False, "Sample from a 4-bit (group 64) copy of the old policy, re-quantized "
                                           "at each refresh. Measured 20x slower than float weights on MLX 0.32's CUDA "
                                           "backend (BENCHMARKS.md).", TRAIN)

@@ -116,8 +116,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the update, top to bottom
     def batch_steps(self, batches: list[list[Example]]) -> list[Batch]:
-        """An update's batch steps sampled one by one, apart from their update (train_step samples them
-        together): dynamic sampling draws more prompts inside a step, eval_steps evaluates between them."""
+        """Dynamic sampling's batch steps, sampled one by one apart from their update (train_step samples
+        the others together): each step draws more prompts until enough groups have rewards that differ."""
         return [self.batch_step(examples) for examples in batches]
 
     def batch_step(self, examples: list[Example]) -> Batch:
@@ -135,12 +135,13 @@ class Trainer:
         return self.logprob_passes(draws)  # old/reference log-probs, rewards computing meanwhile
 
     def train_step(self, batches: list[list[Example]] | list[Batch | StepData],
-                   phase: Callable[[str], None] = lambda name: None) -> tuple[list, UpdateMetrics]:
+                   sampled: Callable[[list[Batch]], None] = lambda batches: None) -> tuple[list, UpdateMetrics]:
         """One GRPO update, top to bottom. `batches`: the prompts of each batch step (sampled here, their
         rollouts decoding together: the engine refills rows freed by ended ones), or batch steps sampled
-        before (dynamic sampling, eval_steps, num_iterations > 1 reuse: run.py). -> (the batch steps, the
-        update's metrics). The reward workers score while the GPU computes the old/reference log-probs.
-        phase("train"): called when the sampling is done (run.py's progress bar)."""
+        before (dynamic sampling, num_iterations > 1 reuse: run.py). -> (the batch steps, the update's
+        metrics). The reward workers score while the GPU computes the old/reference log-probs.
+        sampled(batches): called once the fresh batches are sampled, before the update (run.py: its
+        progress bar and eval_steps' evaluations)."""
         cfg = self.cfg
         if batches and not isinstance(batches[0], (Batch, StepData)):
             encoded = [self.encode(examples) for examples in batches]  # prompts, row keys
@@ -150,7 +151,7 @@ class Trainer:
             draws = [self.submit_rewards(mine, rollout, share)  # score: submitted to the reward workers
                      for (_, _, mine), rollout in zip(encoded, rollouts)]
             batches = [self.logprob_passes([draw]) for draw in draws]  # old/reference log-probs meanwhile
-        phase("train")
+            sampled(batches)
         self.counters.update_step += 1
         metrics = UpdateMetrics(lr=self.set_learning_rate())
         steps = [self.score(b) for b in batches]  # rewards (waiting counts in time_reward_s) -> advantages

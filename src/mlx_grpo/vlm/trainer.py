@@ -51,6 +51,11 @@ class VisionTrainer(Trainer):
         self.model.table.clear()  # the previous update's steps are done with: a new table for these rollouts
         return super().batch_steps(batches)
 
+    def train_step(self, batches, *args, **kwargs):
+        if batches and isinstance(batches[0], list):  # fresh prompts: the previous update's table is done with
+            self.model.table.clear()
+        return super().train_step(batches, *args, **kwargs)
+
     def logprob_passes(self, draws) -> Batch:
         batch = super().logprob_passes(draws)
         batch.stats.images = [[str(x) for x in _names(e, self.cfg.data.image_column)] for e in batch.stats.examples]
