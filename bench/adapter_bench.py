@@ -112,7 +112,7 @@ def variant_overrides(args: argparse.Namespace, variant: str, output_dir: str) -
         head.append(f"load_in_bits={bits}")
     tail = user_sets(args.set_items, variant)
     probe = build_config("train", overrides=parse_set(head + tail))
-    per_update = probe.batch_size * probe.gradient_accumulation_steps
+    per_update = probe.training.batch_size * probe.training.gradient_accumulation_steps
     return head + [f"max_train_samples={per_update * args.updates}"] + tail
 
 
@@ -125,8 +125,8 @@ def check_inputs(args: argparse.Namespace, variants: list[str]) -> None:
     configs = [build_config("train", overrides=parse_set(variant_overrides(args, v, "unused"))) for v in variants]
     resolve_model_path(args.model)  # a missing directory is one line here; the default converts once
     cfg = configs[0]
-    examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
-    needed = max(c.max_train_samples for c in configs)
+    examples = load_examples(cfg.data.dataset, "train", cfg.data.dataset_path or None, cfg.run.seed)
+    needed = max(c.data.max_train_samples for c in configs)
     if len(examples) < needed:
         raise UserError(f"{args.data or 'arith'} has {len(examples)} examples; {args.updates} updates of "
                         f"{needed // args.updates} prompts need {needed}: lower --updates or batch_size")
@@ -208,8 +208,8 @@ def run_one(args: argparse.Namespace, blas: str | None) -> dict:
     split = ("time_rollout_s", "time_reward_s", "time_logprob_s", "time_train_s")
     train_type, bits, _ = VARIANTS[args.one]
     return {
-        "variant": args.one, "train_type": train_type, "load_in_bits": bits, "learning_rate": cfg.learning_rate,
-        "lora_rank": cfg.lora_rank if train_type != "full" else None,
+        "variant": args.one, "train_type": train_type, "load_in_bits": bits, "learning_rate": cfg.optimizer.learning_rate,
+        "lora_rank": cfg.model.lora_rank if train_type != "full" else None,
         "trainable_params": measured["trainable_params"], "quantized_layers": measured["quantized_layers"],
         "weights_gb": measured["model_bytes"] / GB, "trainable_weights_gb": measured["trainable_bytes"] / GB,
         "reference_weights_gb": measured["reference_bytes"] / GB, "optimizer_state_gb": optimizer_bytes / GB,
@@ -308,16 +308,16 @@ def run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
         "platform": first.get("platform"), "blas": first.get("blas"),
         "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
         "workload": {"model": args.model, "model_dtype": args.model_dtype, "data": args.data or "arith",
-                     "updates": args.updates, "set": args.set_items, "batch_size": workload.batch_size,
-                     "num_generations": workload.num_generations, "max_new_tokens": workload.max_new_tokens,
-                     "kl_coeff": workload.kl_coeff, "gradient_accumulation_steps": workload.gradient_accumulation_steps,
-                     "micro_batch_size": workload.micro_batch_size, "micro_batch_tokens": workload.micro_batch_tokens},
+                     "updates": args.updates, "set": args.set_items, "batch_size": workload.training.batch_size,
+                     "num_generations": workload.rollout.num_generations, "max_new_tokens": workload.rollout.max_new_tokens,
+                     "kl_coeff": workload.objective.kl_coeff, "gradient_accumulation_steps": workload.training.gradient_accumulation_steps,
+                     "micro_batch_size": workload.training.micro_batch_size, "micro_batch_tokens": workload.training.micro_batch_tokens},
         "variants": results, "ratios": ratios(results),
     }
     print()
     print(f"device: {record['device']}; mlx {(record['versions'] or {}).get('mlx')}; BLAS {record['blas'] or 'MLX default'}"
-          f"; model {args.model} ({args.model_dtype}); B={workload.batch_size} G={workload.num_generations} "
-          f"max_new_tokens={workload.max_new_tokens} kl_coeff={workload.kl_coeff}")
+          f"; model {args.model} ({args.model_dtype}); B={workload.training.batch_size} G={workload.rollout.num_generations} "
+          f"max_new_tokens={workload.rollout.max_new_tokens} kl_coeff={workload.objective.kl_coeff}")
     print()
     print(markdown(results))
     print()

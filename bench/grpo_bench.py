@@ -103,7 +103,7 @@ def plain_train_step(model, optimizer, batches, advantages: list[mx.array], temp
 # ----------------------------------------------------------------------------- workloads
 
 def encode_prompts(tokenizer, examples, cfg) -> list[list[int]]:
-    return [encode_chat_prompt(tokenizer, e.prompt, cfg.system_prompt, cfg.prefill, cfg.max_prompt_length)[0]
+    return [encode_chat_prompt(tokenizer, e.prompt, cfg.data.system_prompt, cfg.data.prefill, cfg.data.max_prompt_length)[0]
             for e in examples]
 
 
@@ -122,9 +122,9 @@ def step_data(rollout: Rollout, seed: int) -> StepData:
 
 
 def our_train_step(model, optimizer, grad_fn, steps: list[StepData], cfg, pad_id: int) -> None:
-    grads, sums = accumulate_gradients(grad_fn, steps, loss_weights(cfg, steps), cfg.micro_batch_size, pad_id,
-                                       cfg.micro_batch_tokens)
-    grads, _ = clip_by_global_norm(grads, cfg.max_grad_norm)
+    grads, sums = accumulate_gradients(grad_fn, steps, loss_weights(cfg, steps), cfg.training.micro_batch_size, pad_id,
+                                       cfg.training.micro_batch_tokens)
+    grads, _ = clip_by_global_norm(grads, cfg.optimizer.max_grad_norm)
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state, sums.loss)
 
@@ -133,16 +133,16 @@ def our_train_step(model, optimizer, grad_fn, steps: list[StepData], cfg, pad_id
 
 def bench_logprob(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
     tokens = int(rollout.lengths.sum())
-    sec, _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.temperature, cfg.micro_batch_size, pad_id,
-                                                cfg.micro_batch_tokens)), repeats)
-    peak, _, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, cfg.temperature, cfg.micro_batch_size,
-                                                          pad_id, cfg.micro_batch_tokens)))
+    sec, _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
+                                                cfg.training.micro_batch_tokens)), repeats)
+    peak, _, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size,
+                                                          pad_id, cfg.training.micro_batch_tokens)))
     print(f"logprob pass: {tokens / sec:.0f} tok/s, peak +{peak / GB:.2f} GB", flush=True)
     return {"tokens": tokens, "s": sec, "tok_s": tokens / sec, "peak_gb": peak / GB}
 
 
 def bench_train(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
-    steps = [step_data(rollout, cfg.seed)]
+    steps = [step_data(rollout, cfg.run.seed)]
     tokens = int(rollout.lengths.sum())
     opt = optim.AdamW(learning_rate=1e-6)
     grad_fn = make_grad_fn(cfg, model)
@@ -150,12 +150,12 @@ def bench_train(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
     # The baseline: the same rows in the same row micro-batches, unsorted, full logits, no token budget.
     n = len(rollout.texts)
     prompts = rollout.row_prompts
-    chunks = [list(range(i, min(n, i + cfg.micro_batch_size))) for i in range(0, n, cfg.micro_batch_size)]
+    chunks = [list(range(i, min(n, i + cfg.training.micro_batch_size))) for i in range(0, n, cfg.training.micro_batch_size)]
     batches = [pack([prompts[r] for r in c], rollout.completion_ids[mx.array(c)], rollout.mask[mx.array(c)], pad_id)
                for c in chunks]
     advs = [steps[0].advantages[mx.array(c)] for c in chunks]
     plain_opt = optim.AdamW(learning_rate=1e-6)
-    plain_sec, _ = timed(lambda: plain_train_step(model, plain_opt, batches, advs, cfg.temperature, n), repeats)
+    plain_sec, _ = timed(lambda: plain_train_step(model, plain_opt, batches, advs, cfg.rollout.temperature, n), repeats)
     row = {"tokens": tokens, "s": sec, "tok_s": tokens / sec, "plain_s": plain_sec,
            "plain_tok_s": tokens / plain_sec, "ratio_vs_plain": plain_sec / sec}
     print(f"train step: {row['tok_s']:.0f} tok/s, plain value_and_grad loop {row['plain_tok_s']:.0f} tok/s", flush=True)
@@ -165,9 +165,9 @@ def bench_train(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
 def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: list[int]) -> list[dict]:
     """Peak memory and speed of both passes on rows x length full completions, for each micro-batch
     token budget; the target is model + optimizer + 4 GB."""
-    group = cfg.num_generations
+    group = cfg.rollout.num_generations
     batch_prompts = (prompts * (rows // group // len(prompts) + 1))[:max(1, rows // group)]
-    rollout = synthetic_rollout(batch_prompts, group, length, model.args.vocab_size, cfg.seed)
+    rollout = synthetic_rollout(batch_prompts, group, length, model.args.vocab_size, cfg.run.seed)
     weights = nbytes(model.parameters())
     opt = optim.AdamW(learning_rate=1e-6)
     opt.init(model.trainable_parameters())
@@ -178,12 +178,12 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
     out = []
     for budget in budgets:
         c = replace(cfg, micro_batch_tokens=budget)
-        lp_peak, lp_s, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, c.temperature, c.micro_batch_size,
-                                                                    pad_id, c.micro_batch_tokens)))
+        lp_peak, lp_s, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, c.rollout.temperature, c.training.micro_batch_size,
+                                                                    pad_id, c.training.micro_batch_tokens)))
         grad_fn = make_grad_fn(c, model)
-        steps = [step_data(rollout, c.seed)]
+        steps = [step_data(rollout, c.run.seed)]
         tr_peak, tr_s, _ = peak_during(lambda: our_train_step(model, opt, grad_fn, steps, c, pad_id))
-        row = {"rows": rows, "length": length, "micro_batch_tokens": budget, "grad_checkpoint": c.grad_checkpoint,
+        row = {"rows": rows, "length": length, "micro_batch_tokens": budget, "grad_checkpoint": c.training.grad_checkpoint,
                "full_logits_gb": full_logits / GB, "model_gb": weights / GB, "optimizer_gb": optimizer_bytes / GB,
                "logprob_peak_above_model_gb": lp_peak / GB, "train_peak_above_model_and_optimizer_gb": tr_peak / GB,
                "logprob_s": lp_s, "train_s": tr_s, "train_tok_s": tokens / tr_s, "budget_gb": 4.0}
@@ -334,14 +334,14 @@ def adapt(model, cfg) -> dict | None:
     from mlx_grpo.models.adapters import apply_adapters, quantize_base
     from mlx_grpo.models.precision import cast_floats, compute_dtype
 
-    if cfg.train_type == "full":
+    if cfg.model.train_type == "full":
         return None
-    if cfg.load_in_bits:
-        quantize_base(model, cfg.load_in_bits)
-    mx.random.seed(cfg.seed)
-    adapters = apply_adapters(model, cfg.train_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                              cfg.lora_layers, cfg.lora_keys)
-    cast_floats(model, compute_dtype(cfg.model_name, cfg.model_dtype, model))
+    if cfg.model.load_in_bits:
+        quantize_base(model, cfg.model.load_in_bits)
+    mx.random.seed(cfg.run.seed)
+    adapters = apply_adapters(model, cfg.model.train_type, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_dropout,
+                              cfg.model.lora_layers, cfg.model.lora_keys)
+    cast_floats(model, compute_dtype(cfg.model.model_name, cfg.model.model_dtype, model))
     mx.eval(model.parameters())
     return adapters
 
@@ -357,22 +357,22 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
     else:
         overrides.append(f"dataset={args.dataset}")
     cfg = build_config("train", overrides=parse_set(overrides))
-    model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+    model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
     adapters = adapt(model, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
-    examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed)
+    examples = load_examples(cfg.data.dataset, "train", cfg.data.dataset_path or None, cfg.run.seed)
     n_prompts = max(b for b, _ in parse_sizes(args.sizes) + [(args.batch, 0), (int(args.short_pool.split("x")[0]), 0)])
     prompts = encode_prompts(tokenizer, examples[:n_prompts], cfg)
 
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
               "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
-              "workload": {"model": args.shape or cfg.model_name, "random_weights": bool(args.shape),
-                           "train_type": cfg.train_type, "adapters": adapters,
+              "workload": {"model": args.shape or cfg.model.model_name, "random_weights": bool(args.shape),
+                           "train_type": cfg.model.train_type, "adapters": adapters,
                            "parameters": shapes.parameter_count(model),
                            "trainable_parameters": sum(p.size for _, p in tree_flatten(model.trainable_parameters())),
-                           "dtype": cfg.model_dtype, "B": args.batch, "G": args.group,
-                           "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-                           "micro_batch_size": cfg.micro_batch_size, "micro_batch_tokens": cfg.micro_batch_tokens,
+                           "dtype": cfg.model.model_dtype, "B": args.batch, "G": args.group,
+                           "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
+                           "micro_batch_size": cfg.training.micro_batch_size, "micro_batch_tokens": cfg.training.micro_batch_tokens,
                            "data": args.data or args.dataset}}
     w = result["workload"]
     print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "
@@ -399,17 +399,17 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
                                                         args.repeats, pad_id)
     if {"logprob", "train", "split"} & set(sections):
         full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,
-                                SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=True),
-                                mx.random.key(cfg.seed))
+                                SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, ignore_eos=True),
+                                mx.random.key(cfg.run.seed))
         if "logprob" in sections:
             result["logprob"] = bench_logprob(model, full, cfg, args.repeats, pad_id)
         if "train" in sections:
             result["train"] = bench_train(model, full, cfg, args.repeats, pad_id)
         if "split" in sections:
-            result["split"] = train_split.bench_split(model, [step_data(full, cfg.seed)], cfg, args.repeats, pad_id)
+            result["split"] = train_split.bench_split(model, [step_data(full, cfg.run.seed)], cfg, args.repeats, pad_id)
     if "memory" in sections:
         rows, length = (int(x) for x in args.memory_shape.lower().split("x"))
-        budgets = [int(x) for x in args.memory_budgets.split(",") if x] or [cfg.micro_batch_tokens]
+        budgets = [int(x) for x in args.memory_budgets.split(",") if x] or [cfg.training.micro_batch_tokens]
         result["memory"] = bench_memory(model, prompts, rows, length, cfg, pad_id, budgets)
     del model
     if "step" in sections:

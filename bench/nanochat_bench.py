@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = random_nanochat(Path(tmp) / "model", args.size)
             build_s = time.perf_counter() - started
             probe = build_config("train", args.config, parse_set(args.set_items))
-            per_update = probe.batch_size * probe.gradient_accumulation_steps
+            per_update = probe.training.batch_size * probe.training.gradient_accumulation_steps
             overrides = [f"model_name={model_dir}", f"dataset_path={args.data}", f"output_dir={tmp}",
                          f"max_train_samples={per_update * args.updates}", "save_steps=0",
                          "eval_every_updates=0", "log_completions_steps=0"] + args.set_items

@@ -96,8 +96,8 @@ def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> lis
             row[f"{name}_uses_copy"] = info["uses_copy"]
             for eos in (False, True):
                 mx.reset_peak_memory()
-                params = SamplingParams(cfg.max_new_tokens, cfg.temperature, ignore_eos=not eos)
-                key = mx.random.key(cfg.seed)
+                params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, ignore_eos=not eos)
+                key = mx.random.key(cfg.run.seed)
                 sec, r = timed(lambda: generate(batch, g, params, key), repeats)
                 tag = f"{name}_{'eos' if eos else 'noeos'}"
                 row[f"{tag}_tokens"] = int(r.lengths.sum())
@@ -108,7 +108,7 @@ def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> lis
                 if "engine" in info:
                     row[f"{tag}_row_steps"] = info["engine"].row_steps
         rows = [p for p in batch for _ in range(g)]
-        sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.max_new_tokens, cfg.temperature, pad_id), repeats)
+        sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.rollout.max_new_tokens, cfg.rollout.temperature, pad_id), repeats)
         row["plain_s"], row["plain_tok_s"] = sec, n_tokens / sec
         for name in ROLLOUT_VARIANTS:
             row[f"ratio_{name}_vs_plain"] = row[f"{name}_noeos_tok_s"] / row["plain_tok_s"]
@@ -149,9 +149,9 @@ def bench_refill(model, tokenizer, prompts, cfg, steps: int, b: int, g: int, end
 
     short_tok = EndsAt(tokenizer, given_ends(tokenizer, ends)) if ends else tokenizer
     engine = RolloutEngine(short_tok, mode="copy").refresh(model)
-    params = SamplingParams(cfg.max_new_tokens, cfg.temperature)
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     jobs = [((prompts * (steps * b // len(prompts) + 1))[i * b:(i + 1) * b],
-             mx.random.split(mx.random.key(cfg.seed + i), b * g)) for i in range(steps)]
+             mx.random.split(mx.random.key(cfg.run.seed + i), b * g)) for i in range(steps)]
     one_by_one = lambda: [engine.generate(p, g, params, k) for p, k in jobs]  # noqa: E731
     sec_alone, alone = timed(one_by_one, repeats)
     steps_alone = 0
@@ -184,15 +184,15 @@ def bench_overlap(model, tokenizer, prompts, cfg, b: int, g: int, repeats: int, 
     from mlx_grpo.training.policy import logprob_pass
 
     engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
-    params = SamplingParams(cfg.max_new_tokens, cfg.temperature)
-    previous = engine.generate(prompts[:b], g, params, mx.random.key(cfg.seed))
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+    previous = engine.generate(prompts[:b], g, params, mx.random.key(cfg.run.seed))
     nxt = (prompts * 2)[b:2 * b]
 
     def logprobs():
-        return logprob_pass(model, previous, cfg.temperature, cfg.micro_batch_size, pad_id, cfg.micro_batch_tokens)
+        return logprob_pass(model, previous, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id, cfg.training.micro_batch_tokens)
 
     def rollout():
-        return engine.generate(nxt, g, params, mx.random.key(cfg.seed + 1))
+        return engine.generate(nxt, g, params, mx.random.key(cfg.run.seed + 1))
 
     sec_lp, want = timed(logprobs, repeats)
     sec_roll, _ = timed(rollout, repeats)

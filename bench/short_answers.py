@@ -133,12 +133,12 @@ def pick_ends(tokenizer, ids: np.ndarray, mean: float, rows: int, limit: int) ->
 
 def bench_short(model, tokenizer, prompts: list[list[int]], cfg, repeats: int, pool: tuple[int, int],
                 rows: int, mean: float, ends: list[str] | None = None, rounds: int = 3) -> dict:
-    limit, temperature = cfg.max_new_tokens, cfg.temperature
+    limit, temperature = cfg.rollout.max_new_tokens, cfg.rollout.temperature
     n_prompts, samples = pool
     pool_prompts = (prompts * (n_prompts // len(prompts) + 1))[:n_prompts]
     fixed = given_ends(tokenizer, ends) if ends else None  # checked before the pool is drawn
     engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
-    ids, keys = draw_pool(engine, pool_prompts, samples, limit, temperature, cfg.seed + 1)
+    ids, keys = draw_pool(engine, pool_prompts, samples, limit, temperature, cfg.run.seed + 1)
     row_prompt = [p for p in pool_prompts for _ in range(samples)]
     drawn = 1
     while True:
@@ -149,7 +149,7 @@ def bench_short(model, tokenizer, prompts: list[list[int]], cfg, repeats: int, p
             texts, end_ids, ok = pick_ends(tokenizer, ids, mean, rows, limit)
         if ok or drawn >= rounds:
             break
-        more, more_keys = draw_pool(engine, pool_prompts, samples, limit, temperature, cfg.seed + 1 + drawn)
+        more, more_keys = draw_pool(engine, pool_prompts, samples, limit, temperature, cfg.run.seed + 1 + drawn)
         ids, keys = np.concatenate([ids, more]), mx.concatenate([keys, more_keys])  # a larger pool
         row_prompt += row_prompt[:len(more)]
         drawn += 1

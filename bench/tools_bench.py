@@ -31,20 +31,20 @@ from bench_util import device_name, timed  # noqa: E402
 
 
 def batches(cfg, n: int) -> list[list]:
-    examples = load_examples(cfg.dataset, "train", cfg.dataset_path or None, cfg.seed, arith_max_steps=cfg.arith_max_steps)
-    return [examples[i * cfg.batch_size:(i + 1) * cfg.batch_size] for i in range(n)]
+    examples = load_examples(cfg.data.dataset, "train", cfg.data.dataset_path or None, cfg.run.seed, arith_max_steps=cfg.data.arith_max_steps)
+    return [examples[i * cfg.training.batch_size:(i + 1) * cfg.training.batch_size] for i in range(n)]
 
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int) -> dict:
     engine = RolloutEngine(tokenizer, mode=mode).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
-    params = SamplingParams(cfg.max_new_tokens, cfg.temperature, stop=tuple(cfg.stop))
-    G, out = cfg.num_generations, []
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
+    G, out = cfg.rollout.num_generations, []
 
     def one(i: int, examples: list) -> object:
-        key = mx.random.split(mx.random.key(cfg.seed), len(examples) * G * (i + 1))[-len(examples) * G:]
+        key = mx.random.split(mx.random.key(cfg.run.seed), len(examples) * G * (i + 1))[-len(examples) * G:]
         prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, examples, cfg)]
-        return rollouts(engine, multiturn, [(prompts, key, examples)], G, params, cfg.prefill)[0]
+        return rollouts(engine, multiturn, [(prompts, key, examples)], G, params, cfg.data.prefill)[0]
 
     for i, examples in enumerate(batches(cfg, n)):
         seconds, rollout = timed(lambda: one(i, examples), repeats)
@@ -93,9 +93,9 @@ def main(argv=None) -> None:
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
     if args.stop_scan:
         cfg = build_config("train", args.tools, parse_set(args.items))
-        _, tokenizer = load_model(cfg.model_name, cfg.model_dtype)
+        _, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
         stops = multiturn_for(cfg, tokenizer).stop_strings
-        result["stop_scan"] = stop_scan_cost(tokenizer, cfg.batch_size * cfg.num_generations, cfg.max_new_tokens, 8,
+        result["stop_scan"] = stop_scan_cost(tokenizer, cfg.training.batch_size * cfg.rollout.num_generations, cfg.rollout.max_new_tokens, 8,
                                              stops)
         print(json.dumps(result["stop_scan"]))
         if args.out:
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     for name, preset, items in variants:
         cfg = build_config("train", preset, parse_set(args.items + items))
         if model is None:
-            model, tokenizer = load_model(cfg.model_name, cfg.model_dtype)  # the compute dtype, as training
+            model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)  # the compute dtype, as training
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats)
             r = result["runs"][f"{name}/{mode}"]

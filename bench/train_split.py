@@ -35,15 +35,15 @@ def bench_split(model, steps: list, cfg, repeats: int, pad_id: int) -> dict:
     tokens = int(sum(int(s.rollout.lengths.sum()) for s in steps))
     weights = loss_weights(cfg, steps)
     out = {"tokens": tokens}
-    out["forward_s"], _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.temperature, cfg.micro_batch_size,
-                                                             pad_id, cfg.micro_batch_tokens)), repeats)
+    out["forward_s"], _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size,
+                                                             pad_id, cfg.training.micro_batch_tokens)), repeats)
     grads = None
     for compiled in (False, True):
         grad_fn = make_grad_fn(replace(cfg, use_compile=compiled), model)
 
         def fwd_bwd(grad_fn=grad_fn):
-            g, sums = accumulate_gradients(grad_fn, steps, weights, cfg.micro_batch_size, pad_id,
-                                           cfg.micro_batch_tokens)
+            g, sums = accumulate_gradients(grad_fn, steps, weights, cfg.training.micro_batch_size, pad_id,
+                                           cfg.training.micro_batch_tokens)
             mx.eval(g, sums)
             return g
 
@@ -52,7 +52,7 @@ def bench_split(model, steps: list, cfg, repeats: int, pad_id: int) -> dict:
         out[f"backward_{name}_s"] = out[f"fwd_bwd_{name}_s"] - out["forward_s"]
 
     def clip():
-        g, norm = clip_by_global_norm(grads, cfg.max_grad_norm)
+        g, norm = clip_by_global_norm(grads, cfg.optimizer.max_grad_norm)
         mx.eval(g, norm)
         return g
 

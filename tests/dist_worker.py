@@ -16,9 +16,9 @@ from mlx_grpo.assembly import build_trainer
 
 def main(out: str, items: list[str]) -> None:
     cfg = build_config("train", overrides=parse_set(items))
-    world = init_world(cfg.distributed_backend, cfg.distributed_timeout)
+    world = init_world(cfg.run.distributed_backend, cfg.run.distributed_timeout)
     trainer = build_trainer(cfg, world)
-    batches = [trainer.batch_step(trainer.next_examples()) for _ in range(cfg.gradient_accumulation_steps)]
+    batches = [trainer.batch_step(trainer.next_examples()) for _ in range(cfg.training.gradient_accumulation_steps)]
     steps = [trainer.score(batch) for batch in batches]
     grads, sums = trainer.gradients(steps)
     if world.is_main:

@@ -14,21 +14,21 @@ def test_precedence_defaults_toml_set(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('learning_rate = 2e-6\nbatch_size = 3\nrun_name = "from-toml"\n')
     cfg = build_config("train", str(toml), parse_set(["batch_size=5"]))
-    assert cfg.learning_rate == 2e-6  # TOML beats the default
-    assert cfg.batch_size == 5  # --set beats TOML
-    assert cfg.run_name == "from-toml"
-    assert cfg.num_generations == 8  # untouched default
-    assert cfg.system_prompt == SYSTEM_PROMPT
+    assert cfg.optimizer.learning_rate == 2e-6  # TOML beats the default
+    assert cfg.training.batch_size == 5  # --set beats TOML
+    assert cfg.run.run_name == "from-toml"
+    assert cfg.rollout.num_generations == 8  # untouched default
+    assert cfg.data.system_prompt == SYSTEM_PROMPT
 
 
 def test_table_form_and_command_defaults(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('[mlx_grpo]\nkl_coeff = 0.0\n')
-    assert build_config("train", str(toml)).kl_coeff == 0.0
+    assert build_config("train", str(toml)).objective.kl_coeff == 0.0
     # interactive commands default to greedy and no system prompt; training samples at 1.0
-    assert build_config("generate").temperature == 0.0
-    assert build_config("generate").system_prompt == ""
-    assert build_config("train").temperature == 1.0
+    assert build_config("generate").rollout.temperature == 0.0
+    assert build_config("generate").data.system_prompt == ""
+    assert build_config("train").rollout.temperature == 1.0
 
 
 def test_mixed_table_and_flat_keys_rejected(tmp_path):
@@ -64,11 +64,11 @@ def test_bad_values_name_field_type_and_value(item, message):
 @pytest.mark.parametrize("text,value", [("true", True), ("1", True), ("yes", True), ("on", True),
                                         ("false", False), ("0", False), ("no", False), ("OFF", False)])
 def test_bool_spellings(text, value):
-    assert build_config("train", overrides=parse_set([f"use_compile={text}"])).use_compile is value
+    assert build_config("train", overrides=parse_set([f"use_compile={text}"])).training.use_compile is value
 
 
 def test_int_accepts_exact_scientific():
-    assert build_config("train", overrides=parse_set(["save_steps=1e3"])).save_steps == 1000
+    assert build_config("train", overrides=parse_set(["save_steps=1e3"])).run.save_steps == 1000
     with pytest.raises(UserError):
         build_config("train", overrides=parse_set(["save_steps=1.5e0"]))
 
@@ -76,7 +76,7 @@ def test_int_accepts_exact_scientific():
 def test_lists_from_set_and_toml(tmp_path):
     cfg = build_config("train", overrides=parse_set(["reward_funcs=correctness,xmlcount",
                                                       "reward_weights=[2, 0.5]"]))
-    assert cfg.reward_funcs == ["correctness", "xmlcount"] and cfg.reward_weights == [2.0, 0.5]
+    assert cfg.rewards.reward_funcs == ["correctness", "xmlcount"] and cfg.rewards.reward_weights == [2.0, 0.5]
 
 
 def test_missing_config_file_is_error(tmp_path):
@@ -185,13 +185,13 @@ def test_cli_flag_equals_set():
 
     args = build_parser().parse_args(["generate", "--temperature", "0.5", "--max-tokens", "9"])
     cfg = _config_from_args("generate", args)
-    assert cfg.temperature == 0.5 and cfg.max_new_tokens == 9
+    assert cfg.rollout.temperature == 0.5 and cfg.rollout.max_new_tokens == 9
 
 
 def test_preset_serves_train_and_eval(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('learning_rate = 2e-6\neval_subset_size = 7\n')
-    assert build_config("eval", str(toml)).eval_subset_size == 7  # train-only key skipped for eval
+    assert build_config("eval", str(toml)).eval.eval_subset_size == 7  # train-only key skipped for eval
     toml.write_text('learning_rate = "fast"\n')
     with pytest.raises(UserError, match="'learning_rate' expects a number"):
         build_config("eval", str(toml))  # but still type-checked
@@ -204,7 +204,7 @@ PRESETS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 def test_presets_load_and_comment_every_key(preset):
     """Every shipped preset is valid for train and eval, and each block of keys opens with a comment."""
     cfg = build_config("train", str(preset))
-    assert build_config("eval", str(preset)).model_name == cfg.model_name
+    assert build_config("eval", str(preset)).model.model_name == cfg.model.model_name
     blocks = [block.splitlines() for block in preset.read_text().split("\n\n") if block.strip()]
     for lines in blocks:
         assert lines[0].startswith("#") or not any("=" in line for line in lines), (preset.name, lines[0])

@@ -142,7 +142,7 @@ def test_demonstration_row_tokens_masks_and_widening(tiny_model_dir):
 def _demonstrator(tiny_model_dir, tmp_path, *items):
     model, tok = _tokenizer(tiny_model_dir)
     cfg = make_cfg(tiny_model_dir, tmp_path, "num_generations=2", *items)
-    rewards = RewardSet([n for n in cfg.reward_funcs])
+    rewards = RewardSet([n for n in cfg.rewards.reward_funcs])
     printed = []
     return Demonstrator(cfg, tok, rewards, 0, printed.append), printed, model, tok
 
@@ -270,7 +270,7 @@ def test_model_gradient_on_mixed_rows_matches_naive(tiny_model_dir, tmp_path, co
     r = dataclasses.replace(r, sampler_logprobs=mx.array(sampler))
     step = StepData(r, mx.array(adv), mx.array(old), mx.array(ref))
     weights = loss_weights(cfg, [step])
-    grads, sums = accumulate_gradients(make_grad_fn(cfg, model), [step], weights, cfg.micro_batch_size, 0)
+    grads, sums = accumulate_gradients(make_grad_fn(cfg, model), [step], weights, cfg.training.micro_batch_size, 0)
 
     def naive_loss(m):
         total = mx.array(0.0)

@@ -138,7 +138,7 @@ def test_url_fields_need_reward_url():
     with pytest.raises(UserError, match="reward_url_timeout only applies with reward_url set"):
         build_config("train", overrides=parse_set(["reward_url_timeout=5"]))
     cfg = build_config("train", overrides=parse_set(["reward_url=http://127.0.0.1:1/", "reward_funcs=[]"]))
-    assert cfg.reward_funcs == []
+    assert cfg.rewards.reward_funcs == []
 
 
 def test_training_run_scored_by_the_server(server, tiny_model_dir, tmp_path):

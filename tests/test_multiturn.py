@@ -135,7 +135,7 @@ def test_gradient_counts_only_the_model_tokens(tiny):
             n = int(rollout.extents[r])
             prompt = rollout.row_prompts[r]
             ids = prompt + rollout.completion_ids[r, :n].tolist()
-            logp = nn.log_softmax(m(mx.array([ids[:-1]]))[0].astype(mx.float32) / cfg.temperature, axis=-1)
+            logp = nn.log_softmax(m(mx.array([ids[:-1]]))[0].astype(mx.float32) / cfg.rollout.temperature, axis=-1)
             for t in range(n):
                 if rollout.mask[r, t].item():
                     total = total - adv[r] * logp[len(prompt) - 1 + t, ids[len(prompt) + t]]

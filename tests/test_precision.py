@@ -31,7 +31,7 @@ def _fixed_steps(trainer, n_steps=3):
     """Rollouts sampled once from the float32 model, with fixed advantages, reused by every trainer."""
     from mlx_lm import load
 
-    model, tok = load(str(trainer.cfg.model_name))
+    model, tok = load(str(trainer.cfg.model.model_name))
     steps = []
     for i in range(n_steps):
         prompts = [tok.encode(f"question {i} {j}") for j in range(2)]
@@ -159,4 +159,4 @@ def test_resume_in_another_compute_dtype_is_refused(tiny_model_dir, tmp_path):
     path = run / "checkpoint-2"
     with pytest.raises(UserError, match="holds bfloat16 weights and this run computes in float32"):
         trainer.restore(path, (*ckpt.load_checkpoint(path), ckpt.load_masters(path)), False)
-    assert cfg.model_dtype == "bfloat16"
+    assert cfg.model.model_dtype == "bfloat16"

@@ -109,7 +109,7 @@ def test_training_and_evaluation_encode_the_run_prompt(tiny_model_dir, tmp_path,
     assert recorded["system_prompt"] == trainer.prompt.system and recorded["worked_examples"] == 1
     evaluate.run_eval(cfg_for("eval", *eval_items, "eval_worked_examples=false"), output=str(tmp_path / "w.jsonl"))
     bare = json.loads((tmp_path / "w.jsonl.config.json").read_text())["command_options"]["prompt"]
-    assert bare == {"worked_examples": 0, "sources": [], "system_prompt": cfg.system_prompt}
+    assert bare == {"worked_examples": 0, "sources": [], "system_prompt": cfg.data.system_prompt}
     err = capsys.readouterr().err
     assert "evaluating with the system prompt with 1 worked example (train #" in err
     assert "evaluating with the system prompt without worked examples" in err

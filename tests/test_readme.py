@@ -103,13 +103,14 @@ def preset_runs() -> dict[str, set[int]]:
     runs = {}
     for preset in sorted((ROOT / "configs").glob("*.toml")):
         cfg = build_config("train", str(preset))
-        n = DATA_SIZES[cfg.dataset] if not cfg.dataset_path else None
+        n = DATA_SIZES[cfg.data.dataset] if not cfg.data.dataset_path else None
         if n is None:
             continue
-        n = min(n, cfg.max_train_samples or n)
-        total = (n // cfg.batch_size * cfg.num_epochs) // cfg.gradient_accumulation_steps * cfg.num_iterations
-        saved = {u for u in range(1, total + 1) if cfg.save_steps and u % cfg.save_steps == 0} | {total}
-        runs[f"{cfg.output_dir}/{cfg.run_name}"] = saved
+        n = min(n, cfg.data.max_train_samples or n)
+        total = ((n // cfg.training.batch_size * cfg.training.num_epochs) // cfg.training.gradient_accumulation_steps
+                 * cfg.objective.num_iterations)
+        saved = {u for u in range(1, total + 1) if cfg.run.save_steps and u % cfg.run.save_steps == 0} | {total}
+        runs[f"{cfg.run.output_dir}/{cfg.run.run_name}"] = saved
     return runs
 
 
@@ -121,11 +122,11 @@ def named_paths(argv: list[str], monkeypatch) -> list[str]:
     resume = getattr(args, "resume", None)
     paths.append(None if resume in (None, "latest") else resume)
     if cfg is not None:
-        paths += [cfg.model_name, getattr(cfg, "eval_dataset_path", ""), getattr(cfg, "dataset_path", "")]
-        paths += [spec.rpartition(":")[0] for spec in getattr(cfg, "tools", []) if ".py:" in spec]
-        paths += [cfg.environment.rpartition(":")[0]] if getattr(cfg, "environment", "") else []
-        if getattr(cfg, "dataset", "arith") not in DATA_SIZES and "/" not in cfg.dataset.strip("/"):
-            paths.append(cfg.dataset)
+        paths += [cfg.model.model_name, cfg.data.eval_dataset_path, cfg.data.dataset_path]
+        paths += [spec.rpartition(":")[0] for spec in cfg.rollout.tools if ".py:" in spec]
+        paths += [cfg.rollout.environment.rpartition(":")[0]] if cfg.rollout.environment else []
+        if cfg.data.dataset not in DATA_SIZES and "/" not in cfg.data.dataset.strip("/"):
+            paths.append(cfg.data.dataset)
     return [p for p in paths if p]
 
 
@@ -192,8 +193,9 @@ def anchors(page: Path) -> set[str]:
 def smoke_checkpoint() -> int:
     """The last update of README command 1's preset: the checkpoint it leaves with save_steps = 0."""
     cfg = build_config("train", str(ROOT / "configs/smoke_test.toml"))
-    n = min(DATA_SIZES[cfg.dataset], cfg.max_train_samples or DATA_SIZES[cfg.dataset])
-    return (n // cfg.batch_size * cfg.num_epochs) // cfg.gradient_accumulation_steps * cfg.num_iterations
+    n = min(DATA_SIZES[cfg.data.dataset], cfg.data.max_train_samples or DATA_SIZES[cfg.data.dataset])
+    return ((n // cfg.training.batch_size * cfg.training.num_epochs) // cfg.training.gradient_accumulation_steps
+            * cfg.objective.num_iterations)
 
 
 def test_docs_name_the_checkpoint_that_command_1_writes():

@@ -175,7 +175,7 @@ def test_missing_package_stops_train_before_the_model_loads(monkeypatch, tmp_pat
 def test_report_to_values_are_checked(value, message):
     with pytest.raises(UserError, match=message):
         build_config("train", overrides=parse_set([f"report_to={value}"]))
-    assert build_config("train", overrides=parse_set(["report_to=tensorboard,wandb"])).report_to == \
+    assert build_config("train", overrides=parse_set(["report_to=tensorboard,wandb"])).run.report_to == \
         ["tensorboard", "wandb"]
 
 

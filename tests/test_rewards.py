@@ -319,7 +319,7 @@ def _preset_rewards(text: str, gold: str = "15") -> float:
 
     cfg = build_config("train", str(Path(__file__).resolve().parents[1] / "configs" / "prod.toml"))
     total = 0.0
-    for name, weight in zip(cfg.reward_funcs, cfg.reward_weights):
+    for name, weight in zip(cfg.rewards.reward_funcs, cfg.rewards.reward_weights):
         total += weight * BUILTIN_REWARDS[name]([QUESTION], [text], [[1]], answer=[gold])[0]
     return total
 

@@ -65,7 +65,7 @@ def naive_mean_nll(model, rows: list[SFTRow]) -> float:
 def test_loss_equals_naive_nll_over_completion_tokens(tiny, tmp_path):
     model, tok = tiny
     cfg = sft_cfg("x", tmp_path)
-    rows, _ = file_rows(write_jsonl(tmp_path / "d.jsonl", ROWS[:3] + [CHAT]), tok, cfg, None, cfg.system_prompt)
+    rows, _ = file_rows(write_jsonl(tmp_path / "d.jsonl", ROWS[:3] + [CHAT]), tok, cfg, None, cfg.data.system_prompt)
     expected = naive_mean_nll(model, rows)
     grads = {}
     for size, max_tokens in ((16, 0), (1, 0), (2, 128)):  # micro-batching never changes the loss
@@ -82,7 +82,7 @@ def test_prompt_positions_get_no_gradient(tiny, tmp_path):
     logits at every prompt position (and at masked context) is exactly 0."""
     model, tok = tiny
     cfg = sft_cfg("x", tmp_path)
-    (row,), _ = file_rows(write_jsonl(tmp_path / "d.jsonl", [CHAT]), tok, cfg, None, cfg.system_prompt)
+    (row,), _ = file_rows(write_jsonl(tmp_path / "d.jsonl", [CHAT]), tok, cfg, None, cfg.data.system_prompt)
     batch = pack_rows([row], tok.pad_token_id)
     logits = model(batch.inputs).astype(mx.float32)  # [1, L, V]
 
@@ -103,7 +103,7 @@ def test_rows_are_trains_prompts_plus_the_completion(tiny, tmp_path):
     _, tok = tiny
     cfg = sft_cfg("x", tmp_path)
     row = dict(ROWS[0], completion="<reasoning>\n" + "1 + 1 = 2\n</reasoning>\n<answer>\n2\n</answer>")
-    (r,), cut = file_rows(write_jsonl(tmp_path / "d.jsonl", [row]), tok, cfg, None, cfg.system_prompt)
+    (r,), cut = file_rows(write_jsonl(tmp_path / "d.jsonl", [row]), tok, cfg, None, cfg.data.system_prompt)
     from mlx_grpo.data import Example
 
     assert r.prompt_ids == encode_prompts(None, tok, [Example(row["prompt"], "")], cfg)[0][0] and cut == 0

@@ -1,12 +1,14 @@
 """Reference solutions (solutions.py): real GSM8K worked solutions and arith's own, written as completions
 that the format and reasoned rewards score in full."""
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
+from mlx_grpo.config import Config
 from mlx_grpo.rewards import builtin as R
 from mlx_grpo.data import Example, load_file, make_arith
 from mlx_grpo.solutions import (Segment, Style, after_prefill, reference_completion, reference_segments,
@@ -142,12 +144,10 @@ def test_prefill_and_style_for():
     assert after_prefill(text, "<reasoning>\n") == text[len("<reasoning>\n"):]
     assert after_prefill(text, "<think>\n") is None
 
-    class Cfg:
-        prefill, system_prompt, tools = "<think>\n", "", []
-
-    assert style_for(Cfg()) == Style("think")
-    Cfg.prefill, Cfg.tools = "<reasoning>\n", ["calculator"]
+    think = Config(prefill="<think>\n", system_prompt="", tools=[])
+    assert style_for(think) == Style("think")
+    tools = dataclasses.replace(think, prefill="<reasoning>\n", tools=["calculator"])
     with pytest.raises(ValueError, match="tool format"):
-        style_for(Cfg())
+        style_for(tools)
     fmt = PlainFormat()
-    assert style_for(Cfg(), fmt) == Style("reasoning", fmt)
+    assert style_for(tools, fmt) == Style("reasoning", fmt)

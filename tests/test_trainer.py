@@ -55,9 +55,9 @@ def test_schedule_warmup_cosine_linear_constant():
     assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)  # warmup: 2 updates, first > 0
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])) and 0 < lrs[-1] < 0.1
     lin = build_config("train", overrides=parse_set(["warmup_ratio=0", "lr_scheduler_type=linear"]))
-    assert trainer_mod.learning_rate_at(2, 4, lin) == pytest.approx(lin.learning_rate * 0.75)
+    assert trainer_mod.learning_rate_at(2, 4, lin) == pytest.approx(lin.optimizer.learning_rate * 0.75)
     const = build_config("train", overrides=parse_set(["warmup_ratio=0", "lr_scheduler_type=constant"]))
-    assert trainer_mod.learning_rate_at(4, 4, const) == const.learning_rate
+    assert trainer_mod.learning_rate_at(4, 4, const) == const.optimizer.learning_rate
 
 
 def _split_rollout(r: Rollout, prompt: int) -> Rollout:
@@ -296,9 +296,9 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir,
     assert t.policies.reference is None
     base, _ = load(str(tiny_model_dir))
     ref = t.policies.reference_logprobs(step.rollout, t.pad_id)
-    plain = logprob_pass(base, step.rollout, cfg.temperature, cfg.micro_batch_size, t.pad_id, cfg.micro_batch_tokens)
+    plain = logprob_pass(base, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.pad_id, cfg.training.micro_batch_tokens)
     np.testing.assert_array_equal(np.array(ref), np.array(plain))
-    adapted = logprob_pass(t.model, step.rollout, cfg.temperature, cfg.micro_batch_size, t.pad_id, 0)
+    adapted = logprob_pass(t.model, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.pad_id, 0)
     assert not np.allclose(np.array(adapted), np.array(plain))  # the adapters are trained, and on again
     t.run_dir.mkdir(parents=True)
     ckpt = t.save()
@@ -379,7 +379,7 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
     assert sum(r["draws"] for r in rows) > len(rows)  # extra draws happened
     assert all(r["groups_trained"] <= 2 for r in rows) and any(r["groups_trained"] == 2 for r in rows)
     assert len(rows) < 12  # the data (12 batches) ran out before 12 updates
-    peak = cfg.learning_rate  # the schedule follows the data consumed: the last update is at its end
+    peak = cfg.optimizer.learning_rate  # the schedule follows the data consumed: the last update is at its end
     assert rows[-1]["lr"] == pytest.approx(trainer_mod.learning_rate_at(12, 12, cfg)) and rows[-1]["lr"] < 0.05 * peak
     assert "the training data ran out" in capsys.readouterr().out
     completions = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]

@@ -75,7 +75,7 @@ def test_logprobs_equal_a_naive_forward_with_the_image(trainer, tiny_vlm_dir):
     rollout = step.rollout
     lp = logprob_pass(trainer.model, rollout, 1.0, 2, trainer.pad_id)  # micro-batches mix the prompts' rows
     naive, _ = load(str(tiny_vlm_dir))
-    G = trainer.cfg.num_generations
+    G = trainer.cfg.rollout.num_generations
     for r in range(len(rollout.texts)):
         prompt = encode_vision_prompt(trainer.processor, examples[r // G], "image", trainer.prompt.system, None, 256)
         n = int(rollout.lengths[r])
@@ -108,7 +108,7 @@ def test_encodings_are_counted_per_prompt(tiny_vlm_dir, tmp_path):
 
     t = build_trainer(_cfg(tiny_vlm_dir, tmp_path))
     t.batch_steps([t.next_examples()])
-    assert t.model.table.encodings == t.cfg.batch_size  # B prompts, B x G samples: B encodings
+    assert t.model.table.encodings == t.cfg.training.batch_size  # B prompts, B x G samples: B encodings
 
 
 def test_train_vision_gives_the_tower_gradients(tiny_vlm_dir, tmp_path):
@@ -120,7 +120,7 @@ def test_train_vision_gives_the_tower_gradients(tiny_vlm_dir, tmp_path):
     grads, _ = t.gradients(steps)
     names = {k for k, _ in tree_flatten(grads)}
     assert any(k.startswith("vision_tower.") for k in names) and any(k.startswith("language_model.") for k in names)
-    assert t.model.table.encodings - before <= t.cfg.batch_size * 2  # once per prompt per micro-batch at most
+    assert t.model.table.encodings - before <= t.cfg.training.batch_size * 2  # once per prompt per micro-batch at most
 
 
 REWARD = """

@@ -4,8 +4,7 @@ data.py, rollout.py, rewards.py, objective.py, training.py, run.py). Validation 
 flags and --help (cli.py), and the reference table docs/config.md (reference.py) all read those declarations.
 
     cfg = build_config("train", "configs/arith.toml", parse_set(["rollout.temperature=0.7"]))
-    cfg.rollout.temperature          # a group: what a module takes
-    cfg.temperature                  # transitional flat alias (root.py); new code reads the group
+    cfg.rollout.temperature          # the one way to read a setting: through its group, what a module takes
 
 Imports go one way: fields <- groups <- root <- validation <- loading <- this package.
 """

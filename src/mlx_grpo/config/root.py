@@ -1,14 +1,14 @@
-"""`Config`: one frozen record of the setting groups (cfg.model, cfg.data, cfg.rollout, ...), the registry
-of groups and fields, and the transitional flat aliases (cfg.temperature == cfg.rollout.temperature).
+"""`Config`: one frozen record of the setting groups (cfg.model, cfg.data, cfg.rollout, ...) and the registry
+of groups and fields. A setting is read one way, through its group: cfg.rollout.temperature.
 
 A field's name is unique across groups, so `temperature`, `rollout.temperature` and a [rollout] table's
-`temperature` name one field; a stored config (config.resolved.json) stays one flat dict of them.
+`temperature` name one field: flat names stay valid input (TOML keys, --set, Config(temperature=...),
+dataclasses.replace(cfg, temperature=...)), and a stored config (config.resolved.json) stays one flat dict.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,13 +103,3 @@ def command_default(command: str, name: str) -> Any:
 def fields_for(command: str) -> list[str]:
     """The fields `command` reads, in group order."""
     return [name for name, f in FIELDS.items() if command in f.metadata["commands"]]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# TRANSITIONAL flat aliases: `cfg.temperature` reads `cfg.rollout.temperature`, so call sites written before
-# the groups keep working while modules move. New code reads its group (cfg.rollout.temperature, or takes a
-# RolloutConfig). Delete this block once no module reads a flat name (tests/test_config.py lists them).
-for _name, _group in FIELD_GROUP.items():
-    setattr(Config, _name, property(operator.attrgetter(f"{_group}.{_name}"),
-                                    doc=f"Transitional alias of cfg.{_group}.{_name}."))
-del _name, _group
