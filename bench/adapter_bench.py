@@ -208,7 +208,8 @@ def run_one(args: argparse.Namespace, blas: str | None) -> dict:
     split = ("time_rollout_s", "time_reward_s", "time_logprob_s", "time_train_s")
     train_type, bits, _ = VARIANTS[args.one]
     return {
-        "variant": args.one, "train_type": train_type, "load_in_bits": bits, "learning_rate": cfg.optimizer.learning_rate,
+        "variant": args.one, "train_type": train_type, "load_in_bits": bits,
+        "learning_rate": cfg.optimizer.learning_rate,
         "lora_rank": cfg.model.lora_rank if train_type != "full" else None,
         "trainable_params": measured["trainable_params"], "quantized_layers": measured["quantized_layers"],
         "weights_gb": measured["model_bytes"] / GB, "trainable_weights_gb": measured["trainable_bytes"] / GB,
@@ -309,14 +310,17 @@ def run_all(args: argparse.Namespace, argv: list[str] | None) -> int:
         "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
         "workload": {"model": args.model, "model_dtype": args.model_dtype, "data": args.data or "arith",
                      "updates": args.updates, "set": args.set_items, "batch_size": workload.training.batch_size,
-                     "num_generations": workload.rollout.num_generations, "max_new_tokens": workload.rollout.max_new_tokens,
-                     "kl_coeff": workload.objective.kl_coeff, "gradient_accumulation_steps": workload.training.gradient_accumulation_steps,
-                     "micro_batch_size": workload.training.micro_batch_size, "micro_batch_tokens": workload.training.micro_batch_tokens},
+                     "num_generations": workload.rollout.num_generations,
+                     "max_new_tokens": workload.rollout.max_new_tokens, "kl_coeff": workload.objective.kl_coeff,
+                     "gradient_accumulation_steps": workload.training.gradient_accumulation_steps,
+                     "micro_batch_size": workload.training.micro_batch_size,
+                     "micro_batch_tokens": workload.training.micro_batch_tokens},
         "variants": results, "ratios": ratios(results),
     }
     print()
     print(f"device: {record['device']}; mlx {(record['versions'] or {}).get('mlx')}; BLAS {record['blas'] or 'MLX default'}"
-          f"; model {args.model} ({args.model_dtype}); B={workload.training.batch_size} G={workload.rollout.num_generations} "
+          f"; model {args.model} ({args.model_dtype}); B={workload.training.batch_size} "
+          f"G={workload.rollout.num_generations} "
           f"max_new_tokens={workload.rollout.max_new_tokens} kl_coeff={workload.objective.kl_coeff}")
     print()
     print(markdown(results))

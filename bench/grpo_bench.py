@@ -103,7 +103,8 @@ def plain_train_step(model, optimizer, batches, advantages: list[mx.array], temp
 # ----------------------------------------------------------------------------- workloads
 
 def encode_prompts(tokenizer, examples, cfg) -> list[list[int]]:
-    return [encode_chat_prompt(tokenizer, e.prompt, cfg.data.system_prompt, cfg.data.prefill, cfg.data.max_prompt_length)[0]
+    d = cfg.data
+    return [encode_chat_prompt(tokenizer, e.prompt, d.system_prompt, d.prefill, d.max_prompt_length)[0]
             for e in examples]
 
 
@@ -133,10 +134,11 @@ def our_train_step(model, optimizer, grad_fn, steps: list[StepData], cfg, pad_id
 
 def bench_logprob(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
     tokens = int(rollout.lengths.sum())
-    sec, _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
-                                                cfg.training.micro_batch_tokens)), repeats)
-    peak, _, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size,
-                                                          pad_id, cfg.training.micro_batch_tokens)))
+    t = cfg.training
+    sec, _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, t.micro_batch_size, pad_id,
+                                                t.micro_batch_tokens)), repeats)
+    peak, _, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, t.micro_batch_size,
+                                                          pad_id, t.micro_batch_tokens)))
     print(f"logprob pass: {tokens / sec:.0f} tok/s, peak +{peak / GB:.2f} GB", flush=True)
     return {"tokens": tokens, "s": sec, "tok_s": tokens / sec, "peak_gb": peak / GB}
 
@@ -150,7 +152,8 @@ def bench_train(model, rollout: Rollout, cfg, repeats, pad_id) -> dict:
     # The baseline: the same rows in the same row micro-batches, unsorted, full logits, no token budget.
     n = len(rollout.texts)
     prompts = rollout.row_prompts
-    chunks = [list(range(i, min(n, i + cfg.training.micro_batch_size))) for i in range(0, n, cfg.training.micro_batch_size)]
+    size = cfg.training.micro_batch_size
+    chunks = [list(range(i, min(n, i + size))) for i in range(0, n, size)]
     batches = [pack([prompts[r] for r in c], rollout.completion_ids[mx.array(c)], rollout.mask[mx.array(c)], pad_id)
                for c in chunks]
     advs = [steps[0].advantages[mx.array(c)] for c in chunks]
@@ -178,12 +181,14 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
     out = []
     for budget in budgets:
         c = replace(cfg, micro_batch_tokens=budget)
-        lp_peak, lp_s, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, c.rollout.temperature, c.training.micro_batch_size,
-                                                                    pad_id, c.training.micro_batch_tokens)))
+        lp_peak, lp_s, _ = peak_during(lambda: mx.eval(logprob_pass(model, rollout, c.rollout.temperature,
+                                                                    c.training.micro_batch_size, pad_id,
+                                                                    c.training.micro_batch_tokens)))
         grad_fn = make_grad_fn(c, model)
         steps = [step_data(rollout, c.run.seed)]
         tr_peak, tr_s, _ = peak_during(lambda: our_train_step(model, opt, grad_fn, steps, c, pad_id))
-        row = {"rows": rows, "length": length, "micro_batch_tokens": budget, "grad_checkpoint": c.training.grad_checkpoint,
+        row = {"rows": rows, "length": length, "micro_batch_tokens": budget,
+               "grad_checkpoint": c.training.grad_checkpoint,
                "full_logits_gb": full_logits / GB, "model_gb": weights / GB, "optimizer_gb": optimizer_bytes / GB,
                "logprob_peak_above_model_gb": lp_peak / GB, "train_peak_above_model_and_optimizer_gb": tr_peak / GB,
                "logprob_s": lp_s, "train_s": tr_s, "train_tok_s": tokens / tr_s, "budget_gb": 4.0}
@@ -339,8 +344,9 @@ def adapt(model, cfg) -> dict | None:
     if cfg.model.load_in_bits:
         quantize_base(model, cfg.model.load_in_bits)
     mx.random.seed(cfg.run.seed)
-    adapters = apply_adapters(model, cfg.model.train_type, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_dropout,
-                              cfg.model.lora_layers, cfg.model.lora_keys)
+    m = cfg.model
+    adapters = apply_adapters(model, m.train_type, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_layers,
+                              m.lora_keys)
     cast_floats(model, compute_dtype(cfg.model.model_name, cfg.model.model_dtype, model))
     mx.eval(model.parameters())
     return adapters
@@ -372,7 +378,8 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
                            "trainable_parameters": sum(p.size for _, p in tree_flatten(model.trainable_parameters())),
                            "dtype": cfg.model.model_dtype, "B": args.batch, "G": args.group,
                            "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
-                           "micro_batch_size": cfg.training.micro_batch_size, "micro_batch_tokens": cfg.training.micro_batch_tokens,
+                           "micro_batch_size": cfg.training.micro_batch_size,
+                           "micro_batch_tokens": cfg.training.micro_batch_tokens,
                            "data": args.data or args.dataset}}
     w = result["workload"]
     print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "

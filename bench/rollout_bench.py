@@ -108,7 +108,8 @@ def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> lis
                 if "engine" in info:
                     row[f"{tag}_row_steps"] = info["engine"].row_steps
         rows = [p for p in batch for _ in range(g)]
-        sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.rollout.max_new_tokens, cfg.rollout.temperature, pad_id), repeats)
+        sec, n_tokens = timed(lambda: plain_decode(model, rows, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+                                                   pad_id), repeats)
         row["plain_s"], row["plain_tok_s"] = sec, n_tokens / sec
         for name in ROLLOUT_VARIANTS:
             row[f"ratio_{name}_vs_plain"] = row[f"{name}_noeos_tok_s"] / row["plain_tok_s"]
@@ -189,7 +190,8 @@ def bench_overlap(model, tokenizer, prompts, cfg, b: int, g: int, repeats: int, 
     nxt = (prompts * 2)[b:2 * b]
 
     def logprobs():
-        return logprob_pass(model, previous, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id, cfg.training.micro_batch_tokens)
+        return logprob_pass(model, previous, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
+                            cfg.training.micro_batch_tokens)
 
     def rollout():
         return engine.generate(nxt, g, params, mx.random.key(cfg.run.seed + 1))

@@ -31,8 +31,10 @@ from bench_util import device_name, timed  # noqa: E402
 
 
 def batches(cfg, n: int) -> list[list]:
-    examples = load_examples(cfg.data.dataset, "train", cfg.data.dataset_path or None, cfg.run.seed, arith_max_steps=cfg.data.arith_max_steps)
-    return [examples[i * cfg.training.batch_size:(i + 1) * cfg.training.batch_size] for i in range(n)]
+    d, size = cfg.data, cfg.training.batch_size
+    examples = load_examples(d.dataset, "train", d.dataset_path or None, cfg.run.seed,
+                             arith_max_steps=d.arith_max_steps)
+    return [examples[i * size:(i + 1) * size] for i in range(n)]
 
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int) -> dict:
@@ -95,8 +97,8 @@ def main(argv=None) -> None:
         cfg = build_config("train", args.tools, parse_set(args.items))
         _, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
         stops = multiturn_for(cfg, tokenizer).stop_strings
-        result["stop_scan"] = stop_scan_cost(tokenizer, cfg.training.batch_size * cfg.rollout.num_generations, cfg.rollout.max_new_tokens, 8,
-                                             stops)
+        result["stop_scan"] = stop_scan_cost(tokenizer, cfg.training.batch_size * cfg.rollout.num_generations,
+                                             cfg.rollout.max_new_tokens, 8, stops)
         print(json.dumps(result["stop_scan"]))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))

@@ -35,8 +35,9 @@ def bench_split(model, steps: list, cfg, repeats: int, pad_id: int) -> dict:
     tokens = int(sum(int(s.rollout.lengths.sum()) for s in steps))
     weights = loss_weights(cfg, steps)
     out = {"tokens": tokens}
-    out["forward_s"], _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size,
-                                                             pad_id, cfg.training.micro_batch_tokens)), repeats)
+    out["forward_s"], _ = timed(lambda: mx.eval(logprob_pass(model, rollout, cfg.rollout.temperature,
+                                                             cfg.training.micro_batch_size, pad_id,
+                                                             cfg.training.micro_batch_tokens)), repeats)
     grads = None
     for compiled in (False, True):
         grad_fn = make_grad_fn(replace(cfg, use_compile=compiled), model)

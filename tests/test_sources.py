@@ -139,7 +139,8 @@ def test_a_data_set_directory_loads_through_datasets(monkeypatch, tmp_path):
 
 def test_config_accepts_paths_and_hub_ids_but_not_unknown_names():
     assert build_config("train", overrides=parse_set(["dataset=owner/data"])).data.dataset == "owner/data"
-    assert build_config("eval", overrides=parse_set(["dataset=train.jsonl", "prompt_column=q"])).data.prompt_column == "q"
+    cfg = build_config("eval", overrides=parse_set(["dataset=train.jsonl", "prompt_column=q"]))
+    assert cfg.data.prompt_column == "q"
     with pytest.raises(UserError, match=r"got 'gsm9k' \(did you mean 'gsm8k'\?\)"):
         build_config("train", overrides=parse_set(["dataset=gsm9k"]))
     with pytest.raises(UserError, match="prompt_column only applies with a data file, directory or hub id"):

@@ -296,7 +296,8 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir,
     assert t.policies.reference is None
     base, _ = load(str(tiny_model_dir))
     ref = t.policies.reference_logprobs(step.rollout, t.pad_id)
-    plain = logprob_pass(base, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.pad_id, cfg.training.micro_batch_tokens)
+    plain = logprob_pass(base, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.pad_id,
+                         cfg.training.micro_batch_tokens)
     np.testing.assert_array_equal(np.array(ref), np.array(plain))
     adapted = logprob_pass(t.model, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.pad_id, 0)
     assert not np.allclose(np.array(adapted), np.array(plain))  # the adapters are trained, and on again
