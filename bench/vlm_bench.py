@@ -55,13 +55,13 @@ def main() -> None:
         for update in range(1, args.updates + 1):
             mx.reset_peak_memory()
             t0 = time.perf_counter()
-            steps = [s for s, _ in trainer.batch_steps([trainer.next_examples()])]
+            steps = trainer.batch_steps([trainer.next_examples()])
             t_rollout = time.perf_counter() - t0
             result = trainer.update(steps)
             tokens = int(steps[0].rollout.lengths.sum())
             print(json.dumps({"shape": args.shape, "update": update, "rollout_s": round(t_rollout, 3),
                               "rollout_tokens_per_s": round(tokens / t_rollout, 1),
-                              "train_s": round(result["t_train"], 3),
+                              "train_s": round(result.t_train, 3),
                               "step_s": round(time.perf_counter() - t0, 3),
                               "encodings": trainer.model.table.encodings,
                               "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3)}), flush=True)

@@ -154,8 +154,12 @@ def _dispatch(args: argparse.Namespace) -> None:
 
         run_sft(cfg, resume=args.resume)
     elif command == "eval":
-        from mlx_grpo.evaluate import run_eval
+        from mlx_grpo.vlm.families import image_eval
 
+        if image_eval(cfg.model.model_name, cfg.data.image_column):  # image prompts: vlm/evaluate.py
+            from mlx_grpo.vlm.evaluate import run_vision_eval as run_eval
+        else:
+            from mlx_grpo.evaluate import run_eval
         run_eval(cfg, split=args.split, output=args.output)
 
 

@@ -41,7 +41,8 @@ class EvalResult:
     tool_call_rate: float | None = None  # with tools: share of first answers that made at least one call
 
 
-def _lenient(text: str, gold: str) -> bool:
+def lenient_match(text: str, gold: str) -> bool:
+    """The tagged answer matches, or else the last number in the text does."""
     tagged = extract_answer(text)
     if tagged is not None and answers_match(tagged, gold):
         return True
@@ -86,7 +87,7 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
                 scored = written[i * num_samples:(i + 1) * num_samples]
                 correct = [answers_match(extract_answer(t), example.answer) for t in scored]
                 record = {"prompt": example.prompt, "answer": example.answer, "completions": texts,
-                          "correct": any(correct), "lenient": any(_lenient(t, example.answer) for t in scored),
+                          "correct": any(correct), "lenient": any(lenient_match(t, example.answer) for t in scored),
                           "formatted": extract_answer(scored[0]) is not None}
                 if calls is not None:
                     record["tool_calls"] = int(calls[i * num_samples])
@@ -138,7 +139,7 @@ def evaluate_model(model, tokenizer, examples: list[Example], cfg: Config, *, ma
                                     system_prompt=system_prompt, lines=lines))
 
 
-def _worked_examples(cfg: Config, split: str, pool: list[Example]) -> WorkedExamples:
+def eval_worked(cfg: Config, split: str, pool: list[Example]) -> WorkedExamples:
     """The run's drawn worked examples, drawn as training drew them (the whole training split, the test
     split's questions excluded), so that evaluation sees the prompt training saw."""
     if not cfg.eval.eval_worked_examples or not (cfg.data.worked_examples or cfg.data.worked_examples_text):
@@ -164,12 +165,21 @@ def default_output(model_name: str, split: str) -> tuple[Path, str]:
     return runs / "eval" / f"eval-{model.name}-{split}.jsonl", "not a checkpoint of a run"
 
 
-def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
-    """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written."""
-    from mlx_grpo.models.loading import load_model
+@dataclass
+class EvalJob:
+    """What `eval` answers and where it writes (prepare_eval), checked before the model loads."""
 
+    split: str
+    examples: list[Example]
+    worked: WorkedExamples
+    out: Path
+    where: str | None  # why the default output is there (None: --output given)
+
+
+def prepare_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalJob:
+    """The fixed seeded subset of the split, the run's worked examples, and a writable output path."""
     pool = run_examples(cfg, split, cfg.data.eval_dataset_path, path_key="eval_dataset_path")
-    worked = _worked_examples(cfg, split, pool)
+    worked = eval_worked(cfg, split, pool)
     examples = subset(pool, cfg.eval.eval_subset_size, cfg.run.seed)
     where = None
     if output is None:
@@ -183,16 +193,15 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
-    model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
-    multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
-    prompt = build_run_prompts(cfg, tokenizer, multiturn, worked, examples, lambda line: None)[1]
-    print(f"[mlx-grpo] evaluating with {prompt.describe()}", file=sys.stderr)
-    result = summarize(answer_records(model, tokenizer, examples, cfg, max_new_tokens=cfg.eval.eval_max_new_tokens,
-                                      num_samples=cfg.eval.eval_num_samples, temperature=cfg.rollout.temperature,
-                                      progress=True, multiturn=multiturn, system_prompt=prompt.system, lines=True))
+    return EvalJob(split, examples, worked, out, where)
+
+
+def finish_eval(cfg: Config, job: EvalJob, result: EvalResult, prompt_record: dict) -> EvalResult:
+    """Write the records (and the config beside them) and print the summary line."""
+    out = job.out
     try:
         out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
-        save_json(cfg, f"{output}.config.json", {"split": split, "prompt": prompt.record()})
+        save_json(cfg, f"{out}.config.json", {"split": job.split, "prompt": prompt_record})
     except OSError as exc:
         raise UserError(f"--output {out}: cannot write the results: {exc.strerror or exc}") from None
     metric = "accuracy" if cfg.eval.eval_num_samples == 1 else f"pass@{cfg.eval.eval_num_samples}"
@@ -200,5 +209,21 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
           f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}"
           + ("" if result.tool_call_rate is None else f"  tool calls: {result.tool_call_rate:.4f}"))
     print(f"wrote {len(result.records)} records to {out}"
-          + ("" if where is None else f" ({where}; --output FILE to choose)"), file=sys.stderr)
+          + ("" if job.where is None else f" ({job.where}; --output FILE to choose)"), file=sys.stderr)
     return result
+
+
+def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
+    """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written.
+    (Image data sets: vlm/evaluate.py's run_vision_eval.)"""
+    from mlx_grpo.models.loading import load_model
+
+    job = prepare_eval(cfg, split, output)
+    model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
+    multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
+    prompt = build_run_prompts(cfg, tokenizer, multiturn, job.worked, job.examples, lambda line: None)[1]
+    print(f"[mlx-grpo] evaluating with {prompt.describe()}", file=sys.stderr)
+    result = summarize(answer_records(model, tokenizer, job.examples, cfg, max_new_tokens=cfg.eval.eval_max_new_tokens,
+                                      num_samples=cfg.eval.eval_num_samples, temperature=cfg.rollout.temperature,
+                                      progress=True, multiturn=multiturn, system_prompt=prompt.system, lines=True))
+    return finish_eval(cfg, job, result, prompt.record())

@@ -19,7 +19,7 @@ from mlx_grpo.models.precision import MasterWeights, cast_floats, compute_dtype,
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.sources import run_examples
-from mlx_grpo.vlm.families import check_grpo_family, read_config
+from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
 from mlx_grpo.vlm.inference import load_vlm
 from mlx_grpo.vlm.policy_model import VisionPolicy
 from mlx_grpo.vlm.trainer import VisionTrainer
@@ -72,12 +72,7 @@ def build_vision_trainer(cfg: Config, world: World | None = None) -> VisionTrain
         cast_floats(reference, dtype)
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
     tokenizer = TokenizerWrapper(processor.tokenizer,
-                                 eos_token_ids=_eos_ids(cfg.model.model_name, processor.tokenizer))
+                                 eos_token_ids=eos_ids(cfg.model.model_name, processor.tokenizer))
     return VisionTrainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.run.output_dir) / cfg.run.run_name,
                          Path(cfg.model.model_name), evals, adapter_config, masters, world or World(), processor=processor)
 
-
-def _eos_ids(model_dir: str, tokenizer) -> set[int]:
-    eos = read_config(Path(model_dir)).get("eos_token_id")
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids or {tokenizer.eos_token_id}

@@ -78,3 +78,23 @@ def check_grpo_family(kind: str, source: str) -> None:
     if kind not in GRPO_FAMILIES:
         raise UserError(f"{source}: GRPO on images supports {', '.join(GRPO_FAMILIES)}, not {kind!r} "
                         "(generate and chat take any mlx-vlm family)")
+
+
+def eos_ids(model_dir: str, tokenizer) -> set[int]:
+    """The ids that end an answer: config.json's eos_token_id (one or a list), else the tokenizer's."""
+    eos = read_config(Path(model_dir)).get("eos_token_id")
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids or {tokenizer.eos_token_id}
+
+
+def image_eval(model_name: str, image_column: str) -> bool:
+    """Whether `eval` answers image prompts (vlm/evaluate.py): a vision-language model with image_column set.
+    Either without the other is a UserError."""
+    vision = is_vision_dir(model_name)
+    if image_column and not vision:
+        raise UserError(f"image_column = {image_column!r} needs a vision-language model; {model_name!r} is not one "
+                        "(a converted VLM directory or a checkpoint of a GRPO run on images)")
+    if vision and not image_column:
+        raise UserError(f"{model_name!r} is a vision-language model: set image_column (the data's image column, "
+                        "e.g. --set image_column=image for the shapes task)")
+    return vision

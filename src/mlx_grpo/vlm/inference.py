@@ -3,29 +3,70 @@ stream_generate, streamed like text generation (inference.py owns the text-only 
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
+from pathlib import Path
 from typing import Iterable, TextIO
 
 import mlx.core as mx
 
 from mlx_grpo.config import Config
 from mlx_grpo.errors import UserError
+from mlx_grpo.models.adapters import ADAPTER_CONFIG, adapter_base, is_adapter_checkpoint, load_adapter_weights
 from mlx_grpo.vlm.families import is_vision_dir, require_mlx_vlm
 from mlx_grpo.vlm.images import load_image
 
 
 def load_vlm(model_name: str):
-    """(model, processor) of an MLX VLM directory converted by `mlx-grpo convert`."""
+    """(model, processor) of an MLX VLM directory converted by `mlx-grpo convert`, or of a checkpoint of a
+    GRPO run on images: a full one (its model.safetensors) or a lora/dora one (its base plus the adapters)."""
     require_mlx_vlm()
     if not is_vision_dir(model_name):
         raise UserError(f"model {model_name!r} is not a vision-language model directory: convert one with "
                         "`mlx-grpo convert --hf-path ...`, or leave out --image")
+    path = Path(model_name).expanduser()
+    if is_adapter_checkpoint(path):
+        return _load_with_adapters(path)
+    if (path / "trainer_state.json").is_file():  # a full checkpoint: the model without its optimizer state
+        with tempfile.TemporaryDirectory(prefix="mlx-grpo-vlm-") as staged:
+            for item in path.iterdir():  # mlx-vlm reads every *.safetensors: show it the model's only
+                if item.is_file() and (not item.name.endswith(".safetensors") or item.name.startswith("model")):
+                    (Path(staged) / item.name).symlink_to(item.resolve())
+            return _load(staged, model_name)  # loaded eagerly: the links may go
+    return _load(str(path), model_name)
+
+
+def _load(path: str, model_name: str):
     from mlx_vlm import load
 
     try:
-        return load(model_name)
+        return load(path)
     except Exception as exc:
         raise UserError(f"could not load {model_name!r}: {type(exc).__name__}: {exc}") from None
+
+
+def _load_with_adapters(path: Path):
+    """A lora/dora checkpoint of a GRPO run on images: its base, the adapter layers of its config on the
+    language model's blocks (where training put them, same parameter names), and its adapter weights."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    try:
+        record = json.loads((path / ADAPTER_CONFIG).read_text())
+        kind, num_layers, lora = record.get("fine_tune_type", "lora"), record["num_layers"], record["lora_parameters"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{path / ADAPTER_CONFIG} is not a valid adapter config: {exc!r}") from None
+    base = adapter_base(path, record)
+    model, processor = load_vlm(base)
+    model.freeze()
+    try:
+        linear_to_lora_layers(model, num_layers, dict(lora), use_dora=kind == "dora")
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"adapter checkpoint {path}: its config does not fit the base {base!r}: {exc!r}") from None
+    load_adapter_weights(model, path)
+    model.eval()  # the adapter layers were created in training mode (dropout on)
+    mx.eval(model.parameters())
+    return model, processor
 
 
 def image_messages(text: str, n_images: int, system: str = "", history: list[dict] | None = None) -> list[dict]:

@@ -149,8 +149,9 @@ class VisionPolicy(nn.Module):
         lm = self.language_model
         return lm.model.embed_tokens.as_linear(hidden) if lm.args.tie_word_embeddings else lm.lm_head(hidden)
 
-    def hidden(self, inputs: mx.array, positions: mx.array, cache=None) -> mx.array:
-        return self.language_model.model(None, inputs_embeds=self.embed(inputs), cache=cache,
+    def hidden(self, inputs: mx.array, positions: mx.array, cache=None, mask: mx.array | None = None) -> mx.array:
+        """mask: which cached positions each row attends to (rollouts' left-padded caches); None: causal."""
+        return self.language_model.model(None, inputs_embeds=self.embed(inputs), mask=mask, cache=cache,
                                          position_ids=positions)
 
     def positions(self, inputs: mx.array) -> mx.array:

@@ -1,7 +1,8 @@
 """Image + text prompts and their rollouts: each prompt built with the model's processor and chat template,
-its images encoded once (VisionPolicy.register), prefilled once, and its KV cache repeated for its G samples,
-which decode together. Sampling is rollout.sample with one key per row and step, so a row's tokens depend on
-its key only (same keys, same rollout; a resumed run samples what the uninterrupted one did)."""
+its images encoded once (VisionPolicy.register), prefilled once, and its KV cache repeated for its G samples;
+all prompts' samples then decode together (left-padded caches, the padding masked). Sampling is rollout.sample
+with one key per row and step, so a row's tokens depend on its key only (same keys, same rollout; a resumed
+run samples what the uninterrupted one did; a prompt decoded alone samples what it does in a batch)."""
 
 from __future__ import annotations
 
@@ -57,51 +58,51 @@ def encode_vision_prompt(processor, example: Example, column: str, system: str, 
 
 def vision_rollout(model: VisionPolicy, prompts: list[list[int]], keys: mx.array, G: int, params: SamplingParams,
                    eos_ids: set[int], pad_id: int, tokenizer) -> Rollout:
-    """G samples of each registered prompt (ids from VisionPolicy.register); keys [B*G, 2]."""
+    """G samples of each registered prompt (ids from VisionPolicy.register); keys [B*G, 2]. Each prompt is
+    prefilled alone (its images' features spliced in) and its KV cache repeated for its G samples; the B*G rows
+    then decode together, the shorter prompts' caches left-padded and the padding masked out, each row at its
+    own multimodal RoPE position."""
     from mlx_vlm.models.cache import KVCache
 
-    T = params.max_new_tokens
-    tokens_all, lp_all, ent_all, mask_all = [], [], [], []
-    for b, ids in enumerate(prompts):
+    T, R = params.max_new_tokens, len(prompts) * G
+    caches, first, starts = [], [], []
+    for ids in prompts:
         inputs = mx.array([ids], dtype=mx.int32)
         positions = model.positions(inputs)  # [3, 1, L]
         cache = [KVCache() for _ in model.layers]
-        logits = model.head(model.hidden(inputs, positions, cache)[:, -1])  # [1, V]
-        for c in cache:  # the prompt's cache, shared by its G samples
-            c.keys, c.values = mx.repeat(c.keys, G, axis=0), mx.repeat(c.values, G, axis=0)
-        logits = mx.repeat(logits, G, axis=0)
-        step_keys = mx.stack([mx.random.split(k, T) for k in keys[b * G:(b + 1) * G]])  # [G, T, 2]
-        position = int(positions.max().item()) + 1
-        alive = np.ones(G, bool)
-        toks, lps, ents, masks = [], [], [], []
-        for t in range(T):
-            tok, lp, ent = sample(logits, step_keys[:, t], params)
-            mx.eval(tok, lp, ent)
-            tok_np = np.array(tok)
-            masks.append(alive.copy())
-            toks.append(np.where(alive, tok_np, pad_id))
-            lps.append(np.where(alive, np.array(lp), 0.0))
-            ents.append(np.where(alive, np.array(ent), 0.0))
-            alive &= ~np.isin(tok_np, list(eos_ids))
-            if not alive.any() or t == T - 1:
-                break
-            pos = mx.full((3, G, 1), position + t, dtype=mx.int32)
-            logits = model.head(model.hidden(tok[:, None].astype(mx.int32), pos, cache)[:, -1])
-        tokens_all.append(np.stack(toks, 1))
-        lp_all.append(np.stack(lps, 1))
-        ent_all.append(np.stack(ents, 1))
-        mask_all.append(np.stack(masks, 1))
-    width = max(a.shape[1] for a in tokens_all)
-
-    def padded(arrays, fill):
-        return np.concatenate([np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill) for a in arrays])
-
-    completion, mask = padded(tokens_all, pad_id), padded(mask_all, False)
-    lengths = mask.sum(1)
-    ended = np.array([bool(mask[r].any()) and int(completion[r, lengths[r] - 1]) in eos_ids
-                      for r in range(len(mask))])
-    texts = [tokenizer.decode([int(x) for x in completion[r, :lengths[r] - int(ended[r])]]) for r in range(len(mask))]
+        first.append(model.head(model.hidden(inputs, positions, cache)[:, -1]))  # [1, V]
+        caches.append([(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in cache])
+        starts.append(int(positions.max().item()) + 1)  # the next text position after the prompt
+    width = max(len(ids) for ids in prompts)
+    cache = [KVCache() for _ in model.layers]
+    for layer, c in enumerate(cache):  # [R, heads, width, dim]: each prompt's rows, left-padded to width
+        parts = [[mx.pad(mx.repeat(kv[layer][j], G, axis=0), [(0, 0), (0, 0), (width - kv[layer][j].shape[2], 0),
+                                                                (0, 0)]) for kv in caches] for j in (0, 1)]
+        c.keys, c.values, c.offset = mx.concatenate(parts[0]), mx.concatenate(parts[1]), width
+    pad = np.repeat([width - len(ids) for ids in prompts], G)
+    mask = mx.array(np.arange(width + T)[None] >= pad[:, None])[:, None, None, :]  # [R, 1, 1, width + T]
+    start = mx.array(np.repeat(starts, G), dtype=mx.int32)[None, :, None]  # [1, R, 1]
+    logits = mx.repeat(mx.concatenate(first), G, axis=0)  # [R, V]
+    step_keys = mx.stack([mx.random.split(k, T) for k in keys])  # [R, T, 2]
+    alive = np.ones(R, bool)
+    toks, lps, ents, masks = [], [], [], []
+    for t in range(T):
+        tok, lp, ent = sample(logits, step_keys[:, t], params)
+        mx.eval(tok, lp, ent)
+        tok_np = np.array(tok)
+        masks.append(alive.copy())
+        toks.append(np.where(alive, tok_np, pad_id))
+        lps.append(np.where(alive, np.array(lp), 0.0))
+        ents.append(np.where(alive, np.array(ent), 0.0))
+        alive &= ~np.isin(tok_np, list(eos_ids))
+        if not alive.any() or t == T - 1:
+            break
+        pos = mx.broadcast_to(start + t, (3, R, 1))
+        logits = model.head(model.hidden(tok[:, None].astype(mx.int32), pos, cache, mask)[:, -1])
+    completion, mask_np = np.stack(toks, 1), np.stack(masks, 1)
+    lengths = mask_np.sum(1)
+    ended = np.array([bool(mask_np[r].any()) and int(completion[r, lengths[r] - 1]) in eos_ids for r in range(R)])
+    texts = [tokenizer.decode([int(x) for x in completion[r, :lengths[r] - int(ended[r])]]) for r in range(R)]
     return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=mx.array(completion, dtype=mx.int32),
-                   mask=mx.array(mask.astype(np.float32)), sampler_logprobs=mx.array(padded(lp_all, 0.0), dtype=mx.float32),
-                   truncated=~ended, texts=texts, group_size=G,
-                   entropies=mx.array(padded(ent_all, 0.0), dtype=mx.float32))
+                   mask=mx.array(mask_np.astype(np.float32)), sampler_logprobs=mx.array(np.stack(lps, 1), dtype=mx.float32),
+                   truncated=~ended, texts=texts, group_size=G, entropies=mx.array(np.stack(ents, 1), dtype=mx.float32))

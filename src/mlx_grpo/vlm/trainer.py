@@ -8,14 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-
 from mlx_grpo.data import Example
-from mlx_grpo.rewards.builtin import answers_match, extract_answer
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.training.draws import row_keys
 from mlx_grpo.training.records import Batch
 from mlx_grpo.training.trainer import Trainer
+from mlx_grpo.vlm.evaluate import vision_answer_records
 from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
 
 
@@ -64,20 +61,8 @@ class VisionTrainer(Trainer):
     def answer_records(self, model, tokenizer, examples: list[Example], cfg, *, max_new_tokens: int, seed=None,
                        system_prompt=None, **_) -> list[dict]:
         """Greedy answers to image prompts (run.py's evaluation): one record per example, naming its images."""
-        params = SamplingParams(max_new_tokens, 0.0)
-        records = []
-        for start in range(0, len(examples), cfg.eval.eval_batch_size):
-            chunk = examples[start:start + cfg.eval.eval_batch_size]
-            prompts = self._prompts(chunk, cfg.data.system_prompt if system_prompt is None else system_prompt)
-            ids = [model.register(p.ids, p.pixel_values, p.grid_thw) for p in prompts]
-            keys = mx.random.split(mx.random.key(cfg.run.seed if seed is None else seed), len(chunk))
-            rollout = vision_rollout(model, ids, keys, 1, params, self.eos_ids, self.pad_id, tokenizer)
-            for example, prompt, text in zip(chunk, prompts, rollout.texts):
-                ok = answers_match(extract_answer(text), example.answer)
-                records.append({"prompt": example.prompt, "images": prompt.images, "answer": example.answer,
-                                "completions": [text], "correct": ok, "lenient": ok,
-                                "formatted": extract_answer(text) is not None})
-        return records
+        return vision_answer_records(model, self.processor, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
+                                     eos=self.eos_ids, pad_id=self.pad_id, seed=seed, system_prompt=system_prompt)
 
 
 def _names(example: Example, column: str) -> list:
