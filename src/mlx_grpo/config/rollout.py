@@ -51,7 +51,7 @@ class RolloutConfig:
                                   "answer. max_new_tokens counts every token of every turn, tool output included.",
                                   DATA, range=">= 1")
     environment: str = setting("", "Multi-turn environment 'file.py:ClassName' (a subclass of "
-                               "mlx_grpo.environments.Environment); list the reward 'environment_reward' in "
+                               "mlx_grpo.tools.environments.Environment); list the reward 'environment_reward' in "
                                "reward_funcs to train on the rewards it gives. Empty = none.", DATA)
     rollout_engine: str = setting("auto", "Where rollouts (and eval) decode. copy: a sampling copy of the policy "
                                   "(q/k/v and gate/up fused, LoRA/DoRA merged, one compiled graph per step; llama, "
