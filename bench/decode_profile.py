@@ -121,32 +121,31 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
                                                 "attention_kernel": bool(static and routed)})
 
 
-@contextmanager
-def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
-    """The decode step of mlx_grpo.rollout.engine.RolloutEngine (its defaults, ignore_eos, temperature 1), from the
-    engine's own pieces as RolloutEngine._generate_fused puts them together: the sampling copy's prefill
-    (decoder.prefill, each prompt once, its cache repeated G times into buffers with room for every token,
-    laid out as the step reads them), then per step the engine's compiled step (model step + sampler) and
-    the new keys/values written into the cache outside it. No row ends, so compaction never drops one; yields a Decoder over N rows."""
-    from mlx_grpo.rollout.engine import RolloutEngine
-    from mlx_grpo.models import decoder as D
+def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: bool):
+    """What both engine step builders start from: the engine with its sampling copy (decode_graph or not;
+    the tokenizer is used only to end and decode rows), the sampling settings, and the prompts left-padded
+    (pad id 0) to their bucket width. -> (engine, params, width, padding [B], tokens [B, width])."""
     from mlx_grpo.models.forward import bucket
+    from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.rollout.records import SamplingParams
-    from mlx_grpo.rollout.sampling import make_sampler
 
-    engine = RolloutEngine(None, mode="copy").refresh(model)  # the tokenizer is used only to end and decode rows
+    engine = RolloutEngine(None, mode="copy", graph=graph).refresh(model)
     if not engine.uses_copy:
         raise UserError(f"the engine has no sampling copy of this model ({type(model).__module__}): "
                         "no engine step to profile")
-    spec, weights = engine.spec, engine.weights
     params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
     width = bucket(max(len(p) for p in prompts))
     padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
-    tokens = mx.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)  # pad id 0
-    logits, keys, values = D.prefill(spec, weights, tokens, padding)  # per layer [B, Hkv, width, Dh]
-    tail = [(0, 0), (0, 0), (0, max_new_tokens), (0, 0)]  # room for every generated token
-    keys = [mx.repeat(mx.pad(k, tail), group, axis=0) for k in keys]  # lazy: [N, Hkv, width + T, Dh] per layer
-    values = [mx.repeat(mx.pad(v, tail), group, axis=0) for v in values]
+    tokens = mx.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)
+    return engine, params, width, padding, tokens
+
+
+def _sampling_start(engine, params, logits, padding, group: int, max_new_tokens: int, seed: int):
+    """The rows' start offsets [N], per-step keys [T, N, 2], the sampler's first state (from the prefill's
+    logits, each prompt's repeated G times) and the engine's compiled step."""
+    from mlx_grpo.models import decoder as D
+    from mlx_grpo.rollout.sampling import make_sampler
+
     start = mx.repeat(padding, group)
     logits = mx.repeat(logits, group, axis=0)
     n = logits.shape[0]
@@ -154,8 +153,27 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
     step_keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys).transpose(1, 0, 2)  # [T, N, 2]
     eos = mx.array([-1], dtype=mx.int32)
     state = list(make_sampler(params, eos)(logits, step_keys[0], mx.zeros((n,), dtype=mx.bool_)))
-    kernel = D.kernel_serves(spec)
-    compiled = engine._step_fn(params, (), kernel)
+    kernel = D.kernel_serves(engine.spec)
+    return start, step_keys, state, kernel, engine._step_fn(params, (), kernel)
+
+
+@contextmanager
+def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+    """The decode step of mlx_grpo.rollout.engine.RolloutEngine (its defaults, ignore_eos, temperature 1), from the
+    engine's own pieces as RolloutEngine._generate_fused puts them together: the sampling copy's prefill
+    (decoder.prefill, each prompt once, its cache repeated G times into buffers with room for every token,
+    laid out as the step reads them), then per step the engine's compiled step (model step + sampler) and
+    the new keys/values written into the cache outside it. No row ends, so compaction never drops one; yields a Decoder over N rows."""
+    from mlx_grpo.models import decoder as D
+
+    engine, params, width, padding, tokens = _prompt_batch(model, prompts, max_new_tokens, graph=False)
+    spec, weights = engine.spec, engine.weights
+    logits, keys, values = D.prefill(spec, weights, tokens, padding)  # per layer [B, Hkv, width, Dh]
+    tail = [(0, 0), (0, 0), (0, max_new_tokens), (0, 0)]  # room for every generated token
+    keys = [mx.repeat(mx.pad(k, tail), group, axis=0) for k in keys]  # lazy: [N, Hkv, width + T, Dh] per layer
+    values = [mx.repeat(mx.pad(v, tail), group, axis=0) for v in values]
+    start, step_keys, state, kernel, compiled = _sampling_start(engine, params, logits, padding, group,
+                                                                max_new_tokens, seed)
     # The cache layout is the step's: one buffer for all layers [layers, N, Hkv, S, Dh] or one per layer.
     # Tracing the step on the stacked buffer (lazily: nothing is computed) tells which: a per-layer step
     # reads the stacked buffer's slices just as well, and hands back its new keys as a list.
@@ -194,35 +212,18 @@ def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
     """The engine's step under decode_graph = true (models/compiled_decode.py): 2-D hidden state, matrices
     stored transposed, the cache slot a device array the graph advances; the new keys/values written outside
     it by slice_update at that slot. Otherwise as engine_step."""
-    from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.models import compiled_decode as C
     from mlx_grpo.models import decoder as D
-    from mlx_grpo.models.forward import bucket
-    from mlx_grpo.rollout.records import SamplingParams
-    from mlx_grpo.rollout.sampling import make_sampler
 
-    engine = RolloutEngine(None, mode="copy", graph=True).refresh(model)
-    if not engine.uses_copy:
-        raise UserError(f"the engine has no sampling copy of this model ({type(model).__module__}): "
-                        "no engine step to profile")
+    engine, params, width, padding, tokens = _prompt_batch(model, prompts, max_new_tokens, graph=True)
     spec, weights = engine.spec, engine.weights
-    params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
-    width = bucket(max(len(p) for p in prompts))
-    padding = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
-    tokens = mx.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)
     logits, keys, values = D.prefill(spec, C.model_layout(weights), tokens, padding)
     tail = [(0, 0), (0, 0), (0, 0), (0, max_new_tokens), (0, 0)]
     keys = mx.repeat(mx.pad(mx.stack(keys), tail), group, axis=1)  # [layers, N, Hkv, width + T, Dh]
     values = mx.repeat(mx.pad(mx.stack(values), tail), group, axis=1)
-    start = mx.repeat(padding, group)
-    logits = mx.repeat(logits, group, axis=0)
-    n = logits.shape[0]
-    row_keys = mx.random.split(mx.random.key(seed), n)
-    step_keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys).transpose(1, 0, 2)  # [T, N, 2]
-    state = list(make_sampler(params, mx.array([-1], dtype=mx.int32))(logits, step_keys[0],
-                                                                     mx.zeros((n,), dtype=mx.bool_)))
-    kernel = D.kernel_serves(spec)
-    compiled = engine._step_fn(params, (), kernel)
+    start, step_keys, state, kernel, compiled = _sampling_start(engine, params, logits, padding, group,
+                                                                max_new_tokens, seed)
+    n = start.shape[0]
     cache = [keys, values, mx.array([width], dtype=mx.int32), mx.ones((n,), dtype=mx.int32)]  # + slot, kstep
     mx.eval(cache, step_keys, state)
 

@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, TextIO
+from typing import Callable, Iterable, Iterator, TextIO
 
 import mlx.core as mx
 
@@ -157,6 +157,31 @@ def run_generate(cfg: Config, prompt: str | None = None, prompts_file: str | Non
         print(f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", file=sys.stderr)
 
 
+def chat_inputs(lines: Iterable[str] | None, out: TextIO, banner: str, history: list) -> Iterator[str]:
+    """The input side of a chat REPL (text or images): `banner`, a `>> ` prompt on a terminal, then each
+    non-empty line of `lines` (default stdin); /reset empties `history` in place, /exit or EOF ends."""
+    interactive = lines is None and sys.stdin.isatty()
+    source = iter(lines) if lines is not None else sys.stdin
+    out.write(banner + "\n")
+    while True:
+        if interactive:
+            out.write(">> ")
+            out.flush()
+        line = next(source, None)
+        if line is None:
+            return
+        message = line.strip()
+        if not message:
+            continue
+        if message == "/exit":
+            return
+        if message == "/reset":
+            history.clear()
+            out.write("[conversation cleared]\n")
+            continue
+        yield message
+
+
 def run_chat(cfg: Config, verbose: bool = False, lines: Iterable[str] | None = None,
              out: TextIO | None = None) -> list[dict]:
     """`mlx-grpo chat`: a REPL that keeps the conversation; /reset clears it, /exit (or EOF) ends it.
@@ -168,26 +193,9 @@ def run_chat(cfg: Config, verbose: bool = False, lines: Iterable[str] | None = N
 
     out = out or sys.stdout
     model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
-    interactive = lines is None and sys.stdin.isatty()
-    source = iter(lines) if lines is not None else sys.stdin
     history: list[dict] = []
-    out.write("mlx-grpo chat: /reset clears the conversation, /exit quits.\n")
-    while True:
-        if interactive:
-            out.write(">> ")
-            out.flush()
-        line = next(source, None)
-        if line is None:
-            break
-        message = line.strip()
-        if not message:
-            continue
-        if message == "/exit":
-            break
-        if message == "/reset":
-            history = []
-            out.write("[conversation cleared]\n")
-            continue
+    for message in chat_inputs(lines, out, "mlx-grpo chat: /reset clears the conversation, /exit quits.",
+                                 history):
         ids = encode_prompt(tokenizer, message, cfg.data.system_prompt, history=history)
         result = generate(model, tokenizer, ids, cfg, lambda t: (out.write(t), out.flush()))
         out.write("\n")

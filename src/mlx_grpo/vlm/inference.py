@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from mlx_grpo.config import Config
 from mlx_grpo.errors import UserError
+from mlx_grpo.inference import chat_inputs
 from mlx_grpo.models.adapters import ADAPTER_CONFIG, adapter_base, is_adapter_checkpoint, load_adapter_weights
 from mlx_grpo.vlm.families import is_vision_dir, require_mlx_vlm
 from mlx_grpo.vlm.images import load_image
@@ -134,26 +135,9 @@ def run_chat_images(cfg: Config, images: list[str], verbose: bool = False, lines
     out = out or sys.stdout
     pictures = [load_image(path, where=f"--image {path}") for path in images]
     model, processor = load_vlm(cfg.model.model_name)
-    interactive = lines is None and sys.stdin.isatty()
-    source = iter(lines) if lines is not None else sys.stdin
     history: list[dict] = []
-    out.write(f"mlx-grpo chat ({len(pictures)} image(s)): /reset clears the conversation, /exit quits.\n")
-    while True:
-        if interactive:
-            out.write(">> ")
-            out.flush()
-        line = next(source, None)
-        if line is None:
-            break
-        message = line.strip()
-        if not message:
-            continue
-        if message == "/exit":
-            break
-        if message == "/reset":
-            history = []
-            out.write("[conversation cleared]\n")
-            continue
+    banner = f"mlx-grpo chat ({len(pictures)} image(s)): /reset clears the conversation, /exit quits."
+    for message in chat_inputs(lines, out, banner, history):
         n = 0 if history else len(pictures)  # the images belong to the conversation's first turn
         messages = image_messages(message, n, cfg.data.system_prompt, history)
         answer, last = stream_answer(model, processor, prompt_text(processor, messages),
