@@ -9,21 +9,18 @@ import json
 import pytest
 
 from mlx_grpo.cli import main
-from mlx_grpo.config import build_config
 
 pytest.importorskip("mlx_vlm")
+
+from test_vlm_grpo import vlm_cfg  # noqa: E402
 
 SMALL = ["--set", "eval_subset_size=3", "--set", "eval_max_new_tokens=4", "--set", "eval_batch_size=2"]
 
 
 def _train_cfg(model_dir, tmp_path, **over):
-    items = {"model_name": str(model_dir), "dataset": "shapes", "image_column": "image", "batch_size": 2,
-             "num_generations": 2, "max_new_tokens": 4, "max_train_samples": 2, "output_dir": str(tmp_path / "runs"),
-             "run_name": "r", "save_steps": 1, "learning_rate": 1e-2, "temperature": 1.0, "max_prompt_length": 256,
-             "train_type": "lora", "lora_rank": 2, **over}
-    if items["train_type"] == "full":
-        items.pop("lora_rank")
-    return build_config("train", None, [(k, str(v)) for k, v in items.items()])
+    """test_vlm_grpo's run config, smaller: 2 prompts x 2 samples, a large step."""
+    return vlm_cfg(model_dir, tmp_path, **{"num_generations": 2, "max_train_samples": 2, "learning_rate": 1e-2,
+                                           **over})
 
 
 def _rows(path):

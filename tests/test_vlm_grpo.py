@@ -17,7 +17,7 @@ from mlx_grpo.config import build_config
 pytest.importorskip("mlx_vlm")
 
 
-def _cfg(model_dir, tmp_path, **over):
+def vlm_cfg(model_dir, tmp_path, **over):
     items = {"model_name": str(model_dir), "dataset": "shapes", "image_column": "image", "batch_size": 2,
              "num_generations": 3, "max_new_tokens": 4, "max_train_samples": 4, "output_dir": str(tmp_path / "runs"),
              "run_name": "r", "save_steps": 1, "learning_rate": 1e-3, "temperature": 1.0, "max_prompt_length": 256,
@@ -61,7 +61,7 @@ def _blobs(mask: np.ndarray) -> int:
 def trainer(tiny_vlm_dir, tmp_path_factory):
     from mlx_grpo.assembly import build_trainer
 
-    return build_trainer(_cfg(tiny_vlm_dir, tmp_path_factory.mktemp("t")))
+    return build_trainer(vlm_cfg(tiny_vlm_dir, tmp_path_factory.mktemp("t")))
 
 
 def test_logprobs_equal_a_naive_forward_with_the_image(trainer, tiny_vlm_dir):
@@ -106,7 +106,7 @@ def test_images_are_encoded_once_per_prompt_and_gradients_reach_only_adapters(tr
 def test_encodings_are_counted_per_prompt(tiny_vlm_dir, tmp_path):
     from mlx_grpo.assembly import build_trainer
 
-    t = build_trainer(_cfg(tiny_vlm_dir, tmp_path))
+    t = build_trainer(vlm_cfg(tiny_vlm_dir, tmp_path))
     t.batch_steps([t.next_examples()])
     assert t.model.table.encodings == t.cfg.training.batch_size  # B prompts, B x G samples: B encodings
 
@@ -114,7 +114,7 @@ def test_encodings_are_counted_per_prompt(tiny_vlm_dir, tmp_path):
 def test_train_vision_gives_the_tower_gradients(tiny_vlm_dir, tmp_path):
     from mlx_grpo.assembly import build_trainer
 
-    t = build_trainer(_cfg(tiny_vlm_dir, tmp_path, train_type="full", train_vision="true"))
+    t = build_trainer(vlm_cfg(tiny_vlm_dir, tmp_path, train_type="full", train_vision="true"))
     steps = [t.score(b) for b in t.batch_steps([t.next_examples()])]
     before = t.model.table.encodings
     grads, _ = t.gradients(steps)
@@ -136,9 +136,9 @@ def test_resume_is_exact_and_completions_name_the_images(tiny_vlm_dir, tmp_path,
     (tmp_path / "reward.py").write_text(REWARD)
     monkeypatch.chdir(tmp_path)
     over = {"reward_funcs": "reward.py:image_reward", "log_completions_steps": 1}
-    whole = _cfg(tiny_vlm_dir, tmp_path, run_name="whole", **over)
+    whole = vlm_cfg(tiny_vlm_dir, tmp_path, run_name="whole", **over)
     train(whole)
-    cut = _cfg(tiny_vlm_dir, tmp_path, run_name="cut", **over)
+    cut = vlm_cfg(tiny_vlm_dir, tmp_path, run_name="cut", **over)
     interrupt_before_update(train, cut, monkeypatch, 2)
     train(cut, resume="latest")
     runs = tmp_path / "runs"
@@ -153,4 +153,4 @@ def test_unsupported_settings_are_refused(tiny_vlm_dir, tmp_path):
     from mlx_grpo.errors import UserError
 
     with pytest.raises(UserError, match="update_every"):
-        _cfg(tiny_vlm_dir, tmp_path, update_every=2)
+        vlm_cfg(tiny_vlm_dir, tmp_path, update_every=2)
