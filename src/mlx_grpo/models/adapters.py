@@ -11,6 +11,7 @@ mlx-lm's format, so `mlx_lm.load(base, adapter_path=checkpoint)` reads our check
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -152,6 +153,30 @@ def adapter_base(path: Path, record: dict) -> str:
     if base_model:
         return str(base_model)
     raise UserError(f"{path / ADAPTER_CONFIG} does not record its base model")
+
+
+def read_adapter_config(path: Path) -> tuple[dict, str, int, dict]:
+    """An adapter checkpoint's config: (the record, fine_tune_type, num_layers, lora_parameters); one line
+    when it is unreadable or names a type we do not train."""
+    try:
+        record = json.loads((path / ADAPTER_CONFIG).read_text())
+        kind, num_layers, lora = record.get("fine_tune_type", "lora"), record["num_layers"], record["lora_parameters"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{path / ADAPTER_CONFIG} is not a valid adapter config: {exc!r}") from None
+    if kind not in TRAIN_TYPES:
+        raise UserError(f"{path / ADAPTER_CONFIG}: unsupported fine_tune_type {kind!r}")
+    return record, kind, num_layers, lora
+
+
+def attach_saved_adapters(model: nn.Module, path: Path, base: str, kind: str, num_layers: int,
+                          lora: dict) -> None:
+    """A checkpoint's adapter layers on its (frozen) base `model`, then their saved weights."""
+    model.freeze()
+    try:
+        linear_to_lora_layers(model, num_layers, dict(lora), use_dora=kind == "dora")
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"adapter checkpoint {path}: its config does not fit the base {base!r}: {exc!r}") from None
+    load_adapter_weights(model, path)
 
 
 def load_adapter_weights(model: nn.Module, path: Path) -> None:

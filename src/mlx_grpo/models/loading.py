@@ -8,18 +8,16 @@ Adapter checkpoints (LoRA/DoRA/QLoRA) load as their base plus the adapter layers
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from mlx_grpo.config import DEFAULT_MODEL
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAIN_TYPES, adapter_base, is_adapter_checkpoint,
-                                      load_adapter_weights, quantize_base)
+from mlx_grpo.models.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, attach_saved_adapters,
+                                      is_adapter_checkpoint, quantize_base, read_adapter_config)
 from mlx_grpo.models.precision import cast_floats, compute_dtype
 
 CACHE_ENV = "MLX_GRPO_CACHE"
@@ -112,14 +110,7 @@ def load_with_adapters(path, dtype: str = "auto"):
     if not is_adapter_checkpoint(path):
         raise UserError(f"{path} is not an adapter checkpoint (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, "
                         "and no model.safetensors)")
-    try:
-        record = json.loads((path / ADAPTER_CONFIG).read_text())
-        fine_tune_type = record.get("fine_tune_type", "lora")
-        num_layers, lora_parameters = record["num_layers"], record["lora_parameters"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{path / ADAPTER_CONFIG} is not a valid adapter config: {exc!r}") from None
-    if fine_tune_type not in TRAIN_TYPES:
-        raise UserError(f"{path / ADAPTER_CONFIG}: unsupported fine_tune_type {fine_tune_type!r}")
+    record, fine_tune_type, num_layers, lora_parameters = read_adapter_config(path)
     ours = record.get("mlx_grpo") or {}
     base = adapter_base(path, record)
     try:
@@ -130,12 +121,7 @@ def load_with_adapters(path, dtype: str = "auto"):
         raise UserError(f"adapter checkpoint {path}: cannot load its base model {base!r}: {exc}") from None
     if ours.get("load_in_bits"):
         quantize_base(model, int(ours["load_in_bits"]), int(ours.get("group_size", 64)))
-    model.freeze()
-    try:
-        linear_to_lora_layers(model, num_layers, dict(lora_parameters), use_dora=fine_tune_type == "dora")
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise UserError(f"adapter checkpoint {path}: its config does not fit the base {base!r}: {exc!r}") from None
-    load_adapter_weights(model, path)
+    attach_saved_adapters(model, path, base, fine_tune_type, num_layers, lora_parameters)
     if dtype != "auto":
         cast_floats(model, getattr(mx, dtype))
     model.eval()  # the adapter layers were created in training mode (dropout on)

@@ -3,7 +3,6 @@ stream_generate, streamed like text generation (inference.py owns the text-only 
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -14,7 +13,7 @@ import mlx.core as mx
 from mlx_grpo.config import Config
 from mlx_grpo.errors import UserError
 from mlx_grpo.inference import chat_inputs
-from mlx_grpo.models.adapters import ADAPTER_CONFIG, adapter_base, is_adapter_checkpoint, load_adapter_weights
+from mlx_grpo.models.adapters import adapter_base, attach_saved_adapters, is_adapter_checkpoint, read_adapter_config
 from mlx_grpo.vlm.families import is_vision_dir, require_mlx_vlm
 from mlx_grpo.vlm.images import load_image
 
@@ -50,21 +49,10 @@ def _load(path: str, model_name: str):
 def _load_with_adapters(path: Path):
     """A lora/dora checkpoint of a GRPO run on images: its base, the adapter layers of its config on the
     language model's blocks (where training put them, same parameter names), and its adapter weights."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    try:
-        record = json.loads((path / ADAPTER_CONFIG).read_text())
-        kind, num_layers, lora = record.get("fine_tune_type", "lora"), record["num_layers"], record["lora_parameters"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{path / ADAPTER_CONFIG} is not a valid adapter config: {exc!r}") from None
+    record, kind, num_layers, lora = read_adapter_config(path)
     base = adapter_base(path, record)
     model, processor = load_vlm(base)
-    model.freeze()
-    try:
-        linear_to_lora_layers(model, num_layers, dict(lora), use_dora=kind == "dora")
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise UserError(f"adapter checkpoint {path}: its config does not fit the base {base!r}: {exc!r}") from None
-    load_adapter_weights(model, path)
+    attach_saved_adapters(model, path, base, kind, num_layers, lora)
     model.eval()  # the adapter layers were created in training mode (dropout on)
     mx.eval(model.parameters())
     return model, processor
