@@ -391,11 +391,15 @@ def test_first_step_ratio_one_gives_minus_mean_advantage():
 
 
 def _pad(logp, old, ref, mask, extra, rng, low, high):
+    """`extra` padded columns of garbage in [low, high), and garbage log-probs in the masked-out tail of the
+    existing rows too (beyond each row's length)."""
     N = logp.shape[0]
     garbage = lambda: rng.uniform(low, high, size=(N, extra)).astype(np.float32)  # noqa: E731
     cat = lambda a, b: np.concatenate([a, b], axis=1)  # noqa: E731
-    return (cat(logp, garbage()), cat(old, garbage()), cat(ref, garbage()),
-            cat(mask, np.zeros((N, extra), dtype=np.float32)))
+    p_logp, p_old, p_ref = cat(logp, garbage()), cat(old, garbage()), cat(ref, garbage())
+    p_mask = cat(mask, np.zeros((N, extra), dtype=np.float32))
+    p_logp = np.where(p_mask == 0, rng.uniform(low, high, size=p_logp.shape), p_logp).astype(np.float32)
+    return p_logp, p_old, p_ref, p_mask
 
 
 @pytest.mark.parametrize("variant", ["grpo", "gspo", "clip_higher_delta"])
@@ -405,11 +409,8 @@ def test_padding_with_garbage_does_not_change_loss(variant, kl_coeff):
     obj = objective(kl_coeff=kl_coeff, **VARIANTS[variant])
     base = loss_sums(logp, old, ref, adv, mask, obj)
     rng = np.random.default_rng(4)
-    # Also garbage in the masked-out tail of the existing rows (beyond each row's length).
-    for extra in (1, 5):
+    for extra in (1, 5):  # garbage in the padding and in the masked-out tail of the existing rows
         p_logp, p_old, p_ref, p_mask = _pad(logp, old, ref, mask, extra, rng, -30.0, 5.0)
-        tail = p_mask == 0
-        p_logp = np.where(tail, rng.uniform(-30, 5, size=p_logp.shape), p_logp).astype(np.float32)
         padded = loss_sums(p_logp, p_old, p_ref, adv, p_mask, obj)
         for a, b in zip(base, padded):
             np.testing.assert_allclose(b.item(), a.item(), rtol=RTOL, atol=ATOL)
@@ -705,15 +706,13 @@ def test_cispo_sapo_padding_with_garbage_does_not_change_loss_or_gradient(term):
     rng = np.random.default_rng(4)
     for extra in (1, 5):
         p_logp, p_old, p_ref, p_mask = _pad(logp, old, ref, mask, extra, rng, -30.0, 5.0)
-        tail = p_mask == 0
-        p_logp = np.where(tail, rng.uniform(-30, 5, size=p_logp.shape), p_logp).astype(np.float32)
         padded = loss_sums(p_logp, p_old, p_ref, adv, p_mask, obj)
         for a, b in zip(base, padded):
             np.testing.assert_allclose(b.item(), a.item(), rtol=RTOL, atol=ATOL)
         p_args = (mx.array(p_old), mx.array(p_ref), mx.array(adv), mx.array(p_mask), per_sequence_weights(p_mask),
                   obj)
         grad = np_(mx.grad(lambda lp: objective_sums(lp, *p_args).loss)(mx.array(p_logp)))
-        assert np.all(grad[tail] == 0.0)
+        assert np.all(grad[p_mask == 0] == 0.0)
         T = logp.shape[1]
         np.testing.assert_allclose(grad[:, :T][mask > 0], base_grad[mask > 0], rtol=1e-5, atol=1e-8)
 
