@@ -173,3 +173,21 @@ def test_async_data_parallel_run_and_resume(tiny_model_dir, tmp_path):
     a, b = checkpoint_weights(run / "checkpoint-4"), checkpoint_weights(cut / "checkpoint-4")
     for k in a:
         assert mx.array_equal(a[k], b[k]), k
+
+
+def test_async_bench_runs_both_modes_on_a_tiny_model(tiny_model_dir, tmp_path):
+    """bench/async_bench.py end to end (its figures come from the GPU): both runs, the table, the record."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "bench" / "async_bench.py"), "--model", str(tiny_model_dir),
+                           "--dtype", "float32", "--dataset", "arith", "--batch", "2", "--group", "4",
+                           "--max-new-tokens", "6", "--updates", "3", "--set", "max_prompt_length=96",
+                           "--set", "system_prompt=", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "async_rollouts = 1 vs 0:" in proc.stdout
+    record = json.loads(next(tmp_path.glob("*/async_bench.json")).read_text())
+    assert record["modes"]["0"]["staleness"] == [None] * 3 and record["modes"]["1"]["staleness"] == [0, 1, 1]
+    assert all(record["modes"][m]["updates_per_minute"] > 0 for m in ("0", "1"))
