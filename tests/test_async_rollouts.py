@@ -118,7 +118,8 @@ def test_async_off_is_the_synchronous_run(tiny_model_dir, tmp_path):
     assert all(r["sampler_kl"] < 1e-6 for r in records)
 
 
-@pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora-copy-accum"])
+@pytest.mark.parametrize("extra", [[], LORA, ["model_dtype=bfloat16", "learning_rate=1e-4", "use_compile=true",
+                                          "compile_update=true"]], ids=["full", "lora-copy-accum", "bf16-masters-compiled"])
 def test_async_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
     full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *ASYNC, *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *ASYNC, *extra)
