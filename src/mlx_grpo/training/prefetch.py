@@ -24,9 +24,11 @@ each on its own.
 from __future__ import annotations
 
 import copy
+import gc
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -60,6 +62,21 @@ def frozen_view(model):
     return view
 
 
+def serve(jobs: queue.SimpleQueue) -> None:
+    """The rollout thread: runs (fn, future) jobs on a stream of its own, forever. It is a daemon and is
+    never ended: MLX keeps a compile cache per thread, and a thread that ends runs its destructors, which
+    need the GIL; at interpreter exit that aborts the process ("terminate called without an active
+    exception"), so the thread stays parked on its queue until the process is gone."""
+    stream = mx.new_stream(mx.default_device())  # streams belong to the thread that made them
+    while True:
+        fn, future = jobs.get()
+        with mx.stream(stream):
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+
 class RolloutPrefetch:
     """Samples each update's batch steps during the update before it (see the module docstring). trainer:
     the Trainer whose prompts, encoding, sampling settings and reward runner it uses."""
@@ -70,8 +87,8 @@ class RolloutPrefetch:
         self.view = frozen_view(trainer.model)
         # Its own engine: the trainer's keeps following the trained model (evaluations use it).
         self.engine = RolloutEngine(trainer.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="mlx-grpo-rollouts")
-        self.local = threading.local()  # the worker thread's stream: streams belong to the thread that made them
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=serve, args=(self.jobs,), name="mlx-grpo-rollouts", daemon=True).start()
         self.pending: Pending | None = None
         self.resumed: tuple[dict, int] | None = None  # a checkpoint's sampling weights for the first rollout
 
@@ -102,21 +119,23 @@ class RolloutPrefetch:
         mx.eval([keys for _, keys, _ in encoded], weights)
         self.view.update(weights)
         self.engine.refresh(self.view)
-        self.pending = Pending(self.executor.submit(self.sample, encoded), weights, sampled_at, *before)
+        self.pending = Pending(self.submit(lambda: self.sample(encoded)), weights, sampled_at, *before)
         return True
+
+    def submit(self, fn) -> Future:
+        future = Future()
+        self.jobs.put((fn, future))
+        return future
 
     def sample(self, encoded: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list[Draw]:
         """The worker thread: decode the batch steps together (refill), submit them for scoring."""
         t, cfg = self.trainer, self.trainer.cfg
-        if not hasattr(self.local, "stream"):
-            self.local.stream = mx.new_stream(mx.default_device())
-        with mx.stream(self.local.stream):
-            t0 = time.perf_counter()
-            out = rollouts(self.engine, t.multiturn, encoded, cfg.rollout.num_generations, t.params, cfg.data.prefill)
-            mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
-                     for r in out])
-            share = (time.perf_counter() - t0) / len(encoded)  # one decode for all: each step is shown its share
-            return [t.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, out)]
+        t0 = time.perf_counter()
+        out = rollouts(self.engine, t.multiturn, encoded, cfg.rollout.num_generations, t.params, cfg.data.prefill)
+        mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
+                 for r in out])
+        share = (time.perf_counter() - t0) / len(encoded)  # one decode for all: each step is shown its share
+        return [t.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, out)]
 
     def wait(self) -> None:
         """Until the pending rollouts are done (their result is kept): evaluations share their tools."""
@@ -142,6 +161,13 @@ class RolloutPrefetch:
         self.resumed = (weights, state["rollouts_sampled_at"])
 
     def close(self) -> None:
-        """Wait for the thread to finish its rollout (at most one) and end it; its result is dropped."""
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        """Wait for the thread to finish its rollout (at most one; its result is dropped), then let it drop
+        the engine: the engine's compiled steps leave the thread's compile cache only when freed there."""
+        self.wait()
         self.pending = None
+        if self.engine is not None:
+            self.submit(self.release).result()
+
+    def release(self) -> None:
+        self.engine = self.view = None
+        gc.collect()
