@@ -193,3 +193,31 @@ def test_async_bench_runs_both_modes_on_a_tiny_model(tiny_model_dir, tmp_path):
     record = json.loads(next(tmp_path.glob("*/async_bench.json")).read_text())
     assert record["modes"]["0"]["staleness"] == [None] * 3 and record["modes"]["1"]["staleness"] == [0, 1, 1]
     assert all(record["modes"][m]["updates_per_minute"] > 0 for m in ("0", "1"))
+
+
+def test_ctrl_c_ends_a_run_whose_rollout_thread_hangs(tiny_model_dir, tmp_path):
+    """A scorer that never returns, called inline in the rollout thread while the update waits for it:
+    Ctrl-C ends the run at once (exit 130), not waiting for the thread."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "scoring"
+    (tmp_path / "hang.py").write_text(
+        "import pathlib, time\n"
+        "def hang(prompts, completions, completion_ids, **columns):\n"
+        f"    pathlib.Path({str(marker)!r}).touch()\n"
+        "    time.sleep(600)\n")
+    cmd = [sys.executable, "-m", "mlx_grpo", "train", "--set", f"model_name={tiny_model_dir}",
+           "--set", f"output_dir={tmp_path}", "--set", "max_train_samples=8", "--set", "system_prompt=",
+           "--set", f"reward_funcs={tmp_path / 'hang.py'}:hang", "--set", "max_new_tokens=8", *(
+               a for item in ASYNC for a in ("--set", item))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate(timeout=5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
