@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                            "max_new_tokens": args.max_new_tokens, "updates": args.updates,
                            "data": args.data or args.dataset, "set": args.set}, "modes": {}}
     for mode in (int(m) for m in args.modes.split(",") if m):
-        result["modes"][str(mode)] = run_mode(args, mode, out)
-    (out / "async_bench.json").write_text(json.dumps(result, indent=2))
+        r = result["modes"][str(mode)] = run_mode(args, mode, out)
+        print(f"   {r['updates_per_minute']:.2f} updates/min; median step {r['step_s']:.2f} s; peak "
+              f"{r['peak_memory_gb']:.1f} GB; process {r['process_wall_s']:.0f} s", flush=True)
+        (out / "async_bench.json").write_text(json.dumps(result, indent=2))  # what is done survives a timeout
     print()
     print(markdown(result))
     modes = result["modes"]
