@@ -4,7 +4,8 @@ A checkpoint directory is a complete MLX model (model.safetensors, config.json, 
 tokenizer files) that `mlx-grpo generate --model` opens, in the run's compute dtype, plus what exact resume
 needs: optimizer.safetensors (flattened state tree), trainer_state.json, config.resolved.json, with mixed
 precision master_weights.safetensors (the float32 masters of the trained tensors) and, when the sampling
-policy lags the trained one, old_model.safetensors.
+policy lags the trained one, old_model.safetensors (update_every > 1; async_rollouts: the weights the
+rollout in flight samples from, training/prefetch.py).
 
 An adapter (LoRA/DoRA/QLoRA) checkpoint stores only what training changed: adapters.safetensors and
 adapter_config.json (mlx-lm's format, plus the base model it was trained on) instead of

@@ -36,6 +36,8 @@ def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, example
     its eval record."""
     cfg, world = trainer.cfg, trainer.world
     per = -(-len(examples) // world.size)
+    if trainer.prefetch is not None:  # async_rollouts: the next rollouts finish first (they share the tools)
+        trainer.prefetch.wait()
     # the trainer's engine samples the trained model itself unless an old policy is kept apart
     engine = trainer.engine if trainer.policies.sampler is trainer.model else None
     records = getattr(trainer, "answer_records", answer_records)  # image prompts: vlm/trainer.py's own
@@ -74,8 +76,12 @@ def train(cfg: Config, resume: str | None = None) -> Path:
         check_prompt_lengths(trainer)
         run_dir = _run(trainer, cfg, resume, started)
     except BaseException:
+        if trainer.prefetch is not None:  # async_rollouts: the rollout in flight ends (its reward jobs with it)
+            trainer.prefetch.close()
         trainer.reward_runner.close(wait=False)
         raise
+    if trainer.prefetch is not None:
+        trainer.prefetch.close()
     trainer.reward_runner.close()
     return run_dir
 
@@ -282,7 +288,9 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
         together = 1 if cfg.rollout.dynamic_sampling else cfg.training.gradient_accumulation_steps
         # train_step samples the update's prompts itself unless dynamic sampling draws them one by one
         fresh = not cfg.rollout.dynamic_sampling
-        for i in range(0, cfg.training.gradient_accumulation_steps, together):
+        if trainer.prefetch is not None:  # async_rollouts: sampled during the last update (training/prefetch.py)
+            steps = trainer.prefetch.take() or []
+        for i in range(0, cfg.training.gradient_accumulation_steps if trainer.prefetch is None else 0, together):
             batches = []
             while len(batches) < together and (examples := trainer.next_examples()) is not None:
                 batches.append(examples)

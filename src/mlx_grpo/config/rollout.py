@@ -65,6 +65,13 @@ class RolloutConfig:
                                  "on CPU in float32 (tests); costs a copy of o_proj/down_proj. Off by default: on an "
                                  "H100 it decoded slower (BENCHMARKS.md, issue 25). Needs the copy (rollout_engine = "
                                  "copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
+    async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
+                                  "this update starts from, while this update trains (training/prefetch.py): every "
+                                  "batch after the first is sampled one update stale (rollout_staleness in "
+                                  "metrics.jsonl), which rollout_correction weights back, so it needs rollout_correction "
+                                  "!= none. 0: sample, then train, in turn. Not with dynamic_sampling, num_iterations > "
+                                  "1, update_every > 1, quantize_for_rollouts, demonstrations or image_column.", TRAIN,
+                                  range="[0, 1]")
     quantize_for_rollouts: bool = setting(False, "Sample from a 4-bit (group 64) copy of the old policy, re-quantized "
                                           "at each refresh. Measured 20x slower than float weights on MLX 0.32's CUDA "
                                           "backend (BENCHMARKS.md).", TRAIN)

@@ -124,6 +124,7 @@ def _validate_train(c: Config) -> None:
     for name in ("reward_url_weight", "reward_url_timeout", "reward_url_retries", "reward_url_allowed_hosts"):
         _unused_unless(c, name, bool(w.reward_url), "reward_url set")
     _validate_objective(c)
+    _validate_async(c)
     _validate_adapters(c)
 
 
@@ -166,6 +167,20 @@ def _validate_objective(c: Config) -> None:
         + ["reward_model"] * bool(w.reward_model) + ["overlong_penalty"] * (w.overlong_penalty > 0)
     _require(o.demo_reward == "" or o.demo_reward in names, f"demo_reward must name one of the run's rewards "
              f"({', '.join(names)}), got {o.demo_reward!r}")
+
+
+def _validate_async(c: Config) -> None:
+    """async_rollouts = 1 (training/prefetch.py): what the pipelined rollouts support."""
+    r, o = c.rollout, c.objective
+    if not r.async_rollouts:
+        return
+    bad = [name for flag, name in [(r.dynamic_sampling, "dynamic_sampling"), (o.num_iterations > 1, "num_iterations > 1"),
+           (o.update_every > 1, "update_every > 1"), (r.quantize_for_rollouts, "quantize_for_rollouts"),
+           (o.demonstrations != "off", "demonstrations"), (bool(c.data.image_column), "image_column")] if flag]
+    _require(not bad, f"async_rollouts = 1 does not support {', '.join(bad)}: drop them, or set async_rollouts = 0")
+    _require(o.rollout_correction != "none", "async_rollouts = 1 samples each batch with the weights of one update "
+             "before and needs rollout_correction to weight that back: set rollout_correction = \"token_truncate\" "
+             "(or another mode), or async_rollouts = 0")
 
 
 def _unused_unless(c: Config, name: str, condition: bool, needs: str) -> None:

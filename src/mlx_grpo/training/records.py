@@ -2,6 +2,7 @@
 
     Draw         one generation of this rank's prompts x G completions, its rewards submitted
     Batch        one batch step: the rows trained on, their old/reference log-probs, rewards still pending
+    SampledUpdate  an update's draws sampled ahead of it (async_rollouts, prefetch.py), and how stale they are
     StepData     what the loss needs of a batch step once scored: rollout, advantages, old/ref log-probs
     BatchStats   what the logs need of a batch step (sampling figures, then its rewards once scored)
     UpdateMetrics  one optimizer update's figures (None where no row entered the loss)
@@ -44,6 +45,17 @@ class Draw:
     t_reward: float
     flags: np.ndarray | None = None  # [B] groups with reward variance, over all ranks (dynamic sampling)
     sampled: tuple[Rollout, RewardScores] | None = None  # demonstrations: as sampled, before demonstrations
+
+
+@dataclass
+class SampledUpdate:
+    """An update's batch steps, sampled before the update began (async_rollouts: training/prefetch.py)."""
+
+    draws: list[Draw]  # one per batch step, rewards submitted
+    staleness: int  # updates between the weights that sampled them and those the update starts from
+
+    def __len__(self) -> int:
+        return len(self.draws)
 
 
 @dataclass
@@ -125,6 +137,7 @@ class UpdateMetrics:
     train_tokens_per_s: float = 0.0
     peak_memory_gb: float = 0.0
     time_step_s: float = 0.0
+    rollout_staleness: int | None = None  # async_rollouts: updates between the sampling and the trained weights
 
     @classmethod
     def from_sums(cls, lr: float, sums: LossSums, norm: mx.array) -> UpdateMetrics:

@@ -47,7 +47,8 @@ from mlx_grpo.training.draws import add_rewards, batch_stats, collect, informati
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
 from mlx_grpo.training.policy import Policies, logprob_pass
-from mlx_grpo.training.records import Batch, Counters, Draw, StepData, UpdateMetrics
+from mlx_grpo.training.prefetch import RolloutPrefetch
+from mlx_grpo.training.records import Batch, Counters, Draw, SampledUpdate, StepData, UpdateMetrics
 
 
 @dataclass
@@ -113,6 +114,8 @@ class Trainer:
         # Silent-reward, plateau and gaming checks (health.py); their state is part of the checkpoint's.
         self.health = RunHealth(self.rewards.names, cfg.health.max_updates_without_signal, cfg.health.plateau_updates,
                                 cfg.health.gaming_evals)
+        # async_rollouts: each update's rollouts decode during the update before it (training/prefetch.py)
+        self.prefetch = RolloutPrefetch(self) if r.async_rollouts else None
 
     # ------------------------------------------------------------------ the update, top to bottom
     def batch_steps(self, batches: list[list[Example]]) -> list[Batch]:
@@ -134,22 +137,18 @@ class Trainer:
                 draws.append(self.draw(more))
         return self.logprob_passes(draws)  # old/reference log-probs, rewards computing meanwhile
 
-    def train_step(self, batches: list[list[Example]] | list[Batch | StepData],
+    def train_step(self, batches: list[list[Example]] | list[Batch | StepData] | SampledUpdate,
                    sampled: Callable[[list[Batch]], None] = lambda batches: None) -> tuple[list, UpdateMetrics]:
         """One GRPO update, top to bottom. `batches`: the prompts of each batch step (sampled here, their
-        rollouts decoding together: the engine refills rows freed by ended ones), or batch steps sampled
-        before (dynamic sampling, num_iterations > 1 reuse: run.py). -> (the batch steps, the update's
-        metrics). The reward workers score while the GPU computes the old/reference log-probs.
-        sampled(batches): called once the fresh batches are sampled, before the update (run.py: its
-        progress bar and eval_steps' evaluations)."""
+        rollouts decoding together: the engine refills rows freed by ended ones), their draws sampled
+        during the update before (async_rollouts: prefetch.py), or batch steps sampled before (dynamic
+        sampling, num_iterations > 1 reuse: run.py). -> (the batch steps, the update's metrics). The reward
+        workers score while the GPU computes the old/reference log-probs. sampled(batches): called once the
+        fresh batches are sampled, before the update (run.py: its progress bar and eval_steps' evaluations)."""
         cfg = self.cfg
-        if batches and not isinstance(batches[0], (Batch, StepData)):
-            encoded = [self.encode(examples) for examples in batches]  # prompts, row keys
-            t0 = time.perf_counter()
-            rollouts = self.generate(encoded)  # sample
-            share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
-            draws = [self.submit_rewards(mine, rollout, share)  # score: submitted to the reward workers
-                     for (_, _, mine), rollout in zip(encoded, rollouts)]
+        staleness = batches.staleness if isinstance(batches, SampledUpdate) else None
+        if isinstance(batches, SampledUpdate) or (batches and not isinstance(batches[0], (Batch, StepData))):
+            draws = batches.draws if staleness is not None else self.sample(batches)
             batches = [self.logprob_passes([draw]) for draw in draws]  # old/reference log-probs meanwhile
             sampled(batches)
         self.counters.update_step += 1
@@ -173,6 +172,7 @@ class Trainer:
         metrics.train_tokens = sum(int(s.rollout.lengths.sum()) for s in steps)
         metrics.train_tokens_per_s = metrics.train_tokens / metrics.t_train if metrics.t_train > 0 else 0.0
         metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
+        metrics.rollout_staleness = staleness
         return batches, metrics
 
     def update(self, batches: list[Batch | StepData]) -> UpdateMetrics:
@@ -192,6 +192,15 @@ class Trainer:
         self.counters.consecutive_skips = 0
 
     # ------------------------------------------------------------------ sample
+    def sample(self, batches: list[list[Example]]) -> list[Draw]:
+        """The draws of an update's batch steps, decoded together, their rewards submitted."""
+        encoded = [self.encode(examples) for examples in batches]  # prompts, row keys
+        t0 = time.perf_counter()
+        rollouts = self.generate(encoded)  # sample
+        share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
+        return [self.submit_rewards(mine, rollout, share)  # score: submitted to the reward workers
+                for (_, _, mine), rollout in zip(encoded, rollouts)]
+
     def encode(self, examples: list[Example]) -> tuple[list[list[int]], mx.array, list[Example]]:
         """This rank's share of a draw: (its prompts' ids, their row keys, its examples)."""
         cfg, G = self.cfg, self.cfg.rollout.num_generations
@@ -360,8 +369,9 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def state(self) -> dict:
         # Sampling keys derive from (seed, counters.draws, row): the counters are the whole random state.
-        return {"counters": vars(self.counters).copy(), "data_cursor": self.sampler.state(),
-                "total_updates": self.total_updates, "world_size": self.world.size, "health": self.health.state()}
+        state = {"counters": vars(self.counters).copy(), "data_cursor": self.sampler.state(),
+                 "total_updates": self.total_updates, "world_size": self.world.size, "health": self.health.state()}
+        return state if self.prefetch is None else self.prefetch.rewind(state)  # before rollouts in flight
 
     def restore(self, path: Path, loaded: tuple, adapters: bool) -> None:
         """Continue from the checkpoint at `path`, as rank 0 read it: loaded is load_checkpoint's tuple,
@@ -379,17 +389,19 @@ class Trainer:
         self.sampler.load_state(state["data_cursor"])
         self.health.load_state(state.get("health"))
         self._batches = iter(self.sampler)
+        if old is not None and self.adapter_config is not None:  # the old adapters on the shared base weights
+            old = tree_unflatten(list({**dict(tree_flatten(self.model.parameters())), **dict(tree_flatten(old))}.items()))
         if self.policies.separate_old:
-            if self.adapter_config is not None:  # the old adapters on the shared base weights
-                old = tree_unflatten(list({**dict(tree_flatten(self.model.parameters())),
-                                           **dict(tree_flatten(old))}.items()))
             self.policies.refresh(old)
+        elif self.prefetch is not None and old is not None:  # rollouts were in flight: resample them from these
+            self.prefetch.resume(old, state)
         mx.eval(self.model.parameters(), self.optimizer.state, self.masters.arrays())
         self.engine.refresh(self.policies.sampler)
 
     def save(self) -> Path:
         config_json = json.loads((self.source_dir / "config.json").read_text())
-        old = self.policies.old_params if self.policies.separate_old else None
+        old = self.policies.old_params if self.policies.separate_old else \
+            self.prefetch.sampling_weights if self.prefetch is not None else None
         if old is not None and self.adapter_config is not None:  # the base is frozen: only adapters differ
             keep = set(adapter_parameters(self.model))
             old = {k: v for k, v in tree_flatten(old) if k in keep}

@@ -1,0 +1,173 @@
+"""async_rollouts = 1: the next update's rollouts decode in a background thread while this update trains.
+
+Update k trains on batch k while batch k+1 decodes in one worker thread, on that thread's own MLX stream
+(MLX releases the GIL while it evaluates, so the two graphs run side by side), from a frozen snapshot of
+the weights update k starts from. Every batch but the first is thus sampled one update stale
+(rollout_staleness = 1 in metrics.jsonl); the loss weights that back with rollout_correction (truncated
+importance sampling on exp(trainer log-prob - sampler log-prob), the sampler's log-probs recorded during
+decoding), which validation requires, as verl's one-step-off-policy and TRL's async GRPO correct it.
+
+One update (RolloutPrefetch.take, called by run.py's loop):
+    join this update's rollouts (or sample them now: the first update, the first after a resume)
+    draw and encode the next update's prompts (main thread: the draw counter and data cursor move here only)
+    start their decode and reward submission in the thread, from the current weights
+    -> SampledUpdate, which Trainer.train_step takes through its log-prob passes and update (main thread)
+
+Resume is exact: a checkpoint written after update k, while batch k+1 decodes, records the run's position
+from before batch k+1 was drawn (draw counter, prompts cut, data cursor) and the weights that sample it as
+the old policy (old_model.safetensors, or old_adapters.safetensors), so the resumed run draws batch k+1
+again, with the same keys, from the same weights. Evaluations wait for a pending rollout (both use the
+multi-turn state: tools, environment). The thread calls no collective, so data-parallel ranks pipeline
+each on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import queue
+import threading
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_grpo.data import Example
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.multiturn import rollouts
+from mlx_grpo.training.records import Draw, SampledUpdate
+
+
+@dataclass
+class Pending:
+    """Rollouts decoding in the thread, and where the run stood before their prompts were drawn."""
+
+    future: Future  # -> list[Draw]
+    weights: dict  # the parameters they are sampled from
+    sampled_at: int  # the update whose result those weights are (0: the initial weights)
+    draws: int  # counters.draws, counters.prompts_cut and the data cursor before the draw
+    prompts_cut: int
+    data_cursor: dict
+
+
+def frozen_view(model):
+    """A frozen copy of `model` sharing its arrays (the optimizer replaces the model's arrays, never changes
+    them): the thread samples from it while the model trains. Later weights enter by .update()."""
+    shared = {id(a): a for _, a in tree_flatten(model.parameters())}
+    view = copy.deepcopy(model, memo=shared)
+    view.eval()
+    view.freeze()
+    return view
+
+
+def serve(jobs: queue.SimpleQueue) -> None:
+    """The rollout thread: runs (fn, future) jobs on a stream of its own, forever. It is a daemon and is
+    never ended: MLX keeps a compile cache per thread, and a thread that ends runs its destructors, which
+    need the GIL; at interpreter exit that aborts the process ("terminate called without an active
+    exception"), so the thread stays parked on its queue until the process is gone."""
+    stream = mx.new_stream(mx.default_device())  # streams belong to the thread that made them
+    while True:
+        fn, future = jobs.get()
+        with mx.stream(stream):
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+
+class RolloutPrefetch:
+    """Samples each update's batch steps during the update before it (see the module docstring). trainer:
+    the Trainer whose prompts, encoding, sampling settings and reward runner it uses."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        r = trainer.cfg.rollout
+        self.view = frozen_view(trainer.model)
+        # Its own engine: the trainer's keeps following the trained model (evaluations use it).
+        self.engine = RolloutEngine(trainer.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=serve, args=(self.jobs,), name="mlx-grpo-rollouts", daemon=True).start()
+        self.pending: Pending | None = None
+        self.resumed: tuple[dict, int] | None = None  # a checkpoint's sampling weights for the first rollout
+
+    def take(self) -> SampledUpdate | None:
+        """This update's batch steps, sampled; starts the next update's. None: the data ran out."""
+        t = self.trainer
+        if self.pending is None:
+            weights, at = self.resumed or (t.model.parameters(), t.counters.update_step)
+            self.resumed = None
+            if not self.start(weights, at):
+                return None
+        draws, at = self.pending.future.result(), self.pending.sampled_at
+        self.pending = None
+        if t.counters.update_step + 1 < t.total_updates:  # a later update will train on them
+            self.start(t.model.parameters(), t.counters.update_step)
+        return SampledUpdate(draws, staleness=t.counters.update_step - at)
+
+    def start(self, weights: dict, sampled_at: int) -> bool:
+        """Draw and encode an update's prompts here, and decode them in the thread from `weights`."""
+        t = self.trainer
+        before = (t.counters.draws, t.counters.prompts_cut, t.sampler.state())
+        batches = [t.next_examples() for _ in range(t.cfg.training.gradient_accumulation_steps)]
+        if any(b is None for b in batches):
+            return False
+        encoded = [t.encode(examples) for examples in batches]
+        # Everything the thread reads is computed here first: a lazy array built on this thread's stream
+        # cannot be evaluated on another thread's.
+        mx.eval([keys for _, keys, _ in encoded], weights)
+        self.view.update(weights)
+        self.engine.refresh(self.view)
+        self.pending = Pending(self.submit(lambda: self.sample(encoded)), weights, sampled_at, *before)
+        return True
+
+    def submit(self, fn) -> Future:
+        future = Future()
+        self.jobs.put((fn, future))
+        return future
+
+    def sample(self, encoded: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list[Draw]:
+        """The worker thread: decode the batch steps together (refill), submit them for scoring."""
+        t, cfg = self.trainer, self.trainer.cfg
+        t0 = time.perf_counter()
+        out = rollouts(self.engine, t.multiturn, encoded, cfg.rollout.num_generations, t.params, cfg.data.prefill)
+        mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
+                 for r in out])
+        share = (time.perf_counter() - t0) / len(encoded)  # one decode for all: each step is shown its share
+        return [t.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, out)]
+
+    def wait(self) -> None:
+        """Until the pending rollouts are done (their result is kept): evaluations share their tools."""
+        if self.pending is not None:
+            wait([self.pending.future])
+
+    # ------------------------------------------------------------------ checkpoints
+    def rewind(self, state: dict) -> dict:
+        """The trainer state a checkpoint records: with rollouts pending, the position before they were
+        drawn, and the update whose weights sample them (`sampling_weights` are saved as the old policy)."""
+        p = self.pending
+        if p is None:
+            return state
+        counters = {**state["counters"], "draws": p.draws, "prompts_cut": p.prompts_cut}
+        return {**state, "counters": counters, "data_cursor": p.data_cursor, "rollouts_sampled_at": p.sampled_at}
+
+    @property
+    def sampling_weights(self) -> dict | None:
+        return None if self.pending is None else self.pending.weights
+
+    def resume(self, weights: dict, state: dict) -> None:
+        """A checkpoint written while rollouts were pending: the first rollout samples from its weights."""
+        self.resumed = (weights, state["rollouts_sampled_at"])
+
+    def close(self) -> None:
+        """Wait for the thread to finish its rollout (at most one; its result is dropped), then let it drop
+        the engine: the engine's compiled steps leave the thread's compile cache only when freed there."""
+        self.wait()
+        self.pending = None
+        if self.engine is not None:
+            self.submit(self.release).result()
+
+    def release(self) -> None:
+        self.engine = self.view = None
+        gc.collect()
