@@ -30,21 +30,15 @@ simple() {  # simple PRESET TAG SEED: base eval, train, trained eval on the pres
   timed "$tag.eval" $M eval --config "$cfg" --set seed="$3" --model "$(latest "$runs/$(run_name "$cfg")")" \
     --samples 500 -o "$OUT/$tag-trained.jsonl"
 }
-gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG [SFT_SET GRPO_SET]: base eval, warm start, its eval, GRPO from
-  # it, trained eval. SFT_SET / GRPO_SET: extra "--set key=value" words for a stage (exploring a variant)
+gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its eval, GRPO from it, trained eval
   local tag=$4-s$1 runs=$OUT/runs/$4-s$1 sft=configs/$2.toml grpo=configs/$3.toml
   local data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed="$1")
   # BASE=0 skips the base model's evaluation (~2 GPU minutes) when a hold is short
   [ "${BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
-  # shellcheck disable=SC2086
-  timed "$tag.sft" $M sft --config "$sft" "${data[@]}" ${5:-} --set output_dir="$runs" || return
+  timed "$tag.sft" $M sft --config "$sft" "${data[@]}" --set output_dir="$runs" || return
   local warm; warm=$(latest "$runs/$(run_name "$sft")")
-  # the warm start's evaluation runs beside GRPO (decode leaves the GPU mostly idle): the recipe fits one hold
-  timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl" &
-  # shellcheck disable=SC2086
-  timed "$tag.train" $M train --config "$grpo" "${data[@]}" ${6:-} --set model_name="$warm" --set output_dir="$runs" \
-    || { wait; return; }
-  wait
+  timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl"
+  timed "$tag.train" $M train --config "$grpo" "${data[@]}" --set model_name="$warm" --set output_dir="$runs" || return
   timed "$tag.eval" $M eval --config "$grpo" "${data[@]}" --model "$(latest "$runs/$(run_name "$grpo")")" \
     --samples 1319 -o "$OUT/$tag-trained.jsonl"
 }
@@ -69,9 +63,6 @@ for recipe in "$@"; do
     control_nosft) simple arith_tools_control control_nosft "$seed" & ;;
     gsm8k) gsm8k "$seed" gsm8k_sft prod gsm8k & ;;
     gsm8k_tools) gsm8k "$seed" gsm8k_tools_sft prod_tools gsm8k_tools & ;;
-    # exploring: one epoch of warm start, the minutes saved given to GRPO
-    gsm8k_tools_short) gsm8k "$seed" gsm8k_tools_sft prod_tools gsm8k_tools_short \
-      "--set num_epochs=1" "--set max_minutes=15" & ;;
     *) echo "unknown recipe $recipe" >&2; exit 2 ;;
   esac
   # The first process builds the CUDA kernels; processes that started together while the kernel cache was
