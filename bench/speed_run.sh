@@ -75,7 +75,7 @@ if profile.is_file():
         print(f"decode {r['builder']:6} {r['rows']:5} rows: steady {r['steady_ms']:.2f} ms/step, build "
               f"{r['build_ms']:.2f} + dispatch {r['dispatch_ms']:.2f} ms host, {r['primitives']} primitives")
 eager, on = record("step-eager"), record("step-on")
-for name, rec in (("eager", eager), ("decode_graph + compile_update + use_compile", on)):
+for name, rec in (("eager", eager), ("compile_update + use_compile", on)):
     if rec and "step" in rec:
         s = rec["step"]
         print(f"standard step, {name}: {s['total_s']:.2f} s = rollout {s['rollout_s']:.2f} + log-probs "
