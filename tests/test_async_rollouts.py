@@ -28,7 +28,7 @@ ASYNC = ["async_rollouts=1", "rollout_correction=token_truncate"]
 LORA = ["train_type=lora", "lora_rank=4", "rollout_engine=copy", "gradient_accumulation_steps=2",
         "max_train_samples=16", "kl_coeff=0.05"]
 # the figures compared between a run and the reference
-FIGURES = ("loss", "grad_norm", "kl", "ratio_mean", "sampler_kl", "sampler_diff_max", "is_weight_mean",
+FIGURES = ("lr", "loss", "grad_norm", "kl", "ratio_mean", "sampler_kl", "sampler_diff_max", "is_weight_mean",
            "is_capped_fraction", "loss_tokens")
 
 
@@ -78,10 +78,9 @@ def naive_reference(cfg) -> tuple[list[dict], dict]:
     draws = sample_from(trainer.model.parameters())
     for k in range(1, trainer.total_updates + 1):
         before = trainer.model.parameters()  # arrays: the update replaces them, these stay
-        upcoming = sample_from(before) if k < trainer.total_updates else None
         _, m = trainer.train_step([trainer.logprob_passes([d]) for d in draws])
         figures.append({f: getattr(m, f) for f in FIGURES})
-        draws = upcoming
+        draws = sample_from(before) if k < trainer.total_updates else None  # batch k+1 from the weights k started from
     trainer.reward_runner.close()
     trained = dict(tree_flatten(trainer.model.trainable_parameters()))
     return figures, trained
@@ -116,6 +115,19 @@ def test_async_off_is_the_synchronous_run(tiny_model_dir, tmp_path):
     records = run_metrics(run)
     assert all("rollout_staleness" not in r for r in records)
     assert all(r["sampler_kl"] < 1e-6 for r in records)
+
+
+def test_async_schedule_and_positions_follow_the_batch_trained(tiny_model_dir, tmp_path):
+    """The next batch is drawn before the update trains: the learning rate (warmup, decay), the epoch and
+    prompts_cut still follow the batch the update trains, as in the synchronous run."""
+    items = ["num_epochs=2", "warmup_ratio=0.3", "lr_scheduler_type=cosine", "max_prompt_length=150"]
+    sync = run_metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=sync",
+                                              "rollout_correction=token_truncate", *items)))
+    ahead = run_metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=async", *ASYNC, *items)))
+    assert len(sync) == len(ahead) == 8 and {r["epoch"] for r in sync} == {0, 1}
+    assert len({r["lr"] for r in sync}) > 4 and sync[-1]["prompts_cut"] > 0
+    for f in ("lr", "epoch", "prompts_cut", "batch_step"):
+        assert [r[f] for r in ahead] == [r[f] for r in sync], f
 
 
 @pytest.mark.parametrize("extra", [[], LORA, ["model_dtype=bfloat16", "learning_rate=1e-4", "use_compile=true",

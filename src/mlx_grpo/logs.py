@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from mlx_grpo.training.prefetch import data_position
 from mlx_grpo.training.records import BatchStats, UpdateMetrics
 
 
@@ -58,6 +59,7 @@ def update_record(trainer, stats: list[BatchStats], result: UpdateMetrics) -> di
     """The metrics of one optimizer update, from its batch steps' stats and the update's result. Reward,
     length and variance figures cover every completion drawn (dynamic sampling may train on fewer)."""
     c = trainer.counters
+    _, epoch, prompts_cut = data_position(trainer)  # async_rollouts: the batch trained, not the one drawn after it
     drawn = [s.drawn_scores for s in stats]
     rewards = np.concatenate([d.total for d in drawn])
     lengths = np.concatenate([s.lengths for s in stats])
@@ -65,7 +67,7 @@ def update_record(trainer, stats: list[BatchStats], result: UpdateMetrics) -> di
     tokens = sum(s.tokens for s in stats)
     t_rollout = sum(s.t_rollout for s in stats)
     record = {
-        "update_step": c.update_step, "batch_step": c.batch_step, "epoch": trainer.sampler.epoch,
+        "update_step": c.update_step, "batch_step": c.batch_step, "epoch": epoch,
         "lr": result.lr, "loss": result.loss, "grad_norm": result.grad_norm,
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         **{f"reward/{n}": _nan_mean(np.concatenate([d.per_func[n] for d in drawn])) for n in drawn[0].per_func},
@@ -82,7 +84,7 @@ def update_record(trainer, stats: list[BatchStats], result: UpdateMetrics) -> di
         "zero_std_fraction": float(np.mean([s.zero_std for s in stats])),
         "loss_tokens": result.loss_tokens,
         "draws": sum(s.draws for s in stats), "groups_trained": sum(s.groups_trained for s in stats),
-        "prompts_cut": c.prompts_cut, "skipped": result.skipped, "skipped_total": c.skipped_updates,
+        "prompts_cut": prompts_cut, "skipped": result.skipped, "skipped_total": c.skipped_updates,
         "rollout_tokens_per_s": tokens / t_rollout if t_rollout > 0 else 0.0,
         "train_tokens_per_s": result.train_tokens_per_s,
         "time_rollout_s": t_rollout, "time_reward_s": sum(s.t_reward for s in stats),

@@ -75,6 +75,17 @@ def serve(jobs: queue.SimpleQueue) -> None:
                 future.set_result(fn())
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
+        fn = future = None  # parked on the queue, the thread must not keep the last job's Trainer alive
+
+
+def data_position(trainer) -> tuple[int, int, int]:
+    """(batch steps drawn, epoch, prompts cut) of the batches trained so far, which the schedule and the logs
+    follow: async_rollouts' pending batches, drawn before the update that trains the ones before them, left out."""
+    pending = trainer.prefetch.pending if trainer.prefetch is not None else None
+    if pending is None:
+        return trainer.sampler.batches_done, trainer.sampler.epoch, trainer.counters.prompts_cut
+    c = pending.data_cursor
+    return c["epoch"] * trainer.sampler.batches_per_epoch + c["position"], c["epoch"], pending.prompts_cut
 
 
 class RolloutPrefetch:

@@ -47,7 +47,7 @@ from mlx_grpo.training.draws import add_rewards, batch_stats, collect, informati
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
 from mlx_grpo.training.policy import Policies, logprob_pass
-from mlx_grpo.training.prefetch import RolloutPrefetch
+from mlx_grpo.training.prefetch import RolloutPrefetch, data_position
 from mlx_grpo.training.records import Batch, Counters, Draw, SampledUpdate, StepData, UpdateMetrics
 
 
@@ -362,7 +362,7 @@ class Trainer:
         batch step draws once; ahead of it when dynamic sampling drew extra batches, so the decay ends
         where the data does. 1-based."""
         cfg = self.cfg
-        groups = -(-self.sampler.batches_done // cfg.training.gradient_accumulation_steps)  # rollout groups consumed
+        groups = -(-data_position(self)[0] // cfg.training.gradient_accumulation_steps)  # rollout groups consumed
         iteration = (self.counters.update_step - 1) % cfg.objective.num_iterations + 1
         return min(max(groups - 1, 0) * cfg.objective.num_iterations + iteration, self.total_updates)
 
