@@ -42,6 +42,33 @@ def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=
     monkeypatch.setattr(trainer_class, name, original)
 
 
+def ctrl_c_while_scoring_hangs(model_dir, tmp_path, *sets: str) -> tuple[int, str]:
+    """`mlx-grpo train` (with --set items `sets`) whose scorer never returns: Ctrl-C once the scorer is
+    entered. -> (exit code, stderr)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "scoring"
+    (tmp_path / "hang.py").write_text(
+        "import pathlib, time\n"
+        "def hang(prompts, completions, completion_ids, **columns):\n"
+        f"    pathlib.Path({str(marker)!r}).touch()\n"
+        "    time.sleep(600)\n")
+    items = [f"model_name={model_dir}", f"output_dir={tmp_path}", "max_train_samples=8", "system_prompt=",
+             f"reward_funcs={tmp_path / 'hang.py'}:hang", "max_new_tokens=8", *sets]
+    cmd = [sys.executable, "-m", "mlx_grpo", "train", *(a for item in items for a in ("--set", item))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate(timeout=5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    return proc.returncode, err
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

@@ -15,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from caller_model import CALLER, write_caller_model
-from conftest import interrupt_before_update, run_metrics
+from conftest import ctrl_c_while_scoring_hangs, interrupt_before_update, run_metrics
 from mlx_grpo import run as run_mod
 from mlx_grpo.assembly import build_trainer
 from mlx_grpo.config import build_config, parse_set
@@ -210,26 +210,5 @@ def test_async_bench_runs_both_modes_on_a_tiny_model(tiny_model_dir, tmp_path):
 def test_ctrl_c_ends_a_run_whose_rollout_thread_hangs(tiny_model_dir, tmp_path):
     """A scorer that never returns, called inline in the rollout thread while the update waits for it:
     Ctrl-C ends the run at once (exit 130), not waiting for the thread."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    marker = tmp_path / "scoring"
-    (tmp_path / "hang.py").write_text(
-        "import pathlib, time\n"
-        "def hang(prompts, completions, completion_ids, **columns):\n"
-        f"    pathlib.Path({str(marker)!r}).touch()\n"
-        "    time.sleep(600)\n")
-    cmd = [sys.executable, "-m", "mlx_grpo", "train", "--set", f"model_name={tiny_model_dir}",
-           "--set", f"output_dir={tmp_path}", "--set", "max_train_samples=8", "--set", "system_prompt=",
-           "--set", f"reward_funcs={tmp_path / 'hang.py'}:hang", "--set", "max_new_tokens=8", *(
-               a for item in ASYNC for a in ("--set", item))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), proc.communicate(timeout=5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    code, err = ctrl_c_while_scoring_hangs(tiny_model_dir, tmp_path, *ASYNC)
+    assert code == 130 and "interrupted" in err and "Traceback" not in err

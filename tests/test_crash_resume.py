@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import ctrl_c_while_scoring_hangs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,24 +42,6 @@ def test_help_is_whole():
 def test_ctrl_c_stops_a_run_whose_reward_hangs(tiny_model_dir, tmp_path):
     """A scorer that never returns, in a reward worker: Ctrl-C ends the run at once (exit 130) instead of
     waiting for the worker thread at exit."""
-    import signal
-    import time
-
-    marker = tmp_path / "scoring"
-    (tmp_path / "hang.py").write_text(
-        "import pathlib, time\n"
-        "def hang(prompts, completions, completion_ids, **columns):\n"
-        f"    pathlib.Path({str(marker)!r}).touch()\n"
-        "    time.sleep(600)\n")
-    cmd = [sys.executable, "-m", "mlx_grpo", "train", "--set", f"model_name={tiny_model_dir}",
-           "--set", f"output_dir={tmp_path}", "--set", "max_train_samples=8", "--set", "system_prompt=",
-           "--set", f"reward_funcs={tmp_path / 'hang.py'}:hang", "--set", "reward_workers=1",
-           "--set", "gradient_accumulation_steps=2", "--set", "max_new_tokens=8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), proc.communicate(timeout=5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    code, err = ctrl_c_while_scoring_hangs(tiny_model_dir, tmp_path, "reward_workers=1",
+                                           "gradient_accumulation_steps=2")
+    assert code == 130 and "interrupted" in err and "Traceback" not in err
