@@ -74,13 +74,13 @@ if profile.is_file():
     for r in json.loads(profile.read_text())["rows"]:
         print(f"decode {r['builder']:6} {r['rows']:5} rows: steady {r['steady_ms']:.2f} ms/step, build "
               f"{r['build_ms']:.2f} + dispatch {r['dispatch_ms']:.2f} ms host, {r['primitives']} primitives")
+def step(s):
+    return (f"{s['total_s']:.2f} s = rollout {s['rollout_s']:.2f} + log-probs {s['logprob_s']:.2f} + train "
+            f"{s['train_s']:.2f}; rollout {s['tokens'] / s['rollout_s']:,.0f} tok/s; peak {s['peak_memory_gb']:.1f} GB")
 eager, on = record("step-eager"), record("step-on")
 for name, rec in (("eager", eager), ("compile_update + use_compile", on)):
     if rec and "step" in rec:
-        s = rec["step"]
-        print(f"standard step, {name}: {s['total_s']:.2f} s = rollout {s['rollout_s']:.2f} + log-probs "
-              f"{s['logprob_s']:.2f} + train {s['train_s']:.2f}; peak {s['peak_memory_gb']:.1f} GB; "
-              f"rollout {s['tokens'] / s['rollout_s']:,.0f} tok/s")
+        print(f"standard step, {name}: {step(rec['step'])}")
 if eager and "split" in eager:
     p = eager["split"]
     print(f"training pass split: forward {p['forward_s']:.3f}, backward {p['backward_eager_s']:.3f} eager / "
@@ -101,10 +101,7 @@ for shape in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
     full, lora = record(f"{shape}-full"), record(f"{shape}-lora")
     for train, rec in (("full", full), ("lora", lora)):
         if rec and "step" in rec:
-            s = rec["step"]
-            print(f"{shape} {train}: step {s['total_s']:.2f} s = rollout {s['rollout_s']:.2f} + log-probs "
-                  f"{s['logprob_s']:.2f} + train {s['train_s']:.2f}; rollout {s['tokens'] / s['rollout_s']:,.0f} "
-                  f"tok/s; peak {s['peak_memory_gb']:.1f} GB")
+            print(f"{shape} {train}: step {step(rec['step'])}")
     if full and lora and "step" in full and "step" in lora:
         print(f"{shape} lora / full step: {lora['step']['total_s'] / full['step']['total_s']:.2f}x (target <= 1.1x)")
 PY
