@@ -87,7 +87,8 @@ class ObjectiveConfig:
                                       "token's loss times min(ratio, cap); token_mask = times the ratio, 0 where it "
                                       "exceeds cap; sequence_truncate / sequence_mask = the same with one ratio per "
                                       "completion (exp of the summed token differences). Corrects for the rollout "
-                                      "engine's decoding differing from the training pass (half-precision kernels); "
+                                      "engine's decoding differing from the training pass (half-precision kernels), and "
+                                      "for async_rollouts' batches sampled one update stale; "
                                       "with quantize_for_rollouts the old policy is the quantized copy, whose "
                                       "difference enters the clipped PPO ratio instead. The mismatch is logged either "
                                       "way (sampler_kl). Not with lora_dropout.", TRAIN,
