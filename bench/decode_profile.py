@@ -9,7 +9,9 @@ G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention
 where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the compiled sampler. "engine" is
 mlx_grpo.rollout.engine.RolloutEngine's step, what the trainer now samples with: the fused sampling copy, one
 compiled graph per step (model + sampler; it reads the cache), the token's keys/values written into the
-cache outside it. Both run with no EOS (every row decodes). Another decode step plugs in as another
+cache outside it. "graph" is that step under decode_graph (models/compiled_decode.py), "whole" under
+decode_whole_step (models/whole_step.py: the same step with the cache write, step keys and counters inside
+the compiled call). All run with no EOS (every row decodes). Another decode step plugs in as another
 entry of STEP_BUILDERS.
 
 Per row count, after --warmup steps, over --steps steps each (milliseconds per step, medians):
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -121,15 +124,16 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
                                                 "attention_kernel": bool(static and routed)})
 
 
-def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: bool):
-    """What both engine step builders start from: the engine with its sampling copy (decode_graph or not;
+def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: bool, whole: bool = False):
+    """What the engine step builders start from: the engine with its sampling copy (decode_graph,
+    decode_whole_step or neither;
     the tokenizer is used only to end and decode rows), the sampling settings, and the prompts left-padded
     (pad id 0) to their bucket width. -> (engine, params, width, padding [B], tokens [B, width])."""
     from mlx_grpo.models.forward import bucket
     from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.rollout.records import SamplingParams
 
-    engine = RolloutEngine(None, mode="copy", graph=graph).refresh(model)
+    engine = RolloutEngine(None, mode="copy", graph=graph, whole=whole).refresh(model)
     if not engine.uses_copy:
         raise UserError(f"the engine has no sampling copy of this model ({type(model).__module__}): "
                         "no engine step to profile")
@@ -242,7 +246,42 @@ def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
                                                             "cache_layout": "stacked"})
 
 
-STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step, "graph": graph_step}  # name -> context manager yielding a Decoder
+@contextmanager
+def whole_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+    """The engine's step under decode_whole_step = true (models/whole_step.py): the default step's weights,
+    matmuls and kernels, with the cache write (in place), the step keys and the slot/step counters inside
+    the one compiled call; the loop only calls it. Otherwise as engine_step."""
+    from mlx_grpo.models import decoder as D
+
+    engine, params, width, padding, tokens = _prompt_batch(model, prompts, max_new_tokens, graph=False, whole=True)
+    spec, weights = engine.spec, engine.weights
+    logits, keys, values = D.prefill(spec, weights, tokens, padding)
+    tail = [(0, 0), (0, 0), (0, 0), (0, max_new_tokens), (0, 0)]
+    keys = mx.repeat(mx.pad(mx.stack(keys), tail), group, axis=1)  # [layers, N, Hkv, width + T, Dh]
+    values = mx.repeat(mx.pad(mx.stack(values), tail), group, axis=1)
+    start, step_keys, state, kernel, compiled = _sampling_start(engine, params, logits, padding, group,
+                                                                max_new_tokens, seed)
+    slot_keys = mx.contiguous(step_keys.transpose(1, 0, 2))  # [N, T, 2], as the engine gathers them
+    cache = [keys, values, mx.array([width], dtype=mx.int32), mx.ones((start.shape[0],), dtype=mx.int32)]
+    del keys, values
+    mx.eval(cache, slot_keys, state)
+
+    def step(index: int) -> list[mx.array]:
+        keys, values, slot, kstep = cache
+        cache.clear()  # the compiled call's update is then the old buffers' only owner (donated)
+        token, logprob, entropy, ended, keys, values, slot, kstep = compiled(
+            weights, state[0], keys, values, slot, start, kstep, slot_keys, state[3])
+        cache[:] = [keys, values, slot, kstep]
+        state[:] = [token, logprob, entropy, ended]
+        return list(state)
+
+    yield Decoder(step, sync_every=engine.sync_every, info={"cache": "decode_whole_step (whole_step)",
+                                                            "attention_kernel": bool(kernel),
+                                                            "cache_layout": "stacked"})
+
+
+STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step, "graph": graph_step,
+                 "whole": whole_step}  # name -> context manager yielding a Decoder
 
 
 def count_primitives(outputs: list[mx.array]) -> dict:
@@ -365,14 +404,17 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, rows: list[int], builders: list[str], argv) -> int:
     model, name = load(args)
     vocab = model.args.vocab_size
+    # MLX_* variables steer the backend (MLX_MAX_MB_PER_BUFFER: when the CUDA graph being built is launched)
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(), "blas": BLAS,
+              "env": env,
               "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
               "workload": {"model": name, "dtype": args.dtype, "parameters": shapes.parameter_count(model),
                            "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
                            "warmup": args.warmup, "steps": args.steps, "group": args.group},
               "rows": []}
     print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "
-          f"model {name}, {args.dtype}", flush=True)
+          f"model {name}, {args.dtype}" + "".join(f"; {k}={v}" for k, v in env.items()), flush=True)
     for builder in builders:
         for n in rows:
             g = min(args.group, n)

@@ -15,9 +15,10 @@ layer, of which only ~7 compute. This step computes the same forward with:
   and changing ones grow its cache).
 
 The new keys/values are written into the cache *outside* the compiled graph, by slice_update at the slot
-array: inside one, the cache is an input that the compiled call keeps referenced, so MLX copies the whole
-buffer every step (measured on CPU: 8 ms vs 0.04 ms per step for a 0.5 GB cache); outside, the old buffer
-has no other owner by the time the update runs and is donated (written in place).
+array, where the old buffer has no other owner by the time the update runs and is donated (written in
+place). A first measurement found the write copying the whole buffer inside a compiled graph; a later one
+(models/whole_step.py) traced that to evaluating the updated cache together with its readers, compiled or
+not: inside the graph it is donated too, and decode_whole_step writes it there.
 
 The arithmetic is decoder.decode_step's, operation for operation; only the matmuls' operand layout differs
 (x @ W' with W' = W^T stored contiguous), which can change a float's last bits on some backends. Tests: the
