@@ -32,6 +32,13 @@ fallbacks, so it has more nodes than on a GPU, and "dispatch" includes compute r
     python bench/decode_profile.py --shape qwen2.5-0.5b --out bench-results
     python bench/decode_profile.py --shape tiny-qwen2 --rows 4,8 --dtype float32 --steps 4 --warmup 2 \\
         --max-new-tokens 16 --out /tmp/profile.json                            # a CPU smoke run
+    MLX_MAX_MB_PER_BUFFER=1000000 python bench/decode_profile.py --builders engine,whole --out bench-results
+
+MLX's CUDA backend records kernels into a CUDA graph and launches it once it holds 100 kernels or its
+inputs pass 1,000 MB (the H100's defaults, MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER). It counts each
+input array whole, and every layer's attention kernel takes the whole stacked cache [layers, N, Hkv, S, D]
+(keys and values): past ~64 rows that is one graph launch per layer, ~30 per step, where the kernel count
+alone would give ~3. The last command lifts the byte limit (the record's "env" keeps the MLX_* variables).
 
 Prints a markdown table; writes the JSON record to --out (a .json file, or a directory for
 decode_profile-<time>.json). The timings are wall-clock timers, not a trace: for kernel-level detail run
