@@ -148,3 +148,23 @@ def test_step_writes_the_cache_in_place_and_equals_the_copys_step(kind):
 def test_bad_whole_step_settings_are_one_line(items, message):
     with pytest.raises(UserError, match=message):
         build_config("train", overrides=parse_set(["model_name=m", *items]))
+
+
+def test_a_training_run_with_it_is_the_run_without_it(tiny_model_dir, tmp_path, monkeypatch):
+    """decode_whole_step reaches the trainer's engine, and a run with it is bitwise the run without it."""
+    from conftest import run_metrics
+    from test_trainer import FIXTURES, make_cfg, weights
+
+    from mlx_grpo import run as run_mod
+
+    made, real = [], whole_step.make_step
+    monkeypatch.setattr(whole_step, "make_step", lambda *a, **k: made.append(1) or real(*a, **k))
+    extra = [f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids", "rollout_engine=copy"]
+    runs = []
+    for i, more in enumerate([[], ["decode_whole_step=true"]]):
+        runs.append(run_mod.train(make_cfg(tiny_model_dir, tmp_path, f"run_name=r{i}", "save_steps=2", *extra, *more)))
+        assert bool(made) == (i == 1)  # the whole step was built for the second run only
+    assert run_metrics(runs[0]) == run_metrics(runs[1]) and len(run_metrics(runs[0])) >= 4
+    last = max(int(p.name.split("-")[1]) for p in runs[0].glob("checkpoint-*"))
+    a, b = (weights(r / f"checkpoint-{last}") for r in runs)
+    assert all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
