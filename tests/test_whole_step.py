@@ -74,8 +74,8 @@ def test_later_turns_decode_as_with_todays_step(tmp_path):
         prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
         keys = mx.random.split(mx.random.key(3), 16)
         engine = RolloutEngine(tok, mode="copy", sync_every=2, whole=whole).refresh(model)
-        out.append(multiturn.generate_many(engine, [(prompts[:2], keys[:8], rows[:2]), (prompts[2:], keys[8:], rows[2:])],
-                                           4, SamplingParams(40, 1.0)))
+        jobs = [(prompts[:2], keys[:8], rows[:2]), (prompts[2:], keys[8:], rows[2:])]
+        out.append(multiturn.generate_many(engine, jobs, 4, SamplingParams(40, 1.0)))
     for a, b in zip(*out):
         _same(a, b)
     calls = [sum(t.origin == "tool" for t in tr.turns) for r in out[1] for tr in r.transcripts]

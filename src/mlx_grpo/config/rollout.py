@@ -70,8 +70,9 @@ class RolloutConfig:
                                       "the KV cache write (in place), the step keys and the slot and step counters, "
                                       "all on the device; the same weights and kernels, fewer host operations per "
                                       "step, one trace per batch size and cache capacity. Same tokens and log-probs "
-                                      "as without it on CPU in float32 (tests). Not with decode_graph; needs the "
-                                      "copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN,
+                                      "as without it on CPU in float32 (tests). Off until measured on a GPU "
+                                      "(bench/decode_profile.py --builders engine,whole). Not with decode_graph; "
+                                      "needs the copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN,
                                       resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
                                   "this update starts from, while this update trains (training/prefetch.py): every "
