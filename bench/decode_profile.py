@@ -219,7 +219,7 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
 
 
 @contextmanager
-def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int, fuse: bool = True):
     """The engine's step under decode_graph = true (models/compiled_decode.py): 2-D hidden state, matrices
     stored transposed, the cache slot a device array the graph advances; the new keys/values written outside
     it by slice_update at that slot. Otherwise as engine_step."""
@@ -234,6 +234,10 @@ def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
     values = mx.repeat(mx.pad(mx.stack(values), tail), group, axis=1)
     start, step_keys, state, kernel, compiled = _sampling_start(engine, params, logits, padding, group,
                                                                 max_new_tokens, seed)
+    if not fuse:  # graph_split: the same step with RoPE and attention as the default engine runs them
+        from mlx_grpo.rollout.sampling import sample
+        eos = mx.array([-1], dtype=mx.int32)  # ignore_eos, as _sampling_start's step
+        compiled = C.make_step(spec, lambda logits, k: sample(logits, k, params), eos, kernel, fuse=False)
     n = start.shape[0]
     cache = [keys, values, mx.array([width], dtype=mx.int32), mx.ones((n,), dtype=mx.int32)]  # + slot, kstep
     mx.eval(cache, step_keys, state)
@@ -287,8 +291,13 @@ def whole_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
                                                             "cache_layout": "stacked"})
 
 
+def graph_split_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+    """graph_step without its fused RoPE + attention launch: which half of decode_graph costs the GPU time."""
+    return graph_step(model, prompts, group, max_new_tokens, seed, fuse=False)
+
+
 STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step, "graph": graph_step,
-                 "whole": whole_step}  # name -> context manager yielding a Decoder
+                 "graph_split": graph_split_step, "whole": whole_step}  # name -> context manager yielding a Decoder
 
 
 def count_primitives(outputs: list[mx.array]) -> dict:

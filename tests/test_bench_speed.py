@@ -30,12 +30,15 @@ def test_decode_profile_graph_step_is_the_engines_decode_graph(tiny_model_dir):
         got = [decoder.step()[0] for _ in range(6)]
         mx.eval(got)
         graph = profile.count_primitives(decoder.step())  # one step's graph, its inputs evaluated
+    with profile.graph_split_step(model, prompts, 3, 10, seed=5) as decoder:
+        split = [decoder.step()[0] for _ in range(6)]
     with profile.engine_step(model, prompts, 3, 10, seed=5) as decoder:
         today = profile.count_primitives(decoder.step())
     tokenizer = load_model(str(tiny_model_dir), "float32")[1]
     want = RolloutEngine(tokenizer, mode="copy", graph=True).refresh(model).generate(
         prompts, 3, SamplingParams(10, 1.0, ignore_eos=True), mx.random.key(5))
     assert mx.array_equal(mx.stack(got, axis=1), want.completion_ids[:, 1:7])
+    assert mx.array_equal(mx.stack(split, axis=1), want.completion_ids[:, 1:7])
     # per layer: no Flatten/Unflatten around matmuls, no weight transposes
     assert graph["primitives"] < today["primitives"]
     assert "Flatten" not in graph["by_type"] and graph["by_type"].get("Transpose", 0) < today["by_type"]["Transpose"]

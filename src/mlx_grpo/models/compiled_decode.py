@@ -61,16 +61,17 @@ def _linear(x: mx.array, w: dict, name: str, residual: mx.array | None = None) -
 
 
 def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx.array, slot: mx.array,
-                start: mx.array, kernel: bool):
+                start: mx.array, kernel: bool, fuse: bool = True):
     """One token per row, the fed token written at cache slot `slot` [1]: token [n] at RoPE position
     slot - start[r], attending cache slots [start[r], slot) plus itself; keys, values [layers, n, Hkv, S, Dh];
-    w from graph_weights. -> (logits [n, V], the token's keys and values [layers, n, Hkv, 1, Dh])."""
+    w from graph_weights; fuse=False keeps RoPE and attention as the default engine runs them (for the bench's
+    comparison). -> (logits [n, V], the token's keys and values [layers, n, Hkv, 1, Dh])."""
     n = token.shape[0]
     H, Hkv, Dh, eps = spec.heads, spec.kv_heads, spec.head_dim, spec.eps
     offset = slot - start  # [n]
     x = w["embed"][token]  # [n, D]
     new_keys, new_values = [], []
-    fused = kernel and spec.theta is not None and not spec.qk_norm
+    fused = fuse and kernel and spec.theta is not None and not spec.qk_norm
     for layer, lw in enumerate(w["layers"]):
         qkv = _linear(mx.fast.rms_norm(x, lw["ln1"], eps), lw, "qkv")  # [n, (H + 2 Hkv) Dh]
         if fused:  # RoPE, attention and the own slot in one launch
@@ -98,7 +99,7 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx
     return logits, gather(new_keys), gather(new_values)
 
 
-def make_step(spec: Spec, sample, eos: mx.array, kernel: bool, on_trace=None):
+def make_step(spec: Spec, sample, eos: mx.array, kernel: bool, on_trace=None, fuse: bool = True):
     """The compiled step: (weights, token, keys, values, slot, start, kstep, row_keys, ended) -> (token,
     logprob, entropy, ended, new_keys, new_values, slot + 1, kstep + 1). sample(logits, row_keys) ->
     (token, logprob, entropy); eos [E] int32 ids that end a row. on_trace() is called each time MLX traces it
@@ -107,7 +108,7 @@ def make_step(spec: Spec, sample, eos: mx.array, kernel: bool, on_trace=None):
     def step(weights, token, keys, values, slot, start, kstep, row_keys, ended):
         if on_trace is not None:
             on_trace()
-        logits, new_k, new_v = decode_step(spec, weights, token, keys, values, slot, start, kernel)
+        logits, new_k, new_v = decode_step(spec, weights, token, keys, values, slot, start, kernel, fuse)
         token, logprob, entropy = sample(logits, row_keys)
         ended = ended | (token[:, None] == eos[None]).any(axis=1)
         return token, logprob, entropy, ended, new_k, new_v, slot + 1, kstep + 1
