@@ -9,9 +9,7 @@ G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention
 where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the compiled sampler. "engine" is
 mlx_grpo.rollout.engine.RolloutEngine's step, what the trainer now samples with: the fused sampling copy, one
 compiled graph per step (model + sampler; it reads the cache), the token's keys/values written into the
-cache outside it. "graph" is that step under decode_graph (models/compiled_decode.py), "whole" under
-decode_whole_step (models/whole_step.py: the same step with the cache write, step keys and counters inside
-the compiled call). All run with no EOS (every row decodes). Another decode step plugs in as another
+cache outside it. Both run with no EOS (every row decodes). Another decode step plugs in as another
 entry of STEP_BUILDERS.
 
 Per row count, after --warmup steps, over --steps steps each (milliseconds per step, medians):
@@ -32,13 +30,6 @@ fallbacks, so it has more nodes than on a GPU, and "dispatch" includes compute r
     python bench/decode_profile.py --shape qwen2.5-0.5b --out bench-results
     python bench/decode_profile.py --shape tiny-qwen2 --rows 4,8 --dtype float32 --steps 4 --warmup 2 \\
         --max-new-tokens 16 --out /tmp/profile.json                            # a CPU smoke run
-    MLX_MAX_MB_PER_BUFFER=1000000 python bench/decode_profile.py --builders engine,whole --out bench-results
-
-MLX's CUDA backend records kernels into a CUDA graph and launches it once it holds 100 kernels or its
-inputs pass 1,000 MB (the H100's defaults, MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER). It counts each
-input array whole, and every layer's attention kernel takes the whole stacked cache [layers, N, Hkv, S, D]
-(keys and values): past ~64 rows that is one graph launch per layer, ~30 per step, where the kernel count
-alone would give ~3. The last command lifts the byte limit (the record's "env" keeps the MLX_* variables).
 
 Prints a markdown table; writes the JSON record to --out (a .json file, or a directory for
 decode_profile-<time>.json). The timings are wall-clock timers, not a trace: for kernel-level detail run
@@ -50,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -131,16 +121,15 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
                                                 "attention_kernel": bool(static and routed)})
 
 
-def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: bool, whole: bool = False):
-    """What the engine step builders start from: the engine with its sampling copy (decode_graph,
-    decode_whole_step or neither;
+def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: bool):
+    """What both engine step builders start from: the engine with its sampling copy (decode_graph or not;
     the tokenizer is used only to end and decode rows), the sampling settings, and the prompts left-padded
     (pad id 0) to their bucket width. -> (engine, params, width, padding [B], tokens [B, width])."""
     from mlx_grpo.models.forward import bucket
     from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.rollout.records import SamplingParams
 
-    engine = RolloutEngine(None, mode="copy", graph=graph, whole=whole).refresh(model)
+    engine = RolloutEngine(None, mode="copy", graph=graph).refresh(model)
     if not engine.uses_copy:
         raise UserError(f"the engine has no sampling copy of this model ({type(model).__module__}): "
                         "no engine step to profile")
@@ -222,7 +211,7 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
 def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int, fuse: bool = True):
     """The engine's step under decode_graph = true (models/compiled_decode.py): 2-D hidden state, matrices
     stored transposed, the cache slot a device array the graph advances; the new keys/values written outside
-    it by slice_update at that slot. Otherwise as engine_step."""
+    it at the loop's static slice, as the engine writes them. Otherwise as engine_step."""
     from mlx_grpo.models import compiled_decode as C
     from mlx_grpo.models import decoder as D
 
@@ -247,7 +236,9 @@ def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
         cache.clear()  # the old buffers' only owner is the write below (donated: written in place)
         token, logprob, entropy, ended, new_k, new_v, next_slot, kstep = compiled(
             weights, state[0], keys, values, slot, start, kstep, step_keys[index], state[3])
-        cache[:] = [C.write_slot(keys, new_k, slot), C.write_slot(values, new_v, slot), next_slot, kstep]
+        keys[..., width + index:width + index + 1, :] = new_k  # static slice: in place, as the engine writes
+        values[..., width + index:width + index + 1, :] = new_v
+        cache[:] = [keys, values, next_slot, kstep]
         del keys, values
         state[:] = [token, logprob, entropy, ended]
         return list(state)
@@ -257,47 +248,13 @@ def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
                                                             "cache_layout": "stacked"})
 
 
-@contextmanager
-def whole_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
-    """The engine's step under decode_whole_step = true (models/whole_step.py): the default step's weights,
-    matmuls and kernels, with the cache write (in place), the step keys and the slot/step counters inside
-    the one compiled call; the loop only calls it. Otherwise as engine_step."""
-    from mlx_grpo.models import decoder as D
-
-    engine, params, width, padding, tokens = _prompt_batch(model, prompts, max_new_tokens, graph=False, whole=True)
-    spec, weights = engine.spec, engine.weights
-    logits, keys, values = D.prefill(spec, weights, tokens, padding)
-    tail = [(0, 0), (0, 0), (0, 0), (0, max_new_tokens), (0, 0)]
-    keys = mx.repeat(mx.pad(mx.stack(keys), tail), group, axis=1)  # [layers, N, Hkv, width + T, Dh]
-    values = mx.repeat(mx.pad(mx.stack(values), tail), group, axis=1)
-    start, step_keys, state, kernel, compiled = _sampling_start(engine, params, logits, padding, group,
-                                                                max_new_tokens, seed)
-    slot_keys = mx.contiguous(step_keys.transpose(1, 0, 2))  # [N, T, 2], as the engine gathers them
-    cache = [keys, values, mx.array([width], dtype=mx.int32), mx.ones((start.shape[0],), dtype=mx.int32)]
-    del keys, values
-    mx.eval(cache, slot_keys, state)
-
-    def step(index: int) -> list[mx.array]:
-        keys, values, slot, kstep = cache
-        cache.clear()  # the compiled call's update is then the old buffers' only owner (donated)
-        token, logprob, entropy, ended, keys, values, slot, kstep = compiled(
-            weights, state[0], keys, values, slot, start, kstep, slot_keys, state[3])
-        cache[:] = [keys, values, slot, kstep]
-        state[:] = [token, logprob, entropy, ended]
-        return list(state)
-
-    yield Decoder(step, sync_every=engine.sync_every, info={"cache": "decode_whole_step (whole_step)",
-                                                            "attention_kernel": bool(kernel),
-                                                            "cache_layout": "stacked"})
-
-
 def graph_split_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
-    """graph_step without its fused RoPE + attention launch: which half of decode_graph costs the GPU time."""
+    """graph_step without its fused RoPE + attention launch: which part of decode_graph costs the GPU time."""
     return graph_step(model, prompts, group, max_new_tokens, seed, fuse=False)
 
 
 STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step, "graph": graph_step,
-                 "graph_split": graph_split_step, "whole": whole_step}  # name -> context manager yielding a Decoder
+                 "graph_split": graph_split_step}  # name -> context manager yielding a Decoder
 
 
 def count_primitives(outputs: list[mx.array]) -> dict:
@@ -420,17 +377,14 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, rows: list[int], builders: list[str], argv) -> int:
     model, name = load(args)
     vocab = model.args.vocab_size
-    # MLX_* variables steer the backend (MLX_MAX_MB_PER_BUFFER: when the CUDA graph being built is launched)
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(), "blas": BLAS,
-              "env": env,
               "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
               "workload": {"model": name, "dtype": args.dtype, "parameters": shapes.parameter_count(model),
                            "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
                            "warmup": args.warmup, "steps": args.steps, "group": args.group},
               "rows": []}
     print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "
-          f"model {name}, {args.dtype}" + "".join(f"; {k}={v}" for k, v in env.items()), flush=True)
+          f"model {name}, {args.dtype}", flush=True)
     for builder in builders:
         for n in rows:
             g = min(args.group, n)

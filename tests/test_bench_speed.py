@@ -1,6 +1,5 @@
 """Issue 25's bench pieces on tiny models: decode_profile's "graph" builder is the engine's decode_graph step
-(same tokens as engine.generate) with fewer primitives than the "engine" step, its "whole" builder the
-decode_whole_step step; grpo_bench --sections split
+(same tokens as engine.generate) with fewer primitives than the "engine" step; grpo_bench --sections split
 times the training pass piece by piece."""
 
 from __future__ import annotations
@@ -60,29 +59,3 @@ def test_grpo_bench_split_section(tmp_path):
                 "update_eager_s", "update_compiled_s"):
         assert split[key] > 0, key
     assert "| training pass split s" in proc.stdout
-
-
-def test_decode_profile_whole_step_is_the_engines_decode_whole_step(tiny_model_dir):
-    """The "whole" builder decodes what engine.generate decodes under decode_whole_step, its graph has the
-    engine step's matmuls, and the cache write is inside it (at the slot array)."""
-    from mlx_grpo.rollout.engine import RolloutEngine
-    from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout.records import SamplingParams
-
-    profile = _load_bench_module("decode_profile")
-    shapes = _load_bench_module("shapes")
-    model = shapes.build("tiny-qwen2", mx.float32)
-    prompts = profile.make_prompts(2, 12, 300, seed=0)
-    with profile.whole_step(model, prompts, 3, 10, seed=5) as decoder:
-        got = [decoder.step()[0] for _ in range(6)]
-        mx.eval(got)
-        whole = profile.count_primitives(decoder.step())
-    with profile.engine_step(model, prompts, 3, 10, seed=5) as decoder:
-        today = profile.count_primitives(decoder.step())
-    tokenizer = load_model(str(tiny_model_dir), "float32")[1]
-    want = RolloutEngine(tokenizer, mode="copy", whole=True).refresh(model).generate(
-        prompts, 3, SamplingParams(10, 1.0, ignore_eos=True), mx.random.key(5))
-    assert mx.array_equal(mx.stack(got, axis=1), want.completion_ids[:, 1:7])
-    for kind in ("Matmul", "AddMM"):  # the same projections, on the same weights
-        assert whole["by_type"].get(kind) == today["by_type"].get(kind), kind
-    assert "DynamicSliceUpdate" in whole["by_type"] and "SliceUpdate" not in whole["by_type"]

@@ -65,15 +65,6 @@ class RolloutConfig:
                                  "on CPU in float32 (tests); costs a copy of o_proj/down_proj. Off by default: on an "
                                  "H100 it decoded slower (BENCHMARKS.md, issue 25). Needs the copy (rollout_engine = "
                                  "copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
-    decode_whole_step: bool = setting(False, "The sampling copy's whole decode step as one compiled call "
-                                      "(models/whole_step.py): the model step and the sampler as by default, plus "
-                                      "the KV cache write (in place), the step keys and the slot and step counters, "
-                                      "all on the device; the same weights and kernels, fewer host operations per "
-                                      "step, one trace per batch size and cache capacity. Same tokens and log-probs "
-                                      "as without it on CPU in float32 (tests). Off until measured on a GPU "
-                                      "(bench/decode_profile.py --builders engine,whole). Not with decode_graph; "
-                                      "needs the copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN,
-                                      resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
                                   "this update starts from, while this update trains (training/prefetch.py): every "
                                   "batch after the first is sampled one update stale (rollout_staleness in "

@@ -80,8 +80,7 @@ def _validate_images(c: Config) -> None:
         bad = [name for flag, name in [(o.update_every > 1, "update_every > 1"), (r.quantize_for_rollouts,
                "quantize_for_rollouts"), (bool(r.stop), "stop"), (o.demonstrations != "off", "demonstrations"),
                (c.training.use_compile, "use_compile"), (bool(r.tools or r.environment), "tools/environment"),
-               (bool(c.data.prefill), "prefill"), (r.decode_graph, "decode_graph"),
-               (r.decode_whole_step, "decode_whole_step")] if flag]
+               (bool(c.data.prefill), "prefill"), (r.decode_graph, "decode_graph")] if flag]
         _require(not bad, f"image_column (GRPO on images) does not support {', '.join(bad)}: drop them")
     _require(c.data.image_column or not c.training.train_vision,
              "train_vision needs image_column (a GRPO run on images)")
@@ -142,11 +141,8 @@ def _validate_objective(c: Config) -> None:
     for name in dict.fromkeys(f for fields in own.values() for f in fields):  # a loss type's own settings
         _unused_unless(c, name, name in own.get(o.loss_type, ()),
                        "loss_type " + " or ".join(k for k, fields in own.items() if name in fields))
-    for name in ("decode_graph", "decode_whole_step"):
-        _require(not (getattr(r, name) and r.rollout_engine == "model"),
-                 f"{name} = true needs the sampling copy: set rollout_engine = copy or auto")
-    _require(not (r.decode_graph and r.decode_whole_step),
-             "decode_graph and decode_whole_step are two different decode steps: set one of them")
+    _require(not (r.decode_graph and r.rollout_engine == "model"),
+             "decode_graph = true needs the sampling copy: set rollout_engine = copy or auto")
     off_policy = o.num_iterations > 1 or o.update_every > 1 or r.quantize_for_rollouts
     for name, active in (("clip_eps_high", o.clip_eps_high > 0), ("delta", o.delta > 0),
                          ("importance_sampling_level", o.importance_sampling_level == "sequence"),

@@ -14,11 +14,11 @@ layer, of which only ~7 compute. This step computes the same forward with:
   graph, so one trace serves every cache length (mlx #3964: Python scalars are frozen into a compiled graph,
   and changing ones grow its cache).
 
-The new keys/values are written into the cache *outside* the compiled graph, by slice_update at the slot
-array, where the old buffer has no other owner by the time the update runs and is donated (written in
-place). A first measurement found the write copying the whole buffer inside a compiled graph; a later one
-(models/whole_step.py) traced that to evaluating the updated cache together with its readers, compiled or
-not: inside the graph it is donated too, and decode_whole_step writes it there.
+The new keys/values are written into the cache *outside* the compiled graph, at a Python slice (the
+engine's loop index), as the default step writes them: measured on the H100 (BENCHMARKS.md, session 12), a
+slice_update at an array offset (inside the graph or outside) made the step 2x slower at 256 rows and 3x at
+1,024, its time growing with the cache (the buffer copied, not written in place), while the static slice
+update is donated (written in place). The slot array still feeds the graph's RoPE positions and masks.
 
 The arithmetic is decoder.decode_step's, operation for operation; only the matmuls' operand layout differs
 (x @ W' with W' = W^T stored contiguous), which can change a float's last bits on some backends. Tests: the
@@ -64,7 +64,7 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx
                 start: mx.array, kernel: bool, fuse: bool = True):
     """One token per row, the fed token written at cache slot `slot` [1]: token [n] at RoPE position
     slot - start[r], attending cache slots [start[r], slot) plus itself; keys, values [layers, n, Hkv, S, Dh];
-    w from graph_weights; fuse=False keeps RoPE and attention as the default engine runs them (for the bench's
+    w from graph_weights; fuse=False keeps RoPE and attention as the default engine runs them (the bench's
     comparison). -> (logits [n, V], the token's keys and values [layers, n, Hkv, 1, Dh])."""
     n = token.shape[0]
     H, Hkv, Dh, eps = spec.heads, spec.kv_heads, spec.head_dim, spec.eps
@@ -114,9 +114,3 @@ def make_step(spec: Spec, sample, eos: mx.array, kernel: bool, on_trace=None, fu
         return token, logprob, entropy, ended, new_k, new_v, slot + 1, kstep + 1
 
     return mx.compile(step)
-
-
-def write_slot(cache: mx.array, new: mx.array, slot: mx.array) -> mx.array:
-    """cache [layers, n, Hkv, S, Dh] with new [layers, n, Hkv, 1, Dh] at slot `slot` [1]; eager, so the old
-    buffer is donated (the caller must hold no other reference to it)."""
-    return mx.slice_update(cache, new, slot, axes=(3,))

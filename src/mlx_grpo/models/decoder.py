@@ -12,7 +12,7 @@ already see any two attention implementations differ.
 A decode step is one pure function of (weights, token, cache) that the engine compiles whole: it only
 *reads* the KV cache. The new token's own key/value enter attention through a log-sum-exp merge with
 the cached slots' attention, and come back as outputs, which the engine writes into the cache outside
-the compiled graph (or, under decode_whole_step, inside it: models/whole_step.py says when MLX writes in place).
+the compiled graph (inside one, MLX's slice_update copies the whole buffer every step).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_grpo.models import compiled_decode, decoder, whole_step
+from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.records import Rollout, SamplingParams
@@ -50,19 +50,16 @@ class RolloutEngine:
 
     mode: rollout_engine (copy, model or auto: the copy on NVIDIA GPUs). compact: drop ended rows from the
     batch (False: every row decodes to the end, for comparisons). graph: decode_graph, the copy's step with
-    fewer primitives (models/compiled_decode.py). whole: decode_whole_step, the step, its cache write and
-    counters in one compiled call (models/whole_step.py).
+    fewer primitives (models/compiled_decode.py).
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
-                 graph: bool = False, whole: bool = False):
-        if graph and whole:
-            raise ValueError("decode_graph and decode_whole_step are two different steps: pick one")
+                 graph: bool = False):
         self.tokenizer = tokenizer
         self.mode = mode
         self.compact = compact
         self.sync_every = sync_every
-        self.graph, self.whole = graph, whole
+        self.graph = graph
         self.traces = 0  # times a decode step was traced (compiled): once per batch shape and cache capacity
         self.model = None
         self._copy = None  # (spec, weights), built on first use after each refresh
@@ -146,10 +143,9 @@ class RolloutEngine:
         spec = self.spec
         shape = (spec.heads, spec.kv_heads, spec.head_dim, spec.scale, spec.eps, spec.qk_norm,
                  None if spec.theta is None else tuple(spec.theta.tolist()))
-        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel, shape, self.graph,
-                     self.whole)
-        if cache_key not in self._steps and (self.graph or self.whole):
-            self._steps[cache_key] = (compiled_decode if self.graph else whole_step).make_step(
+        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel, shape, self.graph)
+        if cache_key not in self._steps and self.graph:
+            self._steps[cache_key] = compiled_decode.make_step(
                 self.spec, lambda logits, keys: sample(logits, keys, params), mx.array(list(eos) or [-1], mx.int32),
                 kernel, on_trace=self._traced)
         if cache_key not in self._steps:  # a refresh with the same shapes keeps the traced step
@@ -218,7 +214,7 @@ class RolloutEngine:
         segments, columns, opened = [], ([token], [logprob], [entropy]), 0
         self.row_steps, self.steps = len(rows), 0
         s, last = 1, T  # decode steps until every admitted row has T tokens
-        slot_rows, slot, slot_at = None, None, -1  # slot: idx as a device array (graph, whole), valid at slot_at
+        slot_rows, slot, slot_at = None, None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
         # with turns, the loop also goes on to the sync that hands the last rows to turns.ended
         while s < last or queue or (turns is not None and (turns.pending() or not reported.all())):
             if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
@@ -272,27 +268,19 @@ class RolloutEngine:
                     rows, slot_rows = new_rows, None
             if slot_rows is None or len(slot_rows) != len(rows):  # after a rebuild: the slots' rows on the device
                 slot_rows = mx.array(np.maximum(rows, 0))
-                slot_keys = all_keys[slot_rows] if self.whole else None  # [slots, T, 2]: the step picks its key
-            if self.whole:  # one call: the step, the cache write (in place), the slot and step counters
-                if slot_at != idx:
-                    slot = mx.array([idx], dtype=mx.int32)
-                token, logprob, entropy, ended, keys, values, slot, kstep = step(
-                    weights, token, keys, values, slot, start, kstep, slot_keys, ended)
-                slot_at = idx + 1
-            elif self.graph:  # the slot stays on the device; the graph advances it
-                row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
+            row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
+            if self.graph:  # the slot stays on the device; the graph advances it
                 if slot_at != idx:
                     slot = mx.array([idx], dtype=mx.int32)
                 token, logprob, entropy, ended, new_k, new_v, next_slot, kstep = step(
                     weights, token, keys, values, slot, start, kstep, row_keys, ended)
-                keys = compiled_decode.write_slot(keys, new_k, slot)  # outside the graph: in place
-                values = compiled_decode.write_slot(values, new_v, slot)
+                keys[..., idx:idx + 1, :] = new_k  # a static slice, outside the graph: in place (an array
+                values[..., idx:idx + 1, :] = new_v  # offset copied the cache on CUDA: compiled_decode.py)
                 slot, slot_at = next_slot, idx + 1
             else:
-                row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
                 token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
                                                                     mx.array([idx], dtype=mx.int32), row_keys, ended)
-                keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph
+                keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph (inside, it would copy)
                 values[..., idx:idx + 1, :] = new_v
                 kstep = kstep + 1
             idx, s = idx + 1, s + 1

@@ -97,8 +97,7 @@ class RolloutPrefetch:
         r = trainer.cfg.rollout
         self.view = frozen_view(trainer.model)
         # Its own engine: the trainer's keeps following the trained model (evaluations use it).
-        self.engine = RolloutEngine(trainer.tokenizer, mode=r.rollout_engine, graph=r.decode_graph,
-                                    whole=r.decode_whole_step)
+        self.engine = RolloutEngine(trainer.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=serve, args=(self.jobs,), name="mlx-grpo-rollouts", daemon=True).start()
         self.pending: Pending | None = None

@@ -102,8 +102,7 @@ class Trainer:
         # deterministic model, so their log-probs are those of the policy that sampled.
         self.model.eval()
         # The engine samples from its own copy of the sampling policy, rebuilt whenever that policy changes.
-        self.engine = RolloutEngine(self.tokenizer, mode=r.rollout_engine, graph=r.decode_graph,
-                                    whole=r.decode_whole_step).refresh(
+        self.engine = RolloutEngine(self.tokenizer, mode=r.rollout_engine, graph=r.decode_graph).refresh(
             self.policies.sampler)
         # Tools or an environment: rollouts are episodes (rollout/multiturn.py) over the same engine.
         self.multiturn = multiturn_for(cfg, self.tokenizer, getattr(getattr(self.model, "args", None),
