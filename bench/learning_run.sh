@@ -37,12 +37,8 @@ gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its e
   [ "${BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
   timed "$tag.sft" $M sft --config "$sft" "${data[@]}" --set output_dir="$runs" || return
   local warm; warm=$(latest "$runs/$(run_name "$sft")")
-  # The warm start's evaluation runs beside the GRPO stage (one eval beside one run fits; beside two it did not),
-  # started 90 s later: processes building the same CUDA kernels at once crashed (see the loop below).
-  ( sleep 90; timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 \
-      -o "$OUT/$tag-sft.jsonl" ) &
+  timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl"
   timed "$tag.train" $M train --config "$grpo" "${data[@]}" --set model_name="$warm" --set output_dir="$runs" || return
-  wait
   timed "$tag.eval" $M eval --config "$grpo" "${data[@]}" --model "$(latest "$runs/$(run_name "$grpo")")" \
     --samples 1319 -o "$OUT/$tag-trained.jsonl"
 }
