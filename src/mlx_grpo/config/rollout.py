@@ -63,8 +63,9 @@ class RolloutConfig:
                                  "(models/compiled_decode.py: 2-D hidden state, transposed matrices, the cache slot a "
                                  "device array; one trace per cache capacity). Same tokens and log-probs as without it "
                                  "on CPU in float32 (tests); costs a copy of o_proj/down_proj. Off by default: on an "
-                                 "H100 it decoded slower (BENCHMARKS.md, issue 25). Needs the copy (rollout_engine = "
-                                 "copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
+                                 "H100 its step is 1.3x faster at 256 rows but slower at 1,024, and the standard "
+                                 "GRPO step's rollout did not move (BENCHMARKS.md, issue 25, third sitting). Needs "
+                                 "the copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
                                   "this update starts from, while this update trains (training/prefetch.py): every "
                                   "batch after the first is sampled one update stale (rollout_staleness in "
