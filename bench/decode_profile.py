@@ -9,8 +9,9 @@ G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention
 where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the compiled sampler. "engine" is
 mlx_grpo.rollout.engine.RolloutEngine's step, what the trainer now samples with: the fused sampling copy, one
 compiled graph per step (model + sampler; it reads the cache), the token's keys/values written into the
-cache outside it. Both run with no EOS (every row decodes). Another decode step plugs in as another
-entry of STEP_BUILDERS.
+cache outside it. "graph" is the engine's step under decode_graph (models/compiled_decode.py), "graph_split"
+the same without its fused RoPE + attention launch (the same as "graph" where the CUDA kernel does not serve).
+All run with no EOS (every row decodes). Another decode step plugs in as another entry of STEP_BUILDERS.
 
 Per row count, after --warmup steps, over --steps steps each (milliseconds per step, medians):
   build     wall time of building the step's graph, nothing evaluated (Python + MLX graph construction)
@@ -236,8 +237,9 @@ def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
         cache.clear()  # the old buffers' only owner is the write below (donated: written in place)
         token, logprob, entropy, ended, new_k, new_v, next_slot, kstep = compiled(
             weights, state[0], keys, values, slot, start, kstep, step_keys[index], state[3])
-        keys[..., width + index:width + index + 1, :] = new_k  # static slice: in place, as the engine writes
-        values[..., width + index:width + index + 1, :] = new_v
+        idx = width + index - 1  # the fed token's slot (index counts from 1), as engine_step writes it
+        keys[..., idx:idx + 1, :] = new_k  # static slice: in place, as the engine writes
+        values[..., idx:idx + 1, :] = new_v
         cache[:] = [keys, values, next_slot, kstep]
         del keys, values
         state[:] = [token, logprob, entropy, ended]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from test_bench import _load_bench_module
 
@@ -26,13 +27,18 @@ def test_decode_profile_graph_step_is_the_engines_decode_graph(tiny_model_dir):
     model = shapes.build("tiny-qwen2", mx.float32)
     prompts = profile.make_prompts(2, 12, 300, seed=0)
     with profile.graph_step(model, prompts, 3, 10, seed=5) as decoder:
-        got = [decoder.step()[0] for _ in range(6)]
-        mx.eval(got)
+        steps = [decoder.step() for _ in range(6)]
+        mx.eval(steps)
         graph = profile.count_primitives(decoder.step())  # one step's graph, its inputs evaluated
+    got, got_logprobs = [s[0] for s in steps], mx.stack([s[1] for s in steps], axis=1)
+    # on a CPU the fused launch never serves, so graph_split runs graph's arithmetic: this checks its plumbing
     with profile.graph_split_step(model, prompts, 3, 10, seed=5) as decoder:
         split = [decoder.step()[0] for _ in range(6)]
     with profile.engine_step(model, prompts, 3, 10, seed=5) as decoder:
+        engine_logprobs = mx.stack([decoder.step()[1] for _ in range(6)], axis=1)
         today = profile.count_primitives(decoder.step())
+    # every step reads the keys/values the previous steps wrote: a slot written one off moves the log-probs
+    np.testing.assert_allclose(np.array(got_logprobs), np.array(engine_logprobs), atol=1e-5)
     tokenizer = load_model(str(tiny_model_dir), "float32")[1]
     want = RolloutEngine(tokenizer, mode="copy", graph=True).refresh(model).generate(
         prompts, 3, SamplingParams(10, 1.0, ignore_eos=True), mx.random.key(5))

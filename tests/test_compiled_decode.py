@@ -102,3 +102,33 @@ def test_graph_step_is_the_copys_step_for_the_families(kind):
         np.testing.assert_array_equal(np.array(keys[:, :, :, idx:idx + 1]), np.array(new_k))
         assert not np.array(keys[:, :, :, idx + 1:]).any()  # later slots untouched
         token = mx.argmax(got, axis=-1)
+
+
+@pytest.mark.parametrize("max_new_tokens,sync_every", [(40, 2), (13, 4), (40, 8)])
+def test_graph_step_runs_tool_turns_as_todays_step(tmp_path, max_new_tokens, sync_every):
+    """Tool turns: a row's next turn (the tool's answer prefilled) joins the running batch. decode_graph gives
+    the default step's texts, tokens and log-probs, two jobs, tight and loose syncs (the skip-ahead of idx
+    is covered by test_graph_step_refills_as_todays_step)."""
+    from caller_model import CALLER, write_caller_model
+    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.rollout.multiturn import MultiTurn
+    from mlx_grpo.tools.calls import NanochatFormat
+    from mlx_grpo.tools.environments import ToolEnvironment
+
+    model, tok = load_model(str(write_caller_model(tmp_path / "caller", CALLER)), "float32")
+    fmt = NanochatFormat(tok)
+    turns = MultiTurn(ToolEnvironment(["calculator"], fmt, max_turns=4), fmt, tok)
+    rows = [{"prompt": f"q{i}", "answer": "5"} for i in range(4)]
+    prompts = [turns.encode(r, "", "", 256)[0] for r in rows]
+    keys = mx.random.split(mx.random.key(3), 16)
+    jobs = [(prompts[:2], keys[:8], rows[:2]), (prompts[2:], keys[8:], rows[2:])]
+    params = SamplingParams(max_new_tokens, 1.0)
+    today, graph = (turns.generate_many(RolloutEngine(tok, mode="copy", sync_every=sync_every, graph=g)
+                                        .refresh(model), jobs, 4, params) for g in (False, True))
+    calls = 0
+    for a, b in zip(today, graph):
+        assert a.texts == b.texts
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        np.testing.assert_allclose(np.array(a.sampler_logprobs), np.array(b.sampler_logprobs), atol=1e-5)
+        calls += sum(t.origin == "tool" for tr in a.transcripts for t in tr.turns)
+    assert calls > 0  # the turns this test is for happened
