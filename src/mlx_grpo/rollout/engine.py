@@ -274,15 +274,15 @@ class RolloutEngine:
                     slot = mx.array([idx], dtype=mx.int32)
                 token, logprob, entropy, ended, new_k, new_v, next_slot, kstep = step(
                     weights, token, keys, values, slot, start, kstep, row_keys, ended)
-                keys[..., idx:idx + 1, :] = new_k  # a static slice, outside the graph: in place (an array
-                values[..., idx:idx + 1, :] = new_v  # offset copied the cache on CUDA: compiled_decode.py)
                 slot, slot_at = next_slot, idx + 1
             else:
                 token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
                                                                     mx.array([idx], dtype=mx.int32), row_keys, ended)
-                keys[..., idx:idx + 1, :] = new_k  # in place, outside the compiled graph (inside, it would copy)
-                values[..., idx:idx + 1, :] = new_v
                 kstep = kstep + 1
+            # Both steps: a static slice, outside the compiled graph, is written in place; an array offset
+            # (or a write inside the graph) copied the whole cache on CUDA (compiled_decode.py).
+            keys[..., idx:idx + 1, :] = new_k
+            values[..., idx:idx + 1, :] = new_v
             idx, s = idx + 1, s + 1
             self.row_steps += len(rows)
             self.steps += 1
