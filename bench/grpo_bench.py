@@ -16,6 +16,9 @@ Sections (all by default; pick with --sections):
   train    tokens/s of forward+backward+AdamW update against a plain nn.value_and_grad + AdamW loop
   split    the training pass piece by piece (bench/train_split.py): forward, backward, clip, optimizer,
            master cast; eager against use_compile + compile_update
+  chunking the same rollout under each micro-batch setting of --chunkings (rows x tokens, use_compile;
+           bench/train_split.py): log-prob pass, layers alone (head = the rest), compiled fwd+bwd, peak
+           memory, number of micro-batches
   memory   peak memory of the log-prob and training passes on a large synthetic batch (default
            256 rows x 512 completion tokens), against model + optimizer + 4 GB
   step     one full GRPO step of the trainer with its split and peak memory
@@ -73,7 +76,7 @@ import short_answers
 import train_split
 from bench_util import GB, device_name, nbytes, peak_during, timed, versions
 
-SECTIONS = ("rollout", "short", "refill", "overlap", "logprob", "train", "split", "memory", "step")
+SECTIONS = ("rollout", "short", "refill", "overlap", "logprob", "train", "split", "chunking", "memory", "step")
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -243,6 +246,8 @@ def markdown(result: dict) -> str:
                      f"(plain value_and_grad) | {r['ratio_vs_plain']:.2f}x |")
     if "split" in result:
         lines += train_split.markdown_rows(result["split"])
+    if "chunking" in result:
+        lines += train_split.chunking_markdown_rows(result["chunking"])
     for r in result.get("memory", []):
         setting = f"micro_batch_tokens={r['micro_batch_tokens']}"
         lines.append(f"| log-prob pass peak above model, {r['rows']}x{r['length']} tokens, {setting} (full logits: "
@@ -294,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--sizes", default="4x16,16x16,32x16,64x16", help="rollout sizes BxG, comma-separated")
+    ap.add_argument("--chunkings", default="16x8192,32x16384,64x32768,128x65536",
+                    help="chunking section: micro-batch settings ROWSxTOKENS (micro_batch_size x micro_batch_tokens)")
     ap.add_argument("--memory-shape", default="256x512", help="rows x completion tokens for the memory section")
     ap.add_argument("--memory-budgets", default="",
                     help="micro_batch_tokens values to measure in the memory section (default: the config's)")
@@ -404,7 +411,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
     if "overlap" in sections:
         result["overlap"] = rollout_bench.bench_overlap(model, tokenizer, prompts, cfg, args.batch, args.group,
                                                         args.repeats, pad_id)
-    if {"logprob", "train", "split"} & set(sections):
+    if {"logprob", "train", "split", "chunking"} & set(sections):
         full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,
                                 SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, ignore_eos=True),
                                 mx.random.key(cfg.run.seed))
@@ -414,6 +421,9 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
             result["train"] = bench_train(model, full, cfg, args.repeats, pad_id)
         if "split" in sections:
             result["split"] = train_split.bench_split(model, [step_data(full, cfg.run.seed)], cfg, args.repeats, pad_id)
+        if "chunking" in sections:
+            result["chunking"] = train_split.bench_chunking(model, [step_data(full, cfg.run.seed)], cfg,
+                                                            parse_sizes(args.chunkings), args.repeats, pad_id)
     if "memory" in sections:
         rows, length = (int(x) for x in args.memory_shape.lower().split("x"))
         budgets = [int(x) for x in args.memory_budgets.split(",") if x] or [cfg.training.micro_batch_tokens]

@@ -10,6 +10,15 @@ as the train section, timed piece by piece (medians after a warm-up, each piece 
   update        optimizer + master cast eager, against compile_update's one compiled function (training/compiled_update.py)
 
 Each timed piece updates the weights (learning rate 1e-6), as the trainer's would.
+
+The chunking section (grpo_bench.py --sections chunking, bench_chunking) times the same rollout under each
+micro-batch setting ROWSxTOKENS (micro_batch_size x micro_batch_tokens, use_compile on):
+
+  logprob       the no-gradient log-prob pass over that setting's micro-batches
+  layers        the same micro-batches through the transformer layers only (hidden_states, no output head;
+                families in forward.LOGIT_SPLITS only); head = logprob - layers
+  fwd+bwd       the compiled gradient pass (accumulate_gradients with use_compile)
+  peak          peak memory of one fwd+bwd call (weights included), and the number of micro-batches
 """
 
 from __future__ import annotations
@@ -20,13 +29,15 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_grpo.models.forward import LOGIT_SPLITS, hidden_states
 from mlx_grpo.models.precision import MasterWeights
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
+from mlx_grpo.training.microbatch import chunk_batch, row_chunks
 from mlx_grpo.training.optimizer import optimizer_step
 from mlx_grpo.training.policy import logprob_pass
 from mlx_grpo.training.compiled_update import CompiledUpdate
 
-from bench_util import timed
+from bench_util import GB, timed
 
 
 def bench_split(model, steps: list, cfg, repeats: int, pad_id: int) -> dict:
@@ -106,3 +117,56 @@ def markdown_rows(r: dict) -> list[str]:
             f"{r['master_cast_s']:.3f} | {r['train_pass_compiled_s']:.3f} (use_compile + compile_update; backward "
             f"{r['backward_compiled_s']:.3f}, update {r['update_compiled_s']:.3f}) | {r['train_pass_eager_s']:.3f} "
             f"(eager) | {r['train_pass_eager_s'] / r['train_pass_compiled_s']:.2f}x |"]
+
+
+def bench_chunking(model, steps: list, cfg, settings: list[tuple[int, int]], repeats: int, pad_id: int) -> list[dict]:
+    """Log-prob pass, layers alone and the compiled fwd+bwd on `steps` for each (rows, tokens) micro-batch
+    setting. -> one row per setting (seconds, peak GB, micro-batches)."""
+    rollout = steps[0].rollout
+    tokens = int(sum(int(s.rollout.lengths.sum()) for s in steps))
+    split = LOGIT_SPLITS.get(getattr(model, "model_type", None))
+    out = []
+    for rows, budget in settings:
+        c = replace(cfg, micro_batch_size=rows, micro_batch_tokens=budget, use_compile=True)
+        chunks = row_chunks(rollout, rows, budget)
+        row = {"micro_batch_size": rows, "micro_batch_tokens": budget, "tokens": tokens, "chunks": len(chunks)}
+        row["logprob_s"], _ = timed(lambda: mx.eval(logprob_pass(model, rollout, c.rollout.temperature, rows, pad_id,
+                                                                 budget)), repeats)
+        row["layers_s"] = row["head_s"] = None
+        if split is not None:
+            inner = getattr(model, split.inner)
+            batches = [chunk_batch(rollout, r, pad_id)[0] for r in chunks]
+
+            def layers():
+                for batch in batches:
+                    mx.eval(hidden_states(inner, batch.inputs))
+
+            row["layers_s"], _ = timed(layers, repeats)
+            row["head_s"] = row["logprob_s"] - row["layers_s"]
+        grad_fn = make_grad_fn(c, model)
+        weights = loss_weights(c, steps)
+
+        def fwd_bwd():
+            g, sums = accumulate_gradients(grad_fn, steps, weights, rows, pad_id, budget)
+            mx.eval(g, sums)
+
+        row["fwd_bwd_s"], _ = timed(fwd_bwd, repeats)
+        mx.reset_peak_memory()
+        fwd_bwd()
+        row["peak_gb"] = mx.get_peak_memory() / GB
+        layers_text = "" if row["layers_s"] is None else f" (layers {row['layers_s']:.3f} + head {row['head_s']:.3f})"
+        print(f"chunking {rows}x{budget} ({row['chunks']} micro-batches, {tokens} tokens): log-prob pass "
+              f"{row['logprob_s']:.3f} s{layers_text}; compiled fwd+bwd {row['fwd_bwd_s']:.3f} s, peak "
+              f"{row['peak_gb']:.2f} GB", flush=True)
+        out.append(row)
+    return out
+
+
+def chunking_markdown_rows(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        layers = "" if r["layers_s"] is None else f" (layers {r['layers_s']:.3f} + head {r['head_s']:.3f})"
+        out.append(f"| chunking {r['micro_batch_size']}x{r['micro_batch_tokens']} (rows x tokens): {r['chunks']} "
+                   f"micro-batches, {r['tokens']} tokens, peak {r['peak_gb']:.2f} GB; compiled fwd+bwd s | "
+                   f"{r['fwd_bwd_s']:.3f} | log-prob pass {r['logprob_s']:.3f} s{layers} | |")
+    return out

@@ -1,6 +1,6 @@
 """Issue 25's bench pieces on tiny models: decode_profile's "graph" builder is the engine's decode_graph step
 (same tokens as engine.generate) with fewer primitives than the "engine" step; grpo_bench --sections split
-times the training pass piece by piece."""
+times the training pass piece by piece, and --sections chunking the passes under each micro-batch setting."""
 
 from __future__ import annotations
 
@@ -65,3 +65,23 @@ def test_grpo_bench_split_section(tmp_path):
                 "update_eager_s", "update_compiled_s"):
         assert split[key] > 0, key
     assert "| training pass split s" in proc.stdout
+
+
+def test_grpo_bench_chunking_section(tmp_path):
+    from conftest import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--model", str(model), "--dtype",
+                           "bfloat16", "--dataset", "arith", "--batch", "2", "--group", "2", "--max-new-tokens", "6",
+                           "--sections", "chunking", "--chunkings", "2x256,4x512", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(next(out.glob("grpo_bench-*.json")).read_text())["chunking"]
+    assert [(r["micro_batch_size"], r["micro_batch_tokens"]) for r in rows] == [(2, 256), (4, 512)]
+    for r in rows:
+        assert r["chunks"] >= -(-4 // r["micro_batch_size"]) and r["tokens"] == 2 * 2 * 6  # 4 rows, 6 tokens each
+        assert r["fwd_bwd_s"] > 0 and r["logprob_s"] > 0 and r["peak_gb"] > 0
+        assert isinstance(r["layers_s"], float) and isinstance(r["head_s"], float)  # the tiny model is llama-type
+    assert rows[0]["chunks"] > rows[1]["chunks"]  # two rows per micro-batch at most, then four
+    assert "| chunking 2x256 (rows x tokens)" in proc.stdout and "| chunking 4x512 (rows x tokens)" in proc.stdout
