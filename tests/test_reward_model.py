@@ -155,3 +155,19 @@ def test_answer_mixing_clips_both_scores_first(rm_dir):
         [0.75 * np.clip(f, -clip, clip) - 0.25 * clip for f in full[1:]]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert all(-clip - 1e-6 <= g <= clip + 1e-6 for g in got)
+
+
+def test_a_mistral_checkpoint_builds_on_mlx_lms_llama_backbone(rm_dir, tmp_path):
+    """mistral has no mlx-lm module of its own (mlx-lm maps it to llama): the same weights labelled mistral
+    score exactly as the llama checkpoint does."""
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    for f in rm_dir.iterdir():
+        (mistral / f.name).write_bytes(f.read_bytes())
+    config = json.loads((rm_dir / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForSequenceClassification"])
+    (mistral / "config.json").write_text(json.dumps(config))
+    a = RewardModelReward(str(rm_dir), clip=100.0, answer_weight=0.0, batch_size=2)
+    b = RewardModelReward(str(mistral), clip=100.0, answer_weight=0.0, batch_size=2)
+    rows = [render(a.tokenizer, p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
+    assert a.score_ids(rows) == b.score_ids(rows)

@@ -8,6 +8,7 @@ of its last token (as transformers does). `convert --hf-path` writes the same la
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from mlx_grpo.models.writing import mlx_dtype, staged_output, write_record
 
 SCORE_HEAD = "score"
 # Backbones whose inner model mlx-lm builds as `model` (inputs [n, L] -> final hidden states [n, L, D]).
-BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
+# Supported model types and the mlx-lm module whose Model builds their backbone (mistral is mlx-lm's llama).
+BACKBONES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Tokenizer and template files copied next to converted weights.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -62,13 +64,11 @@ def _read(path: Path) -> tuple[dict, dict]:
 
 
 def _build(config: dict, weights: dict, source: str) -> SequenceScorer:
-    from mlx_lm.utils import _get_classes
-
     if config.get("model_type") not in BACKBONES:
         raise UserError(f"reward model type {config.get('model_type')!r} is not supported: use a "
                         f"{', '.join(BACKBONES)} *ForSequenceClassification checkpoint")
-    model_class, args_class = _get_classes({**config, "architectures": []})
-    lm = model_class(args_class.from_dict(config))  # for its backbone and its sanitize(); its head is dropped
+    arch = importlib.import_module(f"mlx_lm.models.{BACKBONES[config['model_type']]}")
+    lm = arch.Model(arch.ModelArgs.from_dict(config))  # for its backbone and its sanitize(); its head is dropped
     labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
     model = SequenceScorer(lm.model, config["hidden_size"], labels)
     if "quantization" in config:
