@@ -109,6 +109,19 @@ def test_async_run_equals_the_naive_reference(tiny_model_dir, caller_dir, tmp_pa
         np.testing.assert_allclose(np.array(saved[k]), np.array(trained[k]), rtol=1e-6, atol=1e-7, err_msg=k)
 
 
+def test_staleness_after_a_skipped_update_is_zero(tiny_model_dir, tmp_path, monkeypatch):
+    """Update 2 enters no completion (skipped): its weights stay those that sampled update 3's batch, so
+    update 3 trains on-policy (staleness 0, no sampler divergence); update 4 is one update stale again."""
+    from mlx_grpo.training.trainer import Trainer
+
+    gradients = Trainer.gradients
+    monkeypatch.setattr(Trainer, "gradients", lambda self, steps: (None, None) if self.counters.update_step == 2
+                        else gradients(self, steps))
+    records = run_metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=skip", *ASYNC)))
+    assert [r["rollout_staleness"] for r in records] == [0, 1, 0, 1]
+    assert records[2]["sampler_kl"] < 1e-6 < records[3]["sampler_kl"]
+
+
 def test_async_off_is_the_synchronous_run(tiny_model_dir, tmp_path):
     """async_rollouts = 0 writes no staleness and samples every batch from the weights it trains."""
     run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=sync", "rollout_correction=token_truncate"))

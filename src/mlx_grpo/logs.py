@@ -98,7 +98,7 @@ def update_record(trainer, stats: list[BatchStats], result: UpdateMetrics) -> di
         record["tool_call_rate"] = float(np.mean(calls > 0)) if len(calls) else 0.0
         record["tool_calls_mean"] = float(np.mean(calls)) if len(calls) else 0.0
         record["tool_error_fraction"] = float(errors.sum() / calls.sum()) if calls.sum() else 0.0
-    if result.rollout_staleness is not None:  # async_rollouts: the batch was sampled this many updates before
+    if result.rollout_staleness is not None:  # async_rollouts: updates applied since the batch was sampled
         record["rollout_staleness"] = result.rollout_staleness
     if stats[0].demo is not None:  # demonstrations: the share of trained groups that got one (one row each)
         groups = sum(s.groups_trained for s in stats)

@@ -3,8 +3,8 @@
 Update k trains on batch k while batch k+1 decodes in one worker thread, on that thread's own MLX stream
 (MLX releases the GIL while it evaluates, so the two graphs run side by side), from a frozen snapshot of
 the weights update k starts from. Every batch but the first is thus sampled one update stale
-(rollout_staleness = 1 in metrics.jsonl); the loss weights that back with rollout_correction (truncated
-importance sampling on exp(trainer log-prob - sampler log-prob), the sampler's log-probs recorded during
+(rollout_staleness = 1 in metrics.jsonl; 0 after a skipped update, which left the weights as they were);
+the loss weights that back with rollout_correction (truncated importance sampling on exp(trainer log-prob - sampler log-prob), the sampler's log-probs recorded during
 decoding), which validation requires, as verl's one-step-off-policy and TRL's async GRPO correct it.
 
 One update (RolloutPrefetch.take, called by run.py's loop):
@@ -62,6 +62,16 @@ def frozen_view(model):
     return view
 
 
+def applied_since(pending: Pending, current: dict, update_step: int) -> int:
+    """Updates applied to the weights since `pending` was sampled: 0 when the model still holds the very
+    arrays it was sampled from (every update since was skipped), else the updates counted since."""
+    behind = update_step - pending.sampled_at
+    then, now = tree_flatten(pending.weights), tree_flatten(current)
+    if behind and len(then) == len(now) and all(a is b for (_, a), (_, b) in zip(then, now)):
+        return 0
+    return behind
+
+
 def serve(jobs: queue.SimpleQueue) -> None:
     """The rollout thread: runs (fn, future) jobs on a stream of its own, forever. It is a daemon and is
     never ended: MLX keeps a compile cache per thread, and a thread that ends runs its destructors, which
@@ -111,11 +121,12 @@ class RolloutPrefetch:
             self.resumed = None
             if not self.start(weights, at):
                 return None
-        draws, at = self.pending.future.result(), self.pending.sampled_at
+        pending, draws = self.pending, self.pending.future.result()
         self.pending = None
+        staleness = applied_since(pending, t.model.parameters(), t.counters.update_step)
         if t.counters.update_step + 1 < t.total_updates:  # a later update will train on them
             self.start(t.model.parameters(), t.counters.update_step)
-        return SampledUpdate(draws, staleness=t.counters.update_step - at)
+        return SampledUpdate(draws, staleness=staleness)
 
     def start(self, weights: dict, sampled_at: int) -> bool:
         """Draw and encode an update's prompts here, and decode them in the thread from `weights`."""
