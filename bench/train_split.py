@@ -15,8 +15,10 @@ The chunking section (grpo_bench.py --sections chunking, bench_chunking) times t
 micro-batch setting ROWSxTOKENS (micro_batch_size x micro_batch_tokens, use_compile on):
 
   logprob       the no-gradient log-prob pass over that setting's micro-batches
-  layers        the same micro-batches through the transformer layers only (hidden_states, no output head;
-                families in forward.LOGIT_SPLITS only); head = logprob - layers
+  layers        the same micro-batches, packed before the clock starts, through the transformer layers only
+                (hidden_states, no output head; families in forward.LOGIT_SPLITS only); head_s = logprob -
+                layers: the output head plus what the pass does around the model (host packing, the gather
+                of completion positions, the scatter into the [N, T] result), printed as "head+packing"
   fwd+bwd       the compiled gradient pass (accumulate_gradients with use_compile)
   peak          peak memory of one fwd+bwd call (weights included), and the number of micro-batches
 """
@@ -154,7 +156,8 @@ def bench_chunking(model, steps: list, cfg, settings: list[tuple[int, int]], rep
         mx.reset_peak_memory()
         fwd_bwd()
         row["peak_gb"] = mx.get_peak_memory() / GB
-        layers_text = "" if row["layers_s"] is None else f" (layers {row['layers_s']:.3f} + head {row['head_s']:.3f})"
+        layers_text = "" if row["layers_s"] is None else \
+            f" (layers {row['layers_s']:.3f} + head+packing {row['head_s']:.3f})"
         print(f"chunking {rows}x{budget} ({row['chunks']} micro-batches, {tokens} tokens): log-prob pass "
               f"{row['logprob_s']:.3f} s{layers_text}; compiled fwd+bwd {row['fwd_bwd_s']:.3f} s, peak "
               f"{row['peak_gb']:.2f} GB", flush=True)
@@ -163,9 +166,10 @@ def bench_chunking(model, steps: list, cfg, settings: list[tuple[int, int]], rep
 
 
 def chunking_markdown_rows(rows: list[dict]) -> list[str]:
+    """One table row per micro-batch setting of bench_chunking."""
     out = []
     for r in rows:
-        layers = "" if r["layers_s"] is None else f" (layers {r['layers_s']:.3f} + head {r['head_s']:.3f})"
+        layers = "" if r["layers_s"] is None else f" (layers {r['layers_s']:.3f} + head+packing {r['head_s']:.3f})"
         out.append(f"| chunking {r['micro_batch_size']}x{r['micro_batch_tokens']} (rows x tokens): {r['chunks']} "
                    f"micro-batches, {r['tokens']} tokens, peak {r['peak_gb']:.2f} GB; compiled fwd+bwd s | "
                    f"{r['fwd_bwd_s']:.3f} | log-prob pass {r['logprob_s']:.3f} s{layers} | |")

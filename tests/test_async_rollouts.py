@@ -109,14 +109,26 @@ def test_async_run_equals_the_naive_reference(tiny_model_dir, caller_dir, tmp_pa
         np.testing.assert_allclose(np.array(saved[k]), np.array(trained[k]), rtol=1e-6, atol=1e-7, err_msg=k)
 
 
-def test_staleness_after_a_skipped_update_is_zero(tiny_model_dir, tmp_path, monkeypatch):
-    """Update 2 enters no completion (skipped): its weights stay those that sampled update 3's batch, so
-    update 3 trains on-policy (staleness 0, no sampler divergence); update 4 is one update stale again."""
+@pytest.mark.parametrize("skip", ["empty", "non-finite"])
+def test_staleness_after_a_skipped_update_is_zero(tiny_model_dir, tmp_path, monkeypatch, skip):
+    """Update 2 is skipped (no completion enters the loss, or its gradient is not finite): its weights stay
+    those that sampled update 3's batch, so update 3 trains on-policy (staleness 0, no sampler divergence);
+    update 4 is one update stale again."""
+    from mlx.utils import tree_map
+
     from mlx_grpo.training.trainer import Trainer
 
     gradients = Trainer.gradients
-    monkeypatch.setattr(Trainer, "gradients", lambda self, steps: (None, None) if self.counters.update_step == 2
-                        else gradients(self, steps))
+
+    def skipping(self, steps):
+        if self.counters.update_step != 2:
+            return gradients(self, steps)
+        if skip == "empty":
+            return None, None
+        grads, sums = gradients(self, steps)
+        return tree_map(lambda g: g * float("nan"), grads), sums
+
+    monkeypatch.setattr(Trainer, "gradients", skipping)
     records = run_metrics(run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=skip", *ASYNC)))
     assert [r["rollout_staleness"] for r in records] == [0, 1, 0, 1]
     assert records[2]["sampler_kl"] < 1e-6 < records[3]["sampler_kl"]
@@ -153,7 +165,7 @@ def test_async_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch
     assert (cut / "checkpoint-2").is_dir() and not (cut / "checkpoint-3").exists()
     # the checkpoint holds the weights batch 3 is sampled from (update 1's result) and the position before it
     state = json.loads((cut / "checkpoint-2" / "trainer_state.json").read_text())
-    assert state["rollouts_sampled_at"] == 1 and state["counters"]["draws"] == state["counters"]["batch_step"]
+    assert state["rollouts_applied_at"] == 1 and state["counters"]["draws"] == state["counters"]["batch_step"]
     assert any((cut / "checkpoint-2" / f).is_file() for f in ("old_model.safetensors", "old_adapters.safetensors"))
     resumed = run_mod.train(cfg, resume="latest")
     assert run_metrics(resumed) == run_metrics(full)

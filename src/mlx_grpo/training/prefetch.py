@@ -3,9 +3,10 @@
 Update k trains on batch k while batch k+1 decodes in one worker thread, on that thread's own MLX stream
 (MLX releases the GIL while it evaluates, so the two graphs run side by side), from a frozen snapshot of
 the weights update k starts from. Every batch but the first is thus sampled one update stale
-(rollout_staleness = 1 in metrics.jsonl; 0 after a skipped update, which left the weights as they were);
-the loss weights that back with rollout_correction (truncated importance sampling on exp(trainer log-prob - sampler log-prob), the sampler's log-probs recorded during
-decoding), which validation requires, as verl's one-step-off-policy and TRL's async GRPO correct it.
+(rollout_staleness in metrics.jsonl: the optimizer steps applied since, 1; 0 after a skipped update, which
+left the weights as they were); the loss weights that back with rollout_correction (truncated importance
+sampling on exp(trainer log-prob - sampler log-prob), the sampler's log-probs recorded during decoding),
+which validation requires, as verl's one-step-off-policy and TRL's async GRPO correct it.
 
 One update (RolloutPrefetch.take, called by run.py's loop):
     join this update's rollouts (or sample them now: the first update, the first after a resume)
@@ -46,7 +47,7 @@ class Pending:
 
     future: Future  # -> list[Draw]
     weights: dict  # the parameters they are sampled from
-    sampled_at: int  # the update whose result those weights are (0: the initial weights)
+    applied_at: int  # optimizer steps applied to those weights (counters.applied_updates then)
     draws: int  # counters.draws, counters.prompts_cut and the data cursor before the draw
     prompts_cut: int
     data_cursor: dict
@@ -60,16 +61,6 @@ def frozen_view(model):
     view.eval()
     view.freeze()
     return view
-
-
-def applied_since(pending: Pending, current: dict, update_step: int) -> int:
-    """Updates applied to the weights since `pending` was sampled: 0 when the model still holds the very
-    arrays it was sampled from (every update since was skipped), else the updates counted since."""
-    behind = update_step - pending.sampled_at
-    then, now = tree_flatten(pending.weights), tree_flatten(current)
-    if behind and len(then) == len(now) and all(a is b for (_, a), (_, b) in zip(then, now)):
-        return 0
-    return behind
 
 
 def serve(jobs: queue.SimpleQueue) -> None:
@@ -117,18 +108,18 @@ class RolloutPrefetch:
         """This update's batch steps, sampled; starts the next update's. None: the data ran out."""
         t = self.trainer
         if self.pending is None:
-            weights, at = self.resumed or (t.model.parameters(), t.counters.update_step)
+            weights, at = self.resumed or (t.model.parameters(), t.counters.applied_updates)
             self.resumed = None
             if not self.start(weights, at):
                 return None
         pending, draws = self.pending, self.pending.future.result()
         self.pending = None
-        staleness = applied_since(pending, t.model.parameters(), t.counters.update_step)
+        staleness = t.counters.applied_updates - pending.applied_at  # 0 when the update before was skipped
         if t.counters.update_step + 1 < t.total_updates:  # a later update will train on them
-            self.start(t.model.parameters(), t.counters.update_step)
+            self.start(t.model.parameters(), t.counters.applied_updates)
         return SampledUpdate(draws, staleness=staleness)
 
-    def start(self, weights: dict, sampled_at: int) -> bool:
+    def start(self, weights: dict, applied_at: int) -> bool:
         """Draw and encode an update's prompts here, and decode them in the thread from `weights`."""
         t = self.trainer
         before = (t.counters.draws, t.counters.prompts_cut, t.sampler.state())
@@ -141,7 +132,7 @@ class RolloutPrefetch:
         mx.eval([keys for _, keys, _ in encoded], weights)
         self.view.update(weights)
         self.engine.refresh(self.view)
-        self.pending = Pending(self.submit(lambda: self.sample(encoded)), weights, sampled_at, *before)
+        self.pending = Pending(self.submit(lambda: self.sample(encoded)), weights, applied_at, *before)
         return True
 
     def submit(self, fn) -> Future:
@@ -172,7 +163,7 @@ class RolloutPrefetch:
         if p is None:
             return state
         counters = {**state["counters"], "draws": p.draws, "prompts_cut": p.prompts_cut}
-        return {**state, "counters": counters, "data_cursor": p.data_cursor, "rollouts_sampled_at": p.sampled_at}
+        return {**state, "counters": counters, "data_cursor": p.data_cursor, "rollouts_applied_at": p.applied_at}
 
     @property
     def sampling_weights(self) -> dict | None:
@@ -180,7 +171,8 @@ class RolloutPrefetch:
 
     def resume(self, weights: dict, state: dict) -> None:
         """A checkpoint written while rollouts were pending: the first rollout samples from its weights."""
-        self.resumed = (weights, state["rollouts_sampled_at"])
+        # checkpoints before rollouts_applied_at stored the update index, the same count when none was skipped
+        self.resumed = (weights, state.get("rollouts_applied_at", state.get("rollouts_sampled_at")))
 
     def close(self) -> None:
         """Wait for the thread to finish its rollout (at most one; its result is dropped), then let it drop

@@ -30,6 +30,7 @@ class Counters:
     batch_step: int = 0
     skipped_updates: int = 0
     consecutive_skips: int = 0
+    applied_updates: int = 0  # optimizer steps taken: a skipped update leaves the weights as they were
     prompts_cut: int = 0
     draws: int = 0  # rollout generations: batch steps plus dynamic sampling's extra draws (rollout keys)
 

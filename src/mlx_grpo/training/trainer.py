@@ -190,6 +190,7 @@ class Trainer:
         # memory limit (a 1.9B model on an H100) later updates slowed several-fold (BENCHMARKS.md).
         mx.clear_cache()
         self.counters.consecutive_skips = 0
+        self.counters.applied_updates += 1
 
     # ------------------------------------------------------------------ sample
     def sample(self, batches: list[list[Example]]) -> list[Draw]:
@@ -385,7 +386,9 @@ class Trainer:
             self.masters.adopt(masters or dict(tree_flatten(self.model.trainable_parameters())))
             self.masters.sync(self.model)
         self.optimizer.state = opt_state
-        self.counters = Counters(**{"draws": state["counters"]["batch_step"], **state["counters"]})
+        c = state["counters"]  # checkpoints before applied_updates: every skip counted in skipped_updates
+        applied = c["update_step"] - c["skipped_updates"]
+        self.counters = Counters(**{"draws": c["batch_step"], "applied_updates": applied, **c})
         self.sampler.load_state(state["data_cursor"])
         self.health.load_state(state.get("health"))
         self._batches = iter(self.sampler)

@@ -1,3 +1,5 @@
+"""One output-head chunk, [8192 x 576] x [49152 x 576] bf16: the matmul and each float32 step after it (ms, mean
+of 5 after one warm-up)."""
 import time, mlx.core as mx
 from mlx_grpo.models.forward import token_logprobs
 M, D, V = 8192, 576, 49152
