@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from caller_model import CALLER, write_caller_model
 from conftest import ctrl_c_while_scoring_hangs, interrupt_before_update, run_metrics
@@ -21,6 +21,7 @@ from mlx_grpo.assembly import build_trainer
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
+from mlx_grpo.training.trainer import Trainer
 
 TOY = Path(__file__).parent / "fixtures" / "toy_rewards.py"
 ASYNC = ["async_rollouts=1", "rollout_correction=token_truncate"]
@@ -114,10 +115,6 @@ def test_staleness_after_a_skipped_update_is_zero(tiny_model_dir, tmp_path, monk
     """Update 2 is skipped (no completion enters the loss, or its gradient is not finite): its weights stay
     those that sampled update 3's batch, so update 3 trains on-policy (staleness 0, no sampler divergence);
     update 4 is one update stale again."""
-    from mlx.utils import tree_map
-
-    from mlx_grpo.training.trainer import Trainer
-
     gradients = Trainer.gradients
 
     def skipping(self, steps):

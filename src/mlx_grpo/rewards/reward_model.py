@@ -21,8 +21,8 @@ from mlx_grpo.rewards.builtin import completion_text, extract_answer
 from mlx_grpo.models.writing import mlx_dtype, staged_output, write_record
 
 SCORE_HEAD = "score"
-# Backbones whose inner model mlx-lm builds as `model` (inputs [n, L] -> final hidden states [n, L, D]).
-# Supported model types and the mlx-lm module whose Model builds their backbone (mistral is mlx-lm's llama).
+# Supported model types -> the mlx-lm module whose Model builds their backbone as `model` (inputs [n, L] -> final
+# hidden states [n, L, D]); mistral is mlx-lm's llama.
 BACKBONES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Tokenizer and template files copied next to converted weights.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
