@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from mlx_grpo.models.forward import bucket, completion_logprobs, pack, token_logprobs
+from mlx_grpo.models.forward import CUDA_PACK_BUCKET, completion_logprobs, pack, pack_bucket, token_logprobs
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -72,7 +72,8 @@ def _naive_completion_logprobs(model, prompt, completion, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_completion_logprobs_packed_equal_unpadded(tiny, temperature):
+@pytest.mark.parametrize("multiple", [None, CUDA_PACK_BUCKET])
+def test_completion_logprobs_packed_equal_unpadded(tiny, temperature, multiple):
     model, tok = tiny
     pad_id = tok.pad_token_id
     rng = np.random.default_rng(5)
@@ -87,13 +88,23 @@ def test_completion_logprobs_packed_equal_unpadded(tiny, temperature):
     for r, c in enumerate(comps):
         ids[r, :len(c)] = c
         mask[r, :len(c)] = 1
-    batch = pack(prompts, mx.array(ids), mx.array(mask), pad_id)
-    assert batch.inputs.shape == (4, bucket(max(prompt_lengths) + T))  # widths come in buckets of 64
+    batch = pack(prompts, mx.array(ids), mx.array(mask), pad_id, multiple)
+    width = -(-(max(prompt_lengths) + T) // (multiple or 64)) * (multiple or 64)  # 64 on a CPU by default
+    assert batch.inputs.shape == (4, width)
     got = np_(completion_logprobs(model, batch, temperature))
     assert got.shape == (4, T)
     for r in range(len(prompts)):
         expected = _naive_completion_logprobs(model, prompts[r], comps[r], temperature)
         np.testing.assert_allclose(got[r, :len(comps[r])], expected, rtol=RTOL, atol=1e-5)
+
+
+def test_pack_bucket_is_128_only_on_a_cuda_gpu(monkeypatch):
+    """cuDNN's fused attention backward needs lengths in multiples of 128; elsewhere widths stay at 64."""
+    assert pack_bucket() == 64  # this CPU
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert pack_bucket() == 64  # a CUDA build whose default device is the CPU
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert pack_bucket() == CUDA_PACK_BUCKET
 
 
 def test_completion_logprobs_generic_path_equals_head_path(tiny):

@@ -1,7 +1,7 @@
 """The training forward: log-probs of sampled completion tokens under a model, with gradients.
 
 Owns the packed batch layout (right-padded prompt + completion rows, widths bucketed so the GPU backend
-reuses its kernels), the model-family table (LOGIT_SPLITS: which families take the hidden states at the
+reuses its kernels, in multiples of 128 on CUDA so attention's backward runs fused), the model-family table (LOGIT_SPLITS: which families take the hidden states at the
 completion positions only, and their logit soft cap), the chunked output head with its hand-written
 backward pass (so [n, L, V] logits never exist), and per-layer checkpointing (grad_checkpoint).
 Log-probs are taken under logits / temperature, the distribution the sampler drew from. The objective
@@ -47,17 +47,33 @@ def bucket(length: int) -> int:
     return -(-length // SHAPE_BUCKET) * SHAPE_BUCKET
 
 
-def packed_width(widest_prompt: int, completion_width: int) -> int:
-    """Columns of a packed batch: the widest prompt plus the completion width, bucketed."""
-    return bucket(widest_prompt + completion_width)
+# MLX's CUDA backend runs attention's backward as one cuDNN kernel only when the sequence length is a
+# multiple of 128 (ScaledDotProductAttentionVJP::use_fallback); at other lengths it differentiates the
+# unfused formula, ~10x slower per layer. Metal and CPU have no fused backward: 64 pads less there.
+CUDA_PACK_BUCKET = 128
 
 
-def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id: int) -> PackedBatch:
-    """Right-pad each prompt+completion row; padding sits after every real token, so a causal model
-    gives the real tokens exactly the logits they would get unpadded. prompts: one per row."""
+def pack_bucket() -> int:
+    """The multiple packed widths are rounded up to on the current default device."""
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return CUDA_PACK_BUCKET if on_cuda else SHAPE_BUCKET
+
+
+def packed_width(widest_prompt: int, completion_width: int, multiple: int | None = None) -> int:
+    """Columns of a packed batch: the widest prompt plus the completion width, rounded up to `multiple`
+    (default pack_bucket()). Every pass over one micro-batch uses the same width, so the log-prob and
+    gradient passes see identical shapes."""
+    multiple = multiple or pack_bucket()
+    return -(-(widest_prompt + completion_width) // multiple) * multiple
+
+
+def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id: int,
+         multiple: int | None = None) -> PackedBatch:
+    """Right-pad each prompt+completion row (to packed_width's multiple); padding sits after every real
+    token, so a causal model gives the real tokens exactly the logits they would get unpadded."""
     n, T = completions.shape
     lengths = [len(p) for p in prompts]
-    width = packed_width(max(lengths), T)
+    width = packed_width(max(lengths), T, multiple)
     rows = []
     comp = completions.tolist()
     for prompt, completion in zip(prompts, comp):
