@@ -89,7 +89,8 @@ def test_completion_logprobs_packed_equal_unpadded(tiny, temperature, multiple):
         ids[r, :len(c)] = c
         mask[r, :len(c)] = 1
     batch = pack(prompts, mx.array(ids), mx.array(mask), pad_id, multiple)
-    width = -(-(max(prompt_lengths) + T) // (multiple or 64)) * (multiple or 64)  # 64 on a CPU by default
+    step = multiple or pack_bucket()
+    width = -(-(max(prompt_lengths) + T) // step) * step
     assert batch.inputs.shape == (4, width)
     got = np_(completion_logprobs(model, batch, temperature))
     assert got.shape == (4, T)
@@ -98,13 +99,18 @@ def test_completion_logprobs_packed_equal_unpadded(tiny, temperature, multiple):
         np.testing.assert_allclose(got[r, :len(comps[r])], expected, rtol=RTOL, atol=1e-5)
 
 
-def test_pack_bucket_is_128_only_on_a_cuda_gpu(monkeypatch):
+@pytest.mark.parametrize("device, cuda, expected", [
+    ("cpu", False, 64),  # a CPU build
+    ("gpu", False, 64),  # Metal: no fused attention backward
+    ("cpu", True, 64),  # a CUDA build whose default device is the CPU
+    ("gpu", True, CUDA_PACK_BUCKET),
+])
+def test_pack_bucket_is_128_only_on_a_cuda_gpu(monkeypatch, device, cuda, expected):
     """cuDNN's fused attention backward needs lengths in multiples of 128; elsewhere widths stay at 64."""
-    assert pack_bucket() == 64  # this CPU
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert pack_bucket() == 64  # a CUDA build whose default device is the CPU
-    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
-    assert pack_bucket() == CUDA_PACK_BUCKET
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    # what mx.default_device() returns: a Device (index 0), not the DeviceType mx.gpu / mx.cpu
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(getattr(mx, device), 0))
+    assert pack_bucket() == expected
 
 
 def test_completion_logprobs_generic_path_equals_head_path(tiny):

@@ -114,10 +114,14 @@ def test_cispo_sapo_on_policy_gradients_equal_their_clipped_counterparts(tiny_mo
     assert any(float(mx.abs(a).max()) > 0 for _, a in tree_flatten(grads[loss_type]))
 
 
-def test_micro_batches_respect_row_and_token_limits(tiny_model_dir):
+@pytest.mark.parametrize("bucket", [64, 128])  # 128: the packed widths on a CUDA GPU
+def test_micro_batches_respect_row_and_token_limits(tiny_model_dir, monkeypatch, bucket):
     """Every row lands in exactly one micro-batch; each holds at most `size` rows and, when it has more
     than one row, at most max_tokens tokens in the packed batch itself; longest completions first."""
     from mlx_lm import load
+
+    from mlx_grpo.models import forward
+    monkeypatch.setattr(forward, "pack_bucket", lambda: bucket)
 
     from mlx_grpo.training.microbatch import chunk_batch as _chunk_batch
     from mlx_grpo.training.microbatch import row_chunks
@@ -132,6 +136,7 @@ def test_micro_batches_respect_row_and_token_limits(tiny_model_dir):
         assert [int(r.lengths[i]) for i in order] == sorted(r.lengths.tolist(), reverse=True)
         for c in chunks:
             packed = _chunk_batch(r, c, 0)[0].inputs  # what the model actually gets
+            assert packed.shape[1] % bucket == 0
             assert c.size <= size
             assert c.size == 1 or not max_tokens or packed.size <= max_tokens
         if max_tokens == 400:

@@ -1,9 +1,10 @@
 """The training forward: log-probs of sampled completion tokens under a model, with gradients.
 
 Owns the packed batch layout (right-padded prompt + completion rows, widths bucketed so the GPU backend
-reuses its kernels, in multiples of 128 on CUDA so attention's backward runs fused), the model-family table (LOGIT_SPLITS: which families take the hidden states at the
-completion positions only, and their logit soft cap), the chunked output head with its hand-written
-backward pass (so [n, L, V] logits never exist), and per-layer checkpointing (grad_checkpoint).
+reuses its kernels, in multiples of 128 on CUDA so attention's backward runs fused), the model-family
+table (LOGIT_SPLITS: which families take the hidden states at the completion positions only, and their
+logit soft cap), the chunked output head with its hand-written backward pass (so [n, L, V] logits never
+exist), and per-layer checkpointing (grad_checkpoint).
 Log-probs are taken under logits / temperature, the distribution the sampler drew from. The objective
 (loss.py) consumes these log-probs; it knows nothing about models.
 """
