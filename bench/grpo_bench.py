@@ -21,7 +21,8 @@ Sections (all by default; pick with --sections):
            memory, number of micro-batches
   memory   peak memory of the log-prob and training passes on a large synthetic batch (default
            256 rows x 512 completion tokens), against model + optimizer + 4 GB
-  step     one full GRPO step of the trainer with its split and peak memory
+  step     full GRPO steps of the trainer (medians of --repeats after --warmup untimed ones) with their
+           split and peak memory
 
 Standard workload (the defaults): the embedded SmolLM2-135M-Instruct in bf16, GSM8K prompts with the
 XML system prompt, B=16, G=16, max_new_tokens=256, temperature 1.0:
@@ -202,14 +203,15 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
     return out
 
 
-def bench_step(cfg, repeats: int) -> dict:
-    """Full GRPO steps through the trainer itself: rollout, rewards, old/ref log-probs, update."""
+def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
+    """Full GRPO steps through the trainer itself: rollout, rewards, old/ref log-probs, update; medians of
+    `repeats` steps after `warmup` untimed ones."""
     from mlx_grpo.assembly import build_trainer
 
     trainer = build_trainer(cfg)
     records = []
     mx.reset_peak_memory()
-    for i in range(repeats + 1):
+    for i in range(warmup + repeats):
         t0 = time.perf_counter()
         batch = trainer.batch_step(trainer.next_examples())
         result = trainer.update([batch])
@@ -218,12 +220,13 @@ def bench_step(cfg, repeats: int) -> dict:
         rec = {"total_s": total, "rollout_s": stats.t_rollout, "reward_s": stats.t_reward,
                "logprob_s": stats.t_logprob, "train_s": result.t_train, "tokens": stats.tokens,
                "reward_mean": float(np.mean(stats.rewards)), "truncated": float(np.mean(stats.truncated))}
-        print(f"grpo step {i}{' (warm-up)' if i == 0 else ''}: {total:.2f} s = rollout {rec['rollout_s']:.2f} + "
+        print(f"grpo step {i}{' (warm-up)' if i < warmup else ''}: {total:.2f} s = rollout {rec['rollout_s']:.2f} + "
               f"reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train {rec['train_s']:.2f}; "
               f"{rec['tokens']} tokens", flush=True)
         records.append(rec)
-    measured = records[1:] or records
+    measured = records[warmup:] or records
     summary = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+    summary["warmup"] = warmup
     summary["peak_memory_gb"] = mx.get_peak_memory() / GB
     summary["trainable_parameters"] = sum(p.size for _, p in tree_flatten(trainer.model.trainable_parameters()))
     summary["steps"] = records
@@ -309,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-mean", type=float, default=20.0, help="short section: the batch's mean answer length")
     ap.add_argument("--short-ends", default="", help="short section: extra end strings as a JSON list, e.g. "
                     "'[\"\\n\", \".\"]' (default: the candidate whose median pool length is nearest --short-mean)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed repeats after one warm-up")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="timed repeats (after one warm-up; the step section: after --warmup)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed steps before the step section's timed ones (on a fresh GPU machine the compiled "
+                         "step builds kernels in its first two)")
     ap.add_argument("--refill", default="4x16x16", help="refill section: batch steps x B x G of one update")
     ap.add_argument("--refill-ends", default='["."]', help="refill section: extra end strings (JSON list)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
@@ -321,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
     try:
         return run(args, sections, argv)
     except UserError as exc:  # bad data path, config key or value: one line, like the CLI
@@ -430,7 +439,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
         result["memory"] = bench_memory(model, prompts, rows, length, cfg, pad_id, budgets)
     del model
     if "step" in sections:
-        result["step"] = bench_step(cfg, args.repeats)
+        result["step"] = bench_step(cfg, args.repeats, args.warmup)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,9 @@ def test_grpo_bench_bad_input_is_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "did you mean 'micro_batch_tokens'" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--warmup", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--warmup >= 0" in proc.stderr
 
 
 def test_nanochat_bench_runs_a_preset_on_a_tiny_random_nanochat(tmp_path):
@@ -189,7 +192,8 @@ def test_grpo_bench_swaps_in_a_random_weight_shape_with_lora(tiny_model_dir, tmp
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--shape", "tiny-qwen2",
                            "--tokenizer", str(tiny_model_dir), "--train-type", "lora", "--dtype", "float32",
                            "--data", str(data), "--batch", "2", "--group", "2", "--max-new-tokens", "5",
-                           "--sizes", "2x2", "--sections", "rollout,step", "--repeats", "1", "--out", str(out)],
+                           "--sizes", "2x2", "--sections", "rollout,step", "--repeats", "1", "--warmup", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
@@ -202,6 +206,9 @@ def test_grpo_bench_swaps_in_a_random_weight_shape_with_lora(tiny_model_dir, tmp
     assert rollout["engine_uses_copy"]  # the adapters merged into the sampling copy
     assert record["step"]["trainable_parameters"] == workload["trainable_parameters"]  # the trainer's own LoRA
     assert record["step"]["peak_memory_gb"] > 0 and "model: shape tiny-qwen2" in proc.stdout
+    step = record["step"]
+    assert step["warmup"] == 2 and len(step["steps"]) == 3 and step["total_s"] == step["steps"][2]["total_s"]
+    assert proc.stdout.count("(warm-up)") == 2
 
 
 def _load_bench_module(name: str):
