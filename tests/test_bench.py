@@ -83,9 +83,14 @@ def test_grpo_bench_bad_input_is_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "did you mean 'micro_batch_tokens'" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--warmup", "-1"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--warmup >= 0" in proc.stderr
+    for bad in (["--warmup", "-1"], ["--repeats", "0"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), *bad],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--warmup >= 0" in proc.stderr, bad
+    # --warmup 0 and --repeats 1 pass the check: the run goes on to the missing data file
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--warmup", "0", "--repeats", "1",
+                           "--data", str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--warmup" not in proc.stderr and "missing.jsonl" in proc.stderr
 
 
 def test_nanochat_bench_runs_a_preset_on_a_tiny_random_nanochat(tmp_path):
