@@ -224,7 +224,7 @@ def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
               f"reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train {rec['train_s']:.2f}; "
               f"{rec['tokens']} tokens", flush=True)
         records.append(rec)
-    measured = records[warmup:] or records
+    measured = records[warmup:]  # main() refuses --repeats < 1, so never empty
     summary = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
     summary["warmup"] = warmup
     summary["peak_memory_gb"] = mx.get_peak_memory() / GB

@@ -44,8 +44,9 @@ class PackedBatch:
 SHAPE_BUCKET = 64
 
 
-def bucket(length: int) -> int:
-    return -(-length // SHAPE_BUCKET) * SHAPE_BUCKET
+def bucket(length: int, multiple: int = SHAPE_BUCKET) -> int:
+    """length rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
 
 
 # MLX's CUDA backend runs attention's backward as one cuDNN kernel only when the sequence length is a
@@ -64,8 +65,7 @@ def packed_width(widest_prompt: int, completion_width: int, multiple: int | None
     """Columns of a packed batch: the widest prompt plus the completion width, rounded up to `multiple`
     (default pack_bucket()). Every pass over one micro-batch uses the same width, so the log-prob and
     gradient passes see identical shapes."""
-    multiple = multiple or pack_bucket()
-    return -(-(widest_prompt + completion_width) // multiple) * multiple
+    return bucket(widest_prompt + completion_width, multiple or pack_bucket())
 
 
 def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id: int,
