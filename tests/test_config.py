@@ -126,6 +126,9 @@ def test_key_for_other_command_rejected():
     (["overlong_buffer=16"], "overlong_buffer only applies with overlong_penalty > 0"),
     (["max_resample_batches=5"], "max_resample_batches only applies with dynamic_sampling = true"),
     (["reward_workers=2", "dynamic_sampling=true"], "reward_workers does nothing with dynamic_sampling"),
+    (["dynamic_sampling_reward=reasoned_correctness"], "dynamic_sampling_reward only applies with dynamic_sampling"),
+    (["dynamic_sampling=true", "dynamic_sampling_reward=accuracy"],
+     "dynamic_sampling_reward must name one of the run's rewards"),
     (["reward_workers=2", "kl_coeff=0"], "reward_workers has nothing to overlap with"),
     (["reward_executor=process"], "reward_executor only applies with reward_workers > 0"),
 ])

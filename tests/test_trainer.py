@@ -398,6 +398,24 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
     assert odd and all(c["advantage"] == 0 for c in odd)
 
 
+def test_dynamic_sampling_keyed_on_one_reward_drops_groups_that_differ_only_in_another(tiny_model_dir, tmp_path):
+    """With two rewards, every group differs in share_of_even_ids; keyed on flat_unless_even_answer, only the
+    even-answer questions' groups (the ones that differ in it) are trained, as DAPO keeps groups by accuracy."""
+    toy = FIXTURES / "toy_rewards.py"
+    both = f'reward_funcs=["{toy}:flat_unless_even_answer","{toy}:share_of_even_ids"]'
+    common = (both, "dynamic_sampling=true", "max_train_samples=24", "log_completions_steps=1", "max_resample_batches=2")
+
+    def trained_answers(run):
+        return [int(json.loads(x)["answer"]) for x in (run / "completions.jsonl").read_text().splitlines()]
+    total = trained_answers(run_mod.train(make_cfg(tiny_model_dir, tmp_path, *common)))
+    assert any(a % 2 for a in total)  # the total differs in every group: odd-answer groups are kept
+    keyed = run_mod.train(make_cfg(tiny_model_dir, tmp_path, *common, "run_name=keyed",
+                                   "dynamic_sampling_reward=flat_unless_even_answer"))
+    answers = trained_answers(keyed)
+    assert answers and all(a % 2 == 0 for a in answers)
+    assert sum(r["draws"] for r in metrics(keyed)) > len(metrics(keyed))  # more prompts drawn to fill the steps
+
+
 def test_overlong_penalty_enters_reward_and_metrics(tiny_model_dir, tmp_path):
     run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "overlong_penalty=0.5",
                                      "overlong_buffer=4", "log_completions_steps=1"))

@@ -30,8 +30,7 @@ from mlx_grpo.solutions import Style, after_prefill, reference_completion, style
 def groups_without_reward(scores: RewardScores, group_size: int, reward: str = "") -> np.ndarray:
     """[B] bool: the groups where no completion earned anything (> 0) of `reward` (a reward function's
     name; "" = the total reward). A function's None (NaN: not applicable) counts as nothing earned."""
-    values = scores.total if not reward else scores.per_func[reward]
-    earned = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0).reshape(-1, group_size) > 0  # [B, G]
+    earned = scores.values(reward).reshape(-1, group_size) > 0  # [B, G]
     return ~earned.any(axis=1)
 
 

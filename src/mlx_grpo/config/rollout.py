@@ -41,6 +41,11 @@ class RolloutConfig:
                                      "data consumed) ends when the data does.", TRAIN)
     max_resample_batches: int = setting(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
                                         "step; a step still short trains on the groups it has.", TRAIN, range=">= 0")
+    dynamic_sampling_reward: str = setting("", "With dynamic_sampling: the reward function (as named in reward_funcs; a "
+                                           "custom one by its function name) whose scores must differ within a group "
+                                           "for the group to be kept, e.g. reasoned_correctness: DAPO keeps the groups "
+                                           "whose accuracy is neither 0 nor 1, not those that differ only in format. "
+                                           "Empty = the total reward.", TRAIN)
     tools: list[str] = setting([], "Tools the model may call during rollouts and evaluation: calculator (safe "
                                "arithmetic), python (code in a sandboxed subprocess), 'module:function' or "
                                "'file.py:function' (a typed, documented function). Empty = single-turn.", DATA)

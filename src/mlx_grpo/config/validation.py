@@ -159,14 +159,16 @@ def _validate_objective(c: Config) -> None:
              "so the sampler ratio would weight dropout noise; set lora_dropout = 0")
     _unused_unless(c, "overlong_buffer", w.overlong_penalty > 0, "overlong_penalty > 0")
     _unused_unless(c, "max_resample_batches", r.dynamic_sampling, "dynamic_sampling = true")
+    _unused_unless(c, "dynamic_sampling_reward", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "demo_reward", o.demonstrations != "off", "demonstrations on")
     _require(o.demonstrations == "off" or not (r.tools or r.environment), "demonstrations need single-turn "
              "rollouts (a reference solution has no tool or environment turns): drop tools/environment, or set "
              "demonstrations = off")
     names = [n.rpartition(":")[2] for n in w.reward_funcs] + ["reward_url"] * bool(w.reward_url) \
         + ["reward_model"] * bool(w.reward_model) + ["overlong_penalty"] * (w.overlong_penalty > 0)
-    _require(o.demo_reward == "" or o.demo_reward in names, f"demo_reward must name one of the run's rewards "
-             f"({', '.join(names)}), got {o.demo_reward!r}")
+    for field, value in (("demo_reward", o.demo_reward), ("dynamic_sampling_reward", r.dynamic_sampling_reward)):
+        _require(value == "" or value in names, f"{field} must name one of the run's rewards ({', '.join(names)}), "
+                 f"got {value!r}")
 
 
 def _validate_async(c: Config) -> None:

@@ -35,6 +35,11 @@ class RewardScores:
         idx = np.asarray(rows, dtype=np.int64)
         return RewardScores(list(self.names), {k: v[idx] for k, v in self.per_func.items()}, self.total[idx])
 
+    def values(self, reward: str = "") -> np.ndarray:
+        """[N] float64: one reward function's scores with None (NaN) counted as 0, as the total counts it;
+        reward "" = the total."""
+        return np.nan_to_num(np.asarray(self.total if not reward else self.per_func[reward], dtype=np.float64), nan=0.0)
+
     def with_penalty(self, name: str, values: np.ndarray) -> "RewardScores":
         """Add a per-completion term (weight 1) to the total, logged under `name`."""
         values = np.asarray(values, dtype=np.float32)

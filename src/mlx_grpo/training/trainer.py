@@ -255,9 +255,11 @@ class Trainer:
         return sum(int(self.flags(d).sum()) for d in draws)
 
     def flags(self, draw: Draw) -> np.ndarray:
-        """Which of a draw's B groups (all ranks) have rewards that are not all equal."""
+        """Which of a draw's B groups (all ranks) have rewards (of dynamic_sampling_reward when set) that are
+        not all equal."""
         if draw.flags is None:
-            mine = np.ptp(self.scores(draw).total.reshape(-1, self.cfg.rollout.num_generations), axis=1) > 0
+            r = self.cfg.rollout
+            mine = np.ptp(self.scores(draw).values(r.dynamic_sampling_reward).reshape(-1, r.num_generations), axis=1) > 0
             draw.flags = np.concatenate(self.world.gather(mine, "dynamic sampling"))
         return draw.flags
 
