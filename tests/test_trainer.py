@@ -16,6 +16,8 @@ from mlx_grpo.training import trainer as trainer_mod
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
+from mlx_grpo.training.draws import varied_groups
+from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.training.records import StepData
 from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.rollout.records import Rollout, SamplingParams
@@ -396,6 +398,19 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
     odd = [c for c in (json.loads(x) for x in (plain / "completions.jsonl").read_text().splitlines())
            if int(c["answer"]) % 2]
     assert odd and all(c["advantage"] == 0 for c in odd)
+
+
+def test_varied_groups_total_named_and_not_applicable():
+    """A group is varied when its scores differ; None (NaN) counts as 0, as in the total."""
+    per = {"fmt": np.array([0, 0.5, 0, 0, 1, 1, np.nan, np.nan], np.float32),
+           "correct": np.array([0, 0, 1, 1, np.nan, 1, np.nan, np.nan], np.float32)}
+    total = np.nan_to_num(per["fmt"]) + np.nan_to_num(per["correct"])
+    scores = RewardScores(["fmt", "correct"], per, total)
+    assert varied_groups(scores, 2).tolist() == [True, False, True, False]
+    assert varied_groups(scores, 2, "correct").tolist() == [False, False, True, False]  # [None, 1] = [0, 1]
+    assert varied_groups(scores, 2, "fmt").tolist() == [True, False, False, False]  # never applies: not varied
+    tiny = RewardScores(["p"], {"p": np.array([1e-30, 0.0], np.float32)}, np.array([1e-30, 0.0], np.float32))
+    assert varied_groups(tiny, 2).tolist() == [True]  # any difference, however small
 
 
 def test_dynamic_sampling_keyed_on_one_reward_drops_groups_that_differ_only_in_another(tiny_model_dir, tmp_path):

@@ -45,7 +45,8 @@ class RolloutConfig:
                                            "custom one by its function name) whose scores must differ within a group "
                                            "for the group to be kept, e.g. reasoned_correctness: DAPO keeps the groups "
                                            "whose accuracy is neither 0 nor 1, not those that differ only in format. "
-                                           "Empty = the total reward.", TRAIN)
+                                           "None counts as 0, so a group where the function never applies is "
+                                           "dropped. Empty = the total reward.", TRAIN)
     tools: list[str] = setting([], "Tools the model may call during rollouts and evaluation: calculator (safe "
                                "arithmetic), python (code in a sandboxed subprocess), 'module:function' or "
                                "'file.py:function' (a typed, documented function). Empty = single-turn.", DATA)

@@ -56,10 +56,16 @@ def collect(draw: Draw, cfg, demonstrator) -> None:
     draw.t_reward += time.perf_counter() - t0  # time the loop waited: the whole scoring when inline
 
 
+def varied_groups(scores: RewardScores, group_size: int, reward: str = "") -> np.ndarray:
+    """[B] bool: the groups whose scores of `reward` (a reward function's name; "" = the total) are not all
+    equal, None counting as 0 as in the total: a group where the function never applies is not varied."""
+    return np.ptp(scores.values(reward).reshape(-1, group_size), axis=1) > 0
+
+
 def informative_batch(draws: list[Draw], flags: list[np.ndarray], share: slice, batch_size: int,
                       pad_id: int) -> tuple[list[Example], Rollout, RewardScores]:
-    """Dynamic sampling: the first batch_size groups, in draw order over all ranks, whose rewards are not
-    all equal (flags[i]: draw i's groups over all ranks); this rank keeps those of its own `share` (ranks
+    """Dynamic sampling: the first batch_size groups, in draw order over all ranks, that are varied
+    (flags[i]: draw i's groups over all ranks, from varied_groups); this rank keeps those of its own `share` (ranks
     may train on unequal numbers). Scores must be collected."""
     G = draws[0].rollout.group_size
     chosen = [(i, g) for i, f in enumerate(flags) for g in np.flatnonzero(f)][:batch_size]

@@ -43,7 +43,8 @@ from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts
 from mlx_grpo.rollout.records import Rollout, SamplingParams
 from mlx_grpo.training.compiled_update import CompiledUpdate
-from mlx_grpo.training.draws import add_rewards, batch_stats, collect, informative_batch, reward_inputs, row_keys
+from mlx_grpo.training.draws import (add_rewards, batch_stats, collect, informative_batch, reward_inputs, row_keys,
+                                     varied_groups)
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
 from mlx_grpo.training.policy import Policies, logprob_pass
@@ -130,7 +131,8 @@ class Trainer:
         cfg = self.cfg
         draws = [self.draw(examples)]  # sample -> score (submitted)
         if cfg.rollout.dynamic_sampling:  # needs each draw's rewards before deciding to draw more
-            while self.informative(draws) < cfg.training.batch_size and len(draws) <= cfg.rollout.max_resample_batches:
+            while sum(int(self.flags(d).sum()) for d in draws) < cfg.training.batch_size \
+                    and len(draws) <= cfg.rollout.max_resample_batches:  # the varied groups (all ranks) so far
                 more = self.next_examples()
                 if more is None:  # the data is exhausted: train on what there is
                     break
@@ -250,16 +252,11 @@ class Trainer:
             collect(draw, self.cfg, self.demonstrator)
         return draw.sampled[1] if sampled and draw.sampled is not None else draw.scores
 
-    def informative(self, draws: list[Draw]) -> int:
-        """Dynamic sampling: the groups (all ranks) of these draws whose rewards are not all equal."""
-        return sum(int(self.flags(d).sum()) for d in draws)
-
     def flags(self, draw: Draw) -> np.ndarray:
-        """Which of a draw's B groups (all ranks) have rewards (of dynamic_sampling_reward when set) that are
-        not all equal."""
+        """Which of a draw's B groups (all ranks) vary in dynamic_sampling_reward (or the total reward)."""
         if draw.flags is None:
             r = self.cfg.rollout
-            mine = np.ptp(self.scores(draw).values(r.dynamic_sampling_reward).reshape(-1, r.num_generations), axis=1) > 0
+            mine = varied_groups(self.scores(draw), r.num_generations, r.dynamic_sampling_reward)
             draw.flags = np.concatenate(self.world.gather(mine, "dynamic sampling"))
         return draw.flags
 
