@@ -42,6 +42,13 @@ def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=
     monkeypatch.setattr(trainer_class, name, original)
 
 
+def sigint_default() -> None:
+    """preexec_fn for a child that must see Ctrl-C: a test runner started as a background job ignores SIGINT,
+    its children inherit that, and mlx-grpo then leaves SIGINT alone as a background job should."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ctrl_c_while_scoring_hangs(model_dir, tmp_path, *sets: str) -> tuple[int, str]:
     """`mlx-grpo train` (with --set items `sets`) whose scorer never returns: Ctrl-C once the scorer is
     entered. -> (exit code, stderr)."""
@@ -59,7 +66,7 @@ def ctrl_c_while_scoring_hangs(model_dir, tmp_path, *sets: str) -> tuple[int, st
     items = [f"model_name={model_dir}", f"output_dir={tmp_path}", "max_train_samples=8", "system_prompt=",
              f"reward_funcs={tmp_path / 'hang.py'}:hang", "max_new_tokens=8", *sets]
     cmd = [sys.executable, "-m", "mlx_grpo", "train", *(a for item in items for a in ("--set", item))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     deadline = time.monotonic() + 120
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -16,6 +16,8 @@ import pytest
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.models.writing import recover_staged
 
+from conftest import sigint_default
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs the CLI with one phase's function replaced, from its `nth` call on, by one that sends this process
@@ -56,7 +58,8 @@ def interrupt(tmp_path: Path, target: str, nth: int, argv: list[str]) -> tuple[s
     env = {**os.environ, "TQDM_DISABLE": "1",
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-c", DRIVER, target, str(nth), str(stamp), *argv]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)  # a hang guard only
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120,  # a hang guard only
+                          preexec_fn=sigint_default)
     return done, time.time() - float(stamp.read_text()) if stamp.exists() else float("nan")
 
 
