@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from mlx_grpo import checkpoint as ckpt
+from mlx_grpo.interrupt import exit_on_interrupt
 from mlx_grpo.models.writing import recover_staged
 
 from conftest import sigint_default
@@ -113,3 +116,17 @@ def test_ctrl_c_ends_the_eval_command(tiny_model_dir, tmp_path):
                          str(tmp_path / "eval.jsonl")])
     assert_interrupted(done, "eval")
     assert not (tmp_path / "eval.jsonl").exists()
+
+
+def test_a_background_job_keeps_ignoring_ctrl_c():
+    """Started with SIGINT ignored (`cmd &` in a script, nohup): no watcher, the handler stays SIG_IGN, and a
+    SIGINT goes by without ending anything."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with exit_on_interrupt("mlx-grpo train: interrupted"):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert not any(t.name == "mlx-grpo-ctrl-c" for t in threading.enumerate())
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
