@@ -418,7 +418,8 @@ def test_dynamic_sampling_keyed_on_one_reward_drops_groups_that_differ_only_in_a
     even-answer questions' groups (the ones that differ in it) are trained, as DAPO keeps groups by accuracy."""
     toy = FIXTURES / "toy_rewards.py"
     both = f'reward_funcs=["{toy}:flat_unless_even_answer","{toy}:share_of_even_ids"]'
-    common = (both, "dynamic_sampling=true", "max_train_samples=24", "log_completions_steps=1", "max_resample_batches=2")
+    common = (both, "dynamic_sampling=true", "max_train_samples=24", "log_completions_steps=1",
+              "max_resample_batches=2")
 
     def trained_answers(run):
         return [int(json.loads(x)["answer"]) for x in (run / "completions.jsonl").read_text().splitlines()]

@@ -97,9 +97,8 @@ def batch_stats(draws: list[Draw], examples: list[Example], rollout: Rollout, t_
 def add_rewards(stats: BatchStats, trained: RewardScores, drawn: RewardScores, advantages: mx.array,
                 group_size: int, t_reward: float) -> None:
     """The reward part of a batch step's figures, once its scores are in."""
-    grouped = drawn.total.reshape(-1, group_size)
     stats.rewards, stats.per_func = trained.total, trained.per_func
     stats.advantages = np.array(advantages.tolist())
     stats.drawn_scores = drawn
-    stats.zero_std = float(np.mean(grouped.max(1) == grouped.min(1)))
+    stats.zero_std = float(np.mean(~varied_groups(drawn, group_size)))  # of the total, whatever dynamic_sampling keys
     stats.t_reward = t_reward
