@@ -16,7 +16,7 @@ from mlx_grpo.blas import use_optimized_blas
 from mlx_grpo.config import FIELD_GROUP, FIELDS, GROUPS, build_config, command_default, fields_for, parse_set
 from mlx_grpo.config.reference import field_help
 from mlx_grpo.options import COMMAND_FLAG_ALIASES, COMMAND_OPTIONS, FLAG_ALIASES, Option
-from mlx_grpo.errors import UserError
+from mlx_grpo.errors import UserError, out_of_memory
 from mlx_grpo.interrupt import exit_on_interrupt
 
 DESCRIPTIONS = {
@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, MemoryError) as exc:  # a failed device allocation: one line saying what to lower
+        line = out_of_memory(exc, args.command)
+        if line is None:
+            raise
+        print(f"mlx-grpo {args.command}: error: {line}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # raised in-process (a caller outside the main thread): the same ending
         print(f"mlx-grpo {args.command}: interrupted", file=sys.stderr)
         # Leave now: a reward still running in a worker thread (a hung scorer) would otherwise hold the exit

@@ -1,0 +1,79 @@
+"""A failed device allocation ends a command with one line saying where and what to lower (exit 1), not a
+traceback; checkpoints written before it stay usable."""
+
+import json
+from pathlib import Path
+
+from mlx_grpo.cli import main
+from mlx_grpo.errors import out_of_memory
+from mlx_grpo.rollout import engine
+
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+
+
+def raised_in(filenames: list[str], message: str, kind: type = RuntimeError) -> BaseException:
+    """An exception whose traceback passes through functions defined in `filenames` (outermost first)."""
+    namespace: dict = {"kind": kind, "message": message}
+    inner = "def f0():\n    raise kind(message)\n"
+    exec(compile(inner, filenames[-1], "exec"), namespace)
+    for i, name in enumerate(reversed(filenames[:-1]), start=1):
+        exec(compile(f"def f{i}():\n    f{i - 1}()\n", name, "exec"), namespace)
+    try:
+        namespace[f"f{len(filenames) - 1}"]()
+    except kind as exc:
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def test_the_phase_comes_from_the_traceback():
+    root = "/site-packages/mlx_grpo"
+    rollouts = raised_in([f"{root}/run.py", f"{root}/training/trainer.py", f"{root}/rollout/engine.py"], CUDA_OOM)
+    assert out_of_memory(rollouts, "train") == (
+        f"out of device memory while sampling rollouts ({CUDA_OOM}): lower batch_size x num_generations, "
+        "max_new_tokens or max_prompt_length, or stop other processes using the GPU. Checkpoints already written "
+        "are intact: --resume continues from the latest.")
+    # an evaluation decodes through rollout/ too: its own setting is the one to lower
+    evaluation = raised_in([f"{root}/run.py", f"{root}/evaluate.py", f"{root}/rollout/engine.py"], CUDA_OOM)
+    line = out_of_memory(evaluation, "eval")
+    assert line.startswith("out of device memory while evaluating") and "eval_batch_size" in line
+    assert "--resume" not in line  # eval writes no checkpoints
+    backward = raised_in([f"{root}/run.py", f"{root}/training/gradients.py", "/mlx/nn/layers.py"],
+                         "[metal::malloc] Unable to allocate 1073741824 bytes")
+    line = out_of_memory(backward, "sft")
+    assert "in the training pass" in line and "micro_batch_tokens" in line
+    # outside our frames (a user's reward function, say): no phase, the general settings
+    elsewhere = raised_in(["/home/me/reward.py"], "", MemoryError)
+    assert out_of_memory(elsewhere, "train").startswith("out of device memory (MemoryError): lower batch_size")
+
+
+def test_other_errors_are_not_memory():
+    assert out_of_memory(raised_in(["/x/mlx_grpo/rollout/engine.py"], "shape mismatch"), "train") is None
+    assert out_of_memory(ValueError("out of range"), "train") is None
+
+
+def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "solution": f"\\boxed{{{i + 1}}}"}) + "\n"
+                            for i in range(4)))
+    args = ["train", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-dir", str(tmp_path),
+            "--batch-size", "2", "--num-generations", "2", "--max-new-tokens", "4", "--set", "save_steps=1"]
+    run_dir: Path = tmp_path / "grpo"
+    decode, calls = engine.generate_rollout, []
+
+    def decode_until_update_2(*a, **k):  # update 2's rollouts fail as the GPU's allocator does
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError(CUDA_OOM)
+        return decode(*a, **k)
+
+    monkeypatch.setattr(engine, "generate_rollout", decode_until_update_2)
+    assert main(args) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1].startswith("mlx-grpo train: error: out of device memory while sampling rollouts (cudaMalloc")
+    assert not any("Traceback" in line for line in err)
+    assert (run_dir / "checkpoint-1").is_dir() and not (run_dir / "checkpoint-2").exists()
+    monkeypatch.setattr(engine, "generate_rollout", decode)
+    assert main(args + ["--resume"]) == 0
+    steps = [json.loads(line)["update_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"update_step"' in line]
+    assert steps[0] == 1 and steps[-1] == 2
