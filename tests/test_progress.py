@@ -30,6 +30,15 @@ def test_pace_is_the_mean_time_per_update_times_the_updates_left():
     assert logs.pace(24.6, 2, 20) == "elapsed 25s, 12.3 s/update, ETA 4m06s"
 
 
+def test_pace_under_a_time_limit_counts_to_the_update_that_crosses_it():
+    # 14 minutes of updates, 2 done in 70 s at 35 s each: 770 s left under the limit, plus the crossing update
+    assert logs.pace(70.0, 2, 254, limit_s=840.0) == "elapsed 1m10s, 35.0 s/update, ETA 13m25s (max_minutes)"
+    # the data ends first: the limit changes nothing
+    assert logs.pace(70.0, 2, 3, limit_s=840.0) == "elapsed 1m10s, 35.0 s/update, ETA 1m45s"
+    # past the limit: the update in flight is the last
+    assert logs.pace(900.0, 25, 200, limit_s=840.0) == "elapsed 15m00s, 36.0 s/update, ETA 36s (max_minutes)"
+
+
 def test_summary_names_its_spans():
     lines = logs.summary_lines(12, 12, 75.0, [(u, float(u)) for u in range(1, 13)],
                                {"update_step": 12, "accuracy": 0.5, "accuracy_lenient": 0.625, "num_examples": 8},
@@ -118,3 +127,11 @@ def test_evaluation_bar_over_the_examples(tiny_model_dir, monkeypatch, progress)
     assert len(records) == 3
     shown = buf.getvalue()
     assert ("eval:   0%| " in shown and "2/3 [" in shown) is progress  # after the first batch of 2
+
+
+def test_a_time_limited_run_counts_its_eta_to_the_limit(tiny_model_dir, tmp_path, capsys):
+    """max_minutes ends the run long before its data: the update line's ETA is the limit's, and says so."""
+    run_mod.train(make_cfg(tiny_model_dir, tmp_path, "reward_funcs=int", "num_epochs=3", "max_minutes=0.000001"))
+    updates = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[mlx-grpo] update ")]
+    assert len(updates) == 1  # the first update crosses the limit
+    assert re.search(r", ETA \d+s \(max_minutes\)$", updates[0]), updates[0]

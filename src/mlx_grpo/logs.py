@@ -33,10 +33,16 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def pace(elapsed_s: float, done: int, left: int) -> str:
-    """Elapsed time, mean seconds per update so far and the ETA (that mean x the updates left)."""
+def pace(elapsed_s: float, done: int, left: int, limit_s: float = 0.0) -> str:
+    """Elapsed time, mean seconds per update so far and the ETA (that mean x the updates left). With a time
+    limit (max_minutes, `limit_s` > 0) the run ends after the update that crosses it, so the ETA is at most
+    the time left under the limit plus one update, and says so."""
     per = elapsed_s / max(done, 1)
-    return f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, ETA {duration(per * left)}"
+    eta = per * left
+    if limit_s > 0 and max(limit_s - elapsed_s, 0.0) + per < eta:
+        return (f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, "
+                f"ETA {duration(max(limit_s - elapsed_s, 0.0) + per)} (max_minutes)")
+    return f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, ETA {duration(eta)}"
 
 
 def fmt(value: float | None, spec: str) -> str:

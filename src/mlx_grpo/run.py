@@ -343,7 +343,8 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                                     kl=fmt(record["kl"], ".4f"), refresh=False)
                     if bar.disable:  # no bar (not a terminal): the line says how far and how long
                         logger.print_line(record, pace(time.perf_counter() - t_start, c.update_step - start_update,
-                                                       trainer.total_updates - c.update_step))
+                                                       trainer.total_updates - c.update_step,
+                                                       60 * cfg.run.max_minutes))
                 if cfg.run.log_completions_steps and c.update_step % cfg.run.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
             if stop:  # logged first: metrics.jsonl shows the update that stopped the run

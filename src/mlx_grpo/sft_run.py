@@ -129,7 +129,8 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
                 console(f"[mlx-grpo] sft update {c.update_step}: loss {fmt(record['loss'], '.4f')} tokens "
                         f"{record['tokens']} lr {record['lr']:.2e}, " + pace(time.perf_counter() - t_start,
                                                                              c.update_step - start_update,
-                                                                             trainer.total_updates - c.update_step))
+                                                                             trainer.total_updates - c.update_step,
+                                                                             60 * cfg.run.max_minutes))
             if evals and c.update_step % cfg.eval.eval_every_updates == 0:
                 last_eval = _evaluate(trainer, engine, data, multiturn, logger, reporters, "eval_every_updates")
             if cfg.run.save_steps and c.update_step % cfg.run.save_steps == 0:
