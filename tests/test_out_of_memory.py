@@ -1,5 +1,5 @@
-"""A failed device allocation ends a command with one line saying where and what to lower (exit 1), not a
-traceback; checkpoints written before it stay usable."""
+"""A failed device allocation ends a command with one line saying where and what to lower (exit 2, as a full
+disk does), not a traceback; checkpoints written before it stay usable."""
 
 import json
 from pathlib import Path
@@ -67,7 +67,7 @@ def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir,
         return decode(*a, **k)
 
     monkeypatch.setattr(engine, "generate_rollout", decode_until_update_2)
-    assert main(args) == 1
+    assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1].startswith("mlx-grpo train: error: out of device memory while sampling rollouts (cudaMalloc")
     assert not any("Traceback" in line for line in err)

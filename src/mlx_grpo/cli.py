@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if line is None:
             raise
         print(f"mlx-grpo {args.command}: error: {line}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:  # raised in-process (a caller outside the main thread): the same ending
         print(f"mlx-grpo {args.command}: interrupted", file=sys.stderr)
         # Leave now: a reward still running in a worker thread (a hung scorer) would otherwise hold the exit

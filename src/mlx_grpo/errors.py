@@ -1,4 +1,4 @@
-"""The errors the CLI shows as one line: UserError (bad input, exit 2) and a failed device allocation (exit 1)."""
+"""The errors the CLI shows as one line and exit 2: UserError (bad input) and a failed device allocation."""
 
 
 class UserError(Exception):
