@@ -30,25 +30,41 @@ def test_the_phase_comes_from_the_traceback():
     rollouts = raised_in([f"{root}/run.py", f"{root}/training/trainer.py", f"{root}/rollout/engine.py"], CUDA_OOM)
     assert out_of_memory(rollouts, "train") == (
         f"out of device memory while sampling rollouts ({CUDA_OOM}): lower batch_size x num_generations, "
-        "max_new_tokens or max_prompt_length, or stop other processes using the GPU. Checkpoints already written "
-        "are intact: --resume continues from the latest.")
-    # an evaluation decodes through rollout/ too: its own setting is the one to lower
+        "max_new_tokens or max_prompt_length, or stop other processes using the GPU.")
+    # --resume refuses those settings changed: the line says so, and how to go on from the checkpoint
+    assert out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8")).endswith(
+        " checkpoint-8 is intact: --resume refuses that change; start a new run from it "
+        "(--set model_name=/r/grpo/checkpoint-8).")
+    # vision-language rollouts decode in vlm/rollout.py, under training/trainer.py
+    vlm = raised_in([f"{root}/training/trainer.py", f"{root}/vlm/trainer.py", f"{root}/vlm/rollout.py"], CUDA_OOM)
+    assert "while sampling rollouts" in out_of_memory(vlm, "train")
+    # an evaluation decodes through rollout/ too: its own settings are the ones to lower
     evaluation = raised_in([f"{root}/run.py", f"{root}/evaluate.py", f"{root}/rollout/engine.py"], CUDA_OOM)
-    line = out_of_memory(evaluation, "eval")
+    line = out_of_memory(evaluation, "train", Path("/r/grpo/checkpoint-8"))
     assert line.startswith("out of device memory while evaluating") and "eval_batch_size" in line
-    assert "--resume" not in line  # eval writes no checkpoints
+    assert line.endswith("checkpoint-8 is intact: --resume continues from it with that changed.")
+    assert "--resume" not in out_of_memory(evaluation, "eval", Path("/r/grpo/checkpoint-8"))  # eval resumes nothing
     backward = raised_in([f"{root}/run.py", f"{root}/training/gradients.py", "/mlx/nn/layers.py"],
-                         "[metal::malloc] Unable to allocate 1073741824 bytes")
-    line = out_of_memory(backward, "sft")
-    assert "in the training pass" in line and "micro_batch_tokens" in line
-    # outside our frames (a user's reward function, say): no phase, the general settings
+                         "[metal::malloc] Unable to allocate 1073741824 bytes.")
+    line = out_of_memory(backward, "sft", Path("/r/sft/checkpoint-3"))
+    assert "in the training pass" in line and "micro_batch_tokens" in line and "continues from it" in line
+    # outside our frames (a user's reward function, say): no phase, the general settings; perhaps host memory
     elsewhere = raised_in(["/home/me/reward.py"], "", MemoryError)
-    assert out_of_memory(elsewhere, "train").startswith("out of device memory (MemoryError): lower batch_size")
+    assert out_of_memory(elsewhere, "train").startswith("out of memory (MemoryError): lower batch_size")
+    assert out_of_memory(raised_in([f"{root}/rollout/engine.py"], CUDA_OOM), "generate").startswith(
+        f"out of device memory while sampling rollouts ({CUDA_OOM}): lower --batch-size or max_new_tokens")
 
 
 def test_other_errors_are_not_memory():
     assert out_of_memory(raised_in(["/x/mlx_grpo/rollout/engine.py"], "shape mismatch"), "train") is None
     assert out_of_memory(ValueError("out of range"), "train") is None
+    # the words inside another error's message (a completion quoted, say) are not the backend's form
+    quoted = raised_in(["/x/mlx_grpo/rollout/multiturn.py"], "no stop string in 'the cudaMalloc() failed: out of "
+                                                              "memory, so [metal::malloc] Unable to allocate'")
+    assert out_of_memory(quoted, "train") is None
+    assert out_of_memory(RuntimeError("[malloc] Unable to allocate 64 bytes."), "train") is not None
+    assert out_of_memory(RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory "
+                                      "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"), "train") is not None
 
 
 def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -70,10 +86,22 @@ def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir,
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1].startswith("mlx-grpo train: error: out of device memory while sampling rollouts (cudaMalloc")
+    assert err[-1].endswith(f"checkpoint-1 is intact: --resume refuses that change; start a new run from it "
+                            f"(--set model_name={run_dir / 'checkpoint-1'}).")
     assert not any("Traceback" in line for line in err)
     assert (run_dir / "checkpoint-1").is_dir() and not (run_dir / "checkpoint-2").exists()
-    monkeypatch.setattr(engine, "generate_rollout", decode)
+    monkeypatch.setattr(engine, "generate_rollout", decode)  # the GPU freed: the same settings resume
     assert main(args + ["--resume"]) == 0
     steps = [json.loads(line)["update_step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"update_step"' in line]
     assert steps[0] == 1 and steps[-1] == 2
+
+
+def test_out_of_memory_before_any_checkpoint_names_no_resume(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"problem": "What is 1 + 1?", "solution": "\\boxed{2}"}) + "\n")
+    monkeypatch.setattr(engine, "generate_rollout", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(CUDA_OOM)))
+    assert main(["train", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-dir", str(tmp_path),
+                 "--batch-size", "1", "--num-generations", "2", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("or stop other processes using the GPU."), err[-1]  # nothing to --resume

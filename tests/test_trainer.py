@@ -389,7 +389,10 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_model_dir, tmp_pat
     assert len(rows) < 12  # the data (12 batches) ran out before 12 updates
     peak = cfg.optimizer.learning_rate  # the schedule follows the data consumed: the last update is at its end
     assert rows[-1]["lr"] == pytest.approx(trainer_mod.learning_rate_at(12, 12, cfg)) and rows[-1]["lr"] < 0.05 * peak
-    assert "the training data ran out" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the training data ran out" in out
+    # the ETA follows the data left at the run's draws per update: 0 once the data is drawn, not 12 - updates
+    assert [line for line in out.splitlines() if line.startswith("[mlx-grpo] update ")][-1].endswith("ETA 0s")
     completions = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
     assert completions and all(int(c["answer"]) % 2 == 0 for c in completions)  # only informative groups
     plain = run_mod.train(make_cfg(tiny_model_dir, tmp_path, rewards, "run_name=plain", "max_train_samples=24",

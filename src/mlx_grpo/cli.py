@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from mlx_grpo import __version__
 from mlx_grpo.blas import use_optimized_blas
@@ -163,6 +164,20 @@ def _dispatch(args: argparse.Namespace) -> None:
         run_eval(cfg, split=args.split, output=args.output)
 
 
+def _latest_checkpoint(args: argparse.Namespace) -> Path | None:
+    """The run directory's latest checkpoint for train/sft (what an out-of-memory line points --resume at)."""
+    if args.command not in ("train", "sft"):
+        return None
+    from mlx_grpo.checkpoint import list_checkpoints
+
+    try:  # the config built once already (the run got as far as allocating): this only reads it again
+        cfg = _config_from_args(args.command, args)
+        found = list_checkpoints(Path(cfg.run.output_dir) / cfg.run.run_name)
+    except (UserError, OSError):
+        return None
+    return found[-1] if found else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -175,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as exc:  # a failed device allocation: one line saying what to lower
-        line = out_of_memory(exc, args.command)
+        line = out_of_memory(exc, args.command, _latest_checkpoint(args))
         if line is None:
             raise
         print(f"mlx-grpo {args.command}: error: {line}", file=sys.stderr)

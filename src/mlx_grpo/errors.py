@@ -1,43 +1,56 @@
 """The errors the CLI shows as one line and exit 2: UserError (bad input) and a failed device allocation."""
 
+import re
+from pathlib import Path
+
 
 class UserError(Exception):
     """A problem the user can fix (bad config, missing file, malformed row); shown without a traceback."""
 
 
-# How MLX's backends word a failed allocation (CUDA, Metal, the CPU's std::bad_alloc)
-_OOM_WORDS = ("out of memory", "unable to allocate", "failed to allocate", "bad_alloc", "[metal::malloc]",
-              "insufficient memory")
-# Where the allocation failed (a file of the traceback) -> the settings that bound that phase's memory
-_OOM_PHASES = (  # the first that any of our frames matches: evaluation samples through rollout/ too
-    ("/evaluate.py", "while evaluating", "lower eval_batch_size or eval_max_new_tokens"),
-    ("/rollout/", "while sampling rollouts", "lower batch_size x num_generations, max_new_tokens or "
-                                              "max_prompt_length"),
-    ("/training/", "in the training pass", "lower micro_batch_size or micro_batch_tokens, or set "
-                                           "grad_checkpoint = true"),
-    ("/sft.py", "in the training pass", "lower micro_batch_size or micro_batch_tokens, or set "
-                                        "grad_checkpoint = true"),
+# How MLX's backends word a failed allocation, on the message's first line (CUDA, Metal, the CPU allocator);
+# matched exactly, so that another error quoting the words (a completion's text, say) keeps its traceback
+_OOM_FORMS = re.compile(r"^(cuda\w*\(.*\) failed: out of memory|\[(metal|cuda|malloc)(::malloc)?\] "
+                        r"(unable to allocate|attempting to allocate)|\[metal\] command buffer execution failed: "
+                        r"insufficient memory|(std::)?bad_alloc)", re.IGNORECASE)
+# Where the allocation failed (the first entry any of our traceback's files matches): the phase, the settings
+# that bound its memory, and whether --resume accepts them changed. Evaluation decodes through rollout/ too.
+_OOM_PHASES = (
+    (("/evaluate.py",), "while evaluating", "lower eval_batch_size or eval_max_new_tokens", True),
+    (("/rollout/", "/vlm/rollout.py"), "while sampling rollouts",
+     "lower batch_size x num_generations, max_new_tokens or max_prompt_length", False),
+    (("/training/", "/sft.py"), "in the training pass",
+     "lower micro_batch_size or micro_batch_tokens, or set grad_checkpoint = true", True),
 )
 
 
-def out_of_memory(exc: BaseException, command: str) -> str | None:
-    """The one line for a failed device allocation (None for any other error): where it happened, the first
-    line of the backend's message, and what to lower. A traceback would hide that the fix is a setting."""
-    text = str(exc)
-    if not isinstance(exc, MemoryError) and not any(word in text.lower() for word in _OOM_WORDS):
+def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = None) -> str | None:
+    """The one line for a failed allocation (None for any other error): where it happened, the first line of
+    the backend's message, and what to lower. `checkpoint`: the run's latest (train/sft), and whether --resume
+    takes the fix or it needs a new run from there. A traceback would hide that the fix is a setting."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if not isinstance(exc, MemoryError) and not _OOM_FORMS.match(first):
         return None
     files = []
     tb = exc.__traceback__
     while tb is not None:
         files.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
         tb = tb.tb_next
-    where, advice = "", "lower batch_size, num_generations, max_new_tokens or micro_batch_size"
-    for part, phase, fix in _OOM_PHASES:
-        if any(part in f and "mlx_grpo" in f for f in files):
-            where, advice = f" {phase}", fix
+    ours = [f for f in files if "mlx_grpo" in f]
+    where, advice, resumes = "", "lower batch_size, num_generations or max_new_tokens", False
+    for parts, phase, fix, takes in _OOM_PHASES:
+        if any(part in f for part in parts for f in ours):
+            where, advice, resumes = f" {phase}", fix, takes
             break
-    resume = " Checkpoints already written are intact: --resume continues from the latest." \
-        if command in ("train", "sft") else ""
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return (f"out of device memory{where} ({first}): {advice}, or stop other processes using the GPU."
-            + resume)
+    if command in ("generate", "chat"):
+        advice = "lower --batch-size or max_new_tokens"
+    elif command == "eval":
+        advice = "lower eval_batch_size or eval_max_new_tokens"
+    kind = "memory" if isinstance(exc, MemoryError) else "device memory"  # MemoryError: perhaps the host's
+    line = f"out of {kind}{where} ({first}): {advice}, or stop other processes using the GPU."
+    if command in ("train", "sft") and checkpoint is not None:
+        line += f" {checkpoint.name} is intact: " + (
+            "--resume continues from it with that changed." if resumes else
+            f"--resume refuses that change; start a new run from it (--set model_name={checkpoint}).")
+    return line

@@ -33,7 +33,7 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def pace(elapsed_s: float, done: int, left: int, limit_s: float = 0.0) -> str:
+def pace(elapsed_s: float, done: int, left: float, limit_s: float = 0.0) -> str:
     """Elapsed time, mean seconds per update so far and the ETA (that mean x the updates left). With a time
     limit (max_minutes, `limit_s` > 0) the run ends after the update that crosses it, so the ETA is at most
     the time left under the limit plus one update, and says so."""

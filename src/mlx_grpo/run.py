@@ -342,9 +342,11 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                     bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
                                     kl=fmt(record["kl"], ".4f"), refresh=False)
                     if bar.disable:  # no bar (not a terminal): the line says how far and how long
+                        # the updates left: the data left at this run's draws per update (dynamic sampling > 1)
+                        drawn = trainer.schedule_position()
+                        left = (trainer.total_updates - drawn) * c.update_step / max(drawn, 1)
                         logger.print_line(record, pace(time.perf_counter() - t_start, c.update_step - start_update,
-                                                       trainer.total_updates - c.update_step,
-                                                       60 * cfg.run.max_minutes))
+                                                       left, 60 * cfg.run.max_minutes))
                 if cfg.run.log_completions_steps and c.update_step % cfg.run.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
             if stop:  # logged first: metrics.jsonl shows the update that stopped the run
