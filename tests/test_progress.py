@@ -31,12 +31,15 @@ def test_pace_is_the_mean_time_per_update_times_the_updates_left():
 
 
 def test_pace_under_a_time_limit_counts_to_the_update_that_crosses_it():
-    # 14 minutes of updates, 2 done in 70 s at 35 s each: 770 s left under the limit, plus the crossing update
-    assert logs.pace(70.0, 2, 254, limit_s=840.0) == "elapsed 1m10s, 35.0 s/update, ETA 13m25s (max_minutes)"
+    # 14 minutes of updates, 2 done in 70 s at 35 s each: 770 s left under the limit, 22 updates, the last
+    # crossing it; 780 s left would take 23
+    assert logs.pace(70.0, 2, 254, limit_s=840.0) == "elapsed 1m10s, 35.0 s/update, ETA 12m50s (max_minutes)"
+    assert logs.pace(60.0, 2, 254, limit_s=840.0) == "elapsed 1m00s, 30.0 s/update, ETA 13m00s (max_minutes)"
+    assert logs.updates_left(70.0, 2, 254, limit_s=850.0) == (23, True)
     # the data ends first: the limit changes nothing
     assert logs.pace(70.0, 2, 3, limit_s=840.0) == "elapsed 1m10s, 35.0 s/update, ETA 1m45s"
-    # past the limit: the update in flight is the last
-    assert logs.pace(900.0, 25, 200, limit_s=840.0) == "elapsed 15m00s, 36.0 s/update, ETA 36s (max_minutes)"
+    # past the limit: that update was the last
+    assert logs.pace(900.0, 25, 200, limit_s=840.0) == "elapsed 15m00s, 36.0 s/update, ETA 0s (max_minutes)"
 
 
 def test_summary_names_its_spans():
@@ -135,3 +138,14 @@ def test_a_time_limited_run_counts_its_eta_to_the_limit(tiny_model_dir, tmp_path
     updates = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[mlx-grpo] update ")]
     assert len(updates) == 1  # the first update crosses the limit
     assert re.search(r", ETA \d+s \(max_minutes\)$", updates[0]), updates[0]
+
+
+def test_a_time_limited_run_sizes_its_bar_to_the_limit(tiny_model_dir, tmp_path, monkeypatch):
+    """On a terminal the bar's total (and so tqdm's ETA) follows the updates the time limit leaves."""
+    buf = io.StringIO()
+    monkeypatch.setattr(run_mod, "tqdm", lambda *a, **k: tqdm(*a, **{**k, "disable": False, "file": buf,
+                                                                     "mininterval": 0}))
+    run_mod.train(make_cfg(tiny_model_dir, tmp_path, "reward_funcs=int", "num_epochs=3", "max_minutes=0.000001"))
+    shown = buf.getvalue().rstrip().split("\r")
+    assert any("0/6" in part for part in shown)  # the data's count before the first update
+    assert shown[-1].startswith("grpo: 100%|") and "1/1 " in shown[-1], shown[-1]  # the limit ended it at 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -33,16 +34,23 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def pace(elapsed_s: float, done: int, left: float, limit_s: float = 0.0) -> str:
-    """Elapsed time, mean seconds per update so far and the ETA (that mean x the updates left). With a time
-    limit (max_minutes, `limit_s` > 0) the run ends after the update that crosses it, so the ETA is at most
-    the time left under the limit plus one update, and says so."""
+def updates_left(elapsed_s: float, done: int, left: float, limit_s: float = 0.0) -> tuple[float, bool]:
+    """The updates still to run, and whether the time limit (max_minutes, `limit_s` > 0) decides it: the
+    run ends after the update that crosses the limit, so at this pace the time left rounded up to updates
+    (none once it is crossed)."""
     per = elapsed_s / max(done, 1)
-    eta = per * left
-    if limit_s > 0 and max(limit_s - elapsed_s, 0.0) + per < eta:
-        return (f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, "
-                f"ETA {duration(max(limit_s - elapsed_s, 0.0) + per)} (max_minutes)")
-    return f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, ETA {duration(eta)}"
+    if limit_s > 0 and per > 0 and math.ceil(max(limit_s - elapsed_s, 0.0) / per) < left:
+        return math.ceil(max(limit_s - elapsed_s, 0.0) / per), True
+    return left, False
+
+
+def pace(elapsed_s: float, done: int, left: float, limit_s: float = 0.0) -> str:
+    """Elapsed time, mean seconds per update so far and the ETA (that mean x the updates left, as
+    updates_left counts them), marked (max_minutes) when the time limit decides it."""
+    per = elapsed_s / max(done, 1)
+    left, limited = updates_left(elapsed_s, done, left, limit_s)
+    return (f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, ETA {duration(per * left)}"
+            + (" (max_minutes)" if limited else ""))
 
 
 def fmt(value: float | None, spec: str) -> str:

@@ -22,7 +22,7 @@ from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
 from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
-from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record
+from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record, updates_left
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.run_dir import prepare_run_dir
 from mlx_grpo.training.trainer import Trainer
@@ -341,12 +341,15 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                 if cfg.run.logging_steps and c.update_step % cfg.run.logging_steps == 0:
                     bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
                                     kl=fmt(record["kl"], ".4f"), refresh=False)
+                    # the updates left: the data left at this run's draws per update (dynamic sampling > 1)
+                    drawn, elapsed = trainer.schedule_position(), time.perf_counter() - t_start
+                    left = (trainer.total_updates - drawn) * c.update_step / max(drawn, 1)
                     if bar.disable:  # no bar (not a terminal): the line says how far and how long
-                        # the updates left: the data left at this run's draws per update (dynamic sampling > 1)
-                        drawn = trainer.schedule_position()
-                        left = (trainer.total_updates - drawn) * c.update_step / max(drawn, 1)
-                        logger.print_line(record, pace(time.perf_counter() - t_start, c.update_step - start_update,
-                                                       left, 60 * cfg.run.max_minutes))
+                        logger.print_line(record, pace(elapsed, c.update_step - start_update, left,
+                                                       60 * cfg.run.max_minutes))
+                    else:  # the bar's total (and so its ETA) follows the same count
+                        left = updates_left(elapsed, c.update_step - start_update, left, 60 * cfg.run.max_minutes)[0]
+                        bar.total = c.update_step + math.ceil(left)
                 if cfg.run.log_completions_steps and c.update_step % cfg.run.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
             if stop:  # logged first: metrics.jsonl shows the update that stopped the run
