@@ -31,10 +31,15 @@ def test_the_phase_comes_from_the_traceback():
     assert out_of_memory(rollouts, "train") == (
         f"out of device memory while sampling rollouts ({CUDA_OOM}): lower batch_size x num_generations, "
         "max_new_tokens or max_prompt_length, or stop other processes using the GPU.")
-    # --resume refuses those settings changed: the line says so, and how to go on from the checkpoint
+    # --resume refuses those settings changed: the same settings resume (the GPU freed); lowering them is a new
+    # run from the checkpoint, under another run_name (the run directory holds checkpoints already)
     assert out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8")).endswith(
-        " checkpoint-8 is intact: --resume refuses that change; start a new run from it "
-        "(--set model_name=/r/grpo/checkpoint-8).")
+        " checkpoint-8 is intact: --resume continues from it with the same settings; lowering those needs a new "
+        "run from it (fresh optimizer, schedule and data order): --set model_name=/r/grpo/checkpoint-8 "
+        "--set run_name=<another name>.")
+    # adapters cannot be a model_name: fused first
+    assert "mlx-grpo fuse --checkpoint /r/grpo/checkpoint-8 --output-dir <dir>, then --set model_name=<dir>" in \
+        out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8"), adapters=True)
     # vision-language rollouts decode in vlm/rollout.py, under training/trainer.py
     vlm = raised_in([f"{root}/training/trainer.py", f"{root}/vlm/trainer.py", f"{root}/vlm/rollout.py"], CUDA_OOM)
     assert "while sampling rollouts" in out_of_memory(vlm, "train")
@@ -42,10 +47,10 @@ def test_the_phase_comes_from_the_traceback():
     evaluation = raised_in([f"{root}/run.py", f"{root}/evaluate.py", f"{root}/rollout/engine.py"], CUDA_OOM)
     line = out_of_memory(evaluation, "train", Path("/r/grpo/checkpoint-8"))
     assert line.startswith("out of device memory while evaluating") and "eval_batch_size" in line
-    assert line.endswith("checkpoint-8 is intact: --resume continues from it with that changed.")
+    assert line.endswith("checkpoint-8 is intact: --resume continues from it with those changed.")
     assert "--resume" not in out_of_memory(evaluation, "eval", Path("/r/grpo/checkpoint-8"))  # eval resumes nothing
     backward = raised_in([f"{root}/run.py", f"{root}/training/gradients.py", "/mlx/nn/layers.py"],
-                         "[metal::malloc] Unable to allocate 1073741824 bytes.")
+                         "[malloc] Unable to allocate 1073741824 bytes.")
     line = out_of_memory(backward, "sft", Path("/r/sft/checkpoint-3"))
     assert "in the training pass" in line and "micro_batch_tokens" in line and "continues from it" in line
     # outside our frames (a user's reward function, say): no phase, the general settings; perhaps host memory
@@ -53,6 +58,8 @@ def test_the_phase_comes_from_the_traceback():
     assert out_of_memory(elsewhere, "train").startswith("out of memory (MemoryError): lower batch_size")
     assert out_of_memory(raised_in([f"{root}/rollout/engine.py"], CUDA_OOM), "generate").startswith(
         f"out of device memory while sampling rollouts ({CUDA_OOM}): lower --batch-size or max_new_tokens")
+    assert ": lower max_new_tokens," in out_of_memory(raised_in([f"{root}/inference.py"], CUDA_OOM), "chat")
+    assert ": lower micro_batch_size" in out_of_memory(raised_in([f"{root}/sft_run.py"], CUDA_OOM), "sft")
 
 
 def test_other_errors_are_not_memory():
@@ -63,6 +70,7 @@ def test_other_errors_are_not_memory():
                                                               "memory, so [metal::malloc] Unable to allocate'")
     assert out_of_memory(quoted, "train") is None
     assert out_of_memory(RuntimeError("[malloc] Unable to allocate 64 bytes."), "train") is not None
+    assert out_of_memory(RuntimeError("[metal::malloc] Resource limit (499000) exceeded."), "train") is not None
     assert out_of_memory(RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory "
                                       "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"), "train") is not None
 
@@ -86,8 +94,7 @@ def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir,
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1].startswith("mlx-grpo train: error: out of device memory while sampling rollouts (cudaMalloc")
-    assert err[-1].endswith(f"checkpoint-1 is intact: --resume refuses that change; start a new run from it "
-                            f"(--set model_name={run_dir / 'checkpoint-1'}).")
+    assert err[-1].endswith(f"--set model_name={run_dir / 'checkpoint-1'} --set run_name=<another name>.")
     assert not any("Traceback" in line for line in err)
     assert (run_dir / "checkpoint-1").is_dir() and not (run_dir / "checkpoint-2").exists()
     monkeypatch.setattr(engine, "generate_rollout", decode)  # the GPU freed: the same settings resume

@@ -36,6 +36,9 @@ def test_pace_under_a_time_limit_counts_to_the_update_that_crosses_it():
     assert logs.pace(70.0, 2, 254, limit_s=840.0) == "elapsed 1m10s, 35.0 s/update, ETA 12m50s (max_minutes)"
     assert logs.pace(60.0, 2, 254, limit_s=840.0) == "elapsed 1m00s, 30.0 s/update, ETA 13m00s (max_minutes)"
     assert logs.updates_left(70.0, 2, 254, limit_s=850.0) == (23, True)
+    # num_iterations = 3: the limit is checked after a batch's last pass, so the count ends on a multiple of 3
+    assert logs.updates_left(70.0, 2, 254, limit_s=850.0, at=2, passes=3) == (25, True)
+    assert logs.updates_left(900.0, 4, 254, limit_s=840.0, at=4, passes=3) == (2, True)
     # the data ends first: the limit changes nothing
     assert logs.pace(70.0, 2, 3, limit_s=840.0) == "elapsed 1m10s, 35.0 s/update, ETA 1m45s"
     # past the limit: that update was the last

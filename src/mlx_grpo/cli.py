@@ -164,18 +164,19 @@ def _dispatch(args: argparse.Namespace) -> None:
         run_eval(cfg, split=args.split, output=args.output)
 
 
-def _latest_checkpoint(args: argparse.Namespace) -> Path | None:
-    """The run directory's latest checkpoint for train/sft (what an out-of-memory line points --resume at)."""
-    if args.command not in ("train", "sft"):
-        return None
-    from mlx_grpo.checkpoint import list_checkpoints
+def _memory_line(exc: BaseException, command: str, args: argparse.Namespace) -> str | None:
+    """The out-of-memory line (None: another error), naming the run's latest checkpoint for train/sft."""
+    if out_of_memory(exc, command) is None or command not in ("train", "sft"):
+        return out_of_memory(exc, command)
+    from mlx_grpo.checkpoint import holds_adapters, list_checkpoints
 
     try:  # the config built once already (the run got as far as allocating): this only reads it again
-        cfg = _config_from_args(args.command, args)
+        cfg = _config_from_args(command, args)
         found = list_checkpoints(Path(cfg.run.output_dir) / cfg.run.run_name)
-    except (UserError, OSError):
-        return None
-    return found[-1] if found else None
+        return out_of_memory(exc, command, found[-1], holds_adapters(found[-1])) if found else \
+            out_of_memory(exc, command)
+    except Exception:  # noqa: BLE001 -- memory still short, a config edited meanwhile: the line without it
+        return out_of_memory(exc, command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as exc:  # a failed device allocation: one line saying what to lower
-        line = out_of_memory(exc, args.command, _latest_checkpoint(args))
+        line = _memory_line(exc, args.command, args)
         if line is None:
             raise
         print(f"mlx-grpo {args.command}: error: {line}", file=sys.stderr)

@@ -8,11 +8,12 @@ class UserError(Exception):
     """A problem the user can fix (bad config, missing file, malformed row); shown without a traceback."""
 
 
-# How MLX's backends word a failed allocation, on the message's first line (CUDA, Metal, the CPU allocator);
-# matched exactly, so that another error quoting the words (a completion's text, say) keeps its traceback
+# How MLX's backends word a failed allocation, on the message's first line (CUDA; Metal; both allocators'
+# "[malloc] Unable to allocate"; a C++ bad_alloc reaches Python as MemoryError): matched exactly, so that
+# another error quoting the words (a completion's text, say) keeps its traceback
 _OOM_FORMS = re.compile(r"^(cuda\w*\(.*\) failed: out of memory|\[(metal|cuda|malloc)(::malloc)?\] "
-                        r"(unable to allocate|attempting to allocate)|\[metal\] command buffer execution failed: "
-                        r"insufficient memory|(std::)?bad_alloc)", re.IGNORECASE)
+                        r"(unable to allocate|attempting to allocate|resource limit)|\[metal\] command buffer "
+                        r"execution failed: insufficient memory|(std::)?bad_alloc)", re.IGNORECASE)
 # Where the allocation failed (the first entry any of our traceback's files matches): the phase, the settings
 # that bound its memory, and whether --resume accepts them changed. Evaluation decodes through rollout/ too.
 _OOM_PHASES = (
@@ -24,10 +25,12 @@ _OOM_PHASES = (
 )
 
 
-def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = None) -> str | None:
+def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = None,
+                  adapters: bool = False) -> str | None:
     """The one line for a failed allocation (None for any other error): where it happened, the first line of
-    the backend's message, and what to lower. `checkpoint`: the run's latest (train/sft), and whether --resume
-    takes the fix or it needs a new run from there. A traceback would hide that the fix is a setting."""
+    the backend's message, and what to lower. `checkpoint`: the run's latest (train/sft; `adapters`: it holds
+    LoRA/DoRA adapters), and whether --resume takes the fix or it needs a new run from there. A traceback
+    would hide that the fix is a setting."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     if not isinstance(exc, MemoryError) and not _OOM_FORMS.match(first):
@@ -43,14 +46,20 @@ def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = No
         if any(part in f for part in parts for f in ours):
             where, advice, resumes = f" {phase}", fix, takes
             break
-    if command in ("generate", "chat"):
+    if command == "generate":
         advice = "lower --batch-size or max_new_tokens"
+    elif command == "chat":
+        advice = "lower max_new_tokens"
+    elif command == "sft" and not where:
+        advice = _OOM_PHASES[-1][2]
     elif command == "eval":
         advice = "lower eval_batch_size or eval_max_new_tokens"
     kind = "memory" if isinstance(exc, MemoryError) else "device memory"  # MemoryError: perhaps the host's
     line = f"out of {kind}{where} ({first}): {advice}, or stop other processes using the GPU."
     if command in ("train", "sft") and checkpoint is not None:
-        line += f" {checkpoint.name} is intact: " + (
-            "--resume continues from it with that changed." if resumes else
-            f"--resume refuses that change; start a new run from it (--set model_name={checkpoint}).")
+        line += f" {checkpoint.name} is intact: --resume continues from it" + (
+            " with those changed." if resumes else
+            " with the same settings; lowering those needs a new run from it (fresh optimizer, schedule and data "
+            "order): " + (f"mlx-grpo fuse --checkpoint {checkpoint} --output-dir <dir>, then --set model_name=<dir>"
+                          if adapters else f"--set model_name={checkpoint}") + " --set run_name=<another name>.")
     return line

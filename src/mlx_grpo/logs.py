@@ -34,21 +34,26 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def updates_left(elapsed_s: float, done: int, left: float, limit_s: float = 0.0) -> tuple[float, bool]:
+def updates_left(elapsed_s: float, done: int, left: float, limit_s: float = 0.0, at: int = 0,
+                 passes: int = 1) -> tuple[float, bool]:
     """The updates still to run, and whether the time limit (max_minutes, `limit_s` > 0) decides it: the
     run ends after the update that crosses the limit, so at this pace the time left rounded up to updates
-    (none once it is crossed)."""
+    (none once it is crossed), then up to the end of that batch's `passes` (num_iterations; `at`: the
+    updates so far)."""
     per = elapsed_s / max(done, 1)
-    if limit_s > 0 and per > 0 and math.ceil(max(limit_s - elapsed_s, 0.0) / per) < left:
-        return math.ceil(max(limit_s - elapsed_s, 0.0) / per), True
+    if limit_s > 0 and per > 0:
+        timed = math.ceil(max(limit_s - elapsed_s, 0.0) / per)
+        timed += -(at + timed) % passes
+        if timed < left:
+            return timed, True
     return left, False
 
 
-def pace(elapsed_s: float, done: int, left: float, limit_s: float = 0.0) -> str:
+def pace(elapsed_s: float, done: int, left: float, limit_s: float = 0.0, at: int = 0, passes: int = 1) -> str:
     """Elapsed time, mean seconds per update so far and the ETA (that mean x the updates left, as
     updates_left counts them), marked (max_minutes) when the time limit decides it."""
     per = elapsed_s / max(done, 1)
-    left, limited = updates_left(elapsed_s, done, left, limit_s)
+    left, limited = updates_left(elapsed_s, done, left, limit_s, at, passes)
     return (f"elapsed {duration(elapsed_s)}, {per:.1f} s/update, ETA {duration(per * left)}"
             + (" (max_minutes)" if limited else ""))
 

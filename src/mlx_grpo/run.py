@@ -343,13 +343,13 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                                     kl=fmt(record["kl"], ".4f"), refresh=False)
                     # the updates left: the data left at this run's draws per update (dynamic sampling > 1)
                     drawn, elapsed = trainer.schedule_position(), time.perf_counter() - t_start
-                    left = (trainer.total_updates - drawn) * c.update_step / max(drawn, 1)
+                    left = math.ceil((trainer.total_updates - drawn) * c.update_step / max(drawn, 1))
+                    timing = (elapsed, c.update_step - start_update, left, 60 * cfg.run.max_minutes, c.update_step,
+                              cfg.objective.num_iterations)
                     if bar.disable:  # no bar (not a terminal): the line says how far and how long
-                        logger.print_line(record, pace(elapsed, c.update_step - start_update, left,
-                                                       60 * cfg.run.max_minutes))
+                        logger.print_line(record, pace(*timing))
                     else:  # the bar's total (and so its ETA) follows the same count
-                        left = updates_left(elapsed, c.update_step - start_update, left, 60 * cfg.run.max_minutes)[0]
-                        bar.total = c.update_step + math.ceil(left)
+                        bar.total = c.update_step + updates_left(*timing)[0]
                 if cfg.run.log_completions_steps and c.update_step % cfg.run.log_completions_steps == 0:
                     logger.log_completions(c.update_step, merged[-1])
             if stop:  # logged first: metrics.jsonl shows the update that stopped the run

@@ -19,9 +19,10 @@ class RunConfig:
                             resume_may_change=True)
     seed: int = setting(42, "Random seed for sampling, data order and initialisation.", SAMPLING | {"sft"})
     max_minutes: float = setting(0.0, "Stop training once this many minutes of updates have passed (0 = no limit): the "
-                                 "run ends after the update that crosses it, with its checkpoint. The learning-rate "
-                                 "schedule still spans every planned update. Counted per session: a resumed run gets "
-                                 "the budget again.", TUNE, range=">= 0", note="0 = no limit", resume_may_change=True)
+                                 "run ends after the update that crosses it (with num_iterations > 1, after that "
+                                 "batch's last pass), with its checkpoint. The learning-rate schedule still spans "
+                                 "every planned update. Counted per session: a resumed run gets the budget again.",
+                                 TUNE, range=">= 0", note="0 = no limit", resume_may_change=True)
     distributed_backend: str = setting("any", "Backend joining the processes that mlx.launch started: any (the one the "
                                        "launcher set up), ring (TCP: Macs, CPUs), mpi, nccl (NVIDIA GPUs) or jaccl "
                                        "(Thunderbolt RDMA); a process started alone trains by itself.", TRAIN,
