@@ -166,17 +166,17 @@ def _dispatch(args: argparse.Namespace) -> None:
 
 def _memory_line(exc: BaseException, command: str, args: argparse.Namespace) -> str | None:
     """The out-of-memory line (None: another error), naming the run's latest checkpoint for train/sft."""
-    if out_of_memory(exc, command) is None or command not in ("train", "sft"):
-        return out_of_memory(exc, command)
+    line = out_of_memory(exc, command)
+    if line is None or command not in ("train", "sft"):
+        return line
     from mlx_grpo.checkpoint import holds_adapters, list_checkpoints
 
     try:  # the config built once already (the run got as far as allocating): this only reads it again
         cfg = _config_from_args(command, args)
         found = list_checkpoints(Path(cfg.run.output_dir) / cfg.run.run_name)
-        return out_of_memory(exc, command, found[-1], holds_adapters(found[-1])) if found else \
-            out_of_memory(exc, command)
     except Exception:  # noqa: BLE001 -- memory still short, a config edited meanwhile: the line without it
-        return out_of_memory(exc, command)
+        return line
+    return out_of_memory(exc, command, found[-1], holds_adapters(found[-1])) if found else line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The errors the CLI shows as one line and exit 2: UserError (bad input) and a failed device allocation."""
 
 import re
+import traceback
 from pathlib import Path
 
 
@@ -16,12 +17,12 @@ _OOM_FORMS = re.compile(r"^(cuda\w*\(.*\) failed: out of memory|\[(metal|cuda|ma
                         r"execution failed: insufficient memory|(std::)?bad_alloc)", re.IGNORECASE)
 # Where the allocation failed (the first entry any of our traceback's files matches): the phase, the settings
 # that bound its memory, and whether --resume accepts them changed. Evaluation decodes through rollout/ too.
+_TRAINING_PASS_FIX = "lower micro_batch_size or micro_batch_tokens, or set grad_checkpoint = true"
 _OOM_PHASES = (
     (("/evaluate.py",), "while evaluating", "lower eval_batch_size or eval_max_new_tokens", True),
     (("/rollout/", "/vlm/rollout.py"), "while sampling rollouts",
      "lower batch_size x num_generations, max_new_tokens or max_prompt_length", False),
-    (("/training/", "/sft.py"), "in the training pass",
-     "lower micro_batch_size or micro_batch_tokens, or set grad_checkpoint = true", True),
+    (("/training/", "/sft.py"), "in the training pass", _TRAINING_PASS_FIX, True),
 )
 
 
@@ -35,11 +36,7 @@ def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = No
     first = text.splitlines()[0] if text else type(exc).__name__
     if not isinstance(exc, MemoryError) and not _OOM_FORMS.match(first):
         return None
-    files = []
-    tb = exc.__traceback__
-    while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
-        tb = tb.tb_next
+    files = (frame.f_code.co_filename.replace("\\", "/") for frame, _ in traceback.walk_tb(exc.__traceback__))
     ours = [f for f in files if "mlx_grpo" in f]
     where, advice, resumes = "", "lower batch_size, num_generations or max_new_tokens", False
     for parts, phase, fix, takes in _OOM_PHASES:
@@ -51,7 +48,7 @@ def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = No
     elif command == "chat":
         advice = "lower max_new_tokens"
     elif command == "sft" and not where:
-        advice = _OOM_PHASES[-1][2]
+        advice = _TRAINING_PASS_FIX
     elif command == "eval":
         advice = "lower eval_batch_size or eval_max_new_tokens"
     kind = "memory" if isinstance(exc, MemoryError) else "device memory"  # MemoryError: perhaps the host's
