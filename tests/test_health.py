@@ -40,10 +40,12 @@ def test_silent_reward_lines_and_the_stop():
                                               {"a": [0, 1, 0, 0], "b": [0.5] * 4}])
     assert set(w1) == {"silent_reward/a"} and "returned None for every completion of update 1" in w1["silent_reward/a"]
     assert set(w2) == {"silent_reward/b"} and "returned 0.5 for every completion of update 2" in w2["silent_reward/b"]
+    assert "while every completion earns it (learnt already" in w2["silent_reward/b"]  # full marks: not broken
     assert stop1 is None and stop2 is None  # one of them always gave a signal
     # every function silent: counted, the run stops at the third such update in a row
     steps = feed(h, [{"a": [0.0] * 4, "b": [0.5] * 4}] * 3, start=3)
     assert [s for _, _, s in steps][:2] == [None, None]
+    assert steps[0][1]["silent_reward/a"].endswith("so this reward teaches nothing yet")  # 0: nothing earned
     assert "no reward function gave any signal in 3 updates in a row (at update 5: 'a' returned 0, 'b' " \
            "returned 0.5" in steps[2][2] and "max_updates_without_signal = 0" in steps[2][2]
     # every function None: stops at once
@@ -189,19 +191,21 @@ def test_a_training_run_warns_of_the_plateau_once_in_console_and_metrics(tiny_mo
     assert plot.warning_marks(rows) == [(2.0, "plateau/correctness")]
 
 
-def test_silent_reward_lines_are_printed_when_they_appear_not_every_ten_updates(tmp_path, capsys):
+def test_silent_reward_lines_are_printed_when_they_say_something_new_not_every_ten_updates(tmp_path, capsys):
     from mlx_grpo.logs import RunLogger
 
     logger = RunLogger(tmp_path, enabled=False)
-    for u in range(1, 31):
+    for u in range(1, 41):
         warnings = {"zero_std": "z"}
-        if u != 26:  # cleared at update 26, back at 27
-            warnings["silent_reward/correctness"] = f"reward 'correctness' returned 0 ... update {u}"
+        returned = 0 if u < 30 else 0.5
+        if u not in (26, 28):  # cleared at 26 and 28, back at 27 and 29 saying the same; at 30 another value
+            warnings["silent_reward/correctness"] = f"reward 'correctness' returned {returned} ... update {u}"
         logger.warn({"update_step": u, "warnings": warnings})
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines if "silent" in line or "correctness" in line] == [
-        "[mlx-grpo] WARNING (update 1)", "[mlx-grpo] WARNING (update 27)"]
-    assert sum(line.endswith(": z") for line in lines) == 3  # other conditions: again every WARN_EVERY updates
+    assert [line.split(":")[0] for line in lines if "correctness" in line] == [
+        "[mlx-grpo] WARNING (update 1)", "[mlx-grpo] WARNING (update 30)"]
+    assert "returned 0.5" in [line for line in lines if "correctness" in line][1]
+    assert sum(line.endswith(": z") for line in lines) == 4  # other conditions: again every WARN_EVERY updates
 
 
 def test_a_training_run_warns_of_gaming_after_the_evaluation_that_shows_it(tiny_model_dir, tmp_path, capsys):

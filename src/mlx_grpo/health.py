@@ -53,8 +53,12 @@ def silent_message(name: str, returned: str, update: int) -> str:
         return (f"reward '{name}' returned None for every completion of update {update}: None means 'not "
                 "applicable', so it scored nothing and adds nothing to the reward (check the data columns it "
                 "reads and the completion format it expects)")
-    return (f"reward '{name}' returned {returned} for every completion of update {update}: one value for "
-            "every completion of a group gives it no advantage, so this reward teaches nothing yet")
+    said = (f"reward '{name}' returned {returned} for every completion of update {update}: one value for "
+            "every completion of a group gives it no advantage, so this reward teaches nothing")
+    if float(returned) == 0:
+        return said + " yet"
+    # Full marks for everyone is what a learnt format looks like: say so, or a healthy run reads as broken.
+    return said + " while every completion earns it (learnt already, or a reward that cannot tell completions apart)"
 
 
 def wilson(p: float, n: int) -> tuple[float, float]:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -169,8 +170,8 @@ ZERO_STD_ALARM = 0.9
 TRUNCATED_ALARM = 0.9
 # While a condition persists it is printed again every this many updates (it is in every log record).
 WARN_EVERY = 10
-# Conditions printed only when they appear (health.py's one line per silent reward function; the plateau
-# warning says it at length when one lasts).
+# Conditions printed only when they say something new (health.py's one line per silent reward function and
+# value; the plateau warning says it at length when one lasts).
 ONSET_ONLY = ("silent_reward/",)
 
 
@@ -200,6 +201,7 @@ class RunLogger:
         self.run_dir = run_dir
         self.enabled = enabled
         self._warned: dict[str, int] = {}  # warning kind -> update it was last printed at
+        self._said: dict[str, str] = {}  # ONSET_ONLY kind -> its last printed message, update number left out
 
     def _append(self, name: str, record: dict) -> None:
         if self.enabled:
@@ -210,12 +212,20 @@ class RunLogger:
         self._append("metrics.jsonl", record)
 
     def warn(self, record: dict) -> None:
-        """Print each warning of the record when it first appears, then every WARN_EVERY updates (ONSET_ONLY
-        kinds: only when they appear again after clearing)."""
+        """Print each warning of the record when it first appears, then every WARN_EVERY updates while it lasts
+        (ONSET_ONLY kinds: only when they say something new, whatever the update)."""
         step = record["update_step"]
         for kind, message in record["warnings"].items():
+            if kind.startswith(ONSET_ONLY):
+                # A trained model's format reward flickers between "everyone earned 0.5" and not: one line per
+                # thing said, not one per flicker (metrics.jsonl still records every update's warnings).
+                said = re.sub(r"update \d+", "update N", message)
+                if self._said.get(kind) != said:
+                    console(f"[mlx-grpo] WARNING (update {step}): {message}")
+                    self._said[kind] = said
+                continue
             last = self._warned.get(kind)
-            if last is None or (step - last >= WARN_EVERY and not kind.startswith(ONSET_ONLY)):
+            if last is None or step - last >= WARN_EVERY:
                 console(f"[mlx-grpo] WARNING (update {step}): {message}")
                 self._warned[kind] = step
         # A condition that clears and comes back is announced again at once.
