@@ -11,12 +11,14 @@ bench/learning_run.sh copies it) through mlx_grpo.plot.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mlx_grpo.plot import read_jsonl, series
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # from a checkout, as learning_report.py
+from mlx_grpo.plot import read_jsonl, series  # noqa: E402
 
 # name -> (metrics.jsonl key, panel title, scale): reasoned_correctness pays 2.0 for a right answer, so half
 # its mean is the share of right completions among those drawn.

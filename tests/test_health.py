@@ -46,6 +46,8 @@ def test_silent_reward_lines_and_the_stop():
     steps = feed(h, [{"a": [0.0] * 4, "b": [0.5] * 4}] * 3, start=3)
     assert [s for _, _, s in steps][:2] == [None, None]
     assert steps[0][1]["silent_reward/a"].endswith("so this reward teaches nothing yet")  # 0: nothing earned
+    (_, penalty, _), = feed(health(names=("a", "b")), [{"a": [-1.0] * 4, "b": [0, 1, 0, 1]}])
+    assert penalty["silent_reward/a"].endswith("teaches nothing yet")  # a penalty everyone gets is not "learnt"
     assert "no reward function gave any signal in 3 updates in a row (at update 5: 'a' returned 0, 'b' " \
            "returned 0.5" in steps[2][2] and "max_updates_without_signal = 0" in steps[2][2]
     # every function None: stops at once
@@ -195,17 +197,19 @@ def test_silent_reward_lines_are_printed_when_they_say_something_new_not_every_t
     from mlx_grpo.logs import RunLogger
 
     logger = RunLogger(tmp_path, enabled=False)
-    for u in range(1, 41):
+    for u in range(1, 61):
         warnings = {"zero_std": "z"}
         returned = 0 if u < 30 else 0.5
-        if u not in (26, 28):  # cleared at 26 and 28, back at 27 and 29 saying the same; at 30 another value
+        # cleared at 26 and 28, back at 27 and 29 saying the same; at 30 another value; gone for updates 41-50
+        # (WARN_EVERY), back at 51 with the same value: a real return, said again
+        if u not in (26, 28) and not 41 <= u <= 50:
             warnings["silent_reward/correctness"] = f"reward 'correctness' returned {returned} ... update {u}"
         logger.warn({"update_step": u, "warnings": warnings})
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines if "correctness" in line] == [
-        "[mlx-grpo] WARNING (update 1)", "[mlx-grpo] WARNING (update 30)"]
+        "[mlx-grpo] WARNING (update 1)", "[mlx-grpo] WARNING (update 30)", "[mlx-grpo] WARNING (update 51)"]
     assert "returned 0.5" in [line for line in lines if "correctness" in line][1]
-    assert sum(line.endswith(": z") for line in lines) == 4  # other conditions: again every WARN_EVERY updates
+    assert sum(line.endswith(": z") for line in lines) == 6  # other conditions: again every WARN_EVERY updates
 
 
 def test_a_training_run_warns_of_gaming_after_the_evaluation_that_shows_it(tiny_model_dir, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """A failed device allocation ends a command with one line saying where and what to lower (exit 2, as a full
-disk does), not a traceback; checkpoints written before it stay usable."""
+disk does), not a traceback; checkpoints written before it stay usable. Any other crash of train/sft (a GPU
+fault, a bug) keeps its traceback and then says which checkpoint --resume continues from."""
 
 import json
 from pathlib import Path
@@ -112,3 +113,38 @@ def test_out_of_memory_before_any_checkpoint_names_no_resume(tiny_model_dir, tmp
                  "--batch-size", "1", "--num-generations", "2", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("or stop other processes using the GPU."), err[-1]  # nothing to --resume
+
+
+GPU_FAULT = "cudaGetLastError() failed: unspecified launch failure"
+
+
+def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_model_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "solution": f"\\boxed{{{i + 1}}}"}) + "\n"
+                            for i in range(4)))
+    args = ["train", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-dir", str(tmp_path),
+            "--batch-size", "2", "--num-generations", "2", "--max-new-tokens", "4"]
+    decode, calls = engine.generate_rollout, []
+
+    def fault_at_update_2(*a, **k):  # update 2's rollouts die as the H100 run of 2026-11-25 did
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError(GPU_FAULT)
+        return decode(*a, **k)
+
+    monkeypatch.setattr(engine, "generate_rollout", fault_at_update_2)
+    assert main(args + ["--set", "save_steps=1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and GPU_FAULT in err  # not a user error: where it failed stays on screen
+    checkpoint = tmp_path / "grpo" / "checkpoint-1"
+    assert err.strip().splitlines()[-1] == (f"mlx-grpo train: crashed (the traceback above says where); {checkpoint} "
+                                            "is intact: the same command with --resume continues from it.")
+    calls.clear()
+    assert main(args + ["--set", "save_steps=0", "--set", "run_name=other"]) == 1  # nothing saved before the end
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "no checkpoint of this run was written (save_steps = 0: only at the end): a rerun starts over.")
+    # other commands resume nothing: the traceback alone
+    assert main(["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--samples", "2"]) == 1
+    err = capsys.readouterr().err
+    assert GPU_FAULT in err and "crashed" not in err and "--resume" not in err

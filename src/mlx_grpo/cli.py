@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from mlx_grpo import __version__
@@ -164,19 +165,40 @@ def _dispatch(args: argparse.Namespace) -> None:
         run_eval(cfg, split=args.split, output=args.output)
 
 
+def _checkpoints(args: argparse.Namespace):
+    """(the run's config, its checkpoints oldest first), or None when they cannot be read (memory still short,
+    a config edited meanwhile). The config built once already (the run got as far as failing): this only reads
+    it again."""
+    from mlx_grpo.checkpoint import list_checkpoints
+
+    try:
+        cfg = _config_from_args(args.command, args)
+        return cfg, list_checkpoints(Path(cfg.run.output_dir) / cfg.run.run_name)
+    except Exception:  # noqa: BLE001 -- the line goes without the checkpoint
+        return None
+
+
 def _memory_line(exc: BaseException, command: str, args: argparse.Namespace) -> str | None:
     """The out-of-memory line (None: another error), naming the run's latest checkpoint for train/sft."""
     line = out_of_memory(exc, command)
-    if line is None or command not in ("train", "sft"):
+    if line is None or command not in ("train", "sft") or not (run := _checkpoints(args)) or not run[1]:
         return line
-    from mlx_grpo.checkpoint import holds_adapters, list_checkpoints
+    from mlx_grpo.checkpoint import holds_adapters
 
-    try:  # the config built once already (the run got as far as allocating): this only reads it again
-        cfg = _config_from_args(command, args)
-        found = list_checkpoints(Path(cfg.run.output_dir) / cfg.run.run_name)
-    except Exception:  # noqa: BLE001 -- memory still short, a config edited meanwhile: the line without it
-        return line
-    return out_of_memory(exc, command, found[-1], holds_adapters(found[-1])) if found else line
+    return out_of_memory(exc, command, run[1][-1], holds_adapters(run[1][-1]))
+
+
+def _crashed(args: argparse.Namespace) -> int:
+    """A crash that is no user error (a GPU fault, a bug): its traceback, then for train/sft what survives it,
+    so that a run that died after an hour says where it continues from. Exit 1, as an uncaught error."""
+    traceback.print_exc()
+    if args.command in ("train", "sft") and (run := _checkpoints(args)):
+        cfg, found = run
+        said = (f"{found[-1]} is intact: the same command with --resume continues from it" if found else
+                f"no checkpoint of this run was written (save_steps = {cfg.run.save_steps}"
+                + (": only at the end" if not cfg.run.save_steps else "") + "): a rerun starts over")
+        print(f"mlx-grpo {args.command}: crashed (the traceback above says where); {said}.", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, MemoryError) as exc:  # a failed device allocation: one line saying what to lower
         line = _memory_line(exc, args.command, args)
         if line is None:
-            raise
+            return _crashed(args)
         print(f"mlx-grpo {args.command}: error: {line}", file=sys.stderr)
         return 2
+    except Exception:  # noqa: BLE001 -- reported, not swallowed: the traceback, then where the run resumes
+        return _crashed(args)
     except KeyboardInterrupt:  # raised in-process (a caller outside the main thread): the same ending
         print(f"mlx-grpo {args.command}: interrupted", file=sys.stderr)
         # Leave now: a reward still running in a worker thread (a hung scorer) would otherwise hold the exit

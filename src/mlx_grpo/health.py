@@ -55,7 +55,7 @@ def silent_message(name: str, returned: str, update: int) -> str:
                 "reads and the completion format it expects)")
     said = (f"reward '{name}' returned {returned} for every completion of update {update}: one value for "
             "every completion of a group gives it no advantage, so this reward teaches nothing")
-    if float(returned) == 0:
+    if float(returned) <= 0:  # nothing earned, or a penalty everyone gets
         return said + " yet"
     # Full marks for everyone is what a learnt format looks like: say so, or a healthy run reads as broken.
     return said + " while every completion earns it (learnt already, or a reward that cannot tell completions apart)"

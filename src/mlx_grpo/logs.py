@@ -202,6 +202,7 @@ class RunLogger:
         self.enabled = enabled
         self._warned: dict[str, int] = {}  # warning kind -> update it was last printed at
         self._said: dict[str, str] = {}  # ONSET_ONLY kind -> its last printed message, update number left out
+        self._seen: dict[str, int] = {}  # ONSET_ONLY kind -> the last update whose record held it
 
     def _append(self, name: str, record: dict) -> None:
         if self.enabled:
@@ -213,16 +214,19 @@ class RunLogger:
 
     def warn(self, record: dict) -> None:
         """Print each warning of the record when it first appears, then every WARN_EVERY updates while it lasts
-        (ONSET_ONLY kinds: only when they say something new, whatever the update)."""
+        (ONSET_ONLY kinds: when they say something other than their last line, or come back after WARN_EVERY
+        updates or more without them)."""
         step = record["update_step"]
         for kind, message in record["warnings"].items():
             if kind.startswith(ONSET_ONLY):
                 # A trained model's format reward flickers between "everyone earned 0.5" and not: one line per
                 # thing said, not one per flicker (metrics.jsonl still records every update's warnings).
                 said = re.sub(r"update \d+", "update N", message)
-                if self._said.get(kind) != said:
+                back = step - self._seen.get(kind, step) > WARN_EVERY
+                if back or self._said.get(kind) != said:
                     console(f"[mlx-grpo] WARNING (update {step}): {message}")
                     self._said[kind] = said
+                self._seen[kind] = step
                 continue
             last = self._warned.get(kind)
             if last is None or step - last >= WARN_EVERY:
