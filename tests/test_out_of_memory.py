@@ -139,7 +139,12 @@ def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_mod
     assert "Traceback" in err and GPU_FAULT in err  # not a user error: where it failed stays on screen
     checkpoint = tmp_path / "grpo" / "checkpoint-1"
     assert err.strip().splitlines()[-1] == (f"mlx-grpo train: crashed (the traceback above says where); {checkpoint} "
-                                            "is intact: the same command with --resume continues from it.")
+                                            f"is intact: the command with --resume {checkpoint} continues from it.")
+    calls.clear()
+    monkeypatch.setenv("MLX_RANK", "1")  # another rank of a launched run: rank 0 owns the directory and the line
+    assert main(args + ["--set", "save_steps=1", "--set", "run_name=rank1"]) == 1
+    assert "crashed" not in capsys.readouterr().err
+    monkeypatch.delenv("MLX_RANK")
     calls.clear()
     assert main(args + ["--set", "save_steps=0", "--set", "run_name=other"]) == 1  # nothing saved before the end
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
@@ -148,3 +153,28 @@ def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_mod
     assert main(["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--samples", "2"]) == 1
     err = capsys.readouterr().err
     assert GPU_FAULT in err and "crashed" not in err and "--resume" not in err
+
+
+def test_a_crashed_warm_start_says_where_it_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from mlx_grpo.sft import SFTTrainer
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"}) + "\n"
+                            for i in range(8)))
+    update, calls = SFTTrainer.update, []
+
+    def fault_at_update_3(self, rows):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError(GPU_FAULT)
+        return update(self, rows)
+
+    monkeypatch.setattr(SFTTrainer, "update", fault_at_update_3)
+    args = ["sft", "--model", str(tiny_model_dir), "--dataset-path", str(data), "--output-dir", str(tmp_path),
+            "--batch-size", "2", "--set", "save_steps=2"]
+    assert main(args) == 1
+    checkpoint = tmp_path / "sft" / "checkpoint-2"
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"{checkpoint} is intact: the command with --resume {checkpoint} continues from it.")
+    monkeypatch.setattr(SFTTrainer, "update", update)
+    assert main(args + ["--resume", str(checkpoint)]) == 0

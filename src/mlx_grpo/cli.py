@@ -131,6 +131,7 @@ def _dispatch(args: argparse.Namespace) -> None:
         print(f"wrote merged model to {run_fuse(args.checkpoint, args.output_dir, dequantize=args.dequantize)}")
         return
     cfg = _config_from_args(command, args)
+    args.built_config = cfg  # a crash line names this config's run directory, not the file's as edited since
     if command in ("generate", "chat") and args.image:  # vision-language models (vlm/)
         from mlx_grpo.vlm.inference import run_chat_images, run_generate_images
 
@@ -166,13 +167,14 @@ def _dispatch(args: argparse.Namespace) -> None:
 
 
 def _checkpoints(args: argparse.Namespace):
-    """(the run's config, its checkpoints oldest first), or None when they cannot be read (memory still short,
-    a config edited meanwhile). The config built once already (the run got as far as failing): this only reads
-    it again."""
+    """(the run's config, its checkpoints oldest first), or None when they cannot be read (the crash came
+    before the config was built, memory still short): the line then goes without them."""
     from mlx_grpo.checkpoint import list_checkpoints
 
+    cfg = getattr(args, "built_config", None)
+    if cfg is None:
+        return None
     try:
-        cfg = _config_from_args(args.command, args)
         return cfg, list_checkpoints(Path(cfg.run.output_dir) / cfg.run.run_name)
     except Exception:  # noqa: BLE001 -- the line goes without the checkpoint
         return None
@@ -192,11 +194,18 @@ def _crashed(args: argparse.Namespace) -> int:
     """A crash that is no user error (a GPU fault, a bug): its traceback, then for train/sft what survives it,
     so that a run that died after an hour says where it continues from. Exit 1, as an uncaught error."""
     traceback.print_exc()
-    if args.command in ("train", "sft") and (run := _checkpoints(args)):
+    from mlx_grpo.distributed import launched_rank
+
+    # Rank 0 owns the run directory; other ranks (perhaps on other hosts) would name none or repeat it
+    if args.command in ("train", "sft") and launched_rank() == 0 and (run := _checkpoints(args)):
         cfg, found = run
-        said = (f"{found[-1]} is intact: the same command with --resume continues from it" if found else
-                f"no checkpoint of this run was written (save_steps = {cfg.run.save_steps}"
-                + (": only at the end" if not cfg.run.save_steps else "") + "): a rerun starts over")
+        if found:  # named: a plain --resume of a command that resumed from an older path would go back there
+            said = f"{found[-1]} is intact: the command with --resume {found[-1]} continues from it"
+        elif args.resume not in (None, "latest"):
+            said = f"no checkpoint was written since {args.resume}: the same command resumes from it again"
+        else:
+            said = (f"no checkpoint of this run was written (save_steps = {cfg.run.save_steps}"
+                    + (": only at the end" if not cfg.run.save_steps else "") + "): a rerun starts over")
         print(f"mlx-grpo {args.command}: crashed (the traceback above says where); {said}.", file=sys.stderr)
     return 1
 

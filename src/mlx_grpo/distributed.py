@@ -177,6 +177,15 @@ def zero_gradients(model: nn.Module):
     return tree_map(lambda p: mx.zeros(p.shape, dtype=mx.float32), model.trainable_parameters())
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher's environment says (0 when none set it up), for lines printed
+    where no World is at hand (a crash)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def _launched_size() -> int:
     """How many processes the launcher's environment says there are (1 when none set it up)."""
     for name in ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
