@@ -35,9 +35,9 @@ def test_the_phase_comes_from_the_traceback():
     # --resume refuses those settings changed: the same settings resume (the GPU freed); lowering them is a new
     # run from the checkpoint, under another run_name (the run directory holds checkpoints already)
     assert out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8")).endswith(
-        " checkpoint-8 is intact: --resume continues from it with the same settings; lowering those needs a new "
-        "run from it (fresh optimizer, schedule and data order): --set model_name=/r/grpo/checkpoint-8 "
-        "--set run_name=<another name>.")
+        " checkpoint-8 is intact: --resume /r/grpo/checkpoint-8 continues from it with the same settings; lowering "
+        "those needs a new run from it (fresh optimizer, schedule and data order): "
+        "--set model_name=/r/grpo/checkpoint-8 --set run_name=<another name>.")
     # adapters cannot be a model_name: fused first
     assert "mlx-grpo fuse --checkpoint /r/grpo/checkpoint-8 --output-dir <dir>, then --set model_name=<dir>" in \
         out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8"), adapters=True)
@@ -48,7 +48,7 @@ def test_the_phase_comes_from_the_traceback():
     evaluation = raised_in([f"{root}/run.py", f"{root}/evaluate.py", f"{root}/rollout/engine.py"], CUDA_OOM)
     line = out_of_memory(evaluation, "train", Path("/r/grpo/checkpoint-8"))
     assert line.startswith("out of device memory while evaluating") and "eval_batch_size" in line
-    assert line.endswith("checkpoint-8 is intact: --resume continues from it with those changed.")
+    assert line.endswith("checkpoint-8 is intact: --resume /r/grpo/checkpoint-8 continues from it with those changed.")
     assert "--resume" not in out_of_memory(evaluation, "eval", Path("/r/grpo/checkpoint-8"))  # eval resumes nothing
     backward = raised_in([f"{root}/run.py", f"{root}/training/gradients.py", "/mlx/nn/layers.py"],
                          "[malloc] Unable to allocate 1073741824 bytes.")

@@ -54,7 +54,7 @@ def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = No
     kind = "memory" if isinstance(exc, MemoryError) else "device memory"  # MemoryError: perhaps the host's
     line = f"out of {kind}{where} ({first}): {advice}, or stop other processes using the GPU."
     if command in ("train", "sft") and checkpoint is not None:
-        line += f" {checkpoint.name} is intact: --resume continues from it" + (
+        line += f" {checkpoint.name} is intact: --resume {checkpoint} continues from it" + (
             " with those changed." if resumes else
             " with the same settings; lowering those needs a new run from it (fresh optimizer, schedule and data "
             "order): " + (f"mlx-grpo fuse --checkpoint {checkpoint} --output-dir <dir>, then --set model_name=<dir>"
