@@ -301,3 +301,32 @@ def test_worked_examples_prompt_is_trains(tiny_model_dir, tmp_path):
         None, trainer.tokenizer, trainer.train_examples, cfg, trainer.prompt.system)]
     shown = {e.prompt for e in trainer.worked.examples}
     assert not shown & {e.prompt for e in trainer.train_examples} and len(data.evals) == 4
+
+
+def test_a_warm_start_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A full disk while sft saves: one line and exit 2, as train's (tests/test_checkpoint.py); the earlier
+    checkpoint stays."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    real_save, real_write, saves = ckpt.save_checkpoint, ckpt.mx.save_safetensors, []
+
+    def counted(*args, **kwargs):
+        saves.append(1)
+        return real_save(*args, **kwargs)
+
+    def full_disk(path, *args, **kwargs):  # room for the first checkpoint only
+        if len(saves) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", counted)
+    monkeypatch.setattr(ckpt.mx, "save_safetensors", full_disk)
+    data = write_jsonl(tmp_path / "data.jsonl", ROWS)
+    code = main(["sft", "--model", str(tiny_model_dir), "--dataset-path", str(data), "--output-dir",
+                 str(tmp_path / "runs"), "--prefill", "<reasoning>\n", "--batch-size", "2", "--set", "save_steps=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "could not write checkpoint-4 in " in err and "No space left on device" in err
+    assert sorted(p.name for p in (tmp_path / "runs" / "sft").iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,19 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
         save_json(config, tmp / "config.resolved.json")
     return final
+
+
+@contextmanager
+def write_failures_as_one_line(run_dir: Path, update_step: int):
+    """Around a checkpoint write (train and sft): a full disk or a lost mount (OSError; MLX's writer raises
+    RuntimeError) ends the run with one line. The staged copy is gone (staged_output), the earlier checkpoints
+    are intact."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"could not write checkpoint-{update_step} in {run_dir}: {reason}; the earlier checkpoints "
+                        "are intact (--resume continues from the latest once there is room)") from None
 
 
 def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:

@@ -386,11 +386,5 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
 def _save(trainer: Trainer) -> None:
     """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients)."""
     if trainer.world.is_main:
-        try:
+        with ckpt.write_failures_as_one_line(trainer.run_dir, trainer.counters.update_step):
             trainer.save()
-        except (OSError, RuntimeError) as exc:  # a full disk, a lost mount (MLX's writer raises RuntimeError):
-            # the staged copy is gone, the earlier checkpoints are intact
-            reason = getattr(exc, "strerror", None) or str(exc)
-            raise UserError(f"could not write checkpoint-{trainer.counters.update_step} in {trainer.run_dir}: "
-                            f"{reason}; the earlier checkpoints are intact (--resume continues from the latest "
-                            "once there is room)") from None

@@ -134,7 +134,7 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
             if evals and c.update_step % cfg.eval.eval_every_updates == 0:
                 last_eval = _evaluate(trainer, engine, data, multiturn, logger, reporters, "eval_every_updates")
             if cfg.run.save_steps and c.update_step % cfg.run.save_steps == 0:
-                trainer.save()
+                _save(trainer)
                 last_saved = c.update_step
             t_last = time.perf_counter()
             if cfg.run.max_minutes and time.perf_counter() - t_start >= 60 * cfg.run.max_minutes \
@@ -145,13 +145,18 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
         bar.close()
         if evals and (last_eval is None or last_eval["update_step"] != c.update_step):
             last_eval = _evaluate(trainer, engine, data, multiturn, logger, reporters, "end")
-        final = trainer.save() if last_saved != c.update_step else ckpt.list_checkpoints(run_dir)[-1]
+        final = _save(trainer) if last_saved != c.update_step else ckpt.list_checkpoints(run_dir)[-1]
     except BaseException:
         reporters.close(failed=True)
         raise
     reporters.close()
     _summary(trainer, losses, last_eval, final, time.perf_counter() - started)
     return run_dir
+
+
+def _save(trainer: SFTTrainer) -> Path:
+    with ckpt.write_failures_as_one_line(trainer.run_dir, trainer.counters.update_step):
+        return trainer.save()
 
 
 def _summary(trainer: SFTTrainer, losses: list[float], last_eval: dict | None, final: Path, wall_s: float) -> None:
