@@ -76,22 +76,30 @@ def test_other_errors_are_not_memory():
                                       "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"), "train") is not None
 
 
-def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def failing_from_update_2(model_dir, tmp_path, monkeypatch, message: str) -> tuple[list[str], list, object]:
+    """A tiny train command (4 problems, 2 per update) whose rollouts raise RuntimeError(message) from the
+    second call on: -> (its arguments, the calls made, which .clear() restarts, the real decode)."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "solution": f"\\boxed{{{i + 1}}}"}) + "\n"
                             for i in range(4)))
-    args = ["train", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-dir", str(tmp_path),
-            "--batch-size", "2", "--num-generations", "2", "--max-new-tokens", "4", "--set", "save_steps=1"]
-    run_dir: Path = tmp_path / "grpo"
     decode, calls = engine.generate_rollout, []
 
-    def decode_until_update_2(*a, **k):  # update 2's rollouts fail as the GPU's allocator does
+    def decode_until_update_2(*a, **k):
         calls.append(1)
         if len(calls) > 1:
-            raise RuntimeError(CUDA_OOM)
+            raise RuntimeError(message)
         return decode(*a, **k)
 
     monkeypatch.setattr(engine, "generate_rollout", decode_until_update_2)
+    return (["train", "--model", str(model_dir), "--dataset", str(data), "--output-dir", str(tmp_path),
+             "--batch-size", "2", "--num-generations", "2", "--max-new-tokens", "4"], calls, decode)
+
+
+def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    # update 2's rollouts fail as the GPU's allocator does
+    args, _, decode = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, CUDA_OOM)
+    args += ["--set", "save_steps=1"]
+    run_dir: Path = tmp_path / "grpo"
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1].startswith("mlx-grpo train: error: out of device memory while sampling rollouts (cudaMalloc")
@@ -120,20 +128,8 @@ GPU_FAULT = "cudaGetLastError() failed: unspecified launch failure"
 
 def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_model_dir, tmp_path, monkeypatch,
                                                                         capsys):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "solution": f"\\boxed{{{i + 1}}}"}) + "\n"
-                            for i in range(4)))
-    args = ["train", "--model", str(tiny_model_dir), "--dataset", str(data), "--output-dir", str(tmp_path),
-            "--batch-size", "2", "--num-generations", "2", "--max-new-tokens", "4"]
-    decode, calls = engine.generate_rollout, []
-
-    def fault_at_update_2(*a, **k):  # update 2's rollouts die as the H100 run of 2026-11-25 did
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError(GPU_FAULT)
-        return decode(*a, **k)
-
-    monkeypatch.setattr(engine, "generate_rollout", fault_at_update_2)
+    # update 2's rollouts die as the H100 run of 2026-11-25 did
+    args, calls, _ = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
     assert main(args + ["--set", "save_steps=1"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and GPU_FAULT in err  # not a user error: where it failed stays on screen
@@ -150,6 +146,7 @@ def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_mod
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "no checkpoint of this run was written (save_steps = 0: only at the end): a rerun starts over.")
     # other commands resume nothing: the traceback alone
+    data = tmp_path / "train.jsonl"
     assert main(["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--samples", "2"]) == 1
     err = capsys.readouterr().err
     assert GPU_FAULT in err and "crashed" not in err and "--resume" not in err

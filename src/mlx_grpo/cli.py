@@ -168,7 +168,7 @@ def _dispatch(args: argparse.Namespace) -> None:
 
 def _checkpoints(args: argparse.Namespace):
     """(the run's config, its checkpoints oldest first), or None when they cannot be read (the crash came
-    before the config was built, memory still short): the line then goes without them."""
+    before the config was built, the run directory unreadable): the line then goes without them."""
     from mlx_grpo.checkpoint import list_checkpoints
 
     cfg = getattr(args, "built_config", None)
@@ -180,8 +180,9 @@ def _checkpoints(args: argparse.Namespace):
         return None
 
 
-def _memory_line(exc: BaseException, command: str, args: argparse.Namespace) -> str | None:
+def _memory_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     """The out-of-memory line (None: another error), naming the run's latest checkpoint for train/sft."""
+    command = args.command
     line = out_of_memory(exc, command)
     if line is None or command not in ("train", "sft") or not (run := _checkpoints(args)) or not run[1]:
         return line
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as exc:  # a failed device allocation: one line saying what to lower
-        line = _memory_line(exc, args.command, args)
+        line = _memory_line(exc, args)
         if line is None:
             return _crashed(args)
         print(f"mlx-grpo {args.command}: error: {line}", file=sys.stderr)

@@ -177,20 +177,25 @@ def zero_gradients(model: nn.Module):
     return tree_map(lambda p: mx.zeros(p.shape, dtype=mx.float32), model.trainable_parameters())
 
 
+def _launcher_says(names: tuple[str, ...]) -> int | None:
+    """The first of these environment variables that a launcher (mlx.launch, MPI, PMI) set to a number."""
+    for name in names:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
 def launched_rank() -> int:
     """This process's rank as the launcher's environment says (0 when none set it up), for lines printed
     where no World is at hand (a crash)."""
-    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+    rank = _launcher_says(("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+    return 0 if rank is None else rank
 
 
 def _launched_size() -> int:
     """How many processes the launcher's environment says there are (1 when none set it up)."""
-    for name in ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
+    if (size := _launcher_says(("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))) is not None:
+        return size
     hostfile = os.environ.get("MLX_HOSTFILE", "")
     if hostfile and os.path.isfile(hostfile):
         try:
