@@ -19,8 +19,8 @@
 # model load and the first call's kernel compiles; times.txt records each command's real duration.
 #   decode: decode_profile, 2 step builders x 64/256/1024 rows x ~73 steps (8 warm-up + 32 pipelined + 32
 #           serial + 1 graph): the old loop ran 1,024 rows at ~18 ms/step, so < 2 s per row count plus its
-#           first-shape compiles: ~1.5 min. grpo_bench rollout 16x16 (256 rows x 256 tokens): 3 variants x
-#           (no EOS, EOS) x (1 warm-up + 3 timed) rollouts of ~2.3 s, plus 4 plain loops of ~2.8 s: ~1.5 min.
+#           first-shape compiles: ~1.5 min. grpo_bench rollout 16x16 (256 rows x 256 tokens): 4 variants x
+#           (no EOS, EOS) x (1 warm-up + 3 timed) rollouts of ~2.3 s, plus 4 plain loops of ~2.8 s: ~1.8 min.
 #   step:   the trainer's full step was 4.2 s (B=16 x G=16 x 256 tokens): warm-up + 3 steps plus building
 #           the trainer ~1 min; LoRA at the same shape (the engine merges the adapters, so its rollout
 #           costs what full's does; before the engine a LoRA update took 1.7x full's) ~1.5 min; the short-
@@ -29,7 +29,7 @@
 #   qwen:   random-weight Qwen2.5 (bench/shapes.py; written to a temporary model directory per process, 1 /
 #           3 GB), full and LoRA, rollout 4x16 and step at B=4 x G=16, 128 new tokens, 1 warm-up + 1
 #           timed: a 64-row decode step of these models is per-step overhead (~10-15 ms: 24 / 28 layers),
-#           so a rollout is ~1.5-2 s and the rollout section's 14 rollouts ~30 s; a step with 18k tokens
+#           so a rollout is ~1.5-2 s and the rollout section's 18 rollouts ~40 s; a step with 18k tokens
 #           of training ~4-8 s. ~1.5 min per 0.5B run, ~2.5 min per 1.5B run (float32 masters of 1.5B
 #           weights, 18 GB, take a while to build).
 set -uo pipefail

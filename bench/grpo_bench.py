@@ -4,8 +4,8 @@ same process on the same model, device and batch.
 Sections (all by default; pick with --sections):
   rollout  generated tokens/s of B x G sampled completions (bench/rollout_bench.py): the rollout engine
            the trainer uses (fused sampling copy, compiled step, ended rows dropped), the engine
-           without compaction, generate_rollout on the model (the loop before the engine: fixed cache +
-           CUDA decode kernel), against a plain mlx-lm KV-cache loop with categorical sampling; with
+           without compaction, the engine with decode_graph, generate_rollout on the model (the loop
+           before the engine: fixed cache + CUDA decode kernel), against a plain mlx-lm KV-cache loop with categorical sampling; with
            EOS stopping (real lengths) and without (equal lengths)
   refill   an update's batch steps decoded together (later steps refill freed slots) vs one by one
   overlap  a rollout decoding while the previous batch step's log-prob pass runs on a second stream

@@ -5,7 +5,7 @@ Variants (ROLLOUT_VARIANTS):
   engine            mlx_grpo.rollout.engine.RolloutEngine as the trainer builds it: the fused sampling copy, one
                     compiled graph per decode step, ended rows dropped from the batch (compaction)
   engine_nocompact  the same engine with compact=False: every row decodes until all have ended
-  engine_graph      the engine with decode_graph = true (models/compiled_decode.py's lean step)
+  engine_graph      the engine with decode_graph = true (models/compiled_decode.py: the step with fewer primitives)
   model             rollout.generate_rollout on the model itself (the loop before the engine: fixed-capacity
                     cache with the CUDA decode-attention kernel where it serves the model)
 each without EOS (every row decodes max_new_tokens: equal work) and with EOS stopping (real lengths),
@@ -55,7 +55,7 @@ def make_sampler_fn(name: str, model, tokenizer):
 ROLLOUT_VARIANTS = {
     "engine": "engine (fused copy, compiled step, compaction)",
     "engine_nocompact": "engine without compaction",
-    "engine_graph": "engine with decode_graph (the lean step: models/compiled_decode.py)",
+    "engine_graph": "engine with decode_graph (models/compiled_decode.py: fewer primitives)",
     "model": "generate_rollout on the model (static cache, decode kernel on CUDA)",
 }
 

@@ -39,7 +39,7 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     for name in ("engine", "engine_nocompact", "engine_graph", "model"):
         assert rollout[f"{name}_noeos_tokens"] == 2 * 2 * 6  # no EOS: every row decodes max_new_tokens
         assert rollout[f"ratio_{name}_vs_plain"] > 0 and 0 < rollout[f"{name}_eos_tokens"] <= 2 * 2 * 6
-    assert rollout["engine_uses_copy"] and not rollout["model_uses_copy"]
+    assert rollout["engine_uses_copy"] and rollout["engine_graph_uses_copy"] and not rollout["model_uses_copy"]
     assert rollout["engine_noeos_row_steps"] == 2 * 2 * 6 and record["train"]["ratio_vs_plain"] > 0
     assert [m["micro_batch_tokens"] for m in record["memory"]] == [0, 16]
     assert record["step"]["tokens"] > 0 and len(record["step"]["steps"]) == 2
