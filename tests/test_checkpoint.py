@@ -163,10 +163,26 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_pat
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(ckpt.mx, "save_safetensors", full_disk)
-    with pytest.raises(UserError, match=r"could not write checkpoint-2 .*No space left on device"):
-        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)))
     run = tmp_path / "grpo"
+    newest = run / "checkpoint-1"
+    with pytest.raises(UserError, match=r"could not write checkpoint-2 .*No space left on device; .*checkpoint-1 and "
+                       r"the earlier checkpoints are intact: once there is room, the command with --resume "
+                       r"\S*checkpoint-1 continues from it") as caught:
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)))
+    assert f"--resume {newest} continues" in str(caught.value)
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+
+
+def test_a_first_checkpoint_that_cannot_be_written_says_a_rerun_starts_over(tmp_path):
+    """Nothing of the run on disk yet: the line does not point at a checkpoint to resume."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    with pytest.raises(UserError, match=r"could not write checkpoint-1 in .*: No space left on device; no earlier "
+                       r"checkpoint of this run exists: once there is room, a rerun starts over$"):
+        with ckpt.write_failures_as_one_line(tmp_path, 1):
+            raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir, tmp_path):

@@ -329,4 +329,5 @@ def test_a_warm_start_checkpoint_that_cannot_be_written_is_one_line(tiny_model_d
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "could not write checkpoint-4 in " in err and "No space left on device" in err
+    assert f"--resume {tmp_path / 'runs' / 'sft' / 'checkpoint-2'} continues from it" in err
     assert sorted(p.name for p in (tmp_path / "runs" / "sft").iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]

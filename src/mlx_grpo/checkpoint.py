@@ -72,14 +72,18 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
 @contextmanager
 def write_failures_as_one_line(run_dir: Path, update_step: int):
     """Around a checkpoint write (train and sft): a full disk or a lost mount (OSError; MLX's writer raises
-    RuntimeError) ends the run with one line. The staged copy is gone (staged_output), the earlier checkpoints
-    are intact."""
+    RuntimeError) ends the run with one line naming the newest intact checkpoint. The staged copy is gone
+    (staged_output), the earlier checkpoints are intact."""
     try:
         yield
     except (OSError, RuntimeError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
-        raise UserError(f"could not write checkpoint-{update_step} in {run_dir}: {reason}; the earlier checkpoints "
-                        "are intact (--resume continues from the latest once there is room)") from None
+        written = list_checkpoints(run_dir)
+        # named, as the crash line names it: a plain --resume of a command that resumed elsewhere goes back there
+        then = (f"{written[-1]} and the earlier checkpoints are intact: once there is room, the command with "
+                f"--resume {written[-1]} continues from it" if written else
+                "no earlier checkpoint of this run exists: once there is room, a rerun starts over")
+        raise UserError(f"could not write checkpoint-{update_step} in {run_dir}: {reason}; {then}") from None
 
 
 def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:
