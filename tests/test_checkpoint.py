@@ -2,6 +2,7 @@
 recovery after a hard kill, umask, save_total_limit."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -165,9 +166,9 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_pat
     monkeypatch.setattr(ckpt.mx, "save_safetensors", full_disk)
     run = tmp_path / "grpo"
     newest = run / "checkpoint-1"
-    with pytest.raises(UserError, match=r"could not write checkpoint-2 .*No space left on device; .*checkpoint-1 and "
-                       r"the earlier checkpoints are intact: once there is room, the command with --resume "
-                       r"\S*checkpoint-1 continues from it") as caught:
+    with pytest.raises(UserError, match=r"saving checkpoint-2 in .* failed: No space left on device; .*checkpoint-1 is "
+                       r"intact: once there is room, the command with --resume .*checkpoint-1 continues from it$") \
+            as caught:
         run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)))
     assert f"--resume {newest} continues" in str(caught.value)
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
@@ -179,10 +180,35 @@ def test_a_first_checkpoint_that_cannot_be_written_says_a_rerun_starts_over(tmp_
 
     from mlx_grpo import checkpoint as ckpt
 
-    with pytest.raises(UserError, match=r"could not write checkpoint-1 in .*: No space left on device; no earlier "
-                       r"checkpoint of this run exists: once there is room, a rerun starts over$"):
+    with pytest.raises(UserError, match=r"saving checkpoint-1 in .* failed: No space left on device; no checkpoint of "
+                       r"this run exists yet: once there is room, a rerun starts over$"):
         with ckpt.write_failures_as_one_line(tmp_path, 1):
             raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_failed_save_after_a_resume_points_back_to_what_was_resumed(tmp_path):
+    """Resumed from another directory (or into one holding an older run's checkpoints): until this session
+    writes a later checkpoint, the line names the resumed one; a lost mount is not told to make room."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    elsewhere = tmp_path / "a" / "checkpoint-4"
+    run = tmp_path / "b"
+    for step in (1, 6):  # an older run's checkpoint-1; this session's checkpoint-6 comes later
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        if step == 1:
+            at = re.escape(str(elsewhere))
+            with pytest.raises(UserError, match=rf"Input/output error; {at} is intact: once the disk can be written "
+                               rf"again, the command with --resume {at} continues from it$"):
+                with ckpt.write_failures_as_one_line(run, 5, (elsewhere, 4)):
+                    raise OSError(errno.EIO, "Input/output error")
+    six = re.escape(str(run / "checkpoint-6"))
+    with pytest.raises(UserError, match=rf"Unable to write 3859 bytes to file\.; {six} is intact: once there is room, "
+                       rf"the command with --resume {six} continues from it$"):
+        with ckpt.write_failures_as_one_line(run, 7, (elsewhere, 4)):
+            raise RuntimeError("[write] Unable to write 3859 bytes to file.\nmore detail")
 
 
 def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir, tmp_path):

@@ -328,6 +328,31 @@ def test_a_warm_start_checkpoint_that_cannot_be_written_is_one_line(tiny_model_d
                  str(tmp_path / "runs"), "--prefill", "<reasoning>\n", "--batch-size", "2", "--set", "save_steps=2"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert "could not write checkpoint-4 in " in err and "No space left on device" in err
+    assert "saving checkpoint-4 in " in err and "failed: No space left on device" in err
     assert f"--resume {tmp_path / 'runs' / 'sft' / 'checkpoint-2'} continues from it" in err
     assert sorted(p.name for p in (tmp_path / "runs" / "sft").iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
+
+
+def test_a_failed_save_after_a_resume_elsewhere_names_the_resumed_checkpoint(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Resumed from another run directory, the first save fails: the line names the checkpoint resumed from, the
+    only one this run has, not "a rerun starts over"."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    data = write_jsonl(tmp_path / "data.jsonl", ROWS)
+    common = ["sft", "--model", str(tiny_model_dir), "--dataset-path", str(data), "--output-dir",
+              str(tmp_path / "runs"), "--prefill", "<reasoning>\n", "--batch-size", "2", "--set", "save_steps=2"]
+    assert main(common) == 0
+    first = tmp_path / "runs" / "sft" / "checkpoint-2"
+    capsys.readouterr()
+
+    def full_disk(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(ckpt.mx, "save_safetensors", full_disk)
+    code = main(common + ["--resume", str(first), "--set", "run_name=again"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{first} is intact: once there is room, the command with --resume {first} continues from it" in err

@@ -15,6 +15,7 @@ the base's, and `mlx-grpo generate --model` opens it through models/adapters.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from contextlib import contextmanager
@@ -70,20 +71,36 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
 
 
 @contextmanager
-def write_failures_as_one_line(run_dir: Path, update_step: int):
-    """Around a checkpoint write (train and sft): a full disk or a lost mount (OSError; MLX's writer raises
-    RuntimeError) ends the run with one line naming the newest intact checkpoint. The staged copy is gone
-    (staged_output), the earlier checkpoints are intact."""
+def write_failures_as_one_line(run_dir: Path, update_step: int, resumed: tuple[Path, int] | None = None):
+    """Around a checkpoint save (train and sft): a full disk or a lost mount (OSError; MLX's writer raises
+    RuntimeError) ends the run with one line naming the checkpoint to resume from. The staged copy is gone
+    (staged_output), the earlier checkpoints are intact. resumed: (checkpoint, update) the run restored."""
     try:
         yield
     except (OSError, RuntimeError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        written = list_checkpoints(run_dir)
-        # named, as the crash line names it: a plain --resume of a command that resumed elsewhere goes back there
-        then = (f"{written[-1]} and the earlier checkpoints are intact: once there is room, the command with "
-                f"--resume {written[-1]} continues from it" if written else
-                "no earlier checkpoint of this run exists: once there is room, a rerun starts over")
-        raise UserError(f"could not write checkpoint-{update_step} in {run_dir}: {reason}; {then}") from None
+        reason = ((getattr(exc, "strerror", None) or str(exc)).splitlines() or [type(exc).__name__])[0]
+        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "Unable to write" in str(exc)
+        when = "once there is room" if full else "once the disk can be written again"
+        intact = _resume_point(run_dir, resumed)
+        if intact is None:
+            then = f"no checkpoint of this run exists yet: {when}, a rerun starts over"
+        else:
+            # named, as the crash line names it: a plain --resume of a command that resumed elsewhere goes back there
+            then = f"{intact} is intact: {when}, the command with --resume {intact} continues from it"
+        raise UserError(f"saving checkpoint-{update_step} in {run_dir} failed: {reason}; {then}") from None
+
+
+def _resume_point(run_dir: Path, resumed: tuple[Path, int] | None) -> Path | None:
+    """The newest checkpoint of this run: the run directory's newest if this session wrote it (a resume sets
+    aside later ones, so a later update means ours; the just-failed save's own checkpoint when only what
+    followed its rename failed), else the one resumed from (perhaps in another directory)."""
+    written = list_checkpoints(run_dir)
+    newest = written[-1] if written else None
+    if resumed is None:
+        return newest
+    if newest is not None and int(newest.name[len(PREFIX):]) > resumed[1]:
+        return newest
+    return resumed[0]
 
 
 def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:

@@ -157,6 +157,7 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
     except UserError as exc:  # the same checkpoint and config everywhere: every rank finds the same problem
         error = str(exc)
     world.agree(error, "resume")
+    trainer.resumed = (path, trainer.counters.update_step)
     if world.is_main:
         logger.truncate_after(trainer.counters.update_step)
         for name in ckpt.set_aside_later(run_dir, trainer.counters.update_step):
@@ -386,5 +387,5 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
 def _save(trainer: Trainer) -> None:
     """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients)."""
     if trainer.world.is_main:
-        with ckpt.write_failures_as_one_line(trainer.run_dir, trainer.counters.update_step):
+        with ckpt.write_failures_as_one_line(trainer.run_dir, trainer.counters.update_step, trainer.resumed):
             trainer.save()

@@ -120,6 +120,7 @@ class SFTTrainer:
     masters: MasterWeights
     adapter_config: dict | None = None
     counters: SFTCounters = field(default_factory=SFTCounters)
+    resumed: tuple[Path, int] | None = None  # (checkpoint, update) resumed from: where a failed save points
 
     def __post_init__(self):
         cfg = self.cfg

@@ -71,6 +71,7 @@ def _resume(trainer: SFTTrainer, resume: str | None, logger: RunLogger) -> None:
                         f"{', '.join(changed)}; resume with its config ({path / 'config.resolved.json'}) or start a "
                         "new run (another run_name). Only logging, eval, saving and timeouts may change")
     trainer.restore(path, loaded)
+    trainer.resumed = (path, trainer.counters.update_step)
     logger.truncate_after(trainer.counters.update_step)
     for name in ckpt.set_aside_later(run_dir, trainer.counters.update_step):
         console(f"[mlx-grpo] {name}: a checkpoint after the resumed one, moved aside so that a later --resume "
@@ -155,7 +156,7 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
 
 
 def _save(trainer: SFTTrainer) -> Path:
-    with ckpt.write_failures_as_one_line(trainer.run_dir, trainer.counters.update_step):
+    with ckpt.write_failures_as_one_line(trainer.run_dir, trainer.counters.update_step, trainer.resumed):
         return trainer.save()
 
 

@@ -67,6 +67,7 @@ class Trainer:
     masters: MasterWeights | None = None  # float32 masters of the trained weights (None: train the model as is)
     world: World = field(default_factory=World)
     counters: Counters = field(default_factory=Counters)
+    resumed: tuple[Path, int] | None = None  # (checkpoint, update) resumed from: where a failed save points
     worked: WorkedExamples = field(default_factory=WorkedExamples)  # drawn for the prompt (prompts.py)
 
     def __post_init__(self):
