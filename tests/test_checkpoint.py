@@ -174,6 +174,23 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_pat
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
 
 
+def test_a_grpo_save_failing_after_a_resume_elsewhere_names_the_resumed_checkpoint(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    first = Path(run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)))) / "checkpoint-2"
+
+    def full_disk(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(ckpt.mx, "save_safetensors", full_disk)
+    with pytest.raises(UserError, match=rf"saving checkpoint-3 in .*again failed: No space left on device; "
+                       rf"{re.escape(str(first))} is intact: once there is room"):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "run_name=again")), resume=str(first))
+
+
 def test_a_first_checkpoint_that_cannot_be_written_says_a_rerun_starts_over(tmp_path):
     """Nothing of the run on disk yet: the line does not point at a checkpoint to resume."""
     import errno
@@ -187,28 +204,55 @@ def test_a_first_checkpoint_that_cannot_be_written_says_a_rerun_starts_over(tmp_
 
 
 def test_a_failed_save_after_a_resume_points_back_to_what_was_resumed(tmp_path):
-    """Resumed from another directory (or into one holding an older run's checkpoints): until this session
-    writes a later checkpoint, the line names the resumed one; a lost mount is not told to make room."""
+    """Resumed from another directory into one holding an older run's checkpoints (at and below the resumed
+    update; a resume sets aside later ones): the line names the resumed checkpoint until this session writes a
+    later one. A lost mount is not told to make room; MLX's writer error may be either."""
     import errno
 
     from mlx_grpo import checkpoint as ckpt
 
-    elsewhere = tmp_path / "a" / "checkpoint-4"
-    run = tmp_path / "b"
-    for step in (1, 6):  # an older run's checkpoint-1; this session's checkpoint-6 comes later
+    elsewhere, run = tmp_path / "a" / "checkpoint-4", tmp_path / "b"
+
+    def written(step: int) -> Path:
         (run / f"checkpoint-{step}").mkdir(parents=True)
         (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
-        if step == 1:
-            at = re.escape(str(elsewhere))
-            with pytest.raises(UserError, match=rf"Input/output error; {at} is intact: once the disk can be written "
-                               rf"again, the command with --resume {at} continues from it$"):
-                with ckpt.write_failures_as_one_line(run, 5, (elsewhere, 4)):
-                    raise OSError(errno.EIO, "Input/output error")
-    six = re.escape(str(run / "checkpoint-6"))
-    with pytest.raises(UserError, match=rf"Unable to write 3859 bytes to file\.; {six} is intact: once there is room, "
-                       rf"the command with --resume {six} continues from it$"):
+        return run / f"checkpoint-{step}"
+
+    written(1), written(4)  # the older run's
+    at = re.escape(str(elsewhere))
+    with pytest.raises(UserError, match=rf"Input/output error; {at} is intact: once the disk can be written again, "
+                       rf"the command with --resume {at} continues from it$"):
+        with ckpt.write_failures_as_one_line(run, 5, (elsewhere, 4)):
+            raise OSError(errno.EIO, "Input/output error")
+    six = re.escape(str(written(6)))  # this session's
+    with pytest.raises(UserError, match=rf"failed: \[write\] Unable to write 3859 bytes to file\.; {six} is intact: "
+                       rf"once there is room \(or the disk can be written again\), the command with --resume {six} "
+                       "continues from it$"):
         with ckpt.write_failures_as_one_line(run, 7, (elsewhere, 4)):
-            raise RuntimeError("[write] Unable to write 3859 bytes to file.\nmore detail")
+            raise RuntimeError("\n[write] Unable to write 3859 bytes to file.\nmore detail")
+
+
+def test_a_failed_save_on_a_lost_mount_or_a_device_fault(tmp_path, monkeypatch):
+    """The directory cannot be listed: still one line, pointing at the resumed checkpoint or at --resume latest.
+    A RuntimeError that is not MLX's writer (a GPU fault, out of memory) is not called a disk problem."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    def gone(run_dir):
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    monkeypatch.setattr(ckpt, "list_checkpoints", gone)
+    with pytest.raises(UserError, match=r"not connected; the run directory cannot be read now: once the disk can be "
+                       r"written again, the command with --resume latest continues from its newest checkpoint$"):
+        with ckpt.write_failures_as_one_line(tmp_path, 3):
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+    with pytest.raises(UserError, match=rf"{re.escape(str(tmp_path / 'x'))} is intact"):
+        with ckpt.write_failures_as_one_line(tmp_path, 3, (tmp_path / "x", 2)):
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+    with pytest.raises(RuntimeError, match="cudaGetLastError"):
+        with ckpt.write_failures_as_one_line(tmp_path, 3):
+            raise RuntimeError("cudaGetLastError() failed: unspecified launch failure")
 
 
 def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir, tmp_path):

@@ -356,3 +356,8 @@ def test_a_failed_save_after_a_resume_elsewhere_names_the_resumed_checkpoint(tin
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert f"{first} is intact: once there is room, the command with --resume {first} continues from it" in err
+
+    monkeypatch.undo()  # room again: resuming the first run's last checkpoint elsewhere has nothing left to do
+    last = max((tmp_path / "runs" / "sft").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert main(common + ["--resume", str(last), "--set", "run_name=done"]) == 0
+    assert f"final checkpoint: {last}" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,16 +73,31 @@ def save_checkpoint(run_dir: Path, update_step: int, *, model, optimizer, traine
 
 @contextmanager
 def write_failures_as_one_line(run_dir: Path, update_step: int, resumed: tuple[Path, int] | None = None):
-    """Around a checkpoint save (train and sft): a full disk or a lost mount (OSError; MLX's writer raises
-    RuntimeError) ends the run with one line naming the checkpoint to resume from. The staged copy is gone
-    (staged_output), the earlier checkpoints are intact. resumed: (checkpoint, update) the run restored."""
+    """Around a checkpoint save (train and sft): a full disk or a lost mount (OSError, or MLX's writer's
+    RuntimeError "[write] ...") ends the run with one line naming the checkpoint to resume from. The staged copy
+    is gone (staged_output), the earlier checkpoints are intact. Other RuntimeErrors (a GPU fault or out of
+    memory while the arrays are evaluated for the write) go on to the crash and memory handlers. resumed:
+    (checkpoint, update) the run restored."""
     try:
         yield
     except (OSError, RuntimeError) as exc:
-        reason = ((getattr(exc, "strerror", None) or str(exc)).splitlines() or [type(exc).__name__])[0]
-        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "Unable to write" in str(exc)
-        when = "once there is room" if full else "once the disk can be written again"
-        intact = _resume_point(run_dir, resumed)
+        text = (getattr(exc, "strerror", None) or str(exc)).strip()
+        reason = text.splitlines()[0] if text else type(exc).__name__
+        if isinstance(exc, RuntimeError) and not re.match(r"\[(write|save\w*)\] ", reason):
+            raise
+        if isinstance(exc, OSError):
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            when = "once there is room" if full else "once the disk can be written again"
+        else:  # MLX's writer says neither which errno nor whether the disk is full
+            when = "once there is room (or the disk can be written again)"
+        try:
+            intact = resume_point(run_dir, resumed)
+        except OSError:  # the mount is gone: the directory cannot even be listed
+            intact = resumed[0] if resumed else None
+            if intact is None:
+                raise UserError(f"saving checkpoint-{update_step} in {run_dir} failed: {reason}; the run directory "
+                                f"cannot be read now: {when}, the command with --resume latest continues from its "
+                                "newest checkpoint") from None
         if intact is None:
             then = f"no checkpoint of this run exists yet: {when}, a rerun starts over"
         else:
@@ -90,10 +106,10 @@ def write_failures_as_one_line(run_dir: Path, update_step: int, resumed: tuple[P
         raise UserError(f"saving checkpoint-{update_step} in {run_dir} failed: {reason}; {then}") from None
 
 
-def _resume_point(run_dir: Path, resumed: tuple[Path, int] | None) -> Path | None:
+def resume_point(run_dir: Path, resumed: tuple[Path, int] | None) -> Path | None:
     """The newest checkpoint of this run: the run directory's newest if this session wrote it (a resume sets
-    aside later ones, so a later update means ours; the just-failed save's own checkpoint when only what
-    followed its rename failed), else the one resumed from (perhaps in another directory)."""
+    aside later ones, so a later update means ours; the failed save's own checkpoint when only what followed
+    its rename failed), else the one resumed from (perhaps in another directory); None for neither."""
     written = list_checkpoints(run_dir)
     newest = written[-1] if written else None
     if resumed is None:
@@ -121,7 +137,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     found = []
     for path in run_dir.glob(f"{PREFIX}*"):
         suffix = path.name[len(PREFIX):]
-        if path.is_dir() and suffix.isdigit() and (path / "trainer_state.json").is_file():
+        if path.is_dir() and suffix.isdecimal() and (path / "trainer_state.json").is_file():
             found.append((int(suffix), path))
     return [p for _, p in sorted(found)]
 

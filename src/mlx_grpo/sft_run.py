@@ -146,7 +146,7 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
         bar.close()
         if evals and (last_eval is None or last_eval["update_step"] != c.update_step):
             last_eval = _evaluate(trainer, engine, data, multiturn, logger, reporters, "end")
-        final = _save(trainer) if last_saved != c.update_step else ckpt.list_checkpoints(run_dir)[-1]
+        final = _save(trainer) if last_saved != c.update_step else ckpt.resume_point(run_dir, trainer.resumed)
     except BaseException:
         reporters.close(failed=True)
         raise
