@@ -403,6 +403,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
           "trained", flush=True)
     if "rollout" in sections:
         result["attention_kernel"] = rollout_bench.check_attention_kernel()
+        result["sampler_kernel"] = rollout_bench.check_sampler_kernel()
         result["rollout"] = rollout_bench.bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg,
                                                         args.repeats, pad_id)
     if "short" in sections:

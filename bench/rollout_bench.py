@@ -89,6 +89,28 @@ def check_attention_kernel() -> dict:
     return {"kernel": True, "max_abs_error": errors}
 
 
+def check_sampler_kernel() -> dict:
+    """The CUDA keyed-bits sampler (rollout/keyed_bits.py) against MLX's vmapped categorical: the same tokens
+    for the same keys, on random logits over the vocabularies it meets (odd and even)."""
+    from mlx_grpo.models.decode_attention import kernel_available
+    from mlx_grpo.rollout.keyed_bits import categorical_from_bits, keyed_bits
+
+    if not kernel_available():
+        return {"kernel": False}
+    agree = {}
+    for rows, vocab in ((256, 49152), (64, 151936), (300, 1001)):
+        logits = mx.random.normal((rows, vocab), key=mx.random.key(vocab)) * 3
+        keys = mx.random.split(mx.random.key(rows), rows)
+        want = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(logits, keys)
+        got = categorical_from_bits(logits, keyed_bits(keys, vocab))
+        agree[f"{rows}x{vocab}"] = mx.mean(want == got).item()
+    print("keyed sampler vs mx.random.categorical, same keys: share of equal tokens "
+          + ", ".join(f"{k} {v:.4f}" for k, v in agree.items()), flush=True)
+    if min(agree.values()) < 1:
+        raise SystemExit(f"keyed sampler draws other tokens than MLX's categorical: {agree}")
+    return {"kernel": True, "equal_tokens": agree}
+
+
 def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> list[dict]:
     samplers = {name: make_sampler_fn(name, model, tokenizer) for name in ROLLOUT_VARIANTS}
     out = []

@@ -4,7 +4,7 @@ A batch of prompts of different lengths is left-padded, so each row must ignore 
 `left_padding[r]` cache slots. mlx-lm expresses that as a boolean mask, and MLX 0.32's CUDA backend
 has no fused decode kernel that takes a mask array: it falls back to ~6 unfused ops per layer on a
 copied slice of the cache. This module supplies that missing kernel (one warp per row and query head,
-online softmax over slots [left_padding[r], stop)) and routes mlx-lm's attention call to it while a
+online softmax over slots [left_padding[r], stop), 16-byte loads) and routes mlx-lm's attention call to it while a
 rollout decodes on our StaticBatchCache; every other call goes to mlx-lm's own function unchanged.
 """
 
@@ -16,38 +16,84 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-HEAD_DIMS = (64, 128)  # D / 16 lanes per slot must divide the warp's 32; D = 64 is the one run on a GPU
+HEAD_DIMS = (64, 128)  # a lane's D / 8 values must be whole 16-byte loads; D = 64 is the one run on a GPU
 # Model families whose every layer attends through mlx-lm's module-level scaled_dot_product_attention
 # (others, e.g. block-sparse phi3small, compute attention themselves and must not get a maskless cache).
 KERNEL_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
-# The pieces both kernels share: the online softmax over cache slots [start[row], stop) by groups of G lanes,
-# and the merge of the groups' softmaxes into the output (OUT_VALUE: what a lane writes).
+# The pieces every kernel shares. A lane holds PER of a slot's D values: chunk c of 16 bytes (VEC values) at
+# element (c * G + sub) * VEC, so one load instruction reads G * 16 contiguous bytes of each of P slots (whole
+# 128-byte lines) instead of 2-byte values 32 bytes apart, which cost ~8x the L1 traffic.
+_LAYOUT = """
+    constexpr int VEC = 16 / sizeof(T);  // values per 16-byte load
+    constexpr int G = 8;                 // lanes per slot
+    constexpr int P = 32 / G;            // slots per batch
+    constexpr int PER = D / G;           // values per lane per slot
+    static_assert(PER % VEC == 0, "a lane's values must be whole 16-byte chunks");
+    #define ELEMENT(i) ((((i) / VEC) * G + sub) * VEC + (i) % VEC)
+"""
+# The online softmax over cache slots [start[row], stop) by groups of G lanes, two batches of P slots per trip
+# with all four loads issued first (a lane past the end reads the last slot and drops it), so a warp waits on
+# memory about once per 2 P slots. `aligned` falls back to 2-byte loads for an array at an odd offset.
 _SLOT_LOOP = """
+    const bool aligned = ((reinterpret_cast<size_t>(kbase) | reinterpret_cast<size_t>(vbase)) & 15) == 0;
+    auto load = [&](const T* from, float* to) {
+        #pragma unroll
+        for (int c = 0; c < PER / VEC; ++c) {
+            const T* src = from + (c * G + sub) * VEC;
+            if (aligned) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(src);
+                const T* vals = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) to[c * VEC + e] = static_cast<float>(vals[e]);
+            } else {
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) to[c * VEC + e] = static_cast<float>(src[e]);
+            }
+        }
+    };
     float m = -INFINITY, denom = 0.0f;
     const int last = stop[0];
-    for (int base = start[row]; base < last; base += P) {  // uniform trip count: shuffles need every lane
-        const int s = base + slot;
-        const bool valid = s < last;
-        float dot = 0.0f;
-        if (valid) {
-            #pragma unroll
-            for (int i = 0; i < PER; ++i) dot += q[i] * static_cast<float>(kbase[(size_t)s * D + i]);
+    for (int base = start[row]; base < last; base += 2 * P) {  // uniform trip count: shuffles need every lane
+        const int s0 = base + slot, s1 = base + P + slot;
+        const bool valid0 = s0 < last, valid1 = s1 < last;
+        float k0[PER], v0[PER], k1[PER], v1[PER];
+        load(kbase + (size_t)(valid0 ? s0 : last - 1) * D, k0);
+        load(kbase + (size_t)(valid1 ? s1 : last - 1) * D, k1);
+        load(vbase + (size_t)(valid0 ? s0 : last - 1) * D, v0);
+        load(vbase + (size_t)(valid1 ? s1 : last - 1) * D, v1);
+        float dot0 = 0.0f, dot1 = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            dot0 += q[i] * k0[i];
+            dot1 += q[i] * k1[i];
         }
         #pragma unroll
-        for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-        if (valid) {
-            const float new_m = fmaxf(m, dot);
+        for (int off = 1; off < G; off <<= 1) {
+            dot0 += __shfl_xor_sync(0xffffffff, dot0, off);
+            dot1 += __shfl_xor_sync(0xffffffff, dot1, off);
+        }
+        if (valid0) {
+            const float new_m = fmaxf(m, dot0);
             const float correction = __expf(m - new_m);
-            const float p = __expf(dot - new_m);
+            const float p = __expf(dot0 - new_m);
             denom = denom * correction + p;
             #pragma unroll
-            for (int i = 0; i < PER; ++i)
-                acc[i] = acc[i] * correction + p * static_cast<float>(vbase[(size_t)s * D + i]);
+            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v0[i];
+            m = new_m;
+        }
+        if (valid1) {
+            const float new_m = fmaxf(m, dot1);
+            const float correction = __expf(m - new_m);
+            const float p = __expf(dot1 - new_m);
+            denom = denom * correction + p;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v1[i];
             m = new_m;
         }
     }
 """
+# The merge of the slot groups' softmaxes into the output (OUT_VALUE: what a lane writes).
 _MERGE_GROUPS = """
     float global_m = m;
     #pragma unroll
@@ -61,18 +107,14 @@ _MERGE_GROUPS = """
         float a = acc[i] * own;
         #pragma unroll
         for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-        if (slot == 0) out[(size_t)warp * D + sub * PER + i] = static_cast<T>(OUT_VALUE);
+        if (slot == 0) out[(size_t)warp * D + ELEMENT(i)] = static_cast<T>(OUT_VALUE);
     }
 """
 
-_SOURCE = """
-    // One warp per (row, query head). The warp takes 32 / G slots per iteration; the G lanes of a slot
-    // split its head dims (16 each), reduce the dot product with log2(G) shuffles and run an online
-    // softmax. The per-slot-group softmaxes are merged at the end. Few dependent steps per warp keep
-    // small batches from being latency-bound; registers stay at ~2 x 16 floats per lane.
-    constexpr int PER = 16;
-    constexpr int G = D / PER;  // lanes per slot
-    constexpr int P = 32 / G;   // slots per iteration
+_SOURCE = _LAYOUT + """
+    // One warp per (row, query head). The warp takes P slots per batch; the G lanes of a slot split its head
+    // dims, reduce the dot product with log2(G) shuffles and run an online softmax. The slot groups'
+    // softmaxes are merged at the end. Registers stay at ~5 x PER floats per lane.
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     const int ROWS = sizes[0], S = sizes[1];  // run-time: a new capacity must not mean a new compile
@@ -80,13 +122,13 @@ _SOURCE = """
     const int sub = lane % G, slot = lane / G;
     const int row = warp / HQ;
     const int kv_head = (warp % HQ) / (HQ / HKV);
-    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
-    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
+    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
+    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
     const float sc = scale[0];
     float q[PER], acc[PER];
     #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        q[i] = static_cast<float>(queries[(size_t)warp * D + sub * PER + i]) * sc;
+        q[i] = static_cast<float>(queries[(size_t)warp * D + ELEMENT(i)]) * sc;
         acc[i] = 0.0f;
     }
 """ + _SLOT_LOOP + _MERGE_GROUPS
@@ -205,10 +247,7 @@ def route_attention(model, cache_type: type):
 # launch: RoPE on the token's query and key (rotate-half layout, angles pos * theta), attention over the
 # cache slots [start, stop) plus the token's own slot, and the token's key/value for the cache write.
 # It replaces ~8 launches per layer (split copies, two RoPEs, attention, the own-slot merge).
-_FUSED_SOURCE = """
-    constexpr int PER = 16;
-    constexpr int G = D / PER;  // lanes per slot
-    constexpr int P = 32 / G;   // slots per iteration
+_FUSED_SOURCE = _LAYOUT + """
     constexpr int HALF = D / 2;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
@@ -223,7 +262,7 @@ _FUSED_SOURCE = """
     float q[PER], k_new[PER], v_new[PER], acc[PER];
     #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        const int j = sub * PER + i;
+        const int j = ELEMENT(i);
         const int pair = j < HALF ? j + HALF : j - HALF;
         const float sign = j < HALF ? -1.0f : 1.0f;
         float s, c;
@@ -239,8 +278,8 @@ _FUSED_SOURCE = """
         v_new[i] = static_cast<float>(token[(HQ + HKV + kv_head) * D + j]);
         acc[i] = 0.0f;
     }
-    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
-    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D + sub * PER;
+    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
+    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
 """ + _SLOT_LOOP + """
     {  // the token's own slot, taken by slot group 0 (every lane reduces: shuffles need them all)
         float dot = 0.0f;
@@ -262,7 +301,7 @@ _FUSED_SOURCE = """
     if (slot == 0 && head % (HQ / HKV) == 0) {  // one warp per kv head writes the token's key and value
         #pragma unroll
         for (int i = 0; i < PER; ++i) {
-            const size_t at = (size_t)(row * HKV + kv_head) * D + sub * PER + i;
+            const size_t at = (size_t)(row * HKV + kv_head) * D + ELEMENT(i);
             new_keys[at] = static_cast<T>(k_new[i]);
             new_values[at] = static_cast<T>(v_new[i]);
         }
