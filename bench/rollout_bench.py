@@ -61,54 +61,88 @@ ROLLOUT_VARIANTS = {
 
 
 def check_attention_kernel() -> dict:
-    """The CUDA decode kernel against MLX's masked attention in float32 on random left-padded rows, for
-    each head dim it serves."""
-    from mlx_grpo.models.decode_attention import HEAD_DIMS, kernel_available, left_padded_attention
+    """The CUDA decode kernels against MLX's masked attention in float32 on random left-padded rows (bf16
+    inputs), for each head dim they serve: the plain kernel; the log-sum-exp one, its output and lse, on a
+    stacked cache; the fused one (RoPE, the cached slots and the token's own) and the key it returns."""
+    from mlx_grpo.models.decode_attention import (HEAD_DIMS, fused_decode_attention, kernel_available,
+                                                  left_padded_attention, left_padded_attention_lse)
 
     if not kernel_available():
         return {"kernel": False}
     mx.random.seed(0)
     errors = {}
+    f32 = mx.float32
     for D in HEAD_DIMS:
-        N, Hq, Hkv, S, stop = 64, 9, 3, 300, 211
+        N, Hq, Hkv, S, stop, scale = 64, 9, 3, 300, 211, D ** -0.5
         q = mx.random.normal((N, Hq, 1, D)).astype(mx.bfloat16)
-        k = mx.random.normal((N, Hkv, S, D)).astype(mx.bfloat16)
-        v = mx.random.normal((N, Hkv, S, D)).astype(mx.bfloat16)
-        start = mx.random.randint(0, 150, (N,))
-        pos = mx.arange(S)
-        mask = ((pos >= start[:, None]) & (pos < stop))[:, None, None, :]
-        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
-                                                   v.astype(mx.float32), scale=D ** -0.5, mask=mask)
-        got = left_padded_attention(q, k, v, D ** -0.5, start.astype(mx.int32), mx.array([stop], dtype=mx.int32))
-        errors[D] = mx.abs(got.astype(mx.float32) - ref).max().item()
-        print(f"decode attention kernel, head dim {D}, vs masked attention (float32): max abs error "
-              f"{errors[D]:.2e}", flush=True)
-        # bf16 output of values ~N(0, 1): a rounding error of ~2^-8 relative; anything larger is a bug
-        if not errors[D] < 1e-2:
-            raise SystemExit(f"decode attention kernel (head dim {D}) disagrees with masked attention: {errors[D]}")
+        k = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
+        v = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
+        start = mx.random.randint(0, 150, (N,)).astype(mx.int32)
+        stop_a = mx.array([stop], dtype=mx.int32)
+        pos = mx.arange(S + 1)
+        mask = ((pos[:S] >= start[:, None]) & (pos[:S] < stop))[:, None, None, :]
+        ref = mx.fast.scaled_dot_product_attention(q.astype(f32), k[1].astype(f32), v[1].astype(f32), scale=scale,
+                                                   mask=mask)
+        scores = mx.repeat(k[1].astype(f32), Hq // Hkv, axis=1) @ (q.astype(f32) * scale).transpose(0, 1, 3, 2)
+        ref_lse = mx.logsumexp(mx.where(mask.transpose(0, 1, 3, 2), scores, -mx.inf), axis=2)  # [N, Hq, 1]
+        plain = left_padded_attention(q, k[1], v[1], scale, start, stop_a)
+        out, lse = left_padded_attention_lse(q, k, v, scale, start, stop_a, 1)
+        # fused: the token's projections, RoPE'd at positions up to 400 with rotate-half angles pos * theta
+        qkv = mx.random.normal((N, (Hq + 2 * Hkv) * D)).astype(mx.bfloat16)
+        positions = mx.random.randint(150, 400, (N,)).astype(mx.int32)
+        theta = (10000.0 ** (-mx.arange(0, D, 2) / D)).astype(f32)
+        angle = positions[:, None, None].astype(f32) * theta
+        def rope(x):  # [N, H, D] -> the kernel's rounding to bf16
+            a, b = x[..., :D // 2].astype(f32), x[..., D // 2:].astype(f32)
+            c, s_ = mx.cos(angle), mx.sin(angle)
+            return mx.concatenate([a * c - b * s_, b * c + a * s_], axis=-1).astype(mx.bfloat16)
+        heads = qkv.reshape(N, Hq + 2 * Hkv, D)
+        q_r, k_r, v_new = rope(heads[:, :Hq]), rope(heads[:, Hq:Hq + Hkv]), heads[:, Hq + Hkv:]
+        k_ext = mx.concatenate([k[1][:, :, :stop], k_r[:, :, None]], axis=2).astype(f32)
+        v_ext = mx.concatenate([v[1][:, :, :stop], v_new[:, :, None]], axis=2).astype(f32)
+        own_mask = (pos[:stop + 1] >= start[:, None])[:, None, None, :]
+        ref_fused = mx.fast.scaled_dot_product_attention(q_r[:, :, None].astype(f32), k_ext, v_ext, scale=scale,
+                                                         mask=own_mask)
+        fused, new_k, new_v = fused_decode_attention(qkv, k, v, start, stop_a, positions, theta, scale, Hq, 1)
+        err = {"plain": mx.abs(plain.astype(f32) - ref).max().item(),
+               "lse_out": mx.abs(out.astype(f32) - ref).max().item(),
+               "lse": mx.abs(lse - ref_lse).max().item(),
+               "fused": mx.abs(fused.astype(f32) - ref_fused).max().item(),
+               "fused_key": (mx.abs(new_k[:, :, 0].astype(f32) - k_r.astype(f32))  # relative: keys reach ~5
+                             / mx.maximum(mx.abs(k_r.astype(f32)), 1)).max().item(),
+               "fused_value": mx.abs(new_v[:, :, 0].astype(f32) - v_new.astype(f32)).max().item()}
+        errors[D] = err
+        print(f"decode attention kernels, head dim {D}, vs masked attention (float32): max abs error "
+              + ", ".join(f"{name} {e:.2e}" for name, e in err.items()), flush=True)
+        # bf16 values ~N(0, 1): rounding errors of ~2^-8 relative; anything larger is a bug
+        if not max(err.values()) < 2e-2:
+            raise SystemExit(f"decode attention kernels (head dim {D}) disagree with masked attention: {err}")
     return {"kernel": True, "max_abs_error": errors}
 
 
 def check_sampler_kernel() -> dict:
-    """The CUDA keyed-bits sampler (rollout/keyed_bits.py) against MLX's vmapped categorical: the same tokens
-    for the same keys, on random logits over the vocabularies it meets (odd and even)."""
+    """The CUDA keyed-bits sampler (rollout/keyed_bits.py) against MLX's own draws for the same keys: its
+    Gumbel noise bit for bit against mx.random.gumbel, its tokens against the vmapped mx.random.categorical,
+    over the vocabularies it meets (odd and even)."""
     from mlx_grpo.models.decode_attention import kernel_available
-    from mlx_grpo.rollout.keyed_bits import categorical_from_bits, keyed_bits
+    from mlx_grpo.rollout.keyed_bits import categorical_from_bits, gumbel_from_bits, keyed_bits
 
     if not kernel_available():
         return {"kernel": False}
-    agree = {}
+    agree, noise_equal = {}, {}
     for rows, vocab in ((256, 49152), (64, 151936), (300, 1001)):
         logits = mx.random.normal((rows, vocab), key=mx.random.key(vocab)) * 3
         keys = mx.random.split(mx.random.key(rows), rows)
+        bits = keyed_bits(keys, vocab)
+        noise = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)
+        noise_equal[f"{rows}x{vocab}"] = bool(mx.array_equal(noise, gumbel_from_bits(bits)).item())
         want = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(logits, keys)
-        got = categorical_from_bits(logits, keyed_bits(keys, vocab))
-        agree[f"{rows}x{vocab}"] = mx.mean(want == got).item()
-    print("keyed sampler vs mx.random.categorical, same keys: share of equal tokens "
-          + ", ".join(f"{k} {v:.4f}" for k, v in agree.items()), flush=True)
-    if min(agree.values()) < 1:
-        raise SystemExit(f"keyed sampler draws other tokens than MLX's categorical: {agree}")
-    return {"kernel": True, "equal_tokens": agree}
+        agree[f"{rows}x{vocab}"] = mx.mean(want == categorical_from_bits(logits, bits)).item()
+    print("keyed sampler vs MLX, same keys: Gumbel noise equal " + ", ".join(f"{k} {v}" for k, v in noise_equal.items())
+          + "; share of equal tokens " + ", ".join(f"{k} {v:.4f}" for k, v in agree.items()), flush=True)
+    if min(agree.values()) < 1 or not all(noise_equal.values()):
+        raise SystemExit(f"keyed sampler draws other noise or tokens than MLX: {noise_equal} {agree}")
+    return {"kernel": True, "noise_equal": noise_equal, "equal_tokens": agree}
 
 
 def bench_rollout(model, tokenizer, prompts, sizes, cfg, repeats, pad_id) -> list[dict]:

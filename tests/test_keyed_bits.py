@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_grpo.rollout import sampling
-from mlx_grpo.rollout.keyed_bits import categorical_from_bits
+from mlx_grpo.rollout.keyed_bits import categorical_from_bits, gumbel_from_bits
 from mlx_grpo.rollout.records import SamplingParams
 
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's, Salmon et al. 2011, table 4
@@ -52,6 +52,16 @@ def test_layout_reproduces_mlx_uniform_draws(vocab):
     assert np.array_equal(np.array(want), got)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 4099, 49152])
+def test_gumbel_from_bits_is_mlx_gumbel_noise(vocab):
+    """The noise itself, bit for bit (tokens alone would not see a change that keeps every argmax)."""
+    keys = mx.random.split(mx.random.key(vocab + 1), 8)
+    want = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)
+    bits = layout_bits(keys, vocab)
+    assert np.array_equal(np.array(want), np.array(gumbel_from_bits(bits)))
+    assert np.array_equal(np.array(want), np.array(mx.compile(gumbel_from_bits)(bits)))
+
+
 @pytest.mark.parametrize("vocab,scale", [(11, 3.0), (1000, 0.05), (4099, 3.0), (49152, 1.0)])
 def test_categorical_from_bits_picks_mlx_categorical_tokens(vocab, scale):
     rows = 64
@@ -76,3 +86,12 @@ def test_sample_through_the_keyed_path_draws_the_same_tokens(monkeypatch):
     got = sampling.sample(logits, keys, params)
     for a, b in zip(want, got):
         assert a.tolist() == b.tolist()
+
+
+def test_the_top_bits_stay_below_one():
+    """MLX caps u at the float below 1: the top 128 bit patterns divide to 1.0 in float32, and -log(-log(1))
+    would be infinite (a draw of ~3e-8 per token that random keys never hit in a test)."""
+    top = mx.array([[0xFFFFFFFF, 0xFFFFFF80, 0xFFFFFF7F]], dtype=mx.uint32)
+    noise = np.array(gumbel_from_bits(top))
+    below_one = np.nextafter(np.float32(1), np.float32(0))
+    assert np.isfinite(noise).all() and noise[0, 0] == noise[0, 1] == np.float32(-np.log(-np.log(below_one)))

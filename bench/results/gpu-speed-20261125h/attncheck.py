@@ -1,7 +1,7 @@
 """Session 20, GPU: the fused decode attention with 16-byte loads (src/) against the kernel as shipped before
 (git 976525f, previous.py) and a float64 numpy reference; unaligned input; standalone kernel timing; the keyed
 sampler's tokens against MLX's vmapped categorical and its time."""
-import importlib.util, sys, time
+import sys, time
 import numpy as np
 import mlx.core as mx
 sys.path.insert(0, "bench")

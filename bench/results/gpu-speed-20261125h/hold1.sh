@@ -1,7 +1,7 @@
 #!/bin/bash
-# Session 20 hold 1: checks, standalone timings, decode_profile per variant (interleaved), rollout bench
+# Session 20 hold 1: checks and standalone timings (attncheck.py), decode_profile per variant (interleaved)
 export PYTHONPATH=/tmp/mlxsite:$PWD/src PYTHONUNBUFFERED=1 MLX_GRPO_CACHE=/tmp/mgcache
-O=$1; D=${DATA:-.explore/gsm8k/train.jsonl}; V="python3 bench/results/gpu-speed-20261125h/variant.py"
+O=$1; mkdir -p $O; V="python3 bench/results/gpu-speed-20261125h/variant.py"
 timeout 200 python3 bench/results/gpu-speed-20261125h/attncheck.py 2>&1 | tee $O/check.log | tail -40
 for round in 1 2; do
  for a in old new; do

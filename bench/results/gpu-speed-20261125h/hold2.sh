@@ -1,5 +1,6 @@
 #!/bin/bash
 # Session 20 hold 2 (background): rollout bench, full steps new vs as shipped before, TRL, new again
+# Needs MLX and the default model under /tmp/mlxsite and, for TRL, its wheels in .gpuwheels/extra (see the device notes).
 export PYTHONUNBUFFERED=1 MLX_GRPO_CACHE=/tmp/mgcache
 R=$PWD; D=${DATA:-$R/.explore/gsm8k/train.jsonl}; O=$1; mkdir -p $O
 V="python3 $R/bench/results/gpu-speed-20261125h/variant.py"; A="--data $D --sections step --repeats 3"

@@ -1,5 +1,6 @@
 #!/bin/bash
 # Session 20 hold 3 (background): TRL, then the new step and the step as shipped before, same sitting as hold 2
+# Needs what hold2.sh needs, and hold2.sh run first in the same hold: TRL reads the float32 model that grpo_bench converts.
 export PYTHONUNBUFFERED=1 MLX_GRPO_CACHE=/tmp/mgcache
 R=$PWD; D=${DATA:-$R/.explore/gsm8k/train.jsonl}; O=$1; mkdir -p $O
 V="python3 $R/bench/results/gpu-speed-20261125h/variant.py"; A="--data $D --sections step --repeats 3"

@@ -1,6 +1,6 @@
 """Session 20: run a bench script with the attention kernel and the sampler picked: variant.py ATTN SAMPLER script args...
 ATTN: new (src/) or old (git 976525f through previous.py, the kernel as shipped before); SAMPLER: keyed (src/) or mlx (vmapped categorical)."""
-import importlib.util, runpy, sys
+import runpy, sys
 attn, sampler, script = sys.argv[1:4]
 sys.argv = [script] + sys.argv[4:]
 sys.path.insert(0, "bench")

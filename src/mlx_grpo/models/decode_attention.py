@@ -34,7 +34,7 @@ _LAYOUT = """
 """
 # The online softmax over cache slots [start[row], stop) by groups of G lanes, two batches of P slots per trip
 # with all four loads issued first (a lane past the end reads the last slot and drops it), so a warp waits on
-# memory about once per 2 P slots. `aligned` falls back to 2-byte loads for an array at an odd offset.
+# memory about once per 2 P slots. `aligned` falls back to per-value loads for a base not on 16 bytes.
 _SLOT_LOOP = """
     const bool aligned = ((reinterpret_cast<size_t>(kbase) | reinterpret_cast<size_t>(vbase)) & 15) == 0;
     auto load = [&](const T* from, float* to) {
@@ -114,7 +114,7 @@ _MERGE_GROUPS = """
 _SOURCE = _LAYOUT + """
     // One warp per (row, query head). The warp takes P slots per batch; the G lanes of a slot split its head
     // dims, reduce the dot product with log2(G) shuffles and run an online softmax. The slot groups'
-    // softmaxes are merged at the end. Registers stay at ~5 x PER floats per lane.
+    // softmaxes are merged at the end. Registers: ~6 x PER floats per lane.
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     const int ROWS = sizes[0], S = sizes[1];  // run-time: a new capacity must not mean a new compile

@@ -2,7 +2,7 @@
 `mx.vmap(mx.random.categorical)` draws, from a kernel that writes the random bits coalesced.
 
 MLX 0.32's CUDA random-bits kernel, vmapped over one key per row, has consecutive threads write single bytes
-of rows a vocabulary apart (0.7-0.9 ms per decode step at 256 rows x 49,152 under ncu). This kernel runs the
+of rows a vocabulary apart (0.88 ms per decode step at 256 rows x 49,152 under ncu). This kernel runs the
 same threefry2x32 hash on the same counters (row r's words y and y + H from one hash of (y, y + H),
 H = ceil(V / 2); an odd V drops the last hash's second word) with consecutive threads on consecutive words.
 The uniform -> Gumbel -> argmax that follows uses MLX's own ops in MLX's order, so the tokens match too.
@@ -51,7 +51,8 @@ def _kernel():
 
 
 def keyed_bits(keys: mx.array, vocab: int) -> mx.array:
-    """uint32 [N, vocab], row r = mx.random.bits((vocab,), key=keys[r]); keys [N, 2] uint32. CUDA only."""
+    """uint32 [N, vocab], row r = MLX's random bits for shape (vocab,) and key keys[r] (C++ `random::bits`;
+    Python has none); keys [N, 2] uint32. CUDA only."""
     half = (vocab + 1) // 2
     return _kernel()(inputs=[keys], template=[("H", half), ("V", vocab), ("ODD", vocab % 2)],
                      grid=(keys.shape[0] * half, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(keys.shape[0], vocab)],
@@ -61,8 +62,14 @@ def keyed_bits(keys: mx.array, vocab: int) -> mx.array:
 _BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
 
-def categorical_from_bits(logits: mx.array, bits: mx.array) -> mx.array:
-    """mx.random.categorical(logits[r], key=keys[r]) per row, given bits [N, V] = each row's random bits: MLX's
-    uniform (bits / (2^32 - 1), capped below 1; its range 1 and low 0 change no bit), Gumbel -log(-log(u)), argmax."""
+def gumbel_from_bits(bits: mx.array) -> mx.array:
+    """mx.random.gumbel's noise from each row's random bits [N, V]: MLX's uniform (bits / (2^32 - 1), capped
+    below 1; its range 1 and low 0 change no bit), then -log(-log(u)), in float32."""
     u = mx.minimum(bits / mx.array(4294967295.0, dtype=mx.float32), mx.array(_BELOW_ONE, dtype=mx.float32))
-    return mx.argmax(logits + -mx.log(-mx.log(u)), axis=-1)
+    return -mx.log(-mx.log(u))
+
+
+def categorical_from_bits(logits: mx.array, bits: mx.array) -> mx.array:
+    """mx.random.categorical(logits[r], key=keys[r]) per row, given bits [N, V] = each row's random bits: argmax
+    of the logits plus their Gumbel noise, added in MLX's order."""
+    return mx.argmax(gumbel_from_bits(bits) + logits, axis=-1)
