@@ -1,6 +1,7 @@
 """Checkpoint writing: durable stage-then-rename, replacement that never removes the old copy first,
 recovery after a hard kill, umask, save_total_limit."""
 
+import json
 import os
 import re
 from pathlib import Path
@@ -259,3 +260,20 @@ def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir,
     with pytest.raises(UserError, match=r"400000 rollout rows .* need at least .* GB .* more than this machine's"):
         run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "batch_size=4", "num_generations=100000",
                                    "max_new_tokens=1000")))
+
+
+def test_the_resume_point_after_a_crash_reads_the_resumed_update_from_disk(tmp_path):
+    from mlx_grpo import checkpoint as ckpt
+
+    run, elsewhere = tmp_path / "run", tmp_path / "a" / "checkpoint-4"
+    for path, step in ((run / "checkpoint-2", 2), (elsewhere, 4)):
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text(json.dumps({"counters": {"update_step": step}}))
+    assert ckpt.resume_point_after_crash(run, str(elsewhere)) == elsewhere  # the older run's 2 is not ours
+    assert ckpt.resume_point_after_crash(run, None) == run / "checkpoint-2"
+    assert ckpt.resume_point_after_crash(run, "latest") == run / "checkpoint-2"
+    (run / "checkpoint-5").mkdir()
+    (run / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    assert ckpt.resume_point_after_crash(run, str(elsewhere)) == run / "checkpoint-5"  # saved after the resume
+    (elsewhere / "trainer_state.json").write_text("{not json")  # unreadable: counted as not resumed
+    assert ckpt.resume_point_after_crash(run, str(elsewhere)) == run / "checkpoint-5"

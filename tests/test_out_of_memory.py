@@ -152,6 +152,27 @@ def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_mod
     assert GPU_FAULT in err and "crashed" not in err and "--resume" not in err
 
 
+def test_a_crash_after_a_resume_elsewhere_names_the_resumed_checkpoint(tiny_model_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Resumed from another directory into one that holds an older run's lower checkpoint, a crash before the
+    next save names the checkpoint resumed from (checkpoint.resume_point), not the older run's newest."""
+    args, _, decode = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
+    save = ["--set", "save_steps=1", "--set", "num_epochs=2"]
+    assert main(args + save) == 1  # grpo/checkpoint-1, then a fault at update 2
+    monkeypatch.setattr(engine, "generate_rollout", decode)
+    assert main(args + save + ["--set", "run_name=elsewhere"]) == 0  # its checkpoints 1-4
+    resumed = tmp_path / "elsewhere" / "checkpoint-2"
+    assert resumed.is_dir()
+    _, calls, _ = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
+    calls.append(1)  # the next rollout, update 3's, faults
+    capsys.readouterr()
+    assert main(args + save + ["--resume", str(resumed)]) == 1
+    assert (tmp_path / "grpo" / "checkpoint-1").is_dir()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"mlx-grpo train: crashed (the traceback above says where); {resumed} is intact: the command with "
+        f"--resume {resumed} continues from it.")
+
+
 def test_a_crashed_warm_start_says_where_it_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from mlx_grpo.sft import SFTTrainer
 

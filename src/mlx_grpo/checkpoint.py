@@ -119,6 +119,20 @@ def resume_point(run_dir: Path, resumed: tuple[Path, int] | None) -> Path | None
     return resumed[0]
 
 
+def resume_point_after_crash(run_dir: Path, resume: str | None) -> Path | None:
+    """resume_point for a command given `--resume resume` (None, 'latest' or a checkpoint directory), read from
+    disk when the trainer is gone: an explicit checkpoint's update is its trainer_state's counters. One that
+    cannot be read (the crash came while checking it) counts as not resumed."""
+    resumed = None
+    if resume not in (None, "latest"):
+        try:
+            state = json.loads((Path(resume) / "trainer_state.json").read_text())
+            resumed = (Path(resume), int(state["counters"]["update_step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            resumed = None
+    return resume_point(run_dir, resumed)
+
+
 def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:
     """save_total_limit: delete all but the newest `keep` checkpoints (never `protect`, the one just
     written); keep 0 keeps all. -> the deleted ones."""

@@ -166,29 +166,31 @@ def _dispatch(args: argparse.Namespace) -> None:
         run_eval(cfg, split=args.split, output=args.output)
 
 
-def _checkpoints(args: argparse.Namespace):
-    """(the run's config, its checkpoints oldest first), or None when they cannot be read (the crash came
-    before the config was built, the run directory unreadable): the line then goes without them."""
-    from mlx_grpo.checkpoint import list_checkpoints
+def _checkpoint(args: argparse.Namespace):
+    """(the run's config, the checkpoint a resume continues from or None), or None when that cannot be read
+    (the crash came before the config was built, the run directory unreadable): the line then goes without.
+    The checkpoint is checkpoint.resume_point's, as the failed-save line names it: after a resume from another
+    directory, the resumed one unless this run saved a later one (not an older run's newest)."""
+    from mlx_grpo.checkpoint import resume_point_after_crash
 
     cfg = getattr(args, "built_config", None)
     if cfg is None:
         return None
     try:
-        return cfg, list_checkpoints(Path(cfg.run.output_dir) / cfg.run.run_name)
+        return cfg, resume_point_after_crash(Path(cfg.run.output_dir) / cfg.run.run_name, args.resume)
     except Exception:  # noqa: BLE001 -- the line goes without the checkpoint
         return None
 
 
 def _memory_line(exc: BaseException, args: argparse.Namespace) -> str | None:
-    """The out-of-memory line (None: another error), naming the run's latest checkpoint for train/sft."""
+    """The out-of-memory line (None: another error), naming the checkpoint to resume from for train/sft."""
     command = args.command
     line = out_of_memory(exc, command)
-    if line is None or command not in ("train", "sft") or not (run := _checkpoints(args)) or not run[1]:
+    if line is None or command not in ("train", "sft") or not (run := _checkpoint(args)) or run[1] is None:
         return line
     from mlx_grpo.checkpoint import holds_adapters
 
-    return out_of_memory(exc, command, run[1][-1], holds_adapters(run[1][-1]))
+    return out_of_memory(exc, command, run[1], holds_adapters(run[1]))
 
 
 def _crashed(args: argparse.Namespace) -> int:
@@ -198,10 +200,10 @@ def _crashed(args: argparse.Namespace) -> int:
     from mlx_grpo.distributed import launched_rank
 
     # Rank 0 owns the run directory; other ranks (perhaps on other hosts) would name none or repeat it
-    if args.command in ("train", "sft") and launched_rank() == 0 and (run := _checkpoints(args)):
-        cfg, found = run
-        if found:  # named: a plain --resume of a command that resumed from an older path would go back there
-            said = f"{found[-1]} is intact: the command with --resume {found[-1]} continues from it"
+    if args.command in ("train", "sft") and launched_rank() == 0 and (run := _checkpoint(args)):
+        cfg, point = run
+        if point is not None:  # named: a plain --resume of a command that resumed from an older path would go back
+            said = f"{point} is intact: the command with --resume {point} continues from it"
         elif args.resume not in (None, "latest"):
             said = f"no checkpoint was written since {args.resume}: the same command resumes from it again"
         else:
