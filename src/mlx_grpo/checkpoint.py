@@ -122,7 +122,8 @@ def resume_point(run_dir: Path, resumed: tuple[Path, int] | None) -> Path | None
 def resume_point_after_crash(run_dir: Path, resume: str | None) -> Path | None:
     """resume_point for a command given `--resume resume` (None, 'latest' or a checkpoint directory), read from
     disk when the trainer is gone: an explicit checkpoint's update is its trainer_state's counters. One that
-    cannot be read (the crash came while checking it) counts as not resumed."""
+    cannot be read (the crash came while checking it) counts as not resumed. A crash while the resume still
+    loads, before later checkpoints are set aside, gets the run directory's newest (resume_point's rule)."""
     resumed = None
     if resume not in (None, "latest"):
         try:
