@@ -29,8 +29,9 @@ _OOM_PHASES = (
 def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = None,
                   adapters: bool = False) -> str | None:
     """The one line for a failed allocation (None for any other error): where it happened, the first line of
-    the backend's message, and what to lower. `checkpoint`: the one to resume from (train/sft: checkpoint.resume_point's; `adapters`: it holds
-    LoRA/DoRA adapters), and whether --resume takes the fix or it needs a new run from there. A traceback
+    the backend's message, and what to lower. `checkpoint`: the one to resume from (train/sft, as
+    checkpoint.resume_point picks it; `adapters`: it holds LoRA/DoRA adapters), and whether --resume takes the
+    fix or it needs a new run from there. A traceback
     would hide that the fix is a setting."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
