@@ -31,8 +31,7 @@ def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = No
     """The one line for a failed allocation (None for any other error): where it happened, the first line of
     the backend's message, and what to lower. `checkpoint`: the one to resume from (train/sft, as
     checkpoint.resume_point picks it; `adapters`: it holds LoRA/DoRA adapters), and whether --resume takes the
-    fix or it needs a new run from there. A traceback
-    would hide that the fix is a setting."""
+    fix or it needs a new run from there. A traceback would hide that the fix is a setting."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     if not isinstance(exc, MemoryError) and not _OOM_FORMS.match(first):
