@@ -5,6 +5,8 @@ fault, a bug) keeps its traceback and then says which checkpoint --resume contin
 import json
 from pathlib import Path
 
+import pytest
+
 from mlx_grpo.cli import main
 from mlx_grpo.errors import out_of_memory
 from mlx_grpo.rollout import engine
@@ -152,10 +154,12 @@ def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_mod
     assert GPU_FAULT in err and "crashed" not in err and "--resume" not in err
 
 
+@pytest.mark.parametrize("message", [GPU_FAULT, CUDA_OOM])
 def test_a_crash_after_a_resume_elsewhere_names_the_resumed_checkpoint(tiny_model_dir, tmp_path, monkeypatch,
-                                                                        capsys):
-    """Resumed from another directory into one that holds an older run's lower checkpoint, a crash before the
-    next save names the checkpoint resumed from (checkpoint.resume_point), not the older run's newest."""
+                                                                        capsys, message):
+    """Resumed from another directory into one that holds an older run's lower checkpoint, a crash (or a
+    failed allocation) before the next save names the checkpoint resumed from (checkpoint.resume_point), not
+    the older run's newest."""
     args, _, decode = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
     save = ["--set", "save_steps=1", "--set", "num_epochs=2"]
     assert main(args + save) == 1  # grpo/checkpoint-1, then a fault at update 2
@@ -163,14 +167,18 @@ def test_a_crash_after_a_resume_elsewhere_names_the_resumed_checkpoint(tiny_mode
     assert main(args + save + ["--set", "run_name=elsewhere"]) == 0  # its checkpoints 1-4
     resumed = tmp_path / "elsewhere" / "checkpoint-2"
     assert resumed.is_dir()
-    _, calls, _ = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
+    _, calls, _ = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, message)
     calls.append(1)  # the next rollout, update 3's, faults
     capsys.readouterr()
-    assert main(args + save + ["--resume", str(resumed)]) == 1
+    assert main(args + save + ["--resume", str(resumed)]) == (1 if message == GPU_FAULT else 2)
     assert (tmp_path / "grpo" / "checkpoint-1").is_dir()
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"mlx-grpo train: crashed (the traceback above says where); {resumed} is intact: the command with "
-        f"--resume {resumed} continues from it.")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    if message == GPU_FAULT:
+        assert last == (f"mlx-grpo train: crashed (the traceback above says where); {resumed} is intact: the "
+                        f"command with --resume {resumed} continues from it.")
+    else:
+        assert last.startswith("mlx-grpo train: error: out of device memory") and f"--resume {resumed}" in last
+        assert "checkpoint-1" not in last
 
 
 def test_a_crashed_warm_start_says_where_it_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
