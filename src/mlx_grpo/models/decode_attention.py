@@ -53,6 +53,15 @@ _SLOT_LOOP = """
         }
     };
     float m = -INFINITY, denom = 0.0f;
+    auto absorb = [&](float dot, const float* v) {  // one slot into the online softmax (running max m)
+        const float new_m = fmaxf(m, dot);
+        const float correction = __expf(m - new_m);
+        const float p = __expf(dot - new_m);
+        denom = denom * correction + p;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v[i];
+        m = new_m;
+    };
     const int last = stop[0];
     for (int base = start[row]; base < last; base += 2 * P) {  // uniform trip count: shuffles need every lane
         const int s0 = base + slot, s1 = base + P + slot;
@@ -73,24 +82,8 @@ _SLOT_LOOP = """
             dot0 += __shfl_xor_sync(0xffffffff, dot0, off);
             dot1 += __shfl_xor_sync(0xffffffff, dot1, off);
         }
-        if (valid0) {
-            const float new_m = fmaxf(m, dot0);
-            const float correction = __expf(m - new_m);
-            const float p = __expf(dot0 - new_m);
-            denom = denom * correction + p;
-            #pragma unroll
-            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v0[i];
-            m = new_m;
-        }
-        if (valid1) {
-            const float new_m = fmaxf(m, dot1);
-            const float correction = __expf(m - new_m);
-            const float p = __expf(dot1 - new_m);
-            denom = denom * correction + p;
-            #pragma unroll
-            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v1[i];
-            m = new_m;
-        }
+        if (valid0) absorb(dot0, v0);
+        if (valid1) absorb(dot1, v1);
     }
 """
 # The merge of the slot groups' softmaxes into the output (OUT_VALUE: what a lane writes).
@@ -287,15 +280,7 @@ _FUSED_SOURCE = _LAYOUT + """
         for (int i = 0; i < PER; ++i) dot += q[i] * k_new[i];
         #pragma unroll
         for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-        if (slot == 0) {
-            const float new_m = fmaxf(m, dot);
-            const float correction = __expf(m - new_m);
-            const float p = __expf(dot - new_m);
-            denom = denom * correction + p;
-            #pragma unroll
-            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v_new[i];
-            m = new_m;
-        }
+        if (slot == 0) absorb(dot, v_new);
     }
 """ + _MERGE_GROUPS.replace("OUT_VALUE", "a / denom") + """
     if (slot == 0 && head % (HQ / HKV) == 0) {  // one warp per kv head writes the token's key and value
