@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from mlx_grpo.cache import CACHE_ENV
 from mlx_grpo.config import DEFAULT_MODEL
 from mlx_grpo.errors import UserError
 from mlx_grpo.models import loading
@@ -21,7 +22,7 @@ SENTENCE = ("The quick brown fox jumps over the lazy dog. Paris is the capital o
 def default_model(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     mp = pytest.MonkeyPatch()
-    mp.setenv(loading.CACHE_ENV, str(cache))
+    mp.setenv(CACHE_ENV, str(cache))
     try:
         model, tokenizer = loading.load_model(DEFAULT_MODEL)
         path = loading.resolve_model_path(DEFAULT_MODEL)  # second call reuses the conversion
@@ -69,7 +70,7 @@ def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, 
     from mlx_grpo.config import build_config, parse_set
     from mlx_grpo.assembly import build_trainer
 
-    monkeypatch.setenv(loading.CACHE_ENV, str(default_model[3]))
+    monkeypatch.setenv(CACHE_ENV, str(default_model[3]))
     root = loading.Path(__file__).resolve().parents[1]
     cfg = build_config("train", str(root / "configs" / "smoke_test.toml"), parse_set([f"output_dir={tmp_path}"]))
     trainer = build_trainer(cfg)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mlx_grpo import __version__
 from mlx_grpo.blas import use_optimized_blas
+from mlx_grpo.cache import keep_compiled_kernels
 from mlx_grpo.config import FIELD_GROUP, FIELDS, GROUPS, build_config, command_default, fields_for, parse_set
 from mlx_grpo.config.reference import field_help
 from mlx_grpo.options import COMMAND_FLAG_ALIASES, COMMAND_OPTIONS, FLAG_ALIASES, Option
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Before any subcommand imports mlx.core: this module and the config package must not import it at the top.
         use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
+        keep_compiled_kernels()  # CUDA: compiled kernels kept beside the converted models, not in /tmp
         # Ctrl-C ends the command within a moment even inside a long native call (interrupt.py)
         with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted"):
             _dispatch(args)

