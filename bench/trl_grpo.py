@@ -47,12 +47,12 @@ sys.path.insert(0, str(REPO / "src"))
 
 # mlx-free modules of this repository (no mlx import anywhere in them; see the module docstring).
 from mlx_grpo.config import BUILTIN_REWARD_NAMES, SYSTEM_PROMPT  # noqa: E402
+from mlx_grpo.cache import cache_root  # noqa: E402
 from mlx_grpo.data import parse_gsm8k_answer  # noqa: E402
 from mlx_grpo.rewards.builtin import BUILTIN_REWARDS  # noqa: E402
 
-# mlx-grpo's default-model cache (src/mlx_grpo/models/loading.py: $MLX_GRPO_CACHE or ~/.cache/mlx-grpo).
-DEFAULT_MODEL_DIR = (Path(os.environ.get("MLX_GRPO_CACHE") or Path.home() / ".cache" / "mlx-grpo")
-                     / "models" / "smollm2-135m-instruct-float32")
+# mlx-grpo's default-model cache ($MLX_GRPO_CACHE or ~/.cache/mlx-grpo), where the first mlx-grpo run converts it
+DEFAULT_MODEL_DIR = cache_root() / "models" / "smollm2-135m-instruct-float32"
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 

@@ -6,19 +6,23 @@ project's mx.fast.cuda_kernel ones) and keeps them in $MLX_PTX_CACHE_DIR, by def
 On an H100 the first GRPO step of the standard workload took 169 s with that cache empty and 12 s with it
 filled (BENCHMARKS.md, ninth sitting). /tmp is emptied at every boot on many systems and at every start of a
 container, so the CLI keeps the kernels beside the converted models instead, where a later run finds them.
-This module imports nothing that loads mlx.core: MLX reads the variable when it first compiles a kernel, and
-the CLI sets it before any subcommand imports MLX.
+MLX names a cached kernel by its source alone and compiles it for the GPU it runs on, so the folder is per
+MLX version and per GPU model: a home directory shared by machines with different GPUs must not hand one
+GPU's code to another. This module imports nothing that loads mlx.core: MLX reads the variable when it first
+compiles a kernel, and the CLI sets it before any subcommand imports MLX.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable, MutableMapping
 from importlib import metadata
 from pathlib import Path
 
 CACHE_ENV = "MLX_GRPO_CACHE"
 KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"  # MLX's own variable (mlx/backend/cuda/jit_module.cpp)
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's per-GPU `information` files (Linux)
 
 
 def cache_root(environ: MutableMapping[str, str] = os.environ) -> Path:
@@ -27,25 +31,45 @@ def cache_root(environ: MutableMapping[str, str] = os.environ) -> Path:
 
 
 def _installed() -> Iterable[tuple[str, str]]:
-    """(name, version) of the installed distributions."""
+    """(name, version) of the installed distributions, in sys.path order (the first of a name is imported)."""
     return ((d.metadata["Name"] or "", d.version) for d in metadata.distributions())
 
 
-def keep_compiled_kernels(environ: MutableMapping[str, str] = os.environ,
-                          installed: Callable[[], Iterable[tuple[str, str]]] | None = None) -> Path | None:
-    """Point MLX's kernel cache at <cache_root>/kernels/mlx-<version> when MLX's CUDA build is installed and
-    $MLX_PTX_CACHE_DIR is not set; -> the directory, or None where it was left alone (no CUDA build, the
-    variable set by the user, or a directory that cannot be made: MLX would then cache nothing at all, where
-    its default in /tmp still caches for the machine's uptime)."""
-    if environ.get(KERNEL_CACHE_ENV):
-        return None
-    versions = {name.lower().replace("_", "-"): version for name, version in (installed or _installed)()}
-    if "mlx" not in versions or not any(name.startswith("mlx-cuda") for name in versions):
-        return None
-    path = cache_root(environ) / "kernels" / f"mlx-{versions['mlx']}"  # a new MLX compiles afresh, as by default
+def gpu_models(gpus: Path = NVIDIA_GPUS) -> list[str]:
+    """The NVIDIA driver's model names of this machine's GPUs (["NVIDIA H100 80GB HBM3"]), sorted, distinct;
+    [] where the driver does not list them."""
+    models = set()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        for info in gpus.glob("*/information"):
+            found = re.search(r"^Model:\s*(.+?)\s*$", info.read_text(errors="replace"), re.MULTILINE)
+            if found:
+                models.add(found.group(1))
     except OSError:
+        return []
+    return sorted(models)
+
+
+def keep_compiled_kernels(environ: MutableMapping[str, str] = os.environ,
+                          installed: Callable[[], Iterable[tuple[str, str]]] | None = None,
+                          gpus: Callable[[], list[str]] = gpu_models) -> Path | None:
+    """Point MLX's kernel cache at <cache_root>/kernels/mlx-<version>/<GPU models> when MLX's CUDA build is
+    installed and $MLX_PTX_CACHE_DIR is not set (set empty, it turns MLX's cache off: left so). -> the
+    directory, or None where MLX's default was left alone: no CUDA build, no GPU model to name, no home
+    directory, or a directory that cannot be made (MLX would then cache nothing at all, where its default
+    in /tmp still caches for the machine's uptime)."""
+    if KERNEL_CACHE_ENV in environ:
+        return None
+    versions: dict[str, str] = {}
+    for name, version in (installed or _installed)():
+        versions.setdefault(name.lower().replace("_", "-"), version)
+    models = gpus()
+    if "mlx" not in versions or not any(name.startswith("mlx-cuda") for name in versions) or not models:
+        return None
+    gpu = "+".join(re.sub(r"[^A-Za-z0-9.]+", "-", model).strip("-") for model in models)  # NVIDIA-H100-80GB-HBM3
+    try:
+        path = (cache_root(environ) / "kernels" / f"mlx-{versions['mlx']}" / gpu).absolute()
+        path.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError):  # RuntimeError: no home directory to expand ~ in
         return None
     if not os.access(path, os.W_OK):
         return None
