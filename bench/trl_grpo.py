@@ -19,7 +19,8 @@ The first step (CUDA/cuBLAS warm-up) is excluded from the mean. TRL's own `step_
 
 Needs: torch, transformers, accelerate, trl, datasets (TRL requires a `datasets.Dataset`). It does not
 need mlx: the rewards, the system prompt and the GSM8K answer parser are imported from this repository's
-src/mlx_grpo (rewards.py, config.py, data.py and errors.py import only the standard library and numpy).
+src/mlx_grpo (rewards.py, config.py, data.py, cache.py and errors.py import only the standard library and
+numpy).
 """
 
 from __future__ import annotations

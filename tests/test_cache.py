@@ -1,5 +1,6 @@
 """cache.py: where converted models and MLX's compiled CUDA kernels are kept."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -25,10 +26,12 @@ def test_cuda_kernels_are_kept_beside_the_models_per_mlx_version_and_gpu(tmp_pat
     path = keep(env)
     assert path == tmp_path / "kernels" / "mlx-0.32.4" / "NVIDIA-H100-80GB-HBM3"
     assert env[KERNEL_CACHE_ENV] == str(path) and path.is_dir()
-    # the wheel's metadata may spell the name with underscores; two GPU models share one folder name
+    # the wheel's metadata may spell the name with underscores
     env = {CACHE_ENV: str(tmp_path)}
-    assert keep(env, [("MLX", "0.33.0"), ("mlx_cuda_12", "0.33.0")], ["NVIDIA A100-SXM4-80GB", "NVIDIA L4"]) == \
-        tmp_path / "kernels" / "mlx-0.33.0" / "NVIDIA-A100-SXM4-80GB+NVIDIA-L4"
+    assert keep(env, [("MLX", "0.33.0"), ("mlx_cuda_12", "0.33.0")], ["NVIDIA A100-SXM4-80GB"]) == \
+        tmp_path / "kernels" / "mlx-0.33.0" / "NVIDIA-A100-SXM4-80GB"
+    # the CLI's call runs the driver's list
+    assert inspect.signature(keep_compiled_kernels).parameters["gpus"].default is gpu_models
 
 
 def test_the_version_is_the_imported_mlx_the_first_on_the_path(tmp_path):
@@ -45,7 +48,8 @@ def test_a_relative_cache_root_is_made_absolute(tmp_path, monkeypatch):
 
 def test_left_alone_without_the_cuda_build_a_gpu_or_when_the_user_set_it(tmp_path):
     cases = [([("mlx", "0.32.4"), ("mlx-metal", "0.32.4")], H100), ([("mlx", "0.32.4")], H100),
-             ([("mlx-cuda-13", "1")], H100), (CUDA, [])]
+             ([("mlx-cuda-13", "1")], H100), (CUDA, []),
+             (CUDA, ["NVIDIA H100 80GB HBM3", "NVIDIA L4"])]  # two GPU models: which one runs is not known yet
     for installed, gpus in cases:
         env = {CACHE_ENV: str(tmp_path)}
         assert keep(env, installed, gpus) is None
@@ -77,6 +81,9 @@ def test_gpu_models_read_the_drivers_files(tmp_path):
         (tmp_path / bus / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 41\nBus Type: \t PCIe\n")
     assert gpu_models(tmp_path) == ["NVIDIA H100 80GB HBM3", "NVIDIA L4"]
     assert gpu_models(tmp_path / "missing") == []
+    (tmp_path / "0000:00:09.0").mkdir()  # an empty Model line names nothing (not the next line)
+    (tmp_path / "0000:00:09.0" / "information").write_text("Model: \t\t \nIRQ:   \t\t 41\n")
+    assert gpu_models(tmp_path) == ["NVIDIA H100 80GB HBM3", "NVIDIA L4"]
 
 
 def test_the_cli_sets_it_before_mlx_is_imported(tmp_path):

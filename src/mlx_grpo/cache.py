@@ -7,8 +7,9 @@ On an H100 the first GRPO step of the standard workload took 169 s with that cac
 filled (BENCHMARKS.md, ninth sitting). /tmp is emptied at every boot on many systems and at every start of a
 container, so the CLI keeps the kernels beside the converted models instead, where a later run finds them.
 MLX names a cached kernel by its source alone and compiles it for the GPU it runs on, so the folder is per
-MLX version and per GPU model: a home directory shared by machines with different GPUs must not hand one
-GPU's code to another. This module imports nothing that loads mlx.core: MLX reads the variable when it first
+MLX version and per GPU model (a home directory shared by machines with different GPUs must not hand one
+GPU's code to another), and a machine with two GPU models keeps MLX's default: which one a process runs on
+is not known before MLX starts. This module imports nothing that loads mlx.core: MLX reads the variable when it first
 compiles a kernel, and the CLI sets it before any subcommand imports MLX.
 """
 
@@ -41,7 +42,7 @@ def gpu_models(gpus: Path = NVIDIA_GPUS) -> list[str]:
     models = set()
     try:
         for info in gpus.glob("*/information"):
-            found = re.search(r"^Model:\s*(.+?)\s*$", info.read_text(errors="replace"), re.MULTILINE)
+            found = re.search(r"^Model:[ \t]*(\S.*?)[ \t]*$", info.read_text(errors="replace"), re.MULTILINE)
             if found:
                 models.add(found.group(1))
     except OSError:
@@ -54,7 +55,7 @@ def keep_compiled_kernels(environ: MutableMapping[str, str] = os.environ,
                           gpus: Callable[[], list[str]] = gpu_models) -> Path | None:
     """Point MLX's kernel cache at <cache_root>/kernels/mlx-<version>/<GPU models> when MLX's CUDA build is
     installed and $MLX_PTX_CACHE_DIR is not set (set empty, it turns MLX's cache off: left so). -> the
-    directory, or None where MLX's default was left alone: no CUDA build, no GPU model to name, no home
+    directory, or None where MLX's default was left alone: no CUDA build, not exactly one GPU model, no home
     directory, or a directory that cannot be made (MLX would then cache nothing at all, where its default
     in /tmp still caches for the machine's uptime)."""
     if KERNEL_CACHE_ENV in environ:
@@ -63,9 +64,9 @@ def keep_compiled_kernels(environ: MutableMapping[str, str] = os.environ,
     for name, version in (installed or _installed)():
         versions.setdefault(name.lower().replace("_", "-"), version)
     models = gpus()
-    if "mlx" not in versions or not any(name.startswith("mlx-cuda") for name in versions) or not models:
+    if "mlx" not in versions or not any(name.startswith("mlx-cuda") for name in versions) or len(models) != 1:
         return None
-    gpu = "+".join(re.sub(r"[^A-Za-z0-9.]+", "-", model).strip("-") for model in models)  # NVIDIA-H100-80GB-HBM3
+    gpu = re.sub(r"[^A-Za-z0-9.]+", "-", models[0]).strip("-")  # NVIDIA-H100-80GB-HBM3
     try:
         path = (cache_root(environ) / "kernels" / f"mlx-{versions['mlx']}" / gpu).absolute()
         path.mkdir(parents=True, exist_ok=True)
