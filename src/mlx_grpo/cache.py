@@ -53,7 +53,7 @@ def gpu_models(gpus: Path = NVIDIA_GPUS) -> list[str]:
 def keep_compiled_kernels(environ: MutableMapping[str, str] = os.environ,
                           installed: Callable[[], Iterable[tuple[str, str]]] | None = None,
                           gpus: Callable[[], list[str]] = gpu_models) -> Path | None:
-    """Point MLX's kernel cache at <cache_root>/kernels/mlx-<version>/<GPU models> when MLX's CUDA build is
+    """Point MLX's kernel cache at <cache_root>/kernels/mlx-<version>/<GPU model> when MLX's CUDA build is
     installed and $MLX_PTX_CACHE_DIR is not set (set empty, it turns MLX's cache off: left so). -> the
     directory, or None where MLX's default was left alone: no CUDA build, not exactly one GPU model, no home
     directory, or a directory that cannot be made (MLX would then cache nothing at all, where its default
