@@ -277,3 +277,24 @@ def test_the_resume_point_after_a_crash_reads_the_resumed_update_from_disk(tmp_p
     assert ckpt.resume_point_after_crash(run, str(elsewhere)) == run / "checkpoint-5"  # saved after the resume
     (elsewhere / "trainer_state.json").write_text("{not json")  # unreadable: counted as not resumed
     assert ckpt.resume_point_after_crash(run, str(elsewhere)) == run / "checkpoint-5"
+
+
+def test_the_resume_point_after_a_crash_on_a_lost_mount(tmp_path, monkeypatch):
+    """The run directory cannot be listed: the checkpoint resumed from, as a failed save names it; none: OSError
+    (the CLI's crash line then says --resume latest)."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    elsewhere = tmp_path / "a" / "checkpoint-4"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "trainer_state.json").write_text(json.dumps({"counters": {"update_step": 4}}))
+
+    def gone(run_dir):
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    monkeypatch.setattr(ckpt, "list_checkpoints", gone)
+    assert ckpt.resume_point_after_crash(tmp_path / "run", str(elsewhere)) == elsewhere
+    for resume in (None, "latest"):
+        with pytest.raises(OSError):
+            ckpt.resume_point_after_crash(tmp_path / "run", resume)

@@ -181,6 +181,43 @@ def test_a_crash_after_a_resume_elsewhere_names_the_resumed_checkpoint(tiny_mode
         assert "checkpoint-1" not in last
 
 
+def test_a_crash_beside_a_lost_mount_says_resume_latest(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The run directory cannot be listed when the crash line is written (the mount went with the GPU): the
+    line still says where the run continues, as a failed save's line does: --resume latest, or the explicit
+    checkpoint resumed from."""
+    import errno
+
+    from mlx_grpo import checkpoint as ckpt
+
+    args, calls, decode = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
+    save = ["--set", "save_steps=1"]
+
+    def fault_and_lose_the_mount(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            def gone(run_dir):
+                raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+            monkeypatch.setattr(ckpt, "list_checkpoints", gone)
+            raise RuntimeError(GPU_FAULT)
+        return decode(*a, **k)
+
+    monkeypatch.setattr(engine, "generate_rollout", fault_and_lose_the_mount)
+    assert main(args + save) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mlx-grpo train: crashed (the traceback above says where); the run directory cannot be read now: once it "
+        "can, the command with --resume latest continues from its newest checkpoint.")
+    monkeypatch.undo()  # the mount is back; resumed explicitly, the next crash names the checkpoint resumed
+    first = tmp_path / "grpo" / "checkpoint-1"
+    assert first.is_dir()
+    args, calls, decode = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
+    monkeypatch.setattr(engine, "generate_rollout", fault_and_lose_the_mount)
+    calls.append(1)  # the next rollout faults
+    assert main(args + save + ["--set", "run_name=second", "--resume", str(first)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"mlx-grpo train: crashed (the traceback above says where); {first} is intact: the command with --resume "
+        f"{first} continues from it.")
+
+
 def test_a_crashed_warm_start_says_where_it_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from mlx_grpo.sft import SFTTrainer
 

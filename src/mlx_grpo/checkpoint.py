@@ -123,7 +123,9 @@ def resume_point_after_crash(run_dir: Path, resume: str | None) -> Path | None:
     """resume_point for a command given `--resume resume` (None, 'latest' or a checkpoint directory), read from
     disk when the trainer is gone: an explicit checkpoint's update is its trainer_state's counters. One that
     cannot be read (the crash came while checking it) counts as not resumed. A crash while the resume still
-    loads, before later checkpoints are set aside, gets the run directory's newest (resume_point's rule)."""
+    loads, before later checkpoints are set aside, gets the run directory's newest (resume_point's rule). A
+    run directory that cannot be listed (a lost mount) gives the resumed checkpoint, as a failed save's line
+    does, and raises OSError when there is none."""
     resumed = None
     if resume not in (None, "latest"):
         try:
@@ -131,7 +133,12 @@ def resume_point_after_crash(run_dir: Path, resume: str | None) -> Path | None:
             resumed = (Path(resume), int(state["counters"]["update_step"]))
         except (OSError, ValueError, KeyError, TypeError):
             resumed = None
-    return resume_point(run_dir, resumed)
+    try:
+        return resume_point(run_dir, resumed)
+    except OSError:
+        if resumed is None:
+            raise
+        return resumed[0]
 
 
 def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:

@@ -168,9 +168,9 @@ def _dispatch(args: argparse.Namespace) -> None:
 
 
 def _checkpoint(args: argparse.Namespace):
-    """(the run's config, the checkpoint a resume continues from or None), or None when that cannot be read
-    (the crash came before the config was built, the run directory unreadable): the line then goes without.
-    The checkpoint is checkpoint.resume_point's, as the failed-save line names it: after a resume from another
+    """(the run's config, the checkpoint a resume continues from or None, whether the run directory could be
+    listed), or None when the crash came before the config was built: the line then goes without. The
+    checkpoint is checkpoint.resume_point's, as the failed-save line names it: after a resume from another
     directory, the resumed one unless this run saved a later one (not an older run's newest)."""
     from mlx_grpo.checkpoint import resume_point_after_crash
 
@@ -178,7 +178,9 @@ def _checkpoint(args: argparse.Namespace):
     if cfg is None:
         return None
     try:
-        return cfg, resume_point_after_crash(Path(cfg.run.output_dir) / cfg.run.run_name, args.resume)
+        return cfg, resume_point_after_crash(Path(cfg.run.output_dir) / cfg.run.run_name, args.resume), True
+    except OSError:  # the mount is gone: the directory cannot even be listed
+        return cfg, None, False
     except Exception:  # noqa: BLE001 -- the line goes without the checkpoint
         return None
 
@@ -202,9 +204,12 @@ def _crashed(args: argparse.Namespace) -> int:
 
     # Rank 0 owns the run directory; other ranks (perhaps on other hosts) would name none or repeat it
     if args.command in ("train", "sft") and launched_rank() == 0 and (run := _checkpoint(args)):
-        cfg, point = run
+        cfg, point, listed = run
         if point is not None:  # named: a plain --resume of a command that resumed from an older path would go back
             said = f"{point} is intact: the command with --resume {point} continues from it"
+        elif not listed:  # as a failed save's line says it
+            said = ("the run directory cannot be read now: once it can, the command with --resume latest continues "
+                    "from its newest checkpoint")
         elif args.resume not in (None, "latest"):
             said = f"no checkpoint was written since {args.resume}: the same command resumes from it again"
         else:
