@@ -298,3 +298,25 @@ def test_the_resume_point_after_a_crash_on_a_lost_mount(tmp_path, monkeypatch):
     for resume in (None, "latest"):
         with pytest.raises(OSError):
             ckpt.resume_point_after_crash(tmp_path / "run", resume)
+    monkeypatch.undo()
+    # Path.glob swallows a listing error on Python 3.12+ (and EACCES everywhere): the directory is listed first
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    listdir = os.listdir
+
+    def lost(path):
+        if Path(path) == run:
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", lost)
+    with pytest.raises(OSError):
+        ckpt.resume_point(run, None)
+    with pytest.raises(OSError):  # the caller (a failed save's line, the crash line) falls back to `resumed`
+        ckpt.resume_point(run, (elsewhere, 4))
+    with pytest.raises(OSError):
+        ckpt.resume_point_after_crash(run, None)
+    assert ckpt.resume_point_after_crash(run, str(elsewhere)) == elsewhere
+    monkeypatch.undo()
+    assert ckpt.resume_point(tmp_path / "not-made", None) is None  # a run directory not made yet holds none

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
 from contextlib import contextmanager
@@ -109,7 +110,12 @@ def write_failures_as_one_line(run_dir: Path, update_step: int, resumed: tuple[P
 def resume_point(run_dir: Path, resumed: tuple[Path, int] | None) -> Path | None:
     """The newest checkpoint of this run: the run directory's newest if this session wrote it (a resume sets
     aside later ones, so a later update means ours; the failed save's own checkpoint when only what followed
-    its rename failed), else the one resumed from (perhaps in another directory); None for neither."""
+    its rename failed), else the one resumed from (perhaps in another directory); None for neither. OSError
+    where the run directory exists but cannot be listed (a lost mount, no permission)."""
+    try:  # Path.glob (list_checkpoints) reads such a directory as empty on Python 3.12+: "no checkpoint" would be wrong
+        os.listdir(run_dir)
+    except (FileNotFoundError, NotADirectoryError):  # not made yet: it holds none
+        pass
     written = list_checkpoints(run_dir)
     newest = written[-1] if written else None
     if resumed is None:
