@@ -78,9 +78,11 @@ def test_other_errors_are_not_memory():
                                       "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"), "train") is not None
 
 
-def failing_from_update_2(model_dir, tmp_path, monkeypatch, message: str) -> tuple[list[str], list, object]:
+def failing_from_update_2(model_dir, tmp_path, monkeypatch, message: str,
+                          before_fault=lambda: None) -> tuple[list[str], list, object]:
     """A tiny train command (4 problems, 2 per update) whose rollouts raise RuntimeError(message) from the
-    second call on: -> (its arguments, the calls made, which .clear() restarts, the real decode)."""
+    second call on, before_fault() called first: -> (its arguments, the calls made, which .clear() restarts,
+    the real decode)."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "solution": f"\\boxed{{{i + 1}}}"}) + "\n"
                             for i in range(4)))
@@ -89,6 +91,7 @@ def failing_from_update_2(model_dir, tmp_path, monkeypatch, message: str) -> tup
     def decode_until_update_2(*a, **k):
         calls.append(1)
         if len(calls) > 1:
+            before_fault()
             raise RuntimeError(message)
         return decode(*a, **k)
 
@@ -189,19 +192,14 @@ def test_a_crash_beside_a_lost_mount_says_resume_latest(tiny_model_dir, tmp_path
 
     from mlx_grpo import checkpoint as ckpt
 
-    args, calls, decode = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
+    def gone(run_dir):
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    def lose_the_mount():
+        monkeypatch.setattr(ckpt, "list_checkpoints", gone)
+
+    args, calls, _ = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT, lose_the_mount)
     save = ["--set", "save_steps=1"]
-
-    def fault_and_lose_the_mount(*a, **k):
-        calls.append(1)
-        if len(calls) > 1:
-            def gone(run_dir):
-                raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
-            monkeypatch.setattr(ckpt, "list_checkpoints", gone)
-            raise RuntimeError(GPU_FAULT)
-        return decode(*a, **k)
-
-    monkeypatch.setattr(engine, "generate_rollout", fault_and_lose_the_mount)
     assert main(args + save) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "mlx-grpo train: crashed (the traceback above says where); the run directory cannot be read now: once it "
@@ -209,8 +207,7 @@ def test_a_crash_beside_a_lost_mount_says_resume_latest(tiny_model_dir, tmp_path
     monkeypatch.undo()  # the mount is back; resumed explicitly, the next crash names the checkpoint resumed
     first = tmp_path / "grpo" / "checkpoint-1"
     assert first.is_dir()
-    args, calls, decode = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT)
-    monkeypatch.setattr(engine, "generate_rollout", fault_and_lose_the_mount)
+    args, calls, _ = failing_from_update_2(tiny_model_dir, tmp_path, monkeypatch, GPU_FAULT, lose_the_mount)
     calls.append(1)  # the next rollout faults
     assert main(args + save + ["--set", "run_name=second", "--resume", str(first)]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

@@ -9,8 +9,8 @@ container, so the CLI keeps the kernels beside the converted models instead, whe
 MLX names a cached kernel by its source alone and compiles it for the GPU it runs on, so the folder is per
 MLX version and per GPU model (a home directory shared by machines with different GPUs must not hand one
 GPU's code to another), and a machine with two GPU models keeps MLX's default: which one a process runs on
-is not known before MLX starts. This module imports nothing that loads mlx.core: MLX reads the variable when it first
-compiles a kernel, and the CLI sets it before any subcommand imports MLX.
+is not known before MLX starts. This module imports nothing that loads mlx.core: MLX reads the variable
+when it first compiles a kernel, and the CLI sets it before any subcommand imports MLX.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def keep_compiled_kernels(environ: MutableMapping[str, str] = os.environ,
     directory, or None where MLX's default was left alone: no CUDA build, not exactly one GPU model, no home
     directory, or a directory that cannot be made (MLX would then cache nothing at all, where its default
     in /tmp still caches for the machine's uptime)."""
-    if KERNEL_CACHE_ENV in environ:
+    models = gpus()  # first: off NVIDIA machines no package metadata is read at every CLI start
+    if KERNEL_CACHE_ENV in environ or len(models) != 1:
         return None
     versions: dict[str, str] = {}
     for name, version in (installed or _installed)():
         versions.setdefault(name.lower().replace("_", "-"), version)
-    models = gpus()
-    if "mlx" not in versions or not any(name.startswith("mlx-cuda") for name in versions) or len(models) != 1:
+    if "mlx" not in versions or not any(name.startswith("mlx-cuda") for name in versions):
         return None
     gpu = re.sub(r"[^A-Za-z0-9.]+", "-", models[0]).strip("-")  # NVIDIA-H100-80GB-HBM3
     try:

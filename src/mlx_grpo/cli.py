@@ -170,9 +170,9 @@ def _dispatch(args: argparse.Namespace) -> None:
 def _checkpoint(args: argparse.Namespace):
     """(the run's config, the checkpoint a resume continues from or None, whether the run directory could be
     listed), or None when the crash came before the config was built or the reading failed otherwise: the
-    line then goes without. The
-    checkpoint is checkpoint.resume_point's, as the failed-save line names it: after a resume from another
-    directory, the resumed one unless this run saved a later one (not an older run's newest)."""
+    line then goes without. The checkpoint is checkpoint.resume_point's, as the failed-save line names it:
+    after a resume from another directory, the resumed one unless this run saved a later one (not an older
+    run's newest)."""
     from mlx_grpo.checkpoint import resume_point_after_crash
 
     cfg = getattr(args, "built_config", None)
