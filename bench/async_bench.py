@@ -12,7 +12,9 @@ of updates 2..N (metrics.jsonl's time_step_s: from one update's end to the next 
 split is the median over the same updates: rollout (decode; under async it runs in the background thread,
 overlapping the rest), reward, log-probs and train, and what of the step none of these covers (under async:
 the wait for the background rollout, the log-prob passes and the update around it). --set passes config
-overrides to both runs (e.g. --set compile_update=true --set use_compile=true).
+overrides to every run (e.g. --set compile_update=true --set use_compile=true). Mode 1p is async_rollouts = 1
+with rollout_worker = process (the rollout in a process of its own): `--modes 0,1,1p`. Its peak_memory_gb is
+the training process's only; the rollout process's is not in metrics.jsonl.
 
 A dry run on a CPU with a tiny model (tests' write_tiny_model) checks the script end to end:
 
@@ -37,14 +39,17 @@ from bench_util import device_name, versions
 PARTS = ("time_rollout_s", "time_reward_s", "time_logprob_s", "time_train_s")
 
 
-def run_mode(args: argparse.Namespace, mode: int, out: Path) -> dict:
-    """One `mlx-grpo train` of args.updates updates with async_rollouts = mode -> its figures."""
+def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict:
+    """One `mlx-grpo train` of args.updates updates with async_rollouts = mode (1p: 1 in a rollout process)
+    -> its figures."""
     name = f"async{mode}"
+    where = ["rollout_worker=process"] if mode == "1p" else []
     items = [f"model_name={args.model}", f"model_dtype={args.dtype}", f"batch_size={args.batch}",
              f"num_generations={args.group}", f"max_new_tokens={args.max_new_tokens}",
              f"temperature={args.temperature}", f"max_train_samples={args.batch * args.updates}", "num_epochs=1",
              "save_steps=0", "log_completions_steps=0", "eval_every_updates=0", "eval_steps=0",
-             "rollout_correction=token_truncate", f"async_rollouts={mode}", f"output_dir={out}", f"run_name={name}",
+             "rollout_correction=token_truncate", f"async_rollouts={mode[0]}", *where, f"output_dir={out}",
+             f"run_name={name}",
              *([f"dataset_path={args.data}"] if args.data else [f"dataset={args.dataset}"]), *args.set]
     command = [sys.executable, "-m", "mlx_grpo", "train", *(a for item in items for a in ("--set", item))]
     print(f"== async_rollouts = {mode}: {' '.join(command)}", flush=True)
@@ -66,7 +71,7 @@ def run_mode(args: argparse.Namespace, mode: int, out: Path) -> dict:
                "is_weight_mean": statistics.mean(r["is_weight_mean"] or 1.0 for r in timed),
                "sampler_kl": statistics.mean(r["sampler_kl"] or 0.0 for r in timed)}
     serial = figures["time_logprob_s"] + figures["time_train_s"] + (
-        figures["time_rollout_s"] + figures["time_reward_s"] if mode == 0 else 0.0)
+        figures["time_rollout_s"] + figures["time_reward_s"] if mode == "0" else 0.0)
     figures["other_s"] = figures["step_s"] - serial
     return figures
 
@@ -75,11 +80,10 @@ def markdown(result: dict) -> str:
     lines = ["| async_rollouts | updates/min | step s (median) | rollout | reward | log-probs | train | other | "
              "peak GB | sampler_kl | IS weight |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
              "---: | ---: |"]
-    for mode in ("0", "1"):
-        r = result["modes"].get(mode)
+    for mode, r in result["modes"].items():
         if r:
             lines.append(f"| {mode} | {r['updates_per_minute']:.2f} | {r['step_s']:.2f} | {r['time_rollout_s']:.2f}"
-                         f"{' (overlapped)' if mode == '1' else ''} | {r['time_reward_s']:.2f} | "
+                         f"{' (overlapped)' if mode != '0' else ''} | {r['time_reward_s']:.2f} | "
                          f"{r['time_logprob_s']:.2f} | {r['time_train_s']:.2f} | {r['other_s']:.2f} | "
                          f"{r['peak_memory_gb']:.1f} | {r['sampler_kl']:.2e} | {r['is_weight_mean']:.4f} |")
     return "\n".join(lines)
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--updates", type=int, default=20, help="updates per run (the first is left out of the figures)")
-    ap.add_argument("--modes", default="0,1", help="async_rollouts values to run, in this order")
+    ap.add_argument("--modes", default="0,1", help="async_rollouts values to run, in this order (1p: 1 with "
+                    "rollout_worker = process)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for both runs")
     ap.add_argument("--out", default="bench-results/async", help="directory for the runs, logs and the JSON record")
     args = ap.parse_args(argv)
@@ -107,17 +112,20 @@ def main(argv: list[str] | None = None) -> int:
               "workload": {"model": args.model, "dtype": args.dtype, "B": args.batch, "G": args.group,
                            "max_new_tokens": args.max_new_tokens, "updates": args.updates,
                            "data": args.data or args.dataset, "set": args.set}, "modes": {}}
-    for mode in (int(m) for m in args.modes.split(",") if m):
-        r = result["modes"][str(mode)] = run_mode(args, mode, out)
+    for mode in (m for m in args.modes.split(",") if m):
+        if mode not in ("0", "1", "1p"):
+            raise SystemExit(f"async_bench: --modes takes 0, 1 and 1p, got {mode!r}")
+        r = result["modes"][mode] = run_mode(args, mode, out)
         print(f"   {r['updates_per_minute']:.2f} updates/min; median step {r['step_s']:.2f} s; peak "
               f"{r['peak_memory_gb']:.1f} GB; process {r['process_wall_s']:.0f} s", flush=True)
         (out / "async_bench.json").write_text(json.dumps(result, indent=2))  # what is done survives a timeout
     print()
     print(markdown(result))
     modes = result["modes"]
-    if "0" in modes and "1" in modes and modes["0"]["updates_per_minute"] > 0:
-        print(f"\nasync_rollouts = 1 vs 0: {modes['1']['updates_per_minute'] / modes['0']['updates_per_minute']:.2f}x "
-              f"updates per minute (updates 2-{args.updates})")
+    for mode in ("1", "1p"):
+        if "0" in modes and mode in modes and modes["0"]["updates_per_minute"] > 0:
+            ratio = modes[mode]["updates_per_minute"] / modes["0"]["updates_per_minute"]
+            print(f"\nasync_rollouts = {mode} vs 0: {ratio:.2f}x updates per minute (updates 2-{args.updates})")
     print(f"JSON: {out / 'async_bench.json'}")
     return 0
 

@@ -21,6 +21,7 @@ from mlx_grpo.assembly import build_trainer
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
+from mlx_grpo.training.rollout_process import RolloutProcess
 from mlx_grpo.training.trainer import Trainer
 
 TOY = Path(__file__).parent / "fixtures" / "toy_rewards.py"
@@ -87,12 +88,19 @@ def naive_reference(cfg) -> tuple[list[dict], dict]:
     return figures, trained
 
 
-@pytest.mark.parametrize("case", ["full", "lora-copy-accum", "tools"])
-def test_async_run_equals_the_naive_reference(tiny_model_dir, caller_dir, tmp_path, case):
+@pytest.mark.parametrize("case", ["full", "lora-copy-accum", "tools", "process", "process-lora-copy-accum"])
+def test_async_run_equals_the_naive_reference(tiny_model_dir, caller_dir, tmp_path, monkeypatch, case):
+    """In the rollout thread or the rollout process (rollout_worker, training/rollout_process.py)."""
+    jobs = []  # the rollout process's jobs, counted where they are sent
+    sample = RolloutProcess.sample
+    monkeypatch.setattr(RolloutProcess, "sample", lambda self, *a: jobs.append(a) or sample(self, *a))
     model = caller_dir if case == "tools" else tiny_model_dir
-    extra = {"full": [], "lora-copy-accum": LORA, "tools": tools_items(tmp_path)}[case]
-    run = run_mod.train(make_cfg(model, tmp_path, "run_name=async", *ASYNC, *extra))
+    extra = {"full": [], "lora-copy-accum": LORA, "tools": tools_items(tmp_path)}[case.removeprefix("process-")
+                                                                                   .replace("process", "full")]
+    where = [f"rollout_worker={'process' if case.startswith('process') else 'thread'}"]
+    run = run_mod.train(make_cfg(model, tmp_path, "run_name=async", *ASYNC, *extra, *where))
     records = run_metrics(run)
+    assert len(jobs) == (len(records) if case.startswith("process") else 0)
     assert [r["rollout_staleness"] for r in records] == [0] + [1] * (len(records) - 1)
     # the staleness is real: batch 2 was sampled by other weights than those it trains
     assert records[1]["sampler_kl"] > 1e-6 and records[0]["sampler_kl"] < 1e-6
@@ -153,7 +161,8 @@ def test_async_schedule_and_positions_follow_the_batch_trained(tiny_model_dir, t
 
 
 @pytest.mark.parametrize("extra", [[], LORA, ["model_dtype=bfloat16", "learning_rate=1e-4", "use_compile=true",
-                                          "compile_update=true"]], ids=["full", "lora-copy-accum", "bf16-masters-compiled"])
+                                          "compile_update=true"], ["rollout_worker=process", *LORA]],
+                         ids=["full", "lora-copy-accum", "bf16-masters-compiled", "process-lora"])
 def test_async_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
     full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *ASYNC, *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *ASYNC, *extra)
@@ -212,7 +221,7 @@ def test_async_data_parallel_run_and_resume(tiny_model_dir, tmp_path):
 
 
 def test_async_bench_runs_both_modes_on_a_tiny_model(tiny_model_dir, tmp_path):
-    """bench/async_bench.py end to end (its figures come from the GPU): both runs, the table, the record."""
+    """bench/async_bench.py end to end (its figures come from the GPU): the three runs, the table, the record."""
     import subprocess
     import sys
 
@@ -220,13 +229,15 @@ def test_async_bench_runs_both_modes_on_a_tiny_model(tiny_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, str(root / "bench" / "async_bench.py"), "--model", str(tiny_model_dir),
                            "--dtype", "float32", "--dataset", "arith", "--batch", "2", "--group", "4",
                            "--max-new-tokens", "6", "--updates", "3", "--set", "max_prompt_length=96",
-                           "--set", "system_prompt=", "--out", str(tmp_path)],
+                           "--set", "system_prompt=", "--modes", "0,1,1p", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "async_rollouts = 1 vs 0:" in proc.stdout
     record = json.loads(next(tmp_path.glob("*/async_bench.json")).read_text())
-    assert record["modes"]["0"]["staleness"] == [None] * 3 and record["modes"]["1"]["staleness"] == [0, 1, 1]
-    assert all(record["modes"][m]["updates_per_minute"] > 0 for m in ("0", "1"))
+    assert "async_rollouts = 1p vs 0:" in proc.stdout
+    assert record["modes"]["0"]["staleness"] == [None] * 3
+    assert record["modes"]["1"]["staleness"] == record["modes"]["1p"]["staleness"] == [0, 1, 1]
+    assert all(record["modes"][m]["updates_per_minute"] > 0 for m in ("0", "1", "1p"))
 
 
 def test_ctrl_c_ends_a_run_whose_rollout_thread_hangs(tiny_model_dir, tmp_path):

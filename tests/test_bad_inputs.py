@@ -61,6 +61,13 @@ CASES = {
                                              "--set", "dynamic_sampling=true", "--set", "num_iterations=2"],
                                     r"async_rollouts = 1 does not support dynamic_sampling, num_iterations > 1: drop"),
     "async out of range": (TRAIN + ["--set", "async_rollouts=2"], r"async_rollouts must be 0-1"),
+    "rollout process without async": (TRAIN + ["--set", "rollout_worker=process"],
+                                      r"rollout_worker only applies with async_rollouts = 1"),
+    "rollout process with tools": (TRAIN + ["--set", "async_rollouts=1", "--set", "rollout_correction=token_mask",
+                                            "--set", "rollout_worker=process", "--set", "tools=[\"calculator\"]"],
+                                   r"rollout_worker = process decodes single-turn rollouts only .* set rollout_worker "
+                                   r"= thread"),
+    "rollout worker unknown": (TRAIN + ["--set", "rollout_worker=gpu"], r"rollout_worker must be one of"),
     "arith steps": (TRAIN + ["--set", "arith_max_steps=9"], r"arith_max_steps must be 1-4"),
     "arith steps for gsm8k": (TRAIN + ["--set", "dataset=gsm8k", "--set", "arith_max_steps=2"],
                               r"arith_max_steps only applies with dataset = arith"),

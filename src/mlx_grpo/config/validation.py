@@ -159,6 +159,7 @@ def _validate_objective(c: Config) -> None:
              "so the sampler ratio would weight dropout noise; set lora_dropout = 0")
     _unused_unless(c, "overlong_buffer", w.overlong_penalty > 0, "overlong_penalty > 0")
     _unused_unless(c, "max_resample_batches", r.dynamic_sampling, "dynamic_sampling = true")
+    _unused_unless(c, "rollout_worker", r.async_rollouts > 0, "async_rollouts = 1")
     _unused_unless(c, "dynamic_sampling_reward", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "demo_reward", o.demonstrations != "off", "demonstrations on")
     _require(o.demonstrations == "off" or not (r.tools or r.environment), "demonstrations need single-turn "
@@ -180,6 +181,8 @@ def _validate_async(c: Config) -> None:
            (o.update_every > 1, "update_every > 1"), (r.quantize_for_rollouts, "quantize_for_rollouts"),
            (o.demonstrations != "off", "demonstrations"), (bool(c.data.image_column), "image_column")] if flag]
     _require(not bad, f"async_rollouts = 1 does not support {', '.join(bad)}: drop them, or set async_rollouts = 0")
+    _require(r.rollout_worker == "thread" or not (r.tools or r.environment), "rollout_worker = process decodes "
+             "single-turn rollouts only (the episodes' tools run in the training process): set rollout_worker = thread")
     _require(o.rollout_correction != "none", "async_rollouts = 1 samples each batch with the weights of one update "
              "before and needs rollout_correction to weight that back: set rollout_correction = \"token_truncate\" "
              "(or another mode), or async_rollouts = 0")

@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten
 from mlx_grpo.data import Example
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
+from mlx_grpo.training.rollout_process import RolloutProcess
 from mlx_grpo.training.records import Draw, SampledUpdate
 
 
@@ -97,9 +98,16 @@ class RolloutPrefetch:
     def __init__(self, trainer):
         self.trainer = trainer
         r = trainer.cfg.rollout
-        self.view = frozen_view(trainer.model)
-        # Its own engine: the trainer's keeps following the trained model (evaluations use it).
-        self.engine = RolloutEngine(trainer.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
+        self.view = self.engine = self.process = None
+        if r.rollout_worker == "process":  # decode in a process of its own (rollout_process.py)
+            if trainer.world.size > 1:
+                trainer.world.fail("rollout_worker = process runs one rollout process beside one training process; "
+                                   "data-parallel runs take rollout_worker = thread")
+            self.process = RolloutProcess(trainer.model, trainer.tokenizer, r.rollout_engine, r.decode_graph)
+        else:
+            self.view = frozen_view(trainer.model)
+            # Its own engine: the trainer's keeps following the trained model (evaluations use it).
+            self.engine = RolloutEngine(trainer.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=serve, args=(self.jobs,), name="mlx-grpo-rollouts", daemon=True).start()
         self.pending: Pending | None = None
@@ -131,9 +139,10 @@ class RolloutPrefetch:
         # Everything the thread reads is computed here first: a lazy array built on this thread's stream
         # cannot be evaluated on another thread's.
         mx.eval([keys for _, keys, _ in encoded], weights)
-        self.view.update(weights)
-        self.engine.refresh(self.view)
-        self.pending = Pending(self.submit(lambda: self.sample(encoded)), weights, applied_at, *before)
+        if self.process is None:
+            self.view.update(weights)
+            self.engine.refresh(self.view)
+        self.pending = Pending(self.submit(lambda: self.sample(encoded, weights)), weights, applied_at, *before)
         return True
 
     def submit(self, fn) -> Future:
@@ -141,14 +150,20 @@ class RolloutPrefetch:
         self.jobs.put((fn, future))
         return future
 
-    def sample(self, encoded: list[tuple[list[list[int]], mx.array, list[Example]]]) -> list[Draw]:
-        """The worker thread: decode the batch steps together (refill), submit them for scoring."""
+    def sample(self, encoded: list[tuple[list[list[int]], mx.array, list[Example]]], weights: dict) -> list[Draw]:
+        """The worker thread: decode the batch steps together (refill), here or in the rollout process, and
+        submit them for scoring."""
         t, cfg = self.trainer, self.trainer.cfg
-        t0 = time.perf_counter()
-        out = rollouts(self.engine, t.multiturn, encoded, cfg.rollout.num_generations, t.params, cfg.data.prefill)
-        mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
-                 for r in out])
-        share = (time.perf_counter() - t0) / len(encoded)  # one decode for all: each step is shown its share
+        if self.process is not None:  # single-turn only (validation): the episodes' tools live here
+            out, seconds = self.process.sample(weights, [(p, k) for p, k, _ in encoded],
+                                               cfg.rollout.num_generations, t.params, cfg.data.prefill)
+        else:
+            t0 = time.perf_counter()
+            out = rollouts(self.engine, t.multiturn, encoded, cfg.rollout.num_generations, t.params, cfg.data.prefill)
+            mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
+                     for r in out])
+            seconds = time.perf_counter() - t0
+        share = seconds / len(encoded)  # one decode for all: each step is shown its share
         return [t.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, out)]
 
     def wait(self) -> None:
@@ -177,7 +192,11 @@ class RolloutPrefetch:
 
     def close(self) -> None:
         """Wait for the thread to finish its rollout (at most one; its result is dropped), then let it drop
-        the engine: the engine's compiled steps leave the thread's compile cache only when freed there."""
+        the engine: the engine's compiled steps leave the thread's compile cache only when freed there. A
+        rollout process is ended first (killed mid-rollout), so nothing waits on it."""
+        if self.process is not None:
+            self.process.stop(busy=self.pending is not None and not self.pending.future.done())
+            self.process = None
         self.wait()
         self.pending = None
         if self.engine is not None:
