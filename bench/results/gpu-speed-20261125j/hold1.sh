@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1 MLX_GRPO_CACHE=/tmp/mgcache
 R=$PWD; O=$1; mkdir -p $O /tmp/gsm8k
 # the data and src/ outside the checkout: each device call syncs the checkout again
 D=/tmp/gsm8k/train.jsonl; [ -f $D ] || cp $R/.explore/gsm8k/train.jsonl $D
-rm -rf /tmp/src22; cp -r $R/src /tmp/src22; cp -r $R/bench /tmp/bench22
+rm -rf /tmp/src22 /tmp/bench22; cp -r $R/src /tmp/src22; cp -r $R/bench /tmp/bench22
 A="--data $D --sections step --repeats 3 --warmup 2"; C="--set compile_update=true --set use_compile=true"
 run() { n=$1; S=$2; shift 2; s0=$(date +%s)
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > $O/$n.smi 2>/dev/null & smi=$!
