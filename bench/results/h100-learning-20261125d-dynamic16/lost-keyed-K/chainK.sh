@@ -1,0 +1,16 @@
+#!/bin/bash
+# Issue 22, session 16: the GSM8K calculator recipe (gsm8k_tools_sft -> prod_tools) with DAPO's dynamic sampling and
+# keyed on reasoned_correctness (DAPO: accuracy), the GRPO stage given the rest of the 25-minute budget: max_minutes 16 (warm start ~6 min), data sized to it.
+set -u
+OUT=$1; D=$(cd "$2" && pwd); SEED=$3; M="python3 bench/with_cache_limit.py 5"
+latest() { ls -d "$1"/checkpoint-* | sort -t- -k2 -n | tail -1; }
+timed() { local name=$1 t0; shift; t0=$(date +%s); "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo $(( $(date +%s) - t0 )) > "$OUT/$name.seconds"; return $rc; }
+data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed=$SEED)
+runs=$OUT/runs
+timed sft $M sft --config configs/gsm8k_tools_sft.toml "${data[@]}" --set output_dir="$runs" || exit
+warm=$(latest "$runs/gsm8k_tools_sft"); echo "warm $warm"
+timed sfteval $M eval --config configs/prod_tools.toml "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/sft.jsonl"
+timed train $M train --config configs/prod_tools.toml "${data[@]}" --set model_name="$warm" --set output_dir="$runs" \
+  --set dynamic_sampling=true --set max_minutes=16 --set max_train_samples=2304 --set dynamic_sampling_reward=reasoned_correctness || exit
+timed eval $M eval --config configs/prod_tools.toml "${data[@]}" --model "$(latest "$runs/prod_tools")" --samples 1319 -o "$OUT/trained.jsonl"
+echo done > $OUT/done

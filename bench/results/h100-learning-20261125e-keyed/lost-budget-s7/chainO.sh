@@ -1,0 +1,14 @@
+#!/bin/bash
+# Issue 22, session 17: the calculator chain exactly as shipped (gsm8k_tools_sft -> prod_tools, keyed dynamic sampling).
+set -u
+OUT=$1; D=$(cd "$2" && pwd); SEED=$3; M="python3 bench/with_cache_limit.py 5"
+latest() { ls -d "$1"/checkpoint-* | sort -t- -k2 -n | tail -1; }
+timed() { local name=$1 t0; shift; t0=$(date +%s); "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo $(( $(date +%s) - t0 )) > "$OUT/$name.seconds"; return $rc; }
+data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed=$SEED)
+timed sft $M sft --config configs/gsm8k_tools_sft.toml "${data[@]}" --set output_dir="$OUT/runs" || exit
+warm=$(latest "$OUT/runs/gsm8k_tools_sft"); echo "warm $warm"
+timed sfteval $M eval --config configs/prod_tools.toml "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/sft.jsonl" &
+timed train $M train --config configs/prod_tools.toml "${data[@]}" --set model_name="$warm" --set output_dir="$OUT/runs" &&
+timed eval $M eval --config configs/prod_tools.toml "${data[@]}" --model "$(latest "$OUT/runs/prod_tools")" --samples 1319 -o "$OUT/trained.jsonl"
+wait
+echo done > $OUT/done
