@@ -19,9 +19,9 @@ from mlx_grpo.training.rollout_process import RolloutProcess
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
 
 
-@pytest.fixture
-def worker(tiny_model_dir):
-    model, tokenizer = load_model(str(tiny_model_dir), "float32")
+@pytest.fixture(params=["float32"])
+def worker(tiny_model_dir, request):
+    model, tokenizer = load_model(str(tiny_model_dir), request.param)
     model.eval()
     process = RolloutProcess(model, tokenizer, "model", False)
     yield model, tokenizer, process
@@ -32,6 +32,7 @@ def jobs(n: int = 2) -> list:
     return [([[1, 5, 7], [1, 9]], mx.random.split(mx.random.key(n), 4))]
 
 
+@pytest.mark.parametrize("worker", ["float32", "bfloat16"], indirect=True)
 def test_worker_samples_what_this_process_samples_from_the_weights_sent(worker):
     model, tokenizer, process = worker
     start = model.parameters()
@@ -95,4 +96,5 @@ def test_data_parallel_runs_are_refused(tiny_model_dir, tmp_path):
     items = base_items(tiny_model_dir, tmp_path, "async_rollouts=1", "rollout_correction=token_truncate",
                        "rollout_worker=process")
     proc = launch(2, train_command(items + ["run_name=dp"]))
-    assert "rank 0 exited with code 2" in proc.stderr and "rollout_worker = process runs one rollout process beside one training process" in proc.stderr
+    assert "rank 0 exited with code 2" in proc.stderr
+    assert "rollout_worker = process runs one rollout process beside one training process" in proc.stderr

@@ -1,4 +1,5 @@
-"""async_rollouts = 1: the next update's rollouts decode in a background thread while this update trains.
+"""async_rollouts = 1: the next update's rollouts decode in a background thread while this update trains
+(rollout_worker = process: the thread hands the decode to a process of its own, rollout_process.py).
 
 Update k trains on batch k while batch k+1 decodes in one worker thread, on that thread's own MLX stream
 (MLX releases the GIL while it evaluates, so both threads dispatch at once; on an H100 they still slowed each

@@ -148,7 +148,8 @@ class RolloutProcess:
         for name, (at, size, shape, dtype) in self.layout.items():
             w = flat[name]
             if tuple(w.shape) != shape or dtype_name(w.dtype) != dtype:
-                raise ValueError(f"rollout weights: {name} is {w.dtype}{tuple(w.shape)}, the worker holds {dtype}{shape}")
+                raise ValueError(f"rollout weights: {name} is {w.dtype}{tuple(w.shape)}, the worker holds "
+                                 f"{dtype}{shape}")
             view[at:at + size] = np.frombuffer(memoryview(w), dtype=np.uint8)
         del view  # an exported buffer would keep the mapping from closing
         try:
