@@ -21,7 +21,7 @@ from mlx_grpo.assembly import build_trainer
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
-from mlx_grpo.training.rollout_process import RolloutProcess
+from mlx_grpo.rollout.process import RolloutProcess
 from mlx_grpo.training.trainer import Trainer
 
 TOY = Path(__file__).parent / "fixtures" / "toy_rewards.py"
@@ -90,7 +90,7 @@ def naive_reference(cfg) -> tuple[list[dict], dict]:
 
 @pytest.mark.parametrize("case", ["full", "lora-copy-accum", "tools", "process", "process-lora-copy-accum"])
 def test_async_run_equals_the_naive_reference(tiny_model_dir, caller_dir, tmp_path, monkeypatch, case):
-    """In the rollout thread or the rollout process (rollout_worker, training/rollout_process.py)."""
+    """In the rollout thread or the rollout process (rollout_worker, rollout/process.py)."""
     jobs = []  # the rollout process's jobs, counted where they are sent
     sample = RolloutProcess.sample
     monkeypatch.setattr(RolloutProcess, "sample", lambda self, *a: jobs.append(a) or sample(self, *a))

@@ -243,3 +243,17 @@ def test_cli_without_a_fast_blas_says_so_in_one_line(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines() == [blas.SLOW]
     assert "reference BLAS" in blas.SLOW and "scripts/setup.sh" in blas.SLOW and "MLX_GRPO_BLAS=reference" in blas.SLOW
+
+
+def test_loaded_blas_reads_the_memory_map(tmp_path):
+    """The rollout process (rollout/worker_entry.py) loads the OpenBLAS its training process has mapped."""
+    from mlx_grpo.blas import loaded_blas
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 42   /usr/lib/x86_64-linux-gnu/libm.so.6\n"
+                    "7f02-7f03 r-xp 00000000 00:00 0 \n"
+                    "7f04-7f05 r-xp 00000000 08:01 43   /home/u/.venv/share/mlx-grpo/libopenblas-mlx-grpo-83d6.so\n")
+    assert loaded_blas(maps) == "/home/u/.venv/share/mlx-grpo/libopenblas-mlx-grpo-83d6.so"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 42   /usr/lib/x86_64-linux-gnu/libm.so.6\n")
+    assert loaded_blas(maps) is None
+    assert loaded_blas(tmp_path / "absent") is None

@@ -256,6 +256,17 @@ def resolve(libraries: Iterable[str], packaged: Path | None) -> list[str]:
     return [str(packaged) if name == PACKAGED else name for name in libraries if name != PACKAGED or packaged]
 
 
+def loaded_blas(maps: Path = Path("/proc/self/maps")) -> str | None:
+    """The OpenBLAS this process has loaded (its path, from the memory map; None: none, or no /proc), so a
+    process it starts can load the same one and compute what it computes."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return None
+    paths = (line.split(None, 5)[5] for line in lines if line.count(" ") >= 5 and "/" in line)
+    return next((p.strip() for p in paths if Path(p.strip()).name.startswith("libopenblas")), None)
+
+
 def use_optimized_blas(environ: Mapping[str, str] | None = None,
                        on_slow: Callable[[str], None] | None = None) -> str | None:
     """Put an optimized BLAS under MLX's CPU build unless the user opted out; return the library loaded,

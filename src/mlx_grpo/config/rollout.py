@@ -79,12 +79,13 @@ class RolloutConfig:
                                   "!= none. 0: sample, then train, in turn. Not with dynamic_sampling, num_iterations > "
                                   "1, update_every > 1, quantize_for_rollouts, demonstrations or image_column.", TRAIN,
                                   range="[0, 1]")
-    rollout_worker: str = setting("thread", "Where async_rollouts' rollouts decode. thread: a thread of the training "
-                                  "process; process: a process of its own (training/rollout_process.py), sent the "
-                                  "trainable weights after each update, with MLX's buffer cache capped at a tenth of the "
-                                  "device's memory in each process. On an H100 a rollout and a training pass slowed each "
-                                  "other 3x and 1.6x as threads, 1.2x and 1.5x as processes (BENCHMARKS.md). process: "
-                                  "single-turn rollouts (no tools or environment), one training process (no "
+    rollout_worker: str = setting("thread", "Where async_rollouts' rollouts decode. thread: a thread of the "
+                                  "training process; process: a process of its own (rollout/process.py), sent the "
+                                  "trainable weights through a shared file after each update, with MLX's buffer cache "
+                                  "capped at a tenth of the device's memory in each process; on an H100 it gave 1.22x "
+                                  "the synchronous run's updates per minute where the thread gave 0.92-1.07x, and "
+                                  "used ~55 GB of GPU memory against ~31-34 GB (BENCHMARKS.md, tenth sitting). "
+                                  "process: single-turn rollouts (no tools or environment), one training process (no "
                                   "data parallelism), a model that pickles.", TRAIN, choices=("thread", "process"),
                                   resume_may_change=True)
     quantize_for_rollouts: bool = setting(False, "Sample from a 4-bit (group 64) copy of the old policy, re-quantized "

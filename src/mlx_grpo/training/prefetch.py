@@ -1,5 +1,5 @@
 """async_rollouts = 1: the next update's rollouts decode in a background thread while this update trains
-(rollout_worker = process: the thread hands the decode to a process of its own, rollout_process.py).
+(rollout_worker = process: the thread hands the decode to a process of its own, rollout/process.py).
 
 Update k trains on batch k while batch k+1 decodes in one worker thread, on that thread's own MLX stream
 (MLX releases the GIL while it evaluates, so both threads dispatch at once; on an H100 they still slowed each
@@ -40,7 +40,7 @@ from mlx.utils import tree_flatten
 from mlx_grpo.data import Example
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
-from mlx_grpo.training.rollout_process import RolloutProcess
+from mlx_grpo.rollout.process import RolloutProcess
 from mlx_grpo.training.records import Draw, SampledUpdate
 
 
@@ -100,7 +100,7 @@ class RolloutPrefetch:
         self.trainer = trainer
         r = trainer.cfg.rollout
         self.view = self.engine = self.process = None
-        if r.rollout_worker == "process":  # decode in a process of its own (rollout_process.py)
+        if r.rollout_worker == "process":  # decode in a process of its own (rollout/process.py)
             if trainer.world.size > 1:
                 trainer.world.fail("rollout_worker = process runs one rollout process beside one training process; "
                                    "data-parallel runs take rollout_worker = thread")
@@ -197,9 +197,11 @@ class RolloutPrefetch:
         rollout process is ended first (killed mid-rollout), so nothing waits on it."""
         if self.process is not None:
             self.process.stop(busy=self.pending is not None and not self.pending.future.done())
-            self.process = None
         self.wait()
         self.pending = None
+        if self.process is not None:
+            self.process.release()
+            self.process = None
         if self.engine is not None:
             self.submit(self.release).result()
 

@@ -1,0 +1,237 @@
+"""rollout_worker = "process": async_rollouts' rollouts decode in a process of their own.
+
+In one process the rollout's decode (host-bound) and the training pass slow each other about as much as
+they overlap; in two processes the same GPU did 1.44x the work in the same time (BENCHMARKS.md, ninth
+sitting). RolloutProcess owns that second process (worker_entry.py starts it): the model (structure and
+weights) and the tokenizer are pickled to it once; before each job the trainable weights to sample from are
+copied into a file both processes map (in /dev/shm where it has room: pickling them through the pipe cost
+~0.5 s an update for SmolLM2-135M), and the job carries the batch steps' prompts and row keys; the Rollout
+records come back. Nothing else crosses: the draw, the rewards and the checkpoints stay in the training
+process (training/prefetch.py), so the thread and the process share one schedule and one resume.
+
+The worker ignores Ctrl-C (the training process decides), exits when the training process is gone however
+it ended (worker_entry.py watches it), and removes the weights file as soon as it has mapped it.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import multiprocessing
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_grpo.errors import UserError
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.worker_entry import start_worker
+
+# The share of the device's memory each of the two processes may keep as freed buffers (MLX's cache): with
+# no limit the first process to free memory keeps it, and the other ran out of device memory on an H100.
+CACHE_SHARE = 0.1
+STOP_WAIT_S = 10.0  # how long a worker told to stop may take before it is killed
+WORKER = "the rollout process (rollout_worker = process)"
+
+
+def limit_cache() -> int | None:
+    """Cap this process's MLX buffer cache at CACHE_SHARE of the device's memory (where MLX reports it);
+    -> the limit before (None: not set)."""
+    size = mx.device_info().get("memory_size", 0)
+    return mx.set_cache_limit(int(size * CACHE_SHARE)) if size else None
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rpartition(".")[2]  # mlx.core.bfloat16 -> bfloat16 (a Dtype does not pickle)
+
+
+def weight_layout(weights: dict) -> dict[str, tuple[int, int, tuple, str]]:
+    """name -> (byte offset, bytes, shape, dtype name) of each tensor in the shared weights file."""
+    layout, at = {}, 0
+    for name, w in weights.items():
+        layout[name] = (at, w.nbytes, tuple(w.shape), dtype_name(w.dtype))
+        at += -(-w.nbytes // 64) * 64  # 64-byte aligned
+    return layout
+
+
+def read_weights(buffer: memoryview, layout: dict) -> dict:
+    """The tensors of `layout` copied out of the shared file (so the next job may overwrite it)."""
+    out = {}
+    for name, (at, size, shape, dtype) in layout.items():
+        raw = mx.array(np.frombuffer(buffer, dtype=np.uint8, count=size, offset=at))
+        out[name] = raw.view(getattr(mx, dtype)).reshape(shape)
+    return out
+
+
+def weights_file(size: int) -> str:
+    """A file of `size` bytes with its blocks allocated (a sparse file on a full tmpfs kills whoever writes
+    to it with SIGBUS): in /dev/shm, else (no /dev/shm, or no room there: Docker's is 64 MB) the temp folder."""
+    tried = []
+    for folder in [d for d in ("/dev/shm",) if Path(d).is_dir()] + [tempfile.gettempdir()]:
+        fd, path = tempfile.mkstemp(prefix="mlx-grpo-weights-", dir=folder)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # macOS: a file in the temp folder, on disk
+                os.ftruncate(fd, size)
+            return path
+        except OSError as exc:
+            os.unlink(path)
+            if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise
+            tried.append(folder)
+        finally:
+            os.close(fd)
+    raise UserError(f"rollout_worker = process shares the trainable weights ({size / 1e6:.0f} MB) with the rollout "
+                    f"process through a file, and {' and '.join(tried)} have less room (in Docker: --shm-size): "
+                    "free some, or set rollout_worker = thread")
+
+
+def serve(conn, shared: mmap.mmap) -> None:
+    """The worker process (after worker_entry.py's set-up): receive the model, then sample each job from the
+    weights in `shared`, until the pipe closes or a None job comes. Failures are sent back, not printed."""
+    try:
+        start = pickle.loads(conn.recv_bytes())
+        if start is None:  # stopped before its first job
+            return
+        model, tokenizer, mode, graph, layout = start
+        limit_cache()  # this process's share: the training process keeps the other
+        model.eval()
+        model.freeze()
+        engine = RolloutEngine(tokenizer, mode=mode, graph=graph)
+    except EOFError:
+        return
+    except Exception as exc:
+        reply(conn, failure(exc))
+        return
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the training process is gone
+            return
+        if job is None:
+            return
+        try:
+            t0 = time.perf_counter()
+            model.update(tree_unflatten(list(read_weights(memoryview(shared), layout).items())))
+            engine.refresh(model)
+            out = engine.generate_many(*job)
+            mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
+                     for r in out])
+            answer = ("ok", out, time.perf_counter() - t0)
+        except Exception as exc:  # raised in the training process, which decides what the run does
+            answer = failure(exc)
+        job = out = None  # the next job's cache takes their memory
+        if not reply(conn, answer):
+            return
+
+
+def failure(exc: BaseException) -> tuple:
+    return "error", (type(exc).__name__, str(exc), traceback.format_exc()), 0.0
+
+
+def reply(conn, answer) -> bool:
+    try:
+        conn.send(answer)
+        return True
+    except OSError:  # the training process is gone
+        return False
+
+
+def raise_worker_error(kind: str, message: str, trace: str) -> None:
+    """The worker's exception, raised here: its message first (errors.out_of_memory reads a failed allocation
+    from the first line, and this file's place in rollout/ names the phase), its traceback after."""
+    text = f"{message}\n\n{WORKER} failed with {kind}; its traceback:\n{trace}"
+    raise (MemoryError if kind == "MemoryError" else RuntimeError)(text)
+
+
+class RolloutProcess:
+    """The training process's side: the constructor starts the worker, sample() (blocking; prefetch.py's
+    thread calls it), stop(). model, tokenizer: the trainer's (pickled once); mode, graph: rollout_engine and
+    decode_graph."""
+
+    def __init__(self, model, tokenizer, mode: str, graph: bool):
+        self.layout = weight_layout(dict(tree_flatten(model.trainable_parameters())))
+        size = max(1, sum(-(-n // 64) * 64 for _, n, _, _ in self.layout.values()))
+        try:
+            self.payload = pickle.dumps((model, tokenizer, mode, graph, self.layout), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise UserError(f"rollout_worker = process sends the model to a second process and cannot pickle it "
+                            f"({type(exc).__name__}: {exc}): set rollout_worker = thread") from None
+        self.path = weights_file(size)
+        try:
+            with open(self.path, "r+b") as f:
+                self.shared = mmap.mmap(f.fileno(), size)
+            self.conn, self.process = start_worker(self.path)
+        except BaseException:
+            Path(self.path).unlink(missing_ok=True)
+            raise
+        self.cache_before = limit_cache()
+
+    def sample(self, weights: dict, jobs: list[tuple[list[list[int]], mx.array]], group_size: int,
+               params: SamplingParams, prefill: str) -> tuple[list[Rollout], float]:
+        """The rollouts of `jobs` (generate_many's) sampled from `weights` (a parameter tree with every
+        trainable tensor; only those travel, the rest never change), and the seconds the worker took. The
+        worker is idle here (one job at a time), so the shared file is free to write."""
+        flat = dict(tree_flatten(weights))
+        view = data = np.frombuffer(self.shared, dtype=np.uint8)
+        for name, (at, size, shape, dtype) in self.layout.items():
+            w = flat[name]
+            if tuple(w.shape) != shape or dtype_name(w.dtype) != dtype:
+                raise ValueError(f"rollout weights: {name} is {w.dtype}{tuple(w.shape)}, the worker holds "
+                                 f"{dtype}{shape}")
+            try:
+                data = memoryview(w)
+            except BufferError:  # a transposed or sliced view: its bytes in order first
+                w = mx.contiguous(w)
+                mx.eval(w)
+                data = memoryview(w)
+            view[at:at + size] = np.frombuffer(data, dtype=np.uint8)
+        del view, data  # an exported buffer would keep the mapping from closing
+        try:
+            if self.payload is not None:
+                self.conn.send_bytes(self.payload)
+                self.payload = None
+            self.conn.send((jobs, group_size, params, prefill))
+            status, out, seconds = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(1.0)
+            code = self.process.exitcode
+            raise RuntimeError(f"{WORKER} ended with exit code {code}"
+                               + (" (killed: by the system's out-of-memory killer?)" if code == -signal.SIGKILL else "")
+                               + ": its rollout is lost; the run stops here") from None
+        if status == "error":
+            raise_worker_error(*out)
+        return out, seconds
+
+    def stop(self, busy: bool) -> None:
+        """End the worker: asked to, when idle; killed when busy (a rollout nobody will train on: Ctrl-C, a
+        crash) or when it does not answer. A sample() blocked on it then raises."""
+        if self.process.is_alive() and not busy:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.process.join(STOP_WAIT_S)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        Path(self.path).unlink(missing_ok=True)  # the worker removes it once mapped; not if it never got there
+        if self.cache_before is not None:
+            mx.set_cache_limit(self.cache_before)
+
+    def release(self) -> None:
+        """Close the pipe and the mapping, once stop() has ended the worker and nothing calls sample()."""
+        self.conn.close()
+        try:
+            self.shared.close()
+        except BufferError:  # a failed sample()'s traceback still holds a view: the mapping goes with it
+            pass
