@@ -163,7 +163,8 @@ def test_async_schedule_and_positions_follow_the_batch_trained(tiny_model_dir, t
 @pytest.mark.parametrize("extra", [[], LORA, ["model_dtype=bfloat16", "learning_rate=1e-4", "use_compile=true",
                                           "compile_update=true"], ["rollout_worker=process", *LORA],
                                    ["rollout_worker=process", "model_dtype=bfloat16", "learning_rate=1e-4"]],
-                         ids=["full", "lora-copy-accum", "bf16-masters-compiled", "process-lora", "process-bf16-masters"])
+                         ids=["full", "lora-copy-accum", "bf16-masters-compiled", "process-lora",
+                              "process-bf16-masters"])
 def test_async_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, extra):
     full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", "save_steps=2", *ASYNC, *extra))
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", "save_steps=2", *ASYNC, *extra)

@@ -246,14 +246,20 @@ def test_cli_without_a_fast_blas_says_so_in_one_line(tiny_model_dir, tmp_path):
 
 
 def test_loaded_blas_reads_the_memory_map(tmp_path):
-    """The rollout process (rollout/worker_entry.py) loads the OpenBLAS its training process has mapped."""
+    """The rollout process (rollout/worker_entry.py) loads the BLAS its training process has mapped: OpenBLAS
+    builds in map order (numpy's, without CBLAS, is skipped by load_first) or the library MLX_GRPO_BLAS names."""
     from mlx_grpo.blas import loaded_blas
 
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 42   /usr/lib/x86_64-linux-gnu/libm.so.6\n"
                     "7f02-7f03 r-xp 00000000 00:00 0 \n"
-                    "7f04-7f05 r-xp 00000000 08:01 43   /home/u/.venv/share/mlx-grpo/libopenblas-mlx-grpo-83d6.so\n")
-    assert loaded_blas(maps) == "/home/u/.venv/share/mlx-grpo/libopenblas-mlx-grpo-83d6.so"
+                    "7f04-7f05 r-xp 00000000 08:01 44   /venv/numpy.libs/libopenblas64_p-r0-1234.so\n"
+                    "7f06-7f07 r-xp 00000000 08:01 43   /home/u/.venv/share/mlx-grpo/libopenblas-mlx-grpo-83d6.so\n"
+                    "7f08-7f09 r--p 00001000 08:01 43   /home/u/.venv/share/mlx-grpo/libopenblas-mlx-grpo-83d6.so\n"
+                    "7f0a-7f0b r-xp 00000000 08:01 45   /opt/blis/libblis.so.4\n")
+    assert loaded_blas(maps, {}) == ["/venv/numpy.libs/libopenblas64_p-r0-1234.so",
+                                     "/home/u/.venv/share/mlx-grpo/libopenblas-mlx-grpo-83d6.so"]
+    assert loaded_blas(maps, {"MLX_GRPO_BLAS": "libblis.so.4"})[-1] == "/opt/blis/libblis.so.4"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 42   /usr/lib/x86_64-linux-gnu/libm.so.6\n")
-    assert loaded_blas(maps) is None
-    assert loaded_blas(tmp_path / "absent") is None
+    assert loaded_blas(maps, {}) == []
+    assert loaded_blas(tmp_path / "absent", {}) == []

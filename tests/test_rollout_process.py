@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -89,13 +90,25 @@ def test_an_idle_worker_stops_when_asked(worker, started):
 def test_a_model_that_does_not_pickle_is_one_line(worker):
     model, tokenizer, _ = worker
     model.unpicklable = lambda: None  # a lambda does not pickle
-    before = set(Path("/dev/shm").glob("mlx-grpo-weights-*")) if Path("/dev/shm").is_dir() else set()
     with pytest.raises(UserError, match=r"cannot pickle it .*: set rollout_worker = thread"):
         RolloutProcess(model, tokenizer, "model", False)
-    if Path("/dev/shm").is_dir():
-        assert set(Path("/dev/shm").glob("mlx-grpo-weights-*")) == before
 
 
+def test_a_worker_that_fails_at_start_up_reports_its_error_even_to_a_large_job(worker):
+    """The worker replies with its start-up failure and exits (3); a job larger than the pipe's buffer meets the
+    closed pipe first, and the reply waiting there is still what the run says."""
+    model, _, process = worker
+    process.payload = pickle.dumps(("not", "the model"))  # what unpickling in the worker cannot unpack
+    big = [([list(range(1, 200))] * 500, mx.random.split(mx.random.key(0), 1000))]
+    with pytest.raises(RuntimeError, match=r"^not enough values to unpack .*\n\nthe rollout process \(rollout_worker "
+                                           r"= process\) failed with ValueError"):
+        process.sample(model.parameters(), big, 2, PARAMS, "")
+    process.process.join(10)
+    assert process.process.exitcode == 3
+
+
+@pytest.mark.skipif(not (hasattr(os, "posix_fallocate") and Path("/dev/shm").is_dir() and Path("/proc").is_dir()),
+                    reason="Linux: posix_fallocate, /dev/shm and /proc")
 def test_no_room_in_dev_shm_falls_back_to_the_temp_folder_then_says_so(monkeypatch, tmp_path):
     """A sparse file on a full tmpfs would kill the trainer with SIGBUS at the first write: the blocks are
     allocated up front, elsewhere when /dev/shm has no room, and a line names both when neither has."""
@@ -112,8 +125,9 @@ def test_no_room_in_dev_shm_falls_back_to_the_temp_folder_then_says_so(monkeypat
     path = process_mod.weights_file(1000)
     assert Path(path).parent == tmp_path and Path(path).stat().st_size == 1000 and seen[0].startswith("/dev/shm/")
     Path(path).unlink()
-    with pytest.raises(UserError, match=r"trainable weights \(0 MB\) .* /dev/shm and .* have less room \(in Docker: "
-                                        r"--shm-size\): free some, or set rollout_worker = thread"):
+    with pytest.raises(UserError, match=r"trainable weights \(0 MB\) .* none could be made: /dev/shm \(No space left "
+                                        r"on device\); .* \(in Docker: --shm-size\): free some room, or set "
+                                        r"rollout_worker = thread"):
         process_mod.weights_file(1000)
     assert not list(tmp_path.iterdir()) and not [p for p in seen if Path(p).exists()]
 
@@ -131,7 +145,7 @@ def test_an_out_of_memory_in_the_worker_is_the_run_s_out_of_memory_line():
 
 
 ORPHAN = """
-import os, sys, time
+import os, sys, threading, time
 import mlx.core as mx
 from mlx_grpo.models.loading import load_model
 from mlx_grpo.rollout.process import RolloutProcess
@@ -140,9 +154,14 @@ from mlx_grpo.rollout.records import SamplingParams
 if __name__ == "__main__":  # spawn imports this file again in the worker
     model, tokenizer = load_model(sys.argv[1], "float32")
     process = RolloutProcess(model, tokenizer, "model", False)
+    job = [([[1, 5]], mx.random.split(mx.random.key(0), 2))]
     if sys.argv[2] == "job":
-        process.sample(model.parameters(), [([[1, 5]], mx.random.split(mx.random.key(0), 2))], 2,
-                       SamplingParams(max_new_tokens=4, temperature=1.0), "")
+        process.sample(model.parameters(), job, 2, SamplingParams(max_new_tokens=4, temperature=1.0), "")
+    elif sys.argv[2] == "mid-job":  # a rollout of minutes: only the watch on this process can end the worker
+        long = SamplingParams(max_new_tokens=50_000, temperature=1.0, ignore_eos=True)
+        mx.eval(job[0][1])  # as prefetch.py does: a lazy array cannot be evaluated (pickled) on another thread
+        threading.Thread(target=process.sample, args=(model.parameters(), job, 2, long, ""), daemon=True).start()
+        time.sleep(5)  # the worker starts (MLX imported, the model unpickled) and decodes
     print(process.process.pid, process.path, flush=True)
     os._exit(130)  # as Ctrl-C leaves (interrupt.py): no clean-up runs; the worker may still be starting
 """
@@ -156,16 +175,16 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-@pytest.mark.parametrize("when", ["after a job", "while starting"])
+@pytest.mark.parametrize("when", ["job", "mid-job", "starting"])
 def test_the_worker_ends_when_the_training_process_is_gone(tiny_model_dir, tmp_path, when):
     script = tmp_path / "orphan.py"
     script.write_text(ORPHAN)
-    done = subprocess.run([sys.executable, str(script), str(tiny_model_dir), "job" if when == "after a job" else "-"],
+    done = subprocess.run([sys.executable, str(script), str(tiny_model_dir), when],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 130, done.stderr
     pid, path = done.stdout.split()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 15
     while not (gone(int(pid)) and not Path(path).exists()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(int(pid)) and not Path(path).exists()

@@ -256,15 +256,26 @@ def resolve(libraries: Iterable[str], packaged: Path | None) -> list[str]:
     return [str(packaged) if name == PACKAGED else name for name in libraries if name != PACKAGED or packaged]
 
 
-def loaded_blas(maps: Path = Path("/proc/self/maps")) -> str | None:
-    """The OpenBLAS this process has loaded (its path, from the memory map; None: none, or no /proc), so a
-    process it starts can load the same one and compute what it computes."""
+def loaded_blas(maps: Path = Path("/proc/self/maps"),
+                environ: Mapping[str, str] | None = None) -> list[str]:
+    """The BLAS libraries this process has mapped that may be the one MLX runs on (OpenBLAS builds, or the
+    library MLX_GRPO_BLAS names), in map order; load_first picks the first with CBLAS (numpy's own
+    OpenBLAS has only suffixed symbols). So a process it starts can load the same one and compute what it
+    computes. [] without /proc."""
+    environ = os.environ if environ is None else environ
+    named = (environ.get(ENV) or "").strip()
     try:
         lines = maps.read_text().splitlines()
     except OSError:
-        return None
-    paths = (line.split(None, 5)[5] for line in lines if line.count(" ") >= 5 and "/" in line)
-    return next((p.strip() for p in paths if Path(p.strip()).name.startswith("libopenblas")), None)
+        return []
+    found = []
+    for line in lines:
+        fields = line.split(None, 5)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if path.startswith("/") and path not in found and (Path(path).name.startswith("libopenblas")
+                                                           or path == named or Path(path).name == named):
+            found.append(path)
+    return found
 
 
 def use_optimized_blas(environ: Mapping[str, str] | None = None,

@@ -58,7 +58,7 @@ def weight_layout(weights: dict) -> dict[str, tuple[int, int, tuple, str]]:
     layout, at = {}, 0
     for name, w in weights.items():
         layout[name] = (at, w.nbytes, tuple(w.shape), dtype_name(w.dtype))
-        at += -(-w.nbytes // 64) * 64  # 64-byte aligned
+        at += -(-w.nbytes // 64) * 64  # each tensor starts on a cache line: whole-line copies in and out
     return layout
 
 
@@ -73,26 +73,28 @@ def read_weights(buffer: memoryview, layout: dict) -> dict:
 
 def weights_file(size: int) -> str:
     """A file of `size` bytes with its blocks allocated (a sparse file on a full tmpfs kills whoever writes
-    to it with SIGBUS): in /dev/shm, else (no /dev/shm, or no room there: Docker's is 64 MB) the temp folder."""
-    tried = []
+    to it with SIGBUS): in /dev/shm, else (no /dev/shm, or no room or no access there: Docker's is 64 MB) the
+    temp folder."""
+    failed = []
     for folder in [d for d in ("/dev/shm",) if Path(d).is_dir()] + [tempfile.gettempdir()]:
-        fd, path = tempfile.mkstemp(prefix="mlx-grpo-weights-", dir=folder)
+        path = None
         try:
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
-            else:  # macOS: a file in the temp folder, on disk
-                os.ftruncate(fd, size)
+            fd, path = tempfile.mkstemp(prefix="mlx-grpo-weights-", dir=folder)
+            try:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, size)
+                else:  # macOS: a file in the temp folder, on disk
+                    os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
             return path
         except OSError as exc:
-            os.unlink(path)
-            if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise
-            tried.append(folder)
-        finally:
-            os.close(fd)
+            if path is not None:
+                Path(path).unlink(missing_ok=True)
+            failed.append(f"{folder} ({exc.strerror or exc})")
     raise UserError(f"rollout_worker = process shares the trainable weights ({size / 1e6:.0f} MB) with the rollout "
-                    f"process through a file, and {' and '.join(tried)} have less room (in Docker: --shm-size): "
-                    "free some, or set rollout_worker = thread")
+                    f"process through a file, and none could be made: {'; '.join(failed)} (in Docker: --shm-size): "
+                    "free some room, or set rollout_worker = thread")
 
 
 def serve(conn, shared: mmap.mmap) -> None:
@@ -111,7 +113,7 @@ def serve(conn, shared: mmap.mmap) -> None:
         return
     except Exception as exc:
         reply(conn, failure(exc))
-        return
+        raise SystemExit(3) from None  # after the reply: a non-zero exit says the worker never started
     while True:
         try:
             job = conn.recv()
@@ -203,6 +205,9 @@ class RolloutProcess:
             self.conn.send((jobs, group_size, params, prefill))
             status, out, seconds = self.conn.recv()
         except (EOFError, OSError):
+            answer = self.pending_reply()  # a worker that failed at start-up replied before it closed the pipe
+            if answer is not None and answer[0] == "error":
+                raise_worker_error(*answer[1])
             self.process.join(1.0)
             code = self.process.exitcode
             raise RuntimeError(f"{WORKER} ended with exit code {code}"
@@ -211,6 +216,12 @@ class RolloutProcess:
         if status == "error":
             raise_worker_error(*out)
         return out, seconds
+
+    def pending_reply(self):
+        try:
+            return self.conn.recv() if self.conn.poll(1.0) else None
+        except (EOFError, OSError):
+            return None
 
     def stop(self, busy: bool) -> None:
         """End the worker: asked to, when idle; killed when busy (a rollout nobody will train on: Ctrl-C, a

@@ -30,16 +30,18 @@ def start_worker(path: str):
     return conn, process
 
 
-def main(conn, path: str, blas: str | None) -> None:
-    """The worker's first steps, then process.serve. blas: the OpenBLAS the training process loaded."""
+def main(conn, path: str, blas: list[str]) -> None:
+    """The worker's first steps, then process.serve. blas: the BLAS libraries the training process has mapped
+    (blas.loaded_blas)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer decides
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     with open(path, "r+b") as f:
         shared = mmap.mmap(f.fileno(), 0)
     os.unlink(path)  # mapped by both processes now: the file goes with them
     threading.Thread(target=exit_with, args=(multiprocessing.parent_process().sentinel,), daemon=True).start()
-    if blas and load_first([blas], explicit=False):  # before MLX loads, as the CLI does
-        set_threads(blas, blas_threads(os.environ, len(os.sched_getaffinity(0))))
+    library = load_first(blas, explicit=False)  # before MLX loads, as the CLI does
+    if library:
+        set_threads(library, blas_threads(os.environ, len(os.sched_getaffinity(0))))
     from mlx_grpo.rollout.process import serve
 
     serve(conn, shared)

@@ -143,11 +143,13 @@ class RolloutPrefetch:
         if self.process is None:
             self.view.update(weights)
             self.engine.refresh(self.view)
-        self.pending = Pending(self.submit(lambda: self.sample(encoded, weights)), weights, applied_at, *before)
+        future = Future()  # pending before the job is queued: close() reads it to know whether the worker is busy
+        self.pending = Pending(future, weights, applied_at, *before)
+        self.submit(lambda: self.sample(encoded, weights), future)
         return True
 
-    def submit(self, fn) -> Future:
-        future = Future()
+    def submit(self, fn, future: Future | None = None) -> Future:
+        future = future or Future()
         self.jobs.put((fn, future))
         return future
 
