@@ -2,12 +2,13 @@
 
 In one process the rollout's decode (host-bound) and the training pass slow each other about as much as
 they overlap; in two processes the same GPU did 1.44x the work in the same time (BENCHMARKS.md, ninth
-sitting). RolloutProcess owns that second process (worker_entry.py starts it): the model (structure and
-weights) and the tokenizer are pickled to it once; before each job the trainable weights to sample from are
-copied into a file both processes map (in /dev/shm where it has room: pickling them through the pipe cost
-~0.5 s an update for SmolLM2-135M), and the job carries the batch steps' prompts and row keys; the Rollout
-records come back. Nothing else crosses: the draw, the rewards and the checkpoints stay in the training
-process (training/prefetch.py), so the thread and the process share one schedule and one resume.
+sitting). RolloutProcess owns that second process (worker_entry.py starts it, worker.py serves in it): the
+model (structure and weights) and the tokenizer are pickled to it once; before each job the trainable
+weights to sample from are copied into a file both processes map (in /dev/shm where it has room: pickling
+them through the pipe cost ~0.5 s an update for SmolLM2-135M), and the job carries the batch steps'
+prompts and row keys; the Rollout records come back. Nothing else crosses: the draw, the rewards and the
+checkpoints stay in the training process (training/prefetch.py), so the thread and the process share one
+schedule and one resume.
 
 The worker ignores Ctrl-C (the training process decides), exits when the training process is gone however
 it ended (worker_entry.py watches it), and removes the weights file as soon as it has mapped it.
@@ -15,60 +16,24 @@ it ended (worker_entry.py watches it), and removes the weights file as soon as i
 
 from __future__ import annotations
 
-import errno
 import mmap
-import multiprocessing
 import os
 import pickle
 import signal
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from mlx_grpo.errors import UserError
-from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.worker import dtype_name, limit_cache, weight_layout
 from mlx_grpo.rollout.worker_entry import start_worker
 
-# The share of the device's memory each of the two processes may keep as freed buffers (MLX's cache): with
-# no limit the first process to free memory keeps it, and the other ran out of device memory on an H100.
-CACHE_SHARE = 0.1
 STOP_WAIT_S = 10.0  # how long a worker told to stop may take before it is killed
 WORKER = "the rollout process (rollout_worker = process)"
-
-
-def limit_cache() -> int | None:
-    """Cap this process's MLX buffer cache at CACHE_SHARE of the device's memory (where MLX reports it);
-    -> the limit before (None: not set)."""
-    size = mx.device_info().get("memory_size", 0)
-    return mx.set_cache_limit(int(size * CACHE_SHARE)) if size else None
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rpartition(".")[2]  # mlx.core.bfloat16 -> bfloat16 (a Dtype does not pickle)
-
-
-def weight_layout(weights: dict) -> dict[str, tuple[int, int, tuple, str]]:
-    """name -> (byte offset, bytes, shape, dtype name) of each tensor in the shared weights file."""
-    layout, at = {}, 0
-    for name, w in weights.items():
-        layout[name] = (at, w.nbytes, tuple(w.shape), dtype_name(w.dtype))
-        at += -(-w.nbytes // 64) * 64  # each tensor starts on a cache line: whole-line copies in and out
-    return layout
-
-
-def read_weights(buffer: memoryview, layout: dict) -> dict:
-    """The tensors of `layout` copied out of the shared file (so the next job may overwrite it)."""
-    out = {}
-    for name, (at, size, shape, dtype) in layout.items():
-        raw = mx.array(np.frombuffer(buffer, dtype=np.uint8, count=size, offset=at))
-        out[name] = raw.view(getattr(mx, dtype)).reshape(shape)
-    return out
 
 
 def weights_file(size: int) -> str:
@@ -95,57 +60,6 @@ def weights_file(size: int) -> str:
     raise UserError(f"rollout_worker = process shares the trainable weights ({size / 1e6:.0f} MB) with the rollout "
                     f"process through a file, and none could be made: {'; '.join(failed)} (in Docker: --shm-size): "
                     "free some room, or set rollout_worker = thread")
-
-
-def serve(conn, shared: mmap.mmap) -> None:
-    """The worker process (after worker_entry.py's set-up): receive the model, then sample each job from the
-    weights in `shared`, until the pipe closes or a None job comes. Failures are sent back, not printed."""
-    try:
-        start = pickle.loads(conn.recv_bytes())
-        if start is None:  # stopped before its first job
-            return
-        model, tokenizer, mode, graph, layout = start
-        limit_cache()  # this process's share: the training process keeps the other
-        model.eval()
-        model.freeze()
-        engine = RolloutEngine(tokenizer, mode=mode, graph=graph)
-    except EOFError:
-        return
-    except Exception as exc:
-        reply(conn, failure(exc))
-        raise SystemExit(3) from None  # after the reply: a non-zero exit says the worker never started
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:  # the training process is gone
-            return
-        if job is None:
-            return
-        try:
-            t0 = time.perf_counter()
-            model.update(tree_unflatten(list(read_weights(memoryview(shared), layout).items())))
-            engine.refresh(model)
-            out = engine.generate_many(*job)
-            mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
-                     for r in out])
-            answer = ("ok", out, time.perf_counter() - t0)
-        except Exception as exc:  # raised in the training process, which decides what the run does
-            answer = failure(exc)
-        job = out = None  # the next job's cache takes their memory
-        if not reply(conn, answer):
-            return
-
-
-def failure(exc: BaseException) -> tuple:
-    return "error", (type(exc).__name__, str(exc), traceback.format_exc()), 0.0
-
-
-def reply(conn, answer) -> bool:
-    try:
-        conn.send(answer)
-        return True
-    except OSError:  # the training process is gone
-        return False
 
 
 def raise_worker_error(kind: str, message: str, trace: str) -> None:

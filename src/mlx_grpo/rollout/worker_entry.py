@@ -1,6 +1,7 @@
-"""Starting the rollout process (process.py) and what it does before anything else: this module imports
-no MLX, so the worker can ignore Ctrl-C, map (and remove) the weights file, watch the training process and
-load the BLAS the training process runs on (blas.py) before MLX loads, so both compute the same."""
+"""Starting the rollout process (process.py; worker.py runs in it) and what it does before anything
+else: this module imports no MLX, so the worker can ignore Ctrl-C, map (and remove) the weights file,
+watch the training process and load the BLAS the training process runs on (blas.py) before MLX loads, so
+both compute the same."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def start_worker(path: str):
 
 
 def main(conn, path: str, blas: list[str]) -> None:
-    """The worker's first steps, then process.serve. blas: the BLAS libraries the training process has mapped
+    """The worker's first steps, then worker.serve. blas: the BLAS libraries the training process has mapped
     (blas.loaded_blas)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer decides
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -42,7 +43,7 @@ def main(conn, path: str, blas: list[str]) -> None:
     library = load_first(blas, explicit=False)  # before MLX loads, as the CLI does
     if library:
         set_threads(library, blas_threads(os.environ, len(os.sched_getaffinity(0))))
-    from mlx_grpo.rollout.process import serve
+    from mlx_grpo.rollout.worker import serve
 
     serve(conn, shared)
 
