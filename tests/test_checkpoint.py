@@ -262,6 +262,27 @@ def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir,
                                    "max_new_tokens=1000")))
 
 
+def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir, tmp_path, monkeypatch):
+    """rollout_worker = process: the worker's copy of the model is part of what the machine must hold."""
+    from mlx.utils import tree_flatten
+
+    from mlx_grpo import assembly
+    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.rollout.decode import rollout_memory_bytes
+
+    model = load_model(str(tiny_model_dir), "float32")[0]
+    need = rollout_memory_bytes(model, 2 * 4, 96 + 8)  # batch_size x num_generations rows, prompt + new tokens
+    weights = sum(w.nbytes for _, w in tree_flatten(model.parameters()))
+    monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: need + weights // 2)  # room for all but half of it
+    items = _items(tiny_model_dir, tmp_path, "batch_size=2", "num_generations=4", "max_new_tokens=8",
+                   "max_prompt_length=96", "rollout_engine=model", "async_rollouts=1",
+                   "rollout_correction=token_truncate")
+    assert assembly.build_trainer(_cfg(*items)).prefetch.process is None  # the thread: it fits
+    with pytest.raises(UserError, match=r"plus 0.0 GB for the rollout process's copy of the model, more than this "
+                                        r"machine's .* or rollout_worker = thread"):
+        assembly.build_trainer(_cfg(*items, "rollout_worker=process"))
+
+
 def test_the_resume_point_after_a_crash_reads_the_resumed_update_from_disk(tmp_path):
     from mlx_grpo import checkpoint as ckpt
 

@@ -132,14 +132,19 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     need, have = rollout_memory_bytes(model, rows, longest), machine_memory_bytes()
     copy = decoder.copy_bytes(model, dtype) if need and uses_copy(cfg.rollout.rollout_engine, model) else 0
-    if need and have and need + copy > have:  # found up front, not by the OOM killer a minute in
+    # rollout_worker = process: the rollout process holds a second copy of the model (rollout/process.py)
+    worker = sum(w.nbytes for _, w in tree_flatten(model.parameters())) \
+        if cfg.rollout.async_rollouts and cfg.rollout.rollout_worker == "process" else 0
+    if need and have and need + copy + worker > have:  # found up front, not by the OOM killer a minute in
         raise UserError(f"{rows} rollout rows (batch_size {cfg.training.batch_size} x num_generations "
                         f"{cfg.rollout.num_generations}{' per rank' if world and world.size > 1 else ''}) of up to "
                         f"{longest} tokens need at least {need / 1e9:.1f} GB for "
                         f"their KV cache and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
                                                        "of the weights" if copy else "")
+                        + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model" if worker else "")
                         + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
-                        "max_new_tokens" + (", or set rollout_engine = model" if copy else ""))
+                        "max_new_tokens" + (", or set rollout_engine = model" if copy else "")
+                        + (", or rollout_worker = thread" if worker else ""))
     policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
     if not (cfg.eval.eval_every_updates or cfg.eval.eval_steps):
         evals = None  # loaded only to keep its questions out of the worked examples
