@@ -141,7 +141,8 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
                         f"{longest} tokens need at least {need / 1e9:.1f} GB for "
                         f"their KV cache and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
                                                        "of the weights" if copy else "")
-                        + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model" if worker else "")
+                        + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model"
+                           if worker else "")
                         + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
                         "max_new_tokens" + (", or set rollout_engine = model" if copy else "")
                         + (", or rollout_worker = thread" if worker else ""))
