@@ -102,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=20, help="updates per run (the first is left out of the figures)")
     ap.add_argument("--modes", default="0,1", help="async_rollouts values to run, in this order (1p: 1 with "
                     "rollout_worker = process)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for both runs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     ap.add_argument("--out", default="bench-results/async", help="directory for the runs, logs and the JSON record")
     args = ap.parse_args(argv)
+    wanted = [m for m in args.modes.split(",") if m]
+    if any(m not in ("0", "1", "1p") for m in wanted):  # before any run: a typo must not cost the runs before it
+        ap.error(f"--modes takes 0, 1 and 1p, got {args.modes!r}")
     out = Path(args.out) / f"{dt.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
@@ -112,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
               "workload": {"model": args.model, "dtype": args.dtype, "B": args.batch, "G": args.group,
                            "max_new_tokens": args.max_new_tokens, "updates": args.updates,
                            "data": args.data or args.dataset, "set": args.set}, "modes": {}}
-    for mode in (m for m in args.modes.split(",") if m):
-        if mode not in ("0", "1", "1p"):
-            raise SystemExit(f"async_bench: --modes takes 0, 1 and 1p, got {mode!r}")
+    for mode in wanted:
         r = result["modes"][mode] = run_mode(args, mode, out)
         print(f"   {r['updates_per_minute']:.2f} updates/min; median step {r['step_s']:.2f} s; peak "
               f"{r['peak_memory_gb']:.1f} GB; process {r['process_wall_s']:.0f} s", flush=True)

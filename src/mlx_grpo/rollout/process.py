@@ -76,7 +76,7 @@ class RolloutProcess:
 
     def __init__(self, model, tokenizer, mode: str, graph: bool):
         self.layout = weight_layout(dict(tree_flatten(model.trainable_parameters())))
-        size = max(1, sum(-(-n // 64) * 64 for _, n, _, _ in self.layout.values()))
+        size = max([at + n for at, n, _, _ in self.layout.values()], default=0) or 1  # where the last tensor ends
         try:
             self.payload = pickle.dumps((model, tokenizer, mode, graph, self.layout), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:

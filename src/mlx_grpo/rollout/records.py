@@ -41,6 +41,12 @@ class Rollout:
     demo: np.ndarray | None = None
 
     @property
+    def arrays(self) -> list[mx.array]:
+        """Its device arrays: what must be evaluated before the rollout leaves the thread or process it ran in."""
+        return [self.completion_ids, self.mask, self.sampler_logprobs] + ([] if self.entropies is None
+                                                                          else [self.entropies])
+
+    @property
     def row_prompts(self) -> list[list[int]]:
         """The prompt of each of the N rows."""
         return [p for p in self.prompt_ids for _ in range(self.group_size)]

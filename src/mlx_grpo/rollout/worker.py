@@ -79,8 +79,7 @@ def serve(conn, shared: mmap.mmap) -> None:
             model.update(tree_unflatten(list(read_weights(memoryview(shared), layout).items())))
             engine.refresh(model)
             out = engine.generate_many(*job)
-            mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
-                     for r in out])
+            mx.eval([r.arrays for r in out])
             answer = ("ok", out, time.perf_counter() - t0)
         except Exception as exc:  # raised in the training process, which decides what the run does
             answer = failure(exc)

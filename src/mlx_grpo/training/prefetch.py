@@ -163,8 +163,7 @@ class RolloutPrefetch:
         else:
             t0 = time.perf_counter()
             out = rollouts(self.engine, t.multiturn, encoded, cfg.rollout.num_generations, t.params, cfg.data.prefill)
-            mx.eval([[r.completion_ids, r.mask, r.sampler_logprobs] + ([] if r.entropies is None else [r.entropies])
-                     for r in out])
+            mx.eval([r.arrays for r in out])
             seconds = time.perf_counter() - t0
         share = seconds / len(encoded)  # one decode for all: each step is shown its share
         return [t.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, out)]
