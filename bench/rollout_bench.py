@@ -72,8 +72,9 @@ def check_attention_kernel() -> dict:
     mx.random.seed(0)
     errors = {}
     f32 = mx.float32
-    for D in HEAD_DIMS:
-        N, Hq, Hkv, S, stop, scale = 64, 9, 3, 300, 211, D ** -0.5
+    # 64 rows run the fused kernel with one warp per (row, head), 256 with its split (fused_split)
+    for D, N in [(D, N) for D in HEAD_DIMS for N in (64, 256)]:
+        Hq, Hkv, S, stop, scale = 9, 3, 300, 211, D ** -0.5
         q = mx.random.normal((N, Hq, 1, D)).astype(mx.bfloat16)
         k = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
         v = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
@@ -100,10 +101,11 @@ def check_attention_kernel() -> dict:
         q_r, k_r, v_new = rope(heads[:, :Hq]), rope(heads[:, Hq:Hq + Hkv]), heads[:, Hq + Hkv:]
         k_ext = mx.concatenate([k[1][:, :, :stop], k_r[:, :, None]], axis=2).astype(f32)
         v_ext = mx.concatenate([v[1][:, :, :stop], v_new[:, :, None]], axis=2).astype(f32)
-        own_mask = (pos[:stop + 1] >= start[:, None])[:, None, None, :]
+        start_f = mx.concatenate([mx.array([stop], dtype=mx.int32), start[1:]])  # row 0: its own slot only
+        own_mask = (pos[:stop + 1] >= start_f[:, None])[:, None, None, :]
         ref_fused = mx.fast.scaled_dot_product_attention(q_r[:, :, None].astype(f32), k_ext, v_ext, scale=scale,
                                                          mask=own_mask)
-        fused, new_k, new_v = fused_decode_attention(qkv, k, v, start, stop_a, positions, theta, scale, Hq, 1)
+        fused, new_k, new_v = fused_decode_attention(qkv, k, v, start_f, stop_a, positions, theta, scale, Hq, 1)
         err = {"plain": mx.abs(plain.astype(f32) - ref).max().item(),
                "lse_out": mx.abs(out.astype(f32) - ref).max().item(),
                "lse": mx.abs(lse - ref_lse).max().item(),
@@ -111,12 +113,12 @@ def check_attention_kernel() -> dict:
                "fused_key": (mx.abs(new_k[:, :, 0].astype(f32) - k_r.astype(f32))  # relative: keys reach ~5
                              / mx.maximum(mx.abs(k_r.astype(f32)), 1)).max().item(),
                "fused_value": mx.abs(new_v[:, :, 0].astype(f32) - v_new.astype(f32)).max().item()}
-        errors[D] = err
-        print(f"decode attention kernels, head dim {D}, vs masked attention (float32): max abs error "
+        errors[f"{D}x{N}"] = err
+        print(f"decode attention kernels, head dim {D}, {N} rows, vs masked attention (float32): max abs error "
               + ", ".join(f"{name} {e:.2e}" for name, e in err.items()), flush=True)
         # bf16 values ~N(0, 1): rounding errors of ~2^-8 relative; anything larger is a bug
         if not max(err.values()) < 2e-2:
-            raise SystemExit(f"decode attention kernels (head dim {D}) disagree with masked attention: {err}")
+            raise SystemExit(f"decode attention kernels (head dim {D}, {N} rows) disagree with masked attention: {err}")
     return {"kernel": True, "max_abs_error": errors}
 
 

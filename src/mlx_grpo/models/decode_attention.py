@@ -5,7 +5,9 @@ A batch of prompts of different lengths is left-padded, so each row must ignore 
 has no fused decode kernel that takes a mask array: it falls back to ~6 unfused ops per layer on a
 copied slice of the cache. This module supplies that missing kernel (one warp per row and query head,
 online softmax over slots [left_padding[r], stop), 16-byte loads) and routes mlx-lm's attention call to it while a
-rollout decodes on our StaticBatchCache; every other call goes to mlx-lm's own function unchanged.
+rollout decodes on our StaticBatchCache; every other call goes to mlx-lm's own function unchanged. The rollout
+engine's copy (models/decoder.py) calls the fused kernel instead: RoPE, the cached slots split across up to 4
+warps per (row, head), and the token's own slot, in one launch per layer.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ _LAYOUT = """
     static_assert(PER % VEC == 0, "a lane's values must be whole 16-byte chunks");
     #define ELEMENT(i) ((((i) / VEC) * G + sub) * VEC + (i) % VEC)
 """
-# The online softmax over cache slots [start[row], stop) by groups of G lanes, two batches of P slots per trip
-# with all four loads issued first (a lane past the end reads the last slot and drops it), so a warp waits on
-# memory about once per 2 P slots. `aligned` falls back to per-value loads for a base not on 16 bytes.
+# The online softmax over cache slots [lo, hi) by groups of G lanes, NB batches of P slots per trip with all
+# their loads issued first (a lane past the end reads the last slot and drops it), so a warp waits on memory
+# about once per NB * P slots. `aligned` falls back to per-value loads for a base not on 16 bytes.
 _SLOT_LOOP = """
     const bool aligned = ((reinterpret_cast<size_t>(kbase) | reinterpret_cast<size_t>(vbase)) & 15) == 0;
     auto load = [&](const T* from, float* to) {
@@ -62,28 +64,29 @@ _SLOT_LOOP = """
         for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * v[i];
         m = new_m;
     };
-    const int last = stop[0];
-    for (int base = start[row]; base < last; base += 2 * P) {  // uniform trip count: shuffles need every lane
-        const int s0 = base + slot, s1 = base + P + slot;
-        const bool valid0 = s0 < last, valid1 = s1 < last;
-        float k0[PER], v0[PER], k1[PER], v1[PER];
-        load(kbase + (size_t)(valid0 ? s0 : last - 1) * D, k0);
-        load(kbase + (size_t)(valid1 ? s1 : last - 1) * D, k1);
-        load(vbase + (size_t)(valid0 ? s0 : last - 1) * D, v0);
-        load(vbase + (size_t)(valid1 ? s1 : last - 1) * D, v1);
-        float dot0 = 0.0f, dot1 = 0.0f;
+    for (int base = lo; base < hi; base += NB * P) {  // uniform trip count: shuffles need every lane
+        float kk[NB][PER], vv[NB][PER], dot[NB];
+        bool valid[NB];
         #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            dot0 += q[i] * k0[i];
-            dot1 += q[i] * k1[i];
+        for (int b = 0; b < NB; ++b) {
+            const int s = base + b * P + slot;
+            valid[b] = s < hi;
+            load(kbase + (size_t)(valid[b] ? s : hi - 1) * D, kk[b]);
+            load(vbase + (size_t)(valid[b] ? s : hi - 1) * D, vv[b]);
+        }
+        #pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            dot[b] = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) dot[b] += q[i] * kk[b][i];
         }
         #pragma unroll
         for (int off = 1; off < G; off <<= 1) {
-            dot0 += __shfl_xor_sync(0xffffffff, dot0, off);
-            dot1 += __shfl_xor_sync(0xffffffff, dot1, off);
+            #pragma unroll
+            for (int b = 0; b < NB; ++b) dot[b] += __shfl_xor_sync(0xffffffff, dot[b], off);
         }
-        if (valid0) absorb(dot0, v0);
-        if (valid1) absorb(dot1, v1);
+        #pragma unroll
+        for (int b = 0; b < NB; ++b) if (valid[b]) absorb(dot[b], vv[b]);
     }
 """
 # The merge of the slot groups' softmaxes into the output (OUT_VALUE: what a lane writes).
@@ -118,6 +121,7 @@ _SOURCE = _LAYOUT + """
     const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
     const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
     const float sc = scale[0];
+    const int lo = start[row], hi = stop[0];
     float q[PER], acc[PER];
     #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -186,7 +190,7 @@ def left_padded_attention(queries: mx.array, keys: mx.array, values: mx.array, s
         sizes = mx.array([N, S], dtype=mx.int32)
     return _kernel()(
         inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), sizes],
-        template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv)],
+        template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("NB", 2)],
         grid=(threads, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
 
@@ -203,7 +207,7 @@ def left_padded_attention_lse(queries: mx.array, keys: mx.array, values: mx.arra
     out, lse = _kernel_lse()(
         inputs=[queries, keys, values, start, stop, _scale_array(float(scale)), mx.array([N, S], dtype=mx.int32),
                 mx.array([layer], dtype=mx.int32)],
-        template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv)],
+        template=[("T", queries.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("NB", 2)],
         grid=(N * Hq * 32, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[queries.shape, (N, Hq, 1)], output_dtypes=[queries.dtype, mx.float32])
     return out, lse
@@ -240,12 +244,17 @@ def route_attention(model, cache_type: type):
 # launch: RoPE on the token's query and key (rotate-half layout, angles pos * theta), attention over the
 # cache slots [start, stop) plus the token's own slot, and the token's key/value for the cache write.
 # It replaces ~8 launches per layer (split copies, two RoPEs, attention, the own-slot merge).
+# Each (row, head)'s slots are split across SPLIT warps of one 8-warp block, merged through shared memory
+# (flash-decoding's split): one warp per (row, head) ran as a single wave of ~17 warps per SM on an H100 at
+# 256 rows, each warp walking its whole row; a CUPTI trace put that kernel at half a rollout's GPU time.
 _FUSED_SOURCE = _LAYOUT + """
     constexpr int HALF = D / 2;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
+    const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;  // warp in block
     const int ROWS = sizes[0], S = sizes[1];
-    if (warp >= ROWS * HQ) return;
+    // no early return: every warp of a block reaches the barrier; warps past the rows read row 0, write nothing
+    const bool active = gwarp / SPLIT < ROWS * HQ;
+    const int warp = active ? gwarp / SPLIT : 0, part = gwarp % SPLIT;
     const int sub = lane % G, slot = lane / G;
     const int row = warp / HQ, head = warp % HQ;
     const int kv_head = head / (HQ / HKV);
@@ -271,10 +280,16 @@ _FUSED_SOURCE = _LAYOUT + """
         v_new[i] = static_cast<float>(token[(HQ + HKV + kv_head) * D + j]);
         acc[i] = 0.0f;
     }
-    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
-    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
+    const T* kbase = keys + ((size_t)((layer[0] * ROWS + row) * HKV + kv_head) * S) * D;
+    const T* vbase = values + ((size_t)((layer[0] * ROWS + row) * HKV + kv_head) * S) * D;
+    // this warp's share of the slots: whole trips of NB * P slots each
+    const int first = start[row], end = stop[0];
+    const int span = end > first ? end - first : 0;
+    const int chunk = ((span + SPLIT - 1) / SPLIT + NB * P - 1) / (NB * P) * (NB * P);
+    const int lo = active ? min(first + part * chunk, end) : 0;
+    const int hi = active ? min(lo + chunk, end) : 0;
 """ + _SLOT_LOOP + """
-    {  // the token's own slot, taken by slot group 0 (every lane reduces: shuffles need them all)
+    if (active && part == SPLIT - 1) {  // the token's own slot, taken by slot group 0 of the last part
         float dot = 0.0f;
         #pragma unroll
         for (int i = 0; i < PER; ++i) dot += q[i] * k_new[i];
@@ -282,17 +297,52 @@ _FUSED_SOURCE = _LAYOUT + """
         for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
         if (slot == 0) absorb(dot, v_new);
     }
-""" + _MERGE_GROUPS.replace("OUT_VALUE", "a / denom") + """
-    if (slot == 0 && head % (HQ / HKV) == 0) {  // one warp per kv head writes the token's key and value
+    // each warp's slot groups merged (as _MERGE_GROUPS), then the block's SPLIT parts of each (row, head)
+    __shared__ float part_m[8], part_denom[8], part_acc[8][D];
+    float global_m = m;
+    #pragma unroll
+    for (int off = G; off < 32; off <<= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
+    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);  // slot groups that saw no slot add 0
+    denom *= own;
+    #pragma unroll
+    for (int off = G; off < 32; off <<= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        float a = acc[i] * own;
         #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const size_t at = (size_t)(row * HKV + kv_head) * D + ELEMENT(i);
-            new_keys[at] = static_cast<T>(k_new[i]);
-            new_values[at] = static_cast<T>(v_new[i]);
+        for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
+        if (slot == 0) part_acc[wib][ELEMENT(i)] = a;
+    }
+    if (lane == 0) {
+        part_m[wib] = global_m;
+        part_denom[wib] = denom;
+    }
+    __syncthreads();
+    if (active && part == 0) {  // the first part's warp writes; its block holds the others at wib + 1 ..
+        float top = -INFINITY, weight[SPLIT], total = 0.0f;
+        #pragma unroll
+        for (int p = 0; p < SPLIT; ++p) top = fmaxf(top, part_m[wib + p]);
+        #pragma unroll
+        for (int p = 0; p < SPLIT; ++p) {  // a part that saw no slot weighs 0 (the last always has the own slot)
+            weight[p] = part_m[wib + p] == -INFINITY ? 0.0f : __expf(part_m[wib + p] - top);
+            total += part_denom[wib + p] * weight[p];
+        }
+        for (int j = lane; j < D; j += 32) {
+            float a = 0.0f;
+            #pragma unroll
+            for (int p = 0; p < SPLIT; ++p) a += part_acc[wib + p][j] * weight[p];
+            out[(size_t)warp * D + j] = static_cast<T>(a / total);
+        }
+        if (slot == 0 && head % (HQ / HKV) == 0) {  // one warp per kv head writes the token's key and value
+            #pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const size_t at = (size_t)(row * HKV + kv_head) * D + ELEMENT(i);
+                new_keys[at] = static_cast<T>(k_new[i]);
+                new_values[at] = static_cast<T>(v_new[i]);
+            }
         }
     }
 """
-
 
 
 @lru_cache(maxsize=1)
@@ -300,8 +350,16 @@ def _fused_kernel():
     return mx.fast.cuda_kernel(name="mlx_grpo_fused_decode_attention",
                                input_names=["qkv", "keys", "values", "start", "stop", "pos", "theta", "scale",
                                             "sizes", "layer"],
-                               output_names=["out", "new_keys", "new_values"],
-                               source=_FUSED_SOURCE.replace("LAYER_BASE", _LAYER_OF_STACK))
+                               output_names=["out", "new_keys", "new_values"], source=_FUSED_SOURCE)
+
+
+def fused_split(rows: int, heads: int, head_dim: int) -> tuple[int, int]:
+    """(SPLIT warps per (row, head), NB batches per trip) of the fused kernel. Measured on an H100
+    (BENCHMARKS.md, eleventh sitting; 30-call chains, 170-420 cached slots): at 256 rows x 9 heads, 4 warps
+    and 4 batches took 15-20% less time than one warp and 2; at 1,024 rows splitting lost (up to +15%) and
+    at 64 it was mixed. 128-wide heads keep 2 batches: 4 would hold 128 floats of keys and values per lane."""
+    split = 4 if 1024 <= rows * heads <= 4096 else 1
+    return split, (4 if head_dim == 64 else 2)
 
 
 def fused_decode_attention(qkv: mx.array, keys: mx.array, values: mx.array, start: mx.array, stop: mx.array,
@@ -313,10 +371,12 @@ def fused_decode_attention(qkv: mx.array, keys: mx.array, values: mx.array, star
     N = qkv.shape[0]
     _, _, Hkv, S, D = keys.shape
     assert D in HEAD_DIMS and heads % Hkv == 0 and qkv.shape[1] == (heads + 2 * Hkv) * D
+    split, batches = fused_split(N, heads, D)
+    blocks = -(-N * heads * split // 8)  # 8 warps a block; a (row, head)'s parts never straddle two
     return _fused_kernel()(
         inputs=[qkv, keys, values, start, stop, positions, theta, _scale_array(float(scale)),
                 mx.array([N, S], dtype=mx.int32), mx.array([layer], dtype=mx.int32)],
-        template=[("T", qkv.dtype), ("D", D), ("HQ", heads), ("HKV", Hkv)],
-        grid=(N * heads * 32, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", qkv.dtype), ("D", D), ("HQ", heads), ("HKV", Hkv), ("SPLIT", split), ("NB", batches)],
+        grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, heads, 1, D), (N, Hkv, 1, D), (N, Hkv, 1, D)],
         output_dtypes=[qkv.dtype] * 3)
