@@ -64,7 +64,7 @@ def check_attention_kernel() -> dict:
     """The CUDA decode kernels against MLX's masked attention in float32 on random left-padded rows (bf16
     inputs), for each head dim they serve: the plain kernel; the log-sum-exp one, its output and lse, on a
     stacked cache; the fused one (RoPE, the cached slots and the token's own) and the key it returns."""
-    from mlx_grpo.models.decode_attention import (HEAD_DIMS, fused_decode_attention, kernel_available,
+    from mlx_grpo.models.decode_attention import (HEAD_DIMS, fused_decode_attention, fused_split, kernel_available,
                                                   left_padded_attention, left_padded_attention_lse)
 
     if not kernel_available():
@@ -72,9 +72,12 @@ def check_attention_kernel() -> dict:
     mx.random.seed(0)
     errors = {}
     f32 = mx.float32
-    # 64 rows run the fused kernel with one warp per (row, head), 256 with its split (fused_split)
-    for D, N in [(D, N) for D in HEAD_DIMS for N in (64, 256)]:
+    # 64 rows run the fused kernel with one warp per (row, head), 256 with its split (fused_split); 63 and 255
+    # leave the last block part idle (warps past the rows must write nothing)
+    splits = set()
+    for D, N in [(D, N) for D in HEAD_DIMS for N in (64, 256, 63, 255)]:
         Hq, Hkv, S, stop, scale = 9, 3, 300, 211, D ** -0.5
+        splits.add(fused_split(N, Hq, D)[0])
         q = mx.random.normal((N, Hq, 1, D)).astype(mx.bfloat16)
         k = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
         v = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
@@ -113,12 +116,14 @@ def check_attention_kernel() -> dict:
                "fused_key": (mx.abs(new_k[:, :, 0].astype(f32) - k_r.astype(f32))  # relative: keys reach ~5
                              / mx.maximum(mx.abs(k_r.astype(f32)), 1)).max().item(),
                "fused_value": mx.abs(new_v[:, :, 0].astype(f32) - v_new.astype(f32)).max().item()}
-        errors[f"{D}x{N}"] = err
+        errors[f"{D}x{N} split {fused_split(N, Hq, D)[0]}"] = err
         print(f"decode attention kernels, head dim {D}, {N} rows, vs masked attention (float32): max abs error "
               + ", ".join(f"{name} {e:.2e}" for name, e in err.items()), flush=True)
         # bf16 values ~N(0, 1): rounding errors of ~2^-8 relative; anything larger is a bug
-        if not max(err.values()) < 2e-2:
+        if not all(e < 2e-2 for e in err.values()):  # a NaN fails too
             raise SystemExit(f"decode attention kernels (head dim {D}, {N} rows) disagree with masked attention: {err}")
+    if len(splits) < 2:
+        raise SystemExit(f"the attention check ran the fused kernel with SPLIT {splits} only: adjust its row counts")
     return {"kernel": True, "max_abs_error": errors}
 
 

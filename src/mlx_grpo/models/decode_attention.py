@@ -252,7 +252,9 @@ _FUSED_SOURCE = _LAYOUT + """
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;  // warp in block
     const int ROWS = sizes[0], S = sizes[1];
-    // no early return: every warp of a block reaches the barrier; warps past the rows read row 0, write nothing
+    // no early return: every warp of a block reaches the barrier; warps past the rows read row 0 and write no
+    // output (only their own shared-memory slot, which nobody reads)
+    static_assert(8 % SPLIT == 0, "a (row, head)'s SPLIT warps must sit in one 8-warp block");
     const bool active = gwarp / SPLIT < ROWS * HQ;
     const int warp = active ? gwarp / SPLIT : 0, part = gwarp % SPLIT;
     const int sub = lane % G, slot = lane / G;
@@ -280,8 +282,8 @@ _FUSED_SOURCE = _LAYOUT + """
         v_new[i] = static_cast<float>(token[(HQ + HKV + kv_head) * D + j]);
         acc[i] = 0.0f;
     }
-    const T* kbase = keys + ((size_t)((layer[0] * ROWS + row) * HKV + kv_head) * S) * D;
-    const T* vbase = values + ((size_t)((layer[0] * ROWS + row) * HKV + kv_head) * S) * D;
+    const T* kbase = keys + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
+    const T* vbase = values + ((size_t)((LAYER_BASE + row) * HKV + kv_head) * S) * D;
     // this warp's share of the slots: whole trips of NB * P slots each
     const int first = start[row], end = stop[0];
     const int span = end > first ? end - first : 0;
@@ -350,13 +352,14 @@ def _fused_kernel():
     return mx.fast.cuda_kernel(name="mlx_grpo_fused_decode_attention",
                                input_names=["qkv", "keys", "values", "start", "stop", "pos", "theta", "scale",
                                             "sizes", "layer"],
-                               output_names=["out", "new_keys", "new_values"], source=_FUSED_SOURCE)
+                               output_names=["out", "new_keys", "new_values"],
+                               source=_FUSED_SOURCE.replace("LAYER_BASE", _LAYER_OF_STACK))
 
 
 def fused_split(rows: int, heads: int, head_dim: int) -> tuple[int, int]:
     """(SPLIT warps per (row, head), NB batches per trip) of the fused kernel. Measured on an H100
     (BENCHMARKS.md, eleventh sitting; 30-call chains, 170-420 cached slots): at 256 rows x 9 heads, 4 warps
-    and 4 batches took 15-20% less time than one warp and 2; at 1,024 rows splitting lost (up to +15%) and
+    and 4 batches took 15-20% less time than one warp and 2; at 1,024 rows splitting lost (up to +17%) and
     at 64 it was mixed. 128-wide heads keep 2 batches: 4 would hold 128 floats of keys and values per lane."""
     split = 4 if 1024 <= rows * heads <= 4096 else 1
     return split, (4 if head_dim == 64 else 2)
