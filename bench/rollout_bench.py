@@ -77,7 +77,8 @@ def check_attention_kernel() -> dict:
     splits = set()
     for D, N in [(D, N) for D in HEAD_DIMS for N in (64, 256, 63, 255)]:
         Hq, Hkv, S, stop, scale = 9, 3, 300, 211, D ** -0.5
-        splits.add(fused_split(N, Hq, D)[0])
+        split = fused_split(N, Hq, D)[0]
+        splits.add(split)
         q = mx.random.normal((N, Hq, 1, D)).astype(mx.bfloat16)
         k = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
         v = mx.random.normal((2, N, Hkv, S, D)).astype(mx.bfloat16)
@@ -116,7 +117,7 @@ def check_attention_kernel() -> dict:
                "fused_key": (mx.abs(new_k[:, :, 0].astype(f32) - k_r.astype(f32))  # relative: keys reach ~5
                              / mx.maximum(mx.abs(k_r.astype(f32)), 1)).max().item(),
                "fused_value": mx.abs(new_v[:, :, 0].astype(f32) - v_new.astype(f32)).max().item()}
-        errors[f"{D}x{N} split {fused_split(N, Hq, D)[0]}"] = err
+        errors[f"{D}x{N} split {split}"] = err
         print(f"decode attention kernels, head dim {D}, {N} rows, vs masked attention (float32): max abs error "
               + ", ".join(f"{name} {e:.2e}" for name, e in err.items()), flush=True)
         # bf16 values ~N(0, 1): rounding errors of ~2^-8 relative; anything larger is a bug

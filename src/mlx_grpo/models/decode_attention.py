@@ -89,7 +89,8 @@ _SLOT_LOOP = """
         for (int b = 0; b < NB; ++b) if (valid[b]) absorb(dot[b], vv[b]);
     }
 """
-# The merge of the slot groups' softmaxes into the output (OUT_VALUE: what a lane writes).
+# The merge of a warp's slot groups' softmaxes (global_m, denom, and each value `a`, summed over the groups);
+# MERGED_STORE: what a lane of slot group 0 does with `a`.
 _MERGE_GROUPS = """
     float global_m = m;
     #pragma unroll
@@ -103,9 +104,11 @@ _MERGE_GROUPS = """
         float a = acc[i] * own;
         #pragma unroll
         for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-        if (slot == 0) out[(size_t)warp * D + ELEMENT(i)] = static_cast<T>(OUT_VALUE);
+        if (slot == 0) MERGED_STORE;
     }
 """
+# The plain and lse kernels' store (OUT_VALUE: what a lane writes).
+_STORE_OUT = "out[(size_t)warp * D + ELEMENT(i)] = static_cast<T>(OUT_VALUE)"
 
 _SOURCE = _LAYOUT + """
     // One warp per (row, query head). The warp takes P slots per batch; the G lanes of a slot split its head
@@ -128,7 +131,7 @@ _SOURCE = _LAYOUT + """
         q[i] = static_cast<float>(queries[(size_t)warp * D + ELEMENT(i)]) * sc;
         acc[i] = 0.0f;
     }
-""" + _SLOT_LOOP + _MERGE_GROUPS
+""" + _SLOT_LOOP + _MERGE_GROUPS.replace("MERGED_STORE", _STORE_OUT)
 
 
 _OUT_PLAIN = "a / denom"
@@ -299,22 +302,9 @@ _FUSED_SOURCE = _LAYOUT + """
         for (int off = 1; off < G; off <<= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
         if (slot == 0) absorb(dot, v_new);
     }
-    // each warp's slot groups merged (as _MERGE_GROUPS), then the block's SPLIT parts of each (row, head)
+    // each warp's slot groups merged, then (below) the block's SPLIT parts of each (row, head)
     __shared__ float part_m[8], part_denom[8], part_acc[8][D];
-    float global_m = m;
-    #pragma unroll
-    for (int off = G; off < 32; off <<= 1) global_m = fmaxf(global_m, __shfl_xor_sync(0xffffffff, global_m, off));
-    const float own = (m == -INFINITY) ? 0.0f : __expf(m - global_m);  // slot groups that saw no slot add 0
-    denom *= own;
-    #pragma unroll
-    for (int off = G; off < 32; off <<= 1) denom += __shfl_xor_sync(0xffffffff, denom, off);
-    #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        float a = acc[i] * own;
-        #pragma unroll
-        for (int off = G; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-        if (slot == 0) part_acc[wib][ELEMENT(i)] = a;
-    }
+""" + _MERGE_GROUPS.replace("MERGED_STORE", "part_acc[wib][ELEMENT(i)] = a") + """
     if (lane == 0) {
         part_m[wib] = global_m;
         part_denom[wib] = denom;
