@@ -12,7 +12,11 @@ re-encodes text.
 Where decode_attention.py's CUDA kernel serves the model, decoding runs on a fixed-capacity KV cache
 (StaticBatchCache) written in place, and the kernel skips each row's left padding itself: MLX's fused
 CUDA decode kernel takes no mask, and the masked fallback costs ~6 extra ops per layer per step.
-Elsewhere (other backends and model families) rows decode on mlx-lm's growing BatchKVCache.
+Elsewhere (other backends and model families) rows decode on the batch versions of the caches the model
+asks for (`model.make_cache()`, batch_caches): growing BatchKVCache for full attention, window-sized
+BatchRotatingKVCache for sliding-window layers, ArraysCache for recurrent layers (gated delta, short
+convolutions, Mamba), none for the KV-shared layers of Gemma 4. Each is told the rows' left padding, so a
+pad token never enters an attention score or a recurrent state.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from contextlib import nullcontext
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache,
+                                  RotatingKVCache)
 
+from mlx_grpo.errors import UserError
 from mlx_grpo.models.decode_attention import kernel_serves, left_padded_attention, route_attention
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.records import Rollout, SamplingParams
@@ -48,23 +54,75 @@ def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, 
     return ids, False
 
 
+def _prompt_caches(model: nn.Module) -> list:
+    """The model's own per-layer caches for one sequence (mlx-lm's make_cache; plain KV caches without
+    it). Gemma 4's KV-shared layers have none: the model reads earlier layers' keys and values."""
+    return model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+
+
+def _batch_cache(cache, padding: list[int]):
+    """The batched version of one layer's cache for rows left-padded by `padding`."""
+    if type(cache) is KVCache:
+        return BatchKVCache(padding)
+    if type(cache) is RotatingKVCache:  # sliding window: the cache stays window-sized
+        if cache.keep:
+            raise UserError(f"a rotating KV cache that keeps its first {cache.keep} tokens has no batched "
+                            "version in mlx-lm; this model cannot be sampled in batches")
+        return BatchRotatingKVCache(cache.max_size, padding)
+    if isinstance(cache, ArraysCache):  # recurrent state: padded positions are masked out of it
+        return ArraysCache(len(cache.cache), left_padding=padding)
+    if isinstance(cache, CacheList):
+        return CacheList(*(_batch_cache(c, padding) for c in cache.caches))
+    raise UserError(f"the rollout decode does not know the cache type {type(cache).__name__} that this "
+                    "model asks for (quantized or chunked KV caches have no batched version)")
+
+
+def check_batch_caches(model: nn.Module) -> None:
+    """Raise UserError, naming the family, when the model asks for a cache the decode cannot batch."""
+    try:
+        [_batch_cache(c, [0]) for c in _prompt_caches(model)]
+    except UserError as err:
+        raise UserError(f"model family {getattr(model, 'model_type', type(model).__name__)!r}: {err}") from None
+
+
+def batch_caches(model: nn.Module, padding: list[int]) -> list:
+    """Per-layer batch caches for rows left-padded by `padding` (one per cache make_cache returns)."""
+    return [_batch_cache(c, padding) for c in _prompt_caches(model)]
+
+
 def _prefill(model: nn.Module, prompts: list[list[int]], pad_id: int) -> tuple[mx.array, list]:
     """Left-pad the B prompts and run them once; -> (last logits [B, V], per-layer caches)."""
     width = bucket(max(len(p) for p in prompts))  # extra left padding: fewer distinct shapes
     padding = [width - len(p) for p in prompts]
     tokens = mx.array([[pad_id] * pad + p for pad, p in zip(padding, prompts)], dtype=mx.int32)  # [B, Lp]
-    caches = [BatchKVCache(padding) for _ in model.layers]
+    caches = batch_caches(model, padding)
     logits = model(tokens, cache=caches)[:, -1, :]  # [B, V]
+    for cache in _leaves(caches):
+        if isinstance(cache, ArraysCache):
+            # The padding is behind the state now; left in place, models that never advance the cache
+            # (gated delta) would mask every later token of a padded row.
+            cache.left_padding = cache.lengths = None
     return logits, caches
+
+
+def _leaves(caches: list) -> list:
+    out = []
+    for cache in caches:
+        out.extend(_leaves(cache.caches) if isinstance(cache, CacheList) else [cache])
+    return out
 
 
 def _repeat_caches(caches: list, group_size: int) -> None:
     """Share each prompt's prefilled cache with its G samples: [B, ...] -> [B*G, ...] in place."""
-    for cache in caches:
-        cache.keys = mx.repeat(cache.keys, group_size, axis=0)
-        cache.values = mx.repeat(cache.values, group_size, axis=0)
-        cache.offset = mx.repeat(cache.offset, group_size, axis=0)
-        cache.left_padding = mx.repeat(cache.left_padding, group_size, axis=0)
+    def rep(a):
+        return None if a is None else mx.repeat(a, group_size, axis=0)
+
+    for cache in _leaves(caches):
+        if isinstance(cache, ArraysCache):
+            cache.cache = [rep(a) for a in cache.cache]
+        else:  # BatchKVCache, BatchRotatingKVCache
+            cache.keys, cache.values = rep(cache.keys), rep(cache.values)
+            cache.offset, cache.left_padding = rep(cache.offset), rep(cache.left_padding)
 
 
 class StepArrays:
