@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_grpo.models.forward import LOGIT_SPLITS, hidden_states
+from mlx_grpo.models.forward import hidden_states, logit_split
 from mlx_grpo.models.precision import MasterWeights
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.microbatch import chunk_batch, row_chunks
@@ -126,7 +126,7 @@ def bench_chunking(model, steps: list, cfg, settings: list[tuple[int, int]], rep
     setting. -> one row per setting (seconds, peak GB, micro-batches)."""
     rollout = steps[0].rollout
     tokens = int(sum(int(s.rollout.lengths.sum()) for s in steps))
-    split = LOGIT_SPLITS.get(getattr(model, "model_type", None))
+    split = logit_split(model)
     out = []
     for rows, budget in settings:
         c = replace(cfg, micro_batch_size=rows, micro_batch_tokens=budget, use_compile=True)
@@ -136,7 +136,7 @@ def bench_chunking(model, steps: list, cfg, settings: list[tuple[int, int]], rep
                                                                  budget)), repeats)
         row["layers_s"] = row["head_s"] = None
         if split is not None:
-            inner = getattr(model, split.inner)
+            inner = split.inner
             batches = [chunk_batch(rollout, r, pad_id)[0] for r in chunks]
 
             def layers():

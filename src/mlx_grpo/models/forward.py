@@ -86,24 +86,53 @@ def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id
 
 
 class LogitSplit(NamedTuple):
-    """How a model family computes its logits: u = head(inner(inputs)), then logits = cap * tanh(u / cap)
-    when softcap is set, else u. The head is _head(model): the untied lm_head, else the tied embedding."""
+    """How a model family computes its logits: u = head(inner(inputs)) on the module `outer`, then
+    logits = cap * tanh(u / cap) with a soft cap, and / divide with a divisor. The head is the untied
+    lm_head, else the tied embedding (_head)."""
 
-    inner: str  # attribute holding the inner model: inputs [n, L] -> final hidden states [n, L, D]
-    softcap: float | None
+    outer: str  # attribute of the model holding head and inner ("" = the model itself)
+    inner: str  # attribute of outer holding the inner model: inputs [n, L] -> final hidden states [n, L, D]
+    softcap: float | str | None = None  # the cap, or the attribute of outer holding it
+    divide: str | None = None  # attribute of outer the logits are divided by (Granite's logits_scaling)
 
 
 # mlx-lm's nanochat applies `softcap(logits)` with its default cap=15.0 (mlx_lm/models/nanochat.py); the
 # cap is neither a config field nor a module attribute there, so it is restated here.
 NANOCHAT_SOFTCAP = 15.0
 
+_PLAIN = LogitSplit("", "model")
 # The model families whose logits completion_logprobs computes from hidden states at the completion
-# positions only (llama/mistral/qwen2/qwen3: exactly head(model.model(x)), no cap or scaling after it);
-# any other model_type takes the full-logits path, model(inputs).
+# positions only, each entry read off the family's Model.__call__ in mlx-lm; tests/test_families.py
+# checks every entry against the model's own forward. Other model_types take the full-logits path.
 LOGIT_SPLITS = {
-    **{kind: LogitSplit("model", None) for kind in ("llama", "mistral", "qwen2", "qwen3")},
-    "nanochat": LogitSplit("transformer", NANOCHAT_SOFTCAP),  # untied lm_head
+    **{kind: _PLAIN for kind in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "phi3",
+                                 "olmo2", "smollm3", "ministral3", "exaone4", "glm4", "gemma3_text", "lfm2",
+                                 "lfm2_moe", "gpt_oss")},
+    **{kind: LogitSplit("language_model", "model") for kind in ("qwen3_5", "qwen3_5_moe")},
+    **{kind: LogitSplit("", "model", softcap="final_logit_softcapping") for kind in ("gemma2", "gemma4_text")},
+    **{kind: LogitSplit("", "model", divide="logits_scaling") for kind in ("granite", "granitemoehybrid")},
+    "nanochat": LogitSplit("", "transformer", NANOCHAT_SOFTCAP),  # untied lm_head
 }
+
+
+class ResolvedSplit(NamedTuple):
+    """A LogitSplit applied to one model: the modules and numbers completion_logprobs uses."""
+
+    outer: nn.Module
+    inner: nn.Module
+    softcap: float | None
+    divide: float | None
+
+
+def logit_split(model: nn.Module) -> ResolvedSplit | None:
+    """The model's LogitSplit resolved to its modules and numbers; None for the full-logits path."""
+    split = LOGIT_SPLITS.get(getattr(model, "model_type", None))
+    if split is None or not type(model).__module__.startswith("mlx_lm."):  # the table reads mlx-lm's classes
+        return None
+    outer = getattr(model, split.outer) if split.outer else model
+    cap = getattr(outer, split.softcap, None) if isinstance(split.softcap, str) else split.softcap
+    divide = getattr(outer, split.divide) if split.divide else None
+    return ResolvedSplit(outer, getattr(outer, split.inner), cap, divide)
 
 
 # Tokens per output-head chunk are chosen so one chunk's float32 logits stay near this many elements
@@ -111,9 +140,17 @@ LOGIT_SPLITS = {
 LOGIT_CHUNK_ELEMENTS = 2 ** 25
 
 
+def _tied(model: nn.Module) -> bool:
+    """Whether the family's __call__ uses the embedding as its output head (flag on the module or its args)."""
+    flag = getattr(model, "tie_word_embeddings", None)
+    if flag is None:
+        flag = getattr(getattr(model, "args", None), "tie_word_embeddings", None)
+    return bool(flag)
+
+
 def _head(model: nn.Module) -> tuple[nn.Module, callable]:
     """The output head as (module owning its weights, function hidden [..., D] -> logits [..., V])."""
-    if hasattr(model, "lm_head"):
+    if hasattr(model, "lm_head") and not _tied(model):
         return model.lm_head, model.lm_head
     embed = model.model.embed_tokens
     return embed, embed.as_linear
@@ -199,49 +236,71 @@ def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, tempera
     return mx.concatenate(parts).reshape(n, T)
 
 
-def _layer_stack(inner: nn.Module):
-    """(embed, layers, final norm) of an inner model whose layers take (x, mask, cache) under full causal
-    attention, so each layer can be recomputed alone; None for other shapes (sliding windows, ...)."""
-    if all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm")):
-        if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
-            return None
-        return inner.embed_tokens, inner.layers, inner.norm
-    if all(hasattr(inner, name) for name in ("wte", "h")):  # nanochat: weightless norms after the embedding
-        from mlx_lm.models.nanochat import rms_norm
+class _Checkpointed(nn.Module):
+    """A layer whose activations are recomputed in the backward pass (mx.checkpoint over its trainable
+    parameters and its call's arguments), whatever the layer's call signature and outputs."""
 
-        return (lambda x: rms_norm(inner.wte(x))), inner.h, rms_norm
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def __getattr__(self, key):  # the model's forward reads layer attributes (use_sliding, is_linear, ...)
+        if key != "layer" and "layer" in self:
+            return getattr(self["layer"], key)
+        return super().__getattr__(key)
+
+    def __call__(self, *args, **kwargs):
+        layer, call = self.layer, type(self.layer).__call__
+
+        def run(params, *args, **kwargs):
+            layer.update(params)
+            return call(layer, *args, **kwargs)
+
+        return mx.checkpoint(run)(layer.trainable_parameters(), *args, **kwargs)
+
+
+def _layers_attribute(inner: nn.Module) -> str | None:
+    """The inner model's attribute holding its list of transformer layers (nanochat: h)."""
+    for name in ("layers", "h"):
+        if isinstance(getattr(inner, name, None), list):
+            return name
     return None
 
 
 def supports_layer_checkpointing(model: nn.Module) -> bool:
     """Whether checkpoint_layers has an effect for this model (the trainer warns when it has none)."""
-    split = LOGIT_SPLITS.get(getattr(model, "model_type", None))
-    return split is not None and _layer_stack(getattr(model, split.inner)) is not None
+    split = logit_split(model)
+    return split is not None and _layers_attribute(split.inner) is not None
 
 
 def hidden_states(inner: nn.Module, inputs: mx.array, checkpoint_layers: bool = False) -> mx.array:
     """The inner model's final hidden states [n, L, D]. With checkpoint_layers each transformer layer is
-    recomputed in the backward pass, so training keeps only the layers' inputs, not their activations."""
-    stack = _layer_stack(inner) if checkpoint_layers else None
-    if stack is None:
+    recomputed in the backward pass, so training keeps only the layers' inputs, not their activations:
+    the layers are wrapped for the duration of this forward and put back after it (the recomputation
+    holds its own reference to each layer)."""
+    name = _layers_attribute(inner) if checkpoint_layers else None
+    if name is None:
         return inner(inputs)
-    embed, layers, norm = stack
-    h = embed(inputs)  # [n, L, D]
-    for layer in layers:
-        h = nn.utils.checkpoint(layer, lambda x, layer=layer: layer(x, "causal", None))(h)
-    return norm(h)
+    layers = getattr(inner, name)
+    setattr(inner, name, [_Checkpointed(layer) for layer in layers])
+    try:
+        return inner(inputs)
+    finally:
+        setattr(inner, name, layers)
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float,
                         chunk_tokens: int | None = None, checkpoint_layers: bool = False) -> mx.array:
     """Log-probs [n, T] of the completion tokens. For the families in LOGIT_SPLITS only the T completion
     positions go through the output head, in chunks, so [n, L, V] logits never exist."""
-    split = LOGIT_SPLITS.get(getattr(model, "model_type", None))
+    split = logit_split(model)
     if split is not None:
-        hidden = hidden_states(getattr(model, split.inner), batch.inputs, checkpoint_layers)  # [n, L, D]
+        hidden = hidden_states(split.inner, batch.inputs, checkpoint_layers)  # [n, L, D]
         idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
         picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
-        return head_logprobs(model, picked, batch.targets, temperature, chunk_tokens, split.softcap)  # [n, T]
+        # dividing the (capped) logits by d then by the temperature is one division by d * temperature
+        scale = temperature * (split.divide or 1.0)
+        return head_logprobs(split.outer, picked, batch.targets, scale, chunk_tokens, split.softcap)  # [n, T]
     full = model(batch.inputs)  # [n, L, V]
     logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
     return token_logprobs(logits, batch.targets, temperature)  # [n, T]
