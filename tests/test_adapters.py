@@ -1,5 +1,5 @@
 """LoRA / DoRA / QLoRA: what is trained, the adapters switched off being exactly the base, adapter
-checkpoints (ours and mlx-lm's loader), and `fuse`."""
+checkpoints (ours and mlx-lm's loader), `fuse`, and the routed experts of MoE models."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+from mlx_lm.tuner.dora import DoRALinear
+from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from conftest import write_tiny_model
 from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.adapters import adapter_parameters, adapters_disabled, apply_adapters, is_adapter_checkpoint, lora_block_keys, quantize_base
-from mlx_grpo.models.loading import load_with_adapters
+from mlx_grpo.models.adapters import (adapter_modules, adapter_parameters, adapters_disabled, apply_adapters,
+                                      is_adapter_checkpoint, lora_block_keys, quantize_base)
 from mlx_grpo.models.fuse import run_fuse
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.loading import load_model, load_with_adapters
+from mlx_grpo.models.tiny import write_tiny_family
 
 TOKENS = mx.array([[5, 17, 42, 99, 3, 250, 7, 64]])
 LLAMA_KEYS = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
@@ -67,11 +71,12 @@ def _perturb(model, seed: int = 3) -> None:
     mx.eval(model.parameters())
 
 
-def _train_steps(model, optimizer, steps: int = 2) -> None:
-    def loss_fn(tokens):
-        return nn.losses.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).mean()
+def _loss(model, tokens: mx.array) -> mx.array:
+    return nn.losses.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).mean()
 
-    grad_fn = nn.value_and_grad(model, loss_fn)
+
+def _train_steps(model, optimizer, steps: int = 2) -> None:
+    grad_fn = nn.value_and_grad(model, lambda tokens: _loss(model, tokens))
     for _ in range(steps):
         _, grads = grad_fn(TOKENS)
         optimizer.update(model, grads)
@@ -296,3 +301,98 @@ def test_fuse_refusals_leave_no_output(tmp_path, tiny_model_dir, monkeypatch):
         run_fuse(str(path), str(tmp_path / "out"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "run", "taken"]
     shutil.rmtree(tmp_path / "taken")
+
+
+# --------------------------------------------------------------------------- MoE experts
+# family -> where its routed experts (SwitchLinear, one [experts, out, in] weight per projection) sit in a block
+MOE_EXPERTS = {"qwen3_moe": "mlp.switch_mlp", "gpt_oss": "mlp.experts", "qwen3_next": "mlp.switch_mlp"}
+EXPERT_KEYS = {family: [f"{where}.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
+               for family, where in MOE_EXPERTS.items()}
+# 39 positions x 2 experts each: past the 64 routed rows at which SwitchGLU sorts them by expert (a batch's path)
+LONG = mx.array([[(7 * i) % 250 + 3 for i in range(40)]])
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, Path]:
+    """family -> a tiny random MoE model directory; "qwen3_moe-wide": widths 64, quantizable with group size 64."""
+    root = tmp_path_factory.mktemp("moe")
+    dirs = {family: write_tiny_family(root / family, family, seed=2) for family in MOE_EXPERTS}
+    wide = {"hidden_size": 64, "moe_intermediate_size": 64}
+    return dirs | {"qwen3_moe-wide": write_tiny_family(root / "wide", "qwen3_moe", seed=2, overrides=wide)}
+
+
+@pytest.mark.parametrize("family", list(MOE_EXPERTS))
+def test_moe_experts_are_adapted_by_default_and_by_key(moe_dirs, family):
+    experts = EXPERT_KEYS[family]
+    model, config = _adapted(moe_dirs[family], "lora")
+    assert set(experts) <= set(config["lora_parameters"]["keys"])  # lora_block_keys: every projection
+    wrapped = {n.rsplit("layers.", 1)[1]: m for n, m in adapter_modules(model) if isinstance(m, LoRASwitchLinear)}
+    assert sorted(wrapped) == sorted(f"{i}.{k}" for i in range(len(model.layers)) for k in experts)
+    assert all(isinstance(m.linear, SwitchLinear) and m.lora_a.shape == (4, 4, m.linear.input_dims)
+               for m in wrapped.values())  # one rank-4 adapter per expert
+
+    model, config = _adapted(moe_dirs[family], "lora", num_layers=1, keys=[experts[1]])
+    last, names = f"{len(model.layers) - 1}.{experts[1]}", [n.split("layers.")[-1] for n in adapter_parameters(model)]
+    assert config["lora_parameters"]["keys"] == [experts[1]] and sorted(names) == [f"{last}.lora_a", f"{last}.lora_b"]
+
+
+@pytest.mark.parametrize("family", list(MOE_EXPERTS))
+def test_moe_expert_adapters_get_the_loss_gradient(moe_dirs, family):
+    model, _ = _adapted(moe_dirs[family], "lora", keys=EXPERT_KEYS[family])
+    _perturb(model)  # with lora_b = 0, lora_a's gradient would be zero
+    grads = dict(tree_flatten(nn.value_and_grad(model, lambda tokens: _loss(model, tokens))(LONG)[1]))
+    assert sorted(grads) == sorted(adapter_parameters(model)) and len(grads) == 2 * 3 * len(model.layers)
+    assert all(mx.abs(g).max().item() > 0 for g in grads.values())
+    # The gradient is the loss's: a central difference along a random direction of the last block's expert
+    # adapters (earlier blocks' would move later routers' inputs, and a flipped top-k choice is a jump).
+    last = f"layers.{len(model.layers) - 1}."
+    params, eps = {k: v for k, v in adapter_parameters(model).items() if last in k}, 1e-3
+    direction = {k: mx.random.normal(v.shape, key=mx.random.key(i)) for i, (k, v) in enumerate(params.items())}
+
+    def loss_at(sign: float) -> float:
+        model.update(tree_unflatten([(k, v + sign * eps * direction[k]) for k, v in params.items()]))
+        return _loss(model, LONG).item()
+
+    numeric = (loss_at(1.0) - loss_at(-1.0)) / (2 * eps)
+    analytic = sum((grads[k] * direction[k]).sum().item() for k in params)
+    assert abs(numeric - analytic) < 2e-2 * abs(analytic) + 1e-3
+
+
+@pytest.mark.parametrize("family,bits", [("qwen3_moe", 0), ("gpt_oss", 0), ("qwen3_next", 0), ("qwen3_moe", 8)],
+                         ids=["qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_moe-qlora8"])
+def test_moe_expert_checkpoint_reloads_and_fuses(tmp_path, moe_dirs, family, bits):
+    from mlx_lm import load as mlx_lm_load
+
+    model_dir = moe_dirs[family + "-wide" if bits else family]
+    model, config = _adapted(model_dir, "lora", bits, keys=EXPERT_KEYS[family])  # experts alone: they must matter
+    assert not bits or isinstance(model.layers[0].mlp.switch_mlp.up_proj.linear, QuantizedSwitchLinear)
+    _perturb(model)
+    path = _save(tmp_path / "run", model_dir, model, config)
+    expected = _logits(model)
+    with adapters_disabled(model):
+        assert mx.abs(_logits(model) - expected).max().item() > 1e-3
+    reloaded, _ = load_model(str(path))
+    assert mx.array_equal(_logits(reloaded), expected)
+    assert sorted(adapter_parameters(reloaded)) == sorted(adapter_parameters(model))
+    if not bits:  # mlx-lm's loader builds the same LoRASwitchLinear layers from our adapter_config.json
+        assert mx.allclose(_logits(mlx_lm_load(str(model_dir), adapter_path=str(path))[0]), expected, atol=1e-6)
+
+    out = run_fuse(str(path), str(tmp_path / "fused"), dequantize=bool(bits))
+    fused, _ = load_model(str(out))
+    assert not adapter_modules(fused) and not any("scales" in m for _, m in fused.named_modules())
+    assert mx.allclose(_logits(fused), expected, atol=1e-4 if bits else 1e-5)
+    if bits:  # fused without dequantize: the experts are re-quantized, close to the adapted model
+        fused, _ = load_model(str(run_fuse(str(path), str(tmp_path / "fused-q"))))
+        assert isinstance(fused.layers[0].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+        assert mx.abs(_logits(fused) - expected).max().item() < 0.05 * mx.abs(expected).max().item()
+
+
+def test_moe_key_refusals_are_one_line(moe_dirs):
+    with pytest.raises(UserError, match="did you mean 'mlp.switch_mlp.gate_proj'"):
+        _adapted(moe_dirs["qwen3_moe"], "lora", keys=["mlp.switch_mlp.gate_prj"])
+    # mlx-lm has no DoRA for experts: refused, not silently skipped
+    with pytest.raises(UserError, match="use train_type = lora, or set lora_keys to") as err:
+        _adapted(moe_dirs["qwen3_moe"], "dora")
+    assert "\n" not in str(err.value) and all(key in str(err.value) for key in EXPERT_KEYS["qwen3_moe"])
+    model, _ = _adapted(moe_dirs["qwen3_moe"], "dora", keys=["mlp.gate", "self_attn.q_proj"])  # the rest can
+    assert sum(isinstance(m, DoRALinear) for _, m in adapter_modules(model)) == 2 * len(model.layers)

@@ -36,7 +36,8 @@ class ModelConfig:
     lora_layers: int = setting(0, "Adapt the last N transformer blocks (0 = all).", TUNE,
                                range=">= 0", note="0 = all blocks")
     lora_keys: list[str] = setting([], "Projections to adapt, as named inside a block, e.g. self_attn.q_proj, "
-                                   "mlp.down_proj (empty = every linear layer of the block).", TUNE)
+                                   "mlp.down_proj, or a MoE's experts, e.g. mlp.switch_mlp.gate_proj (empty = every "
+                                   "linear and expert projection of the block; dora cannot adapt experts).", TUNE)
     load_in_bits: int = setting(0, "QLoRA (Dettmers et al. 2023): quantize the frozen base to 4 or 8 bits (group 64) "
                                 "at load time, adapters on top in float; 0 = keep the base as loaded. A model already "
                                 "quantized on disk trains with lora/dora as it is.", TUNE, choices=(0, 4, 8))

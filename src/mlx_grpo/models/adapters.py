@@ -1,11 +1,12 @@
 """Parameter-efficient training: LoRA, DoRA and QLoRA on top of mlx-lm's tuner layers.
 
-Owns quantizing the frozen base for QLoRA, turning a model's projections into LoRA/DoRA layers,
+Owns quantizing the frozen base for QLoRA, turning a model's projections into LoRA/DoRA layers (the
+routed experts of MoE models, SwitchLinear, into LoRASwitchLinear, as mlx-lm's own LoRA does),
 switching the adapters off (the frozen base then serves as the KL reference with no second copy of
 its weights) and the pieces of the adapter checkpoints the trainer writes (loading.py builds a model
 from one; fuse.py merges one into its base for `mlx-grpo fuse`).
-The LoRA math is mlx-lm's (LoRALinear, DoRALinear and their fuse()), and adapter_config.json is in
-mlx-lm's format, so `mlx_lm.load(base, adapter_path=checkpoint)` reads our checkpoints too.
+The LoRA math is mlx-lm's (LoRALinear, DoRALinear, LoRASwitchLinear and their fuse()), and
+adapter_config.json is in mlx-lm's format, so `mlx_lm.load(base, adapter_path=checkpoint)` reads our checkpoints too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -32,6 +34,10 @@ TRAIN_TYPES = ("lora", "dora")
 QLORA_BITS = (4, 8)
 # The layer types an adapted model contains (each wraps its base layer as .linear or .embedding).
 ADAPTER_LAYERS = (LoRALinear, DoRALinear, LoRASwitchLinear, LoRAEmbedding, DoRAEmbedding)
+# What a block's adapters can wrap: mlx-lm's linear_to_lora_layers takes these (and embeddings, which no
+# block of the families we train holds); experts are a MoE's routed projections, [experts, out, in] each.
+EXPERT_LAYERS = (SwitchLinear, QuantizedSwitchLinear)
+PROJECTION_LAYERS = (nn.Linear, nn.QuantizedLinear, *EXPERT_LAYERS)
 # Files of a checkpoint that are training state, not part of a plain model directory.
 TRAINING_FILES = {"config.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS, "optimizer.safetensors",
                    "trainer_state.json", "config.resolved.json"}
@@ -70,25 +76,36 @@ def quantize_base(model: nn.Module, bits: int, group_size: int = 64) -> None:
     mx.eval(model.parameters())  # materialize now so the float originals can be freed
 
 
-def lora_block_keys(model: nn.Module) -> list[str]:
-    """Names, relative to a transformer block, of its Linear/QuantizedLinear projections (sorted).
-    The union over all blocks (equal to block 0's for the usual homogeneous models); a projection
-    already wrapped in an adapter counts under its own name."""
-    keys: set[str] = set()
-    for block in model.layers:
+def _block_projections(blocks) -> Iterator[tuple[str, nn.Module]]:
+    """(name relative to its block, base layer) of every projection in `blocks`; a projection already
+    wrapped in an adapter counts under its own name, as the layer it wraps."""
+    for block in blocks:
         wrapped = [name for name, m in block.named_modules() if isinstance(m, ADAPTER_LAYERS)]
-        keys.update(wrapped)
         for name, m in block.named_modules():
-            if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and not any(
-                    name.startswith(w + ".") for w in wrapped):
-                keys.add(name)
-    return sorted(keys)
+            if isinstance(m, ADAPTER_LAYERS):
+                yield name, getattr(m, "linear", m)
+            elif isinstance(m, PROJECTION_LAYERS) and not any(name.startswith(w + ".") for w in wrapped):
+                yield name, m
+
+
+def lora_block_keys(model: nn.Module) -> list[str]:
+    """Names, relative to a transformer block, of its Linear/QuantizedLinear projections and MoE expert
+    (Quantized)SwitchLinear projections (sorted): mlx-lm's own LoRA defaults. The union over all blocks
+    (equal to block 0's for the usual homogeneous models)."""
+    return sorted({name for name, _ in _block_projections(model.layers)})
+
+
+def expert_block_keys(model: nn.Module, num_layers: int = 0) -> list[str]:
+    """The keys of lora_block_keys that are routed experts, in the last num_layers blocks (0: all)."""
+    blocks = model.layers[-num_layers:] if num_layers else model.layers
+    return sorted({name for name, m in _block_projections(blocks) if isinstance(m, EXPERT_LAYERS)})
 
 
 def apply_adapters(model: nn.Module, train_type: str, rank: int, alpha: float, dropout: float,
                    num_layers: int, keys: list[str]) -> dict:
-    """Freeze the model and wrap `keys` (empty: every projection) of its last `num_layers` blocks
-    (0: all) in LoRA or DoRA layers. Returns the adapter config in mlx-lm's adapter_config.json format."""
+    """Freeze the model and wrap `keys` (empty: every projection, MoE experts included) of its last
+    `num_layers` blocks (0: all) in LoRA or DoRA layers (experts: LoRA only; DoRA on them is refused).
+    Returns the adapter config in mlx-lm's adapter_config.json format."""
     if train_type not in TRAIN_TYPES:
         raise UserError(f"unknown adapter type {train_type!r}: choose one of {', '.join(TRAIN_TYPES)}")
     if rank < 1:
@@ -106,6 +123,15 @@ def apply_adapters(model: nn.Module, train_type: str, rank: int, alpha: float, d
             hint = f" (did you mean {nearest[0]!r}?)" if nearest else ""
             raise UserError(f"unknown LoRA key {key!r}{hint}; valid keys: {', '.join(valid)}")
     chosen = sorted(set(keys)) if keys else valid
+    experts = [k for k in expert_block_keys(model, count) if k in chosen]
+    if train_type == "dora" and experts:
+        # mlx-lm has no DoRA layer for experts. Mixing (DoRA on the rest, LoRA on experts) would be a
+        # checkpoint mlx-lm cannot load, and skipping them would leave most of a MoE's weights untouched
+        # unasked: the user chooses.
+        others = [k for k in valid if k not in expert_block_keys(model)]
+        raise UserError(f"DoRA cannot adapt MoE expert projections ({', '.join(experts)}): mlx-lm has DoRA "
+                        f"only for linear layers; use train_type = lora, or set lora_keys to projections "
+                        f"without them: {', '.join(others) or '(none)'}")
     lora_parameters = {"rank": rank, "scale": alpha / rank, "dropout": dropout, "keys": chosen}
     training = model.training
     model.freeze()
