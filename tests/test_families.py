@@ -103,3 +103,43 @@ def test_eval_runs(family_dirs, tmp_path, family):
                                                     f"eval_dataset_path={FIXTURES / 'gsm8k_tiny.jsonl'}"]))
     result = evaluate.run_eval(cfg, output=str(tmp_path / "eval.jsonl"))
     assert len(result.records) == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4_text", "lfm2"])
+def test_rollout_process_stop_strings_and_evaluations(family_dirs, tmp_path, family):
+    """The rollout worker process (the model pickled to it, weights through the shared file), stop strings
+    and evaluations during training on hybrid and KV-shared models: the first update trains on what it sampled,
+    the second on a batch sampled one update stale (rollout_staleness 1)."""
+    items = _items(family_dirs[family], tmp_path, family, "async_rollouts=1",
+                   "rollout_worker=process", "rollout_correction=token_truncate", 'stop=["ab"]',
+                   "eval_every_updates=1", "eval_subset_size=2", "eval_max_new_tokens=4",
+                   f"eval_dataset_path={FIXTURES / 'gsm8k_tiny.jsonl'}")
+    # built-in arith questions, 4 of them: 2 updates
+    items = [i for i in items if not i.startswith(("max_train_samples", "dataset_path"))] + ["max_train_samples=4"]
+    run_dir = train(build_config("train", overrides=parse_set(items)))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and records[0]["sampler_diff_max"] <= SAMPLER_TOLERANCE
+    assert [r["rollout_staleness"] for r in records] == [0, 1]
+    assert len((run_dir / "eval.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_cache_the_decode_cannot_batch_is_one_line(family_dirs, monkeypatch):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlx_grpo.errors import UserError
+    from mlx_grpo.rollout.engine import check_rollout_model
+
+    model, _ = load_model(str(family_dirs["qwen3"]), "float32")
+    assert check_rollout_model("auto", model) is None
+    monkeypatch.setattr(type(model), "make_cache", lambda self: [QuantizedKVCache() for _ in self.layers],
+                        raising=False)
+    with pytest.raises(UserError, match="model family 'qwen3'.*QuantizedKVCache"):
+        check_rollout_model("auto", model)
+
+
+def test_copy_asked_for_a_family_it_does_not_serve_says_so(family_dirs):
+    from mlx_grpo.rollout.engine import check_rollout_model
+
+    model, _ = load_model(str(family_dirs["qwen3_5"]), "float32")
+    assert "model family 'qwen3_5'" in check_rollout_model("copy", model)
+    assert check_rollout_model("model", model) is None

@@ -20,7 +20,7 @@ from mlx_grpo.checkpoint import load_masters
 from mlx_grpo.config import Config
 from mlx_grpo.data import subset
 from mlx_grpo.distributed import World
-from mlx_grpo.rollout.engine import uses_copy
+from mlx_grpo.rollout.engine import check_rollout_model, uses_copy
 from mlx_grpo.errors import UserError
 from mlx_grpo.health import prompt_cut_report
 from mlx_grpo.models import decoder
@@ -93,6 +93,9 @@ def build_model(cfg: Config, say=print) -> TrainedModel:
                                       "load_in_bits": spec.load_in_bits, "model_dtype": dtype_name(dtype)}
         masters = MasterWeights(model, mixed)  # mlx-lm creates the adapters in float32
         cast_floats(model, dtype)
+    engine_warning = check_rollout_model(cfg.rollout.rollout_engine, model)
+    if engine_warning:
+        say(f"[mlx-grpo] warning: {engine_warning}")
     if cfg.training.grad_checkpoint and not supports_layer_checkpointing(model):
         say(f"[mlx-grpo] warning: grad_checkpoint has no effect for model type "
             f"{getattr(model, 'model_type', '?')!r}: its layers are not recomputed, memory stays as without it")

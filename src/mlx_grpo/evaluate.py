@@ -23,7 +23,7 @@ from mlx_grpo.config import Config, command_default, save_json
 from mlx_grpo.data import Example, subset
 from mlx_grpo.errors import UserError
 from mlx_grpo.rewards.builtin import answers_match, extract_answer
-from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.engine import RolloutEngine, check_rollout_model
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
 from mlx_grpo.prompts import WorkedExamples, build_run_prompts, question_text, select_worked_examples
 from mlx_grpo.rollout.records import SamplingParams
@@ -220,6 +220,9 @@ def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> Eva
 
     job = prepare_eval(cfg, split, output)
     model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
+    engine_warning = check_rollout_model(cfg.rollout.rollout_engine, model)
+    if engine_warning:
+        print(f"[mlx-grpo] warning: {engine_warning}", file=sys.stderr)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     prompt = build_run_prompts(cfg, tokenizer, multiturn, job.worked, job.examples, lambda line: None)[1]
     print(f"[mlx-grpo] evaluating with {prompt.describe()}", file=sys.stderr)

@@ -29,7 +29,7 @@ from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.records import Rollout, SamplingParams
 from mlx_grpo.rollout.sampling import StopScanner, end_ids, finish_rollout, make_sampler, sample
-from mlx_grpo.rollout.decode import generate_rollout
+from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
 
 # A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.
 MIN_ROWS = 8
@@ -43,6 +43,19 @@ def uses_copy(mode: str, model: nn.Module) -> bool:
     """Whether rollout_engine = mode samples `model` through the sampling copy (auto: on NVIDIA GPUs)."""
     wanted = mode == "copy" or (mode == "auto" and kernel_available())
     return wanted and decoder.supports(model) and not _quantized(model)
+
+
+def check_rollout_model(mode: str, model: nn.Module) -> str | None:
+    """Raise UserError (one line naming the family) when the decode cannot batch the caches this model asks
+    for. -> a warning line when rollout_engine = copy was asked for a model the copy does not serve (it then
+    decodes on the model itself), else None."""
+    check_batch_caches(model)
+    if mode != "copy" or uses_copy(mode, model):
+        return None
+    why = "its weights are quantized" if _quantized(model) else \
+        f"model family {getattr(model, 'model_type', type(model).__name__)!r} is not one it serves"
+    return (f"rollout_engine = copy serves unquantized {', '.join(sorted(decoder.FAMILIES))} models with full "
+            f"attention; {why}: rollouts decode on the model itself (rollout_engine = model)")
 
 
 class RolloutEngine:
