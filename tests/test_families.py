@@ -143,3 +143,11 @@ def test_copy_asked_for_a_family_it_does_not_serve_says_so(family_dirs):
     model, _ = load_model(str(family_dirs["qwen3_5"]), "float32")
     assert "model family 'qwen3_5'" in check_rollout_model("copy", model)
     assert check_rollout_model("model", model) is None
+
+
+def test_the_family_table_in_docs_is_current():
+    from mlx_grpo.models.support import PAGE, page_with_table
+
+    text = PAGE.read_text()
+    assert text == page_with_table(text), "regenerate it: python -m mlx_grpo.models.support"
+    assert "| `qwen3_5` | model | KV, recurrent state | hidden-state head | yes | yes |" in text
