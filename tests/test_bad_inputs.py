@@ -27,6 +27,8 @@ def files(tmp_path, tiny_model_dir):
     (d / "nocolumns.jsonl").write_text(json.dumps({"text": "q"}) + "\n")
     (d / "sft.jsonl").write_text(json.dumps({"prompt": "q", "completion": "a"}) + "\n")
     (d / "noconfig").mkdir()
+    (d / "unknownfamily").mkdir()
+    (d / "unknownfamily" / "config.json").write_text(json.dumps({"model_type": "foo_bar"}))
     (d / "notckpt").mkdir()
     (d / "run" / "grpo").mkdir(parents=True)
     return {"d": d, "model": str(tiny_model_dir)}
@@ -106,6 +108,8 @@ CASES = {
     "model missing": (["train", "--set", "model_name={d}/nope", "--set", "output_dir={out}"], r"not found"),
     "model without config": (["train", "--set", "model_name={d}/noconfig", "--set", "output_dir={out}"],
                              r"has no config.json"),
+    "family mlx-lm does not know": (["train", "--set", "model_name={d}/unknownfamily", "--set", "output_dir={out}"],
+                                    r"mlx-lm .* has no model family 'foo_bar'"),
     "rollout too large": (TRAIN + ["--set", "num_generations=100000", "--set", "max_new_tokens=1000"],
                           r"need at least .* GB"),
     # checkpoints and output

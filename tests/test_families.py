@@ -151,3 +151,19 @@ def test_the_family_table_in_docs_is_current():
     text = PAGE.read_text()
     assert text == page_with_table(text), "regenerate it: python -m mlx_grpo.models.support"
     assert "| `qwen3_5` | model | KV, recurrent state | hidden-state head | yes | yes |" in text
+
+
+def test_rollout_memory_counts_only_the_caches_that_grow(family_dirs):
+    """Up-front memory check: recurrent and KV-shared layers keep no keys and values, a sliding-window layer
+    keeps its window."""
+    from mlx_grpo.rollout.decode import rollout_memory_bytes
+
+    rows, length, logits = 4, 100, 3 * 4 * 259 * 4
+    per_token = 2 * 1 * 16 * 4  # keys and values, 1 KV head of 16, float32
+
+    def need(family):
+        return rollout_memory_bytes(load_model(str(family_dirs[family]), "float32")[0], rows, length)
+
+    assert need("qwen3_5") == rows * per_token * 2 * length + logits  # 2 attention layers of 4
+    assert need("gemma3_text") == rows * per_token * (length + 2 * 8) + logits  # 1 full layer, 2 windows of 8
+    assert need("gemma4_text") == rows * per_token * (length + 8) + logits  # layers 3 and 4 share 1 and 2's

@@ -75,6 +75,22 @@ def resolve_model_path(model_name: str) -> str:
                     "or a Hugging Face hub id like 'org/name'")
 
 
+def check_family(path: Path) -> None:
+    """Before any weights are read: one line when mlx-lm has no module for the directory's model_type."""
+    import json
+
+    import mlx_lm
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    try:
+        family = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return  # a hub id not downloaded yet, or a config mlx-lm will report on itself
+    if isinstance(family, str) and importlib.util.find_spec(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}") is None:
+        raise UserError(f"model {str(path)!r}: mlx-lm {mlx_lm.__version__} has no model family {family!r} (config.json's "
+                        "model_type); a newer mlx-lm may: pip install -U mlx-lm")
+
+
 def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
     """Load (model, tokenizer) with mlx-lm; the tokenizer is mlx-lm's TokenizerWrapper.
     The float weights are cast to the compute dtype (precision.compute_dtype: dtype, or for 'auto'
@@ -86,6 +102,7 @@ def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
     if model_name != DEFAULT_MODEL and is_adapter_checkpoint(Path(model_name).expanduser()):
         return load_with_adapters(Path(model_name).expanduser(), dtype)
     path = resolve_model_path(model_name)
+    check_family(Path(path))
     try:
         model, tokenizer = load(path)
     except UserError:

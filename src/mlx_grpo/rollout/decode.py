@@ -284,18 +284,23 @@ def _all_stopped(scanner: StopScanner, tokens: list[mx.array], ended: np.ndarray
 
 
 def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:
-    """Bytes a rollout of `rows` rows of up to `length` tokens needs at least: its KV cache (every layer's
-    keys and values in the compute dtype) plus the float32 logits of one decode step, three times over
+    """Bytes a rollout of `rows` rows of up to `length` tokens needs at least: its KV caches (the keys and
+    values of the layers that keep them, in the compute dtype; a sliding-window layer keeps its window, a
+    recurrent or KV-shared layer none) plus the float32 logits of one decode step, three times over
     (softmax, sampling). None for a model whose shape the config does not give."""
     args = getattr(model, "args", None)
-    layers, heads = getattr(args, "num_hidden_layers", None), getattr(args, "num_attention_heads", None)
-    hidden, vocab = getattr(args, "hidden_size", None), getattr(args, "vocab_size", None)
+    text = getattr(args, "text_config", None)  # a wrapped language model's (qwen3_5) settings
+    arg = text.get if isinstance(text, dict) else (lambda name: getattr(args, name, None))
+    layers, heads, hidden, vocab = (arg(k) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size",
+                                                     "vocab_size"))
     if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden, vocab)):
         return None
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    head_dim = getattr(args, "head_dim", None) or hidden // heads
+    kv_heads = arg("num_key_value_heads") or heads
+    head_dim = arg("head_dim") or hidden // heads
     itemsize = model.model.embed_tokens.weight.dtype.size if hasattr(model, "model") else 2
-    return rows * length * layers * 2 * kv_heads * head_dim * itemsize + 3 * rows * vocab * 4
+    tokens = sum(length if type(c) is KVCache else min(length, c.max_size) if type(c) is RotatingKVCache else 0
+                 for c in _leaves(_prompt_caches(model)))
+    return rows * tokens * 2 * kv_heads * head_dim * itemsize + 3 * rows * vocab * 4
 
 
 def machine_memory_bytes() -> int | None:
