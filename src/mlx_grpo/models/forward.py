@@ -17,6 +17,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_grpo.models.gated_delta import bounded_scan
+
 
 def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx.array:
     """log softmax(logits / temperature)[token], in float32. logits [..., V], tokens [...] -> [...]."""
@@ -254,7 +256,8 @@ class _Checkpointed(nn.Module):
 
         def run(params, *args, **kwargs):
             layer.update(params)
-            return call(layer, *args, **kwargs)
+            with bounded_scan(layer):  # the recomputation runs in the backward pass, outside the forward's scope
+                return call(layer, *args, **kwargs)
 
         return mx.checkpoint(run)(layer.trainable_parameters(), *args, **kwargs)
 
@@ -292,15 +295,17 @@ def hidden_states(inner: nn.Module, inputs: mx.array, checkpoint_layers: bool = 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float,
                         chunk_tokens: int | None = None, checkpoint_layers: bool = False) -> mx.array:
     """Log-probs [n, T] of the completion tokens. For the families in LOGIT_SPLITS only the T completion
-    positions go through the output head, in chunks, so [n, L, V] logits never exist."""
-    split = logit_split(model)
-    if split is not None:
-        hidden = hidden_states(split.inner, batch.inputs, checkpoint_layers)  # [n, L, D]
-        idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
-        picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
-        # dividing the (capped) logits by d then by the temperature is one division by d * temperature
-        scale = temperature * (split.divide or 1.0)
-        return head_logprobs(split.outer, picked, batch.targets, scale, chunk_tokens, split.softcap)  # [n, T]
-    full = model(batch.inputs)  # [n, L, V]
-    logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
-    return token_logprobs(logits, batch.targets, temperature)  # [n, T]
+    positions go through the output head, in chunks, so [n, L, V] logits never exist. Gated-delta layers
+    (Qwen3.5, Qwen3-Next) run models/gated_delta.py's scan, whose backward keeps ~sqrt(L) states, not L."""
+    with bounded_scan(model):
+        split = logit_split(model)
+        if split is not None:
+            hidden = hidden_states(split.inner, batch.inputs, checkpoint_layers)  # [n, L, D]
+            idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
+            picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
+            # dividing the (capped) logits by d then by the temperature is one division by d * temperature
+            scale = temperature * (split.divide or 1.0)
+            return head_logprobs(split.outer, picked, batch.targets, scale, chunk_tokens, split.softcap)  # [n, T]
+        full = model(batch.inputs)  # [n, L, V]
+        logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
+        return token_logprobs(logits, batch.targets, temperature)  # [n, T]
