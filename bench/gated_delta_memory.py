@@ -13,7 +13,7 @@ value_and_grad of sum(layer(x) * w) w.r.t. the layer's weights and x, evaluated.
 mlx-lm would pick its Metal kernel on a Mac GPU, which has no VJP. The bounded run is also checked against the
 reference: the same loss, and gradients within float tolerance.
 
-    python bench/gated_delta_memory.py --out bench/results/gated_delta_memory.json        # 1,024 and 4,096, bf16
+    python bench/gated_delta_memory.py --out bench-results/gated_delta_memory.json        # 1,024 and 4,096, bf16
     python bench/gated_delta_memory.py --tokens 256 --dtype float32 --out /tmp/gdm.json   # a quick CPU check
 
 Prints a markdown table (GiB = 2^30 bytes) and writes the JSON record to --out (a .json path, or a directory).
