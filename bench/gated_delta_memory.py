@@ -1,7 +1,7 @@
 """Peak memory of the forward+backward of ONE gated-delta layer (mlx-lm qwen3_5 GatedDeltaNet) against ONE
 attention layer of the same width (qwen3_5's full-attention layer), both at Qwen3.5-0.8B's real configuration,
 the gated-delta layer through mlx-lm's reference scan (autograd through the ops path) and through
-mlx_grpo.models.gated_delta's bounded scan.
+mlx_grpo.models.gated_delta's training path (bounded_scan: the chunked form for scalar gates, else the bounded scan).
 
 Qwen3.5-0.8B (HF config): hidden_size 1024; gated DeltaNet: 16 value heads, 16 key heads, key/value head dim 128,
 conv kernel 4; gated attention: 8 query heads, 2 KV heads, head_dim 256, partial rotary 0.25.

@@ -67,7 +67,8 @@ def test_training_forward_equals_the_models_own_and_checkpointing_keeps_gradient
     batch = pack([list(range(5, 30)), [10, 11, 12]], completions, mx.ones((2, 6)), 0)
     full = token_logprobs(mx.take_along_axis(model(batch.inputs), batch.positions[..., None], axis=1),
                           batch.targets, 0.7)
-    np.testing.assert_allclose(np.array(completion_logprobs(model, batch, 0.7)), np.array(full), atol=1e-6)
+    # gated-delta layers train through the chunked form: equal to the model's scan to float32 rounding
+    np.testing.assert_allclose(np.array(completion_logprobs(model, batch, 0.7)), np.array(full), atol=SAMPLER_TOLERANCE)
 
     def grads(checkpoint_layers):
         loss = lambda m: completion_logprobs(m, batch, 0.7, checkpoint_layers=checkpoint_layers).sum()  # noqa: E731
