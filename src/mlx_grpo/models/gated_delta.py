@@ -237,6 +237,8 @@ def _unit_lower_inverse(a: mx.array) -> mx.array:
     Every product is of true sub-inverses, which stay bounded where the state does; the power series
     sum_k (-a)^k does not (its terms overflow float32 for keys that point alike)."""
     C = a.shape[-1]
+    shape = a.shape
+    a = a.reshape(-1, C, C)  # one leading axis: the block reshapes below stay under MLX's 10 dimensions
     lead = a.shape[:-2]
     b = min(C, _BLOCK)
     blocks = a.reshape(*lead, C // b, b, C // b, b)
@@ -260,7 +262,7 @@ def _unit_lower_inverse(a: mx.array) -> mx.array:
         bottom = mx.concatenate([-(l2 @ m @ l1), l2], axis=-1)
         inv = mx.concatenate([top, bottom], axis=-2)  # [..., pairs, 2 size, 2 size]
         size *= 2
-    return inv.reshape(*lead, C, C)
+    return inv.reshape(shape)
 
 
 def chunked_gated_delta(q, k, v, g, beta, state=None, mask=None, chunk: int = CHUNK):
