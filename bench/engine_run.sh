@@ -15,7 +15,7 @@
 # (default .gpudata/train.jsonl), MLX_GRPO_CACHE (default /tmp/mgcache: where the embedded SmolLM2 is
 # converted on first use, a few seconds).
 #
-# Estimates are from BENCHMARKS.md's H100 figures (2026-11-22), plus ~20-30 s per process for start-up,
+# Estimates are from docs/benchmarks-history.md's H100 figures (2026-11-22), plus ~20-30 s per process for start-up,
 # model load and the first call's kernel compiles; times.txt records each command's real duration.
 #   decode: decode_profile, 2 step builders x 64/256/1024 rows x ~73 steps (8 warm-up + 32 pipelined + 32
 #           serial + 1 graph): the old loop ran 1,024 rows at ~18 ms/step, so < 2 s per row count plus its

@@ -4,7 +4,7 @@ MLX's CUDA build compiles.
 MLX's CUDA backend compiles its kernels with NVRTC on first use (its own, mx.compile's fused ones and the
 project's mx.fast.cuda_kernel ones) and keeps them in $MLX_PTX_CACHE_DIR, by default <tmp>/mlx/<version>/ptx.
 On an H100 the first GRPO step of the standard workload took 169 s with that cache empty and 12 s with it
-filled (BENCHMARKS.md, ninth sitting). /tmp is emptied at every boot on many systems and at every start of a
+filled (docs/benchmarks-history.md, ninth sitting). /tmp is emptied at every boot on many systems and at every start of a
 container, so the CLI keeps the kernels beside the converted models instead, where a later run finds them.
 MLX names a cached kernel by its source alone and compiles it for the GPU it runs on, so the folder is per
 MLX version and per GPU model (a home directory shared by machines with different GPUs must not hand one

@@ -70,7 +70,7 @@ class RolloutConfig:
                                  "device array; one trace per cache capacity). Same tokens and log-probs as without it "
                                  "on CPU in float32 (tests); costs a copy of o_proj/down_proj. Off by default: on an "
                                  "H100 its step is 1.3x faster at 256 rows but slower at 1,024, and the standard "
-                                 "GRPO step's rollout did not move (BENCHMARKS.md, issue 25, third sitting). Needs "
+                                 "GRPO step's rollout did not move (docs/benchmarks-history.md, issue 25, third sitting). Needs "
                                  "the copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
                                   "this update starts from, while this update trains (training/prefetch.py): every "
@@ -84,7 +84,7 @@ class RolloutConfig:
                                   "trainable weights through a shared file after each update, with MLX's buffer cache "
                                   "capped at a tenth of the device's memory in each process; on an H100 it gave 1.22x "
                                   "the synchronous run's updates per minute where the thread gave 0.92-1.07x, and "
-                                  "used ~55 GB of GPU memory against ~31-34 GB (BENCHMARKS.md, tenth sitting). "
+                                  "used ~55 GB of GPU memory against ~31-34 GB (docs/benchmarks-history.md, tenth sitting). "
                                   "process: single-turn rollouts (no tools or environment), one training process (no "
                                   "data parallelism), a model that pickles.", TRAIN, choices=("thread", "process"),
                                   resume_may_change=True)

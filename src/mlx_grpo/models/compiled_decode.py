@@ -15,7 +15,7 @@ layer, of which only ~7 compute. This step computes the same forward with:
   and changing ones grow its cache).
 
 The new keys/values are written into the cache *outside* the compiled graph, at a Python slice (the
-engine's loop index), as the default step writes them: measured on the H100 (BENCHMARKS.md, session 12), a
+engine's loop index), as the default step writes them: measured on the H100 (docs/benchmarks-history.md, third sitting), a
 slice_update at an array offset (inside the graph or outside) made the step 2.3x slower at 256 rows and
 2.8x at 1,024, its time growing with the cache (the buffer copied, not written in place), while the static slice
 update is donated (written in place). The slot array still feeds the graph's RoPE positions and masks.

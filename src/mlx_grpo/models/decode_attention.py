@@ -348,7 +348,7 @@ def _fused_kernel():
 
 def fused_split(rows: int, heads: int, head_dim: int) -> tuple[int, int]:
     """(SPLIT warps per (row, head), NB batches per trip) of the fused kernel. Measured on an H100
-    (BENCHMARKS.md, eleventh sitting; 30-call chains, 170-420 cached slots): at 256 rows x 9 heads, 4 warps
+    (docs/benchmarks-history.md, eleventh sitting; 30-call chains, 170-420 cached slots): at 256 rows x 9 heads, 4 warps
     and 4 batches took 15-20% less time than one warp and 2; at 1,024 rows splitting lost (up to +17%) and
     at 64 it was mixed. 128-wide heads keep 2 batches: 4 would hold 128 floats of keys and values per lane."""
     split = 4 if 1024 <= rows * heads <= 4096 else 1

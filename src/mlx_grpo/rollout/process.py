@@ -1,8 +1,8 @@
 """rollout_worker = "process": async_rollouts' rollouts decode in a process of their own.
 
 In one process the rollout's decode (host-bound) and the training pass slow each other about as much as
-they overlap; in two processes the same GPU did 1.44x the work in the same time (BENCHMARKS.md, ninth
-sitting). RolloutProcess owns that second process (worker_entry.py starts it, worker.py serves in it): the
+they overlap; in two processes the same GPU did 1.44x the work in the same time (docs/benchmarks-history.md,
+ninth sitting). RolloutProcess owns that second process (worker_entry.py starts it, worker.py serves in it): the
 model (structure and weights) and the tokenizer are pickled to it once; before each job the trainable
 weights to sample from are copied into a file both processes map (in /dev/shm where it has room: pickling
 them through the pipe cost ~0.5 s an update for SmolLM2-135M), and the job carries the batch steps'

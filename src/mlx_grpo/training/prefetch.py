@@ -3,7 +3,7 @@
 
 Update k trains on batch k while batch k+1 decodes in one worker thread, on that thread's own MLX stream
 (MLX releases the GIL while it evaluates, so both threads dispatch at once; on an H100 they still slowed each
-other about as much as they overlapped: BENCHMARKS.md, ninth sitting), from a frozen snapshot of
+other about as much as they overlapped: docs/benchmarks-history.md, ninth sitting), from a frozen snapshot of
 the weights update k starts from. Every batch but the first is thus sampled one update stale
 (rollout_staleness in metrics.jsonl: the optimizer steps applied since, 1; 0 after a skipped update, which
 left the weights as they were); the loss weights that back with rollout_correction (truncated importance
