@@ -1,6 +1,7 @@
-"""The bounded gated-delta scan (models/gated_delta.py): forward values bitwise those of mlx-lm's ops path,
-gradients those of autograd through it, and bounded_scan(model) changes neither a tiny Qwen3.5's loss nor its
-gradients."""
+"""The gated-delta training path (models/gated_delta.py): the bounded scan's forward values bitwise those of
+mlx-lm's ops path and its gradients those of autograd through it; the chunked form's values and gradients the
+same to float rounding (across chunk boundaries, with masks, with keys that point alike, with a gate that
+underflows); bounded_scan(model) changes neither a tiny Qwen3.5's loss nor its gradients beyond rounding."""
 
 from __future__ import annotations
 
@@ -69,12 +70,28 @@ def _hard_inputs(seed: int, neg_eigval: bool):
     return q, k, v, g, beta, mx.random.normal((B, H, D, D)) * 0.1
 
 
+def test_a_gate_that_underflows_to_zero_forgets_instead_of_turning_nan():
+    """exp(-A * softplus(a + dt_bias)) is 0 in float32 once its exponent passes ~87 (A = 16, a = 30 here): the
+    chunked path takes the gate's log from the formula, so the state is wiped, not NaN."""
+    q, k, v, a, b, A_log, dt_bias, state, mask = _inputs(seed=5, T=40)
+    a = a.at[:, 20].add(30.0)
+    A_log = mx.full(A_log.shape, float(np.log(16.0)))
+    assert (ref.compute_g(A_log, a, dt_bias)[:, 20] == 0).all().item()
+    y0, s0 = _update(ref.gated_delta_update, q, k, v, a, b, A_log, dt_bias, state=state, mask=None)
+    y1, s1 = _update(bounded_gated_delta_update, q, k, v, a, b, A_log, dt_bias, state=state, mask=None)
+    np.testing.assert_allclose(np.array(y1), np.array(y0), atol=2e-5)
+    np.testing.assert_allclose(np.array(s1), np.array(s0), atol=2e-5)
+    grads = mx.grad(lambda a: _update(bounded_gated_delta_update, q, k, v, a, b, A_log, dt_bias, state=state,
+                                      mask=None)[0].sum())(a)
+    assert mx.isfinite(grads).all().item()
+
+
 @pytest.mark.parametrize("chunk", [16, 32, 64])
 @pytest.mark.parametrize("neg_eigval", [False, True])
 def test_chunked_form_equals_the_scan_where_the_power_series_overflows(chunk, neg_eigval):
     q, k, v, g, beta, state = _hard_inputs(0, neg_eigval)
     y0, s0 = ref.gated_delta_ops(q, k, v, g, beta, state)
-    y1, s1 = chunked_gated_delta(q, k, v, g, beta, state, chunk=chunk)
+    y1, s1 = chunked_gated_delta(q, k, v, mx.log(g), beta, state, chunk=chunk)
     scale = 1e-4 if neg_eigval else 1e-5  # doubled writes: the recurrence itself amplifies rounding
     np.testing.assert_allclose(np.array(y1), np.array(y0), atol=scale)
     np.testing.assert_allclose(np.array(s1), np.array(s0), atol=10 * scale)
@@ -82,8 +99,9 @@ def test_chunked_form_equals_the_scan_where_the_power_series_overflows(chunk, ne
 
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_chunked_form_gradients_equal_autograd_through_the_ops_path(with_mask, chunk):
-    q, k, v, a, b, A_log, dt_bias, state, mask = _inputs(seed=2)
+@pytest.mark.parametrize("T", [13, 150])  # inside one chunk, and across chunk boundaries
+def test_chunked_form_gradients_equal_autograd_through_the_ops_path(with_mask, chunk, T):
+    q, k, v, a, b, A_log, dt_bias, state, mask = _inputs(seed=2, T=T)
     mask = mask if with_mask else None
     real = mx.ones(q.shape[:2], dtype=mx.bool_) if mask is None else mask
     wy = mx.random.normal((q.shape[0], q.shape[1], v.shape[2], v.shape[3])) * real[..., None, None]
@@ -95,7 +113,7 @@ def test_chunked_form_gradients_equal_autograd_through_the_ops_path(with_mask, c
 
     args = (q, k, v, a, b, A_log, dt_bias, state)
     l0, g0 = mx.value_and_grad(loss, tuple(range(1, 9)))(ref.gated_delta_ops, *args)
-    chunked = lambda *x: chunked_gated_delta(*x, chunk=chunk)  # noqa: E731
+    chunked = lambda q, k, v, g, *x: chunked_gated_delta(q, k, v, mx.log(g), *x, chunk=chunk)  # noqa: E731
     l1, g1 = mx.value_and_grad(loss, tuple(range(1, 9)))(chunked, *args)
     assert l1.item() == pytest.approx(l0.item(), rel=1e-5)
     for want, got in zip(g0, g1):

@@ -296,7 +296,7 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float
                         chunk_tokens: int | None = None, checkpoint_layers: bool = False) -> mx.array:
     """Log-probs [n, T] of the completion tokens. For the families in LOGIT_SPLITS only the T completion
     positions go through the output head, in chunks, so [n, L, V] logits never exist. Gated-delta layers
-    (Qwen3.5, Qwen3-Next) run models/gated_delta.py's scan, whose backward keeps ~sqrt(L) states, not L."""
+    (Qwen3.5, Qwen3-Next) run models/gated_delta.py's chunked form, whose backward keeps O(L) values, not L states."""
     with bounded_scan(model):
         split = logit_split(model)
         if split is not None:

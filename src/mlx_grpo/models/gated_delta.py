@@ -6,8 +6,11 @@ What this module owns:
   compiled step in the same order, so its forward values are bitwise those of the ops path. It is an
   `mx.custom_function` whose forward keeps only the state at chunk boundaries (~sqrt(T) of them) and whose
   hand-written VJP recomputes one chunk's states at a time and runs the recurrence backwards through it.
-- `bounded_gated_delta_update`: a drop-in for mlx-lm's `gated_delta_update` (same gates, same signature) that
-  always takes the bounded scan.
+- `chunked_gated_delta`: the same recurrence for a scalar gate (Qwen3.5, Qwen3-Next) in the chunked WY form
+  (below): matmuls over 64-token chunks, equal to the ops path to float rounding (on CUDA, where MLX runs
+  float32 matmuls in TF32 by default, to ~1e-4 relative at Qwen3.5's shapes: below bf16's own rounding).
+- `bounded_gated_delta_update`: a drop-in for mlx-lm's `gated_delta_update` (same gates, same signature): the
+  chunked form for scalar gates, the bounded scan otherwise.
 - `bounded_scan(model)`: while active in the current thread (a ContextVar), gated-delta layers of the classes
   `model` uses call `bounded_gated_delta_update`; other threads are untouched; a no-op for models without them.
 
@@ -144,12 +147,19 @@ def bounded_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
         beta = beta * 2.0
+    if a.ndim == 3 and q.shape[1] > 1:  # a scalar gate: the chunked form (its matmuls run in parallel)
+        # the gate's log straight from its formula: g itself underflows to 0 in float32 once
+        # A * softplus(a + dt_bias) > ~87, and log(0) would turn every later token into NaN
+        rate = mx.exp(A_log.astype(mx.float32))
+        if lower_bound is None:
+            log_g = -rate * nn.softplus(a.astype(mx.float32) + dt_bias)
+        else:
+            log_g = lower_bound * mx.sigmoid(rate * (a.astype(mx.float32) + dt_bias))
+        return chunked_gated_delta(q, k, v, log_g, beta, state, mask)
     if lower_bound is None:
         g = _ref.compute_g(A_log, a, dt_bias)
     else:
         g = _ref.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
-    if g.ndim == 3 and q.shape[1] > 1:  # a scalar gate: the chunked form (its matmuls run in parallel)
-        return chunked_gated_delta(q, k, v, g, beta, state, mask)
     return gated_delta_scan(q, k, v, g, beta, state, mask)
 
 
@@ -187,8 +197,9 @@ def _gated_delta_modules(model) -> list[str]:
 
 @contextlib.contextmanager
 def bounded_scan(model):
-    """While active (in this thread/context), `model`'s gated-delta layers use the bounded scan: same forward
-    values as mlx-lm's ops path, backward memory ~sqrt(T) states. A no-op for models without such layers. Also
+    """While active (in this thread/context), `model`'s gated-delta layers use bounded_gated_delta_update: the
+    chunked form (scalar gates) or the bounded scan, the ops path's values to float rounding, backward memory O(T)
+    values instead of T states. A no-op for models without such layers. Also
     usable as a decorator; the context must be active wherever the layer's forward runs, including a gradient
     checkpoint's recompute during the backward pass."""
     names = _gated_delta_modules(model)
@@ -247,7 +258,8 @@ def _unit_lower_inverse(a: mx.array) -> mx.array:
     eye = mx.eye(b, dtype=a.dtype)
     rows = [mx.broadcast_to(eye[0], diag.shape[:-1][:-1] + (b,))]
     for i in range(1, b):
-        rows.append(eye[i] - (diag[..., i:i + 1, :i] @ mx.stack(rows, axis=-2))[..., 0, :])
+        # a multiply-and-sum, not a matmul: CUDA runs float32 matmuls in TF32, which the substitution would compound
+        rows.append(eye[i] - (diag[..., i, :i, None] * mx.stack(rows, axis=-2)).sum(axis=-2))
     inv = mx.stack(rows, axis=-2)  # [nb, ..., b, b]
     inv = mx.moveaxis(inv, 0, -3)  # [..., nb, b, b]
     size = b
@@ -265,10 +277,14 @@ def _unit_lower_inverse(a: mx.array) -> mx.array:
     return inv.reshape(shape)
 
 
-def chunked_gated_delta(q, k, v, g, beta, state=None, mask=None, chunk: int = CHUNK):
+def chunked_gated_delta(q, k, v, log_g, beta, state=None, mask=None, chunk: int = CHUNK):
     """gated_delta_ops' recurrence for a scalar gate in the chunked form above (float32 inside): the same values up
-    to float rounding. q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g, beta: [B, T, Hv]; state: [B, Hv, Dv, Dk];
-    mask: [B, T] bool (a masked step leaves the state as it was). -> (y [B, T, Hv, Dv] in q's dtype, state)."""
+    to float rounding. q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; log_g (the gate's log), beta: [B, T, Hv];
+    state: [B, Hv, Dv, Dk]; mask: [B, T] bool (a masked step leaves the state as it was; its y, read before the
+    write, belongs to a pad token nobody reads). chunk: 16 * 2^m (the block inverse halves it down to 16).
+    -> (y [B, T, Hv, Dv] in q's dtype, state)."""
+    if chunk > _BLOCK and chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     out_dtype = q.dtype
@@ -276,7 +292,7 @@ def chunked_gated_delta(q, k, v, g, beta, state=None, mask=None, chunk: int = CH
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if (repeat_factor := Hv // Hk) > 1:
         q, k = mx.repeat(q, repeat_factor, -2), mx.repeat(k, repeat_factor, -2)
-    log_g = mx.log(g.astype(mx.float32))
+    log_g = log_g.astype(mx.float32)
     beta = beta.astype(mx.float32)
     if mask is not None:  # no decay and no write: the state passes the step unchanged
         log_g, beta = mx.where(mask[..., None], log_g, 0.0), mx.where(mask[..., None], beta, 0.0)
