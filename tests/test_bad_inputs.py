@@ -117,6 +117,12 @@ CASES = {
     "resume a non-checkpoint": (TRAIN + ["--resume", "{d}/notckpt"], r"is not a checkpoint directory"),
     "output dir is a file": (["train", "--set", "model_name={model}", "--set", "output_dir={d}/a_file"],
                              r"cannot use the run directory"),
+    # checked before the model loads: the model here does not exist, and the run directory's line comes first
+    "output dir is a file, before the model": (["train", "--set", "model_name={d}/nope", "--set",
+                                                "output_dir={d}/a_file"], r"cannot use the run directory .*a_file "
+                                                                          "is not a directory"),
+    "sft output dir is a file, before the model": (["sft", "--set", "model_name={d}/nope", "--set",
+                                                    "output_dir={d}/a_file"], r"cannot use the run directory"),
     "eval output is a directory": (["eval", "--set", "model_name={model}", "--samples", "1", "-o", "{d}/notckpt"],
                                    r"is a directory"),
     "plot without metrics": (["plot", "{d}/notckpt"], r"metrics.jsonl"),

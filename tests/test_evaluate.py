@@ -107,8 +107,11 @@ def _as_checkpoint(model_dir: Path, run_dir: Path) -> Path:
 
 def test_eval_output_defaults_to_the_checkpoints_run_directory(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Without --output: a checkpoint's results go into its run directory, another model's under runs/eval/;
-    the line on stderr says where; nothing lands loose in the current directory. Without a terminal, a line
-    follows each batch of eval_batch_size questions."""
+    the name carries the data set, the split and the subset size (another data set or --samples writes
+    beside earlier results, not over them); the line on stderr says where; nothing lands loose in the current
+    directory. Without a terminal, a line follows each batch of eval_batch_size questions."""
+    from mlx_grpo.sources import run_examples
+
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -116,19 +119,43 @@ def test_eval_output_defaults_to_the_checkpoints_run_directory(tiny_model_dir, t
     assert main(["eval", "--model", str(checkpoint), "--samples", "3", "--max-tokens", "4",
                  "--eval-batch-size", "2"]) == 0
     err = capsys.readouterr().err
-    written = tmp_path / "run" / "eval-checkpoint-3-test.jsonl"
+    arith = len(run_examples(build_config("eval"), "test"))
+    written = tmp_path / "run" / f"eval-checkpoint-3-arith-test-3of{arith}.jsonl"
     assert len(written.read_text().splitlines()) == 3 and Path(f"{written}.config.json").is_file()
     assert f"wrote 3 records to {written} (the checkpoint's run directory; --output FILE to choose)" in err
     progress = [line for line in err.splitlines() if line.startswith("[mlx-grpo] eval: ")]
     assert [re.fullmatch(r"\[mlx-grpo\] eval: (\d)/3 examples, 0 correct, \d+s", line)[1] for line in progress] \
         == ["2", "3"]
     assert list(work.iterdir()) == []
+    # another data set of the same checkpoint, the whole of it: its own file, the first one untouched
+    tiny = FIXTURES / "gsm8k_tiny.jsonl"
+    assert main(["eval", "--model", str(checkpoint), "--eval-dataset-path", str(tiny), "--samples", "1000",
+                 "--max-tokens", "4"]) == 0
+    assert f"records to {tmp_path / 'run' / 'eval-checkpoint-3-gsm8k_tiny-test.jsonl'} (" in capsys.readouterr().err
+    assert len(written.read_text().splitlines()) == 3
 
     assert main(["eval", "--model", str(tiny_model_dir), "--samples", "2", "--max-tokens", "4"]) == 0
     err = capsys.readouterr().err
-    elsewhere = Path("runs") / "eval" / f"eval-{tiny_model_dir.name}-test.jsonl"
+    elsewhere = Path("runs") / "eval" / f"eval-{tiny_model_dir.name}-arith-test-2of{arith}.jsonl"
     assert f"wrote 2 records to {elsewhere} (not a checkpoint of a run; --output FILE to choose)" in err
     assert elsewhere.is_file() and [p.name for p in work.iterdir()] == ["runs"]
+
+
+def test_an_output_that_cannot_be_written_stops_eval_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    """An --output the system refuses (here a name longer than a file name may be; a read-only directory as
+    well, but root writes there) is one line and exit 2 before the model loads, not after every question."""
+    from mlx_grpo.models import loading
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before the output was checked")
+
+    monkeypatch.setattr(loading, "load_model", never)
+    out = tmp_path / ("x" * 300 + ".jsonl")
+    assert main(["eval", "--model", str(tiny_model_dir), "--samples", "2", "--output", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"mlx-grpo eval: error: --output {out}: cannot write ") and "name too long" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_eval_shows_a_bar_in_a_terminal(tiny_model_dir, tmp_path):

@@ -75,9 +75,11 @@ def train_argv(model: Path, out: Path, *items: str) -> list[str]:
     return argv
 
 
-def assert_interrupted(done: subprocess.CompletedProcess, command: str) -> None:
+def assert_interrupted(done: subprocess.CompletedProcess, command: str, survives: str | None = None) -> None:
+    """Exit 130 and one last line: `mlx-grpo COMMAND: interrupted`, then for train/sft what survives (`survives`)."""
     assert done.returncode == 130, done.stderr[-3000:]
-    assert done.stderr.splitlines()[-1] == f"mlx-grpo {command}: interrupted", done.stderr[-3000:]
+    line = f"mlx-grpo {command}: interrupted" + ("" if survives is None else f"; {survives}.")
+    assert done.stderr.splitlines()[-1] == line, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
 
 
@@ -94,10 +96,12 @@ PHASES = {  # phase: (the function that does its work, the call that stalls, ext
 def test_ctrl_c_ends_a_training_run_in_every_phase(phase, tiny_model_dir, tmp_path):
     target, nth, items = PHASES[phase]
     done, _ = interrupt(tmp_path, target, nth, train_argv(tiny_model_dir, tmp_path, *items))
-    assert_interrupted(done, "train")
     run_dir = tmp_path / "run"
     checkpoints = ckpt.list_checkpoints(run_dir)
     assert checkpoints, "the run wrote its first checkpoint before the signal"
+    # the line names the newest whole checkpoint (not the one whose write was cut) and how to continue
+    assert_interrupted(done, "train", f"{checkpoints[-1]} is intact: the command with --resume {checkpoints[-1]} "
+                                      "continues from it")
     path, _ = ckpt.read_for_resume(run_dir, "latest", say=pytest.fail)  # the latest loads, none skipped
     assert path == checkpoints[-1]
     staged = sorted(p.name for p in run_dir.glob(f"{ckpt.TMP_PREFIX}*"))
@@ -108,6 +112,23 @@ def test_ctrl_c_ends_a_training_run_in_every_phase(phase, tiny_model_dir, tmp_pa
         assert staged == []
     with open(run_dir / ".lock", "a+") as lock:  # the OS released the run's lock: a --resume may start
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tiny_model_dir, tmp_path, capsys):
+    """save_steps = 0 writes a checkpoint only at the end: Ctrl-C before it says that nothing was saved, and a
+    --resume afterwards says why it finds no checkpoint."""
+    from mlx_grpo.cli import main
+
+    argv = train_argv(tiny_model_dir, tmp_path, "save_steps=0")
+    done, _ = interrupt(tmp_path, "mlx_grpo.training.trainer:Trainer:generate", 2, argv)
+    assert_interrupted(done, "train", "no checkpoint of this run was written (save_steps = 0: only at the end): a "
+                                      "rerun starts over")
+    assert ckpt.list_checkpoints(tmp_path / "run") == []
+    assert main(argv + ["--resume"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"mlx-grpo train: error: --resume: no checkpoint found in {tmp_path / 'run'}: the run there stopped before "
+        "its first checkpoint (save_steps = 0 writes a checkpoint only at the end); without --resume a rerun starts "
+        "over"]
 
 
 def test_ctrl_c_ends_the_eval_command(tiny_model_dir, tmp_path):

@@ -284,6 +284,23 @@ def test_train_refuses_to_resume_an_sft_checkpoint(tiny_model_dir, tmp_path):
         train(cfg, resume=str(run_dir / "checkpoint-3"))
 
 
+def test_sft_refuses_to_resume_a_train_checkpoint_before_comparing_settings(tiny_model_dir, tmp_path):
+    """A `train` checkpoint given to `sft --resume` is named as such, not as a list of GRPO-only settings that
+    "changed" (train says the same of an sft checkpoint)."""
+    from mlx_grpo.run import train
+    from mlx_grpo.sft_run import run_sft
+
+    run_dir = train(build_config("train", overrides=parse_set([
+        f"model_name={tiny_model_dir}", f"output_dir={tmp_path / 'runs'}", "run_name=grpo", "batch_size=2",
+        "num_generations=2", "max_new_tokens=4", "max_train_samples=2", "system_prompt="])))
+    with pytest.raises(UserError) as info:
+        run_sft(sft_cfg(tiny_model_dir, tmp_path, "num_epochs=1", "run_name=grpo"),
+                resume=str(run_dir / "checkpoint-1"))
+    assert str(info.value) == (f"--resume: {run_dir / 'checkpoint-1'} is a checkpoint of `mlx-grpo train`, not of "
+                               f"`sft`; to start sft from its weights set model_name = {run_dir / 'checkpoint-1'} "
+                               "(without --resume)")
+
+
 def test_worked_examples_prompt_is_trains(tiny_model_dir, tmp_path):
     """With worked examples the rows carry the system prompt `train` builds for the same settings (the same
     drawn examples, left out of the rows as train leaves them out of its data)."""

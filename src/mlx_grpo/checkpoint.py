@@ -170,6 +170,27 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _no_checkpoint(run_dir: Path) -> str:
+    """--resume's line for a run directory that holds no checkpoint, saying why: a run that started there
+    (it wrote config.resolved.json first) stopped before its first save, or none ever ran there."""
+    stored = run_dir / "config.resolved.json"
+    if not stored.is_file():
+        return (f"--resume: no checkpoint found in {run_dir}: no run has started there (check output_dir and "
+                "run_name); without --resume a run starts there")
+    try:
+        save_steps = json.loads(stored.read_text()).get("save_steps")
+    except (OSError, ValueError, AttributeError):  # unreadable, or not the flat form: the line goes without
+        save_steps = None
+    if save_steps == 0:
+        why = "save_steps = 0 writes a checkpoint only at the end"
+    elif isinstance(save_steps, int):
+        why = f"save_steps = {save_steps} writes the first one after update {save_steps}"
+    else:
+        why = "it wrote none"
+    return (f"--resume: no checkpoint found in {run_dir}: the run there stopped before its first checkpoint "
+            f"({why}); without --resume a rerun starts over")
+
+
 def read_for_resume(run_dir: Path, resume: str, say=print) -> tuple[Path, tuple]:
     """The checkpoint to resume and what it holds: (path, (weights, optimizer state, trainer state, old
     policy, masters)). 'latest' takes the newest readable checkpoint of run_dir, saying which it skipped
@@ -187,7 +208,7 @@ def read_for_resume(run_dir: Path, resume: str, say=print) -> tuple[Path, tuple]
             raise UserError(f"--resume: {path} cannot be read ({type(exc).__name__}: {exc})") from None
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
-        raise UserError(f"--resume: no checkpoint found in {run_dir}")
+        raise UserError(_no_checkpoint(run_dir))
     for path in reversed(checkpoints):
         try:
             return read(path)
@@ -196,6 +217,13 @@ def read_for_resume(run_dir: Path, resume: str, say=print) -> tuple[Path, tuple]
     raise UserError(f"--resume: none of the {len(checkpoints)} checkpoints in {run_dir} can be read")
 
 
+
+
+def resume_command(command: str, path: Path, latest: bool = False) -> str:
+    """The command line that resumes the checkpoint at path with the settings it was written with (`--config`
+    reads its config.resolved.json as it reads TOML): what a refused resume tells the user to run. latest: path
+    is the run directory's newest, which a bare --resume (as the refused command gave) takes."""
+    return f"mlx-grpo {command} --config {path / 'config.resolved.json'} --resume" + ("" if latest else f" {path}")
 
 
 def config_changes(path: Path, config: Config) -> list[str]:
@@ -257,7 +285,7 @@ def check_resume(path: Path, loaded: tuple, adapters: bool, *, model, total_upda
     if state.get("total_updates", total_updates) != total_updates:
         raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} updates and this config "
                         f"gives {total_updates}: the data, epochs or batch shape differ; resume with the "
-                        "run's own config (config.resolved.json)")
+                        f"run's own config: {resume_command('train', path)}")
     saved = state.get("world_size", 1)
     if saved != world_size:
         # Each rank's share of a batch, hence the float sums of the loss and of the gradients, depend
@@ -270,10 +298,10 @@ def check_resume(path: Path, loaded: tuple, adapters: bool, *, model, total_upda
         if set(weights) != expected:
             raise UserError(f"--resume: the adapters in {path} do not match this config's train_type/lora_* "
                             f"settings ({len(weights)} tensors saved, {len(expected)} expected); resume with the "
-                            "run's own config (config.resolved.json)")
+                            f"run's own config: {resume_command('train', path)}")
     elif adapters:
         raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
-                        "run's own config (config.resolved.json)")
+                        f"run's own config: {resume_command('train', path)}")
     current = {k: v.dtype for k, v in tree_flatten(model.trainable_parameters())}
     saved = sorted({dtype_name(v.dtype) for k, v in weights.items() if k in current and v.dtype != current[k]})
     if saved:  # loading would silently train in the checkpoint's dtype (or round it to this one's)
@@ -282,7 +310,8 @@ def check_resume(path: Path, loaded: tuple, adapters: bool, *, model, total_upda
                         "it (model_dtype = auto resolves per machine)")
     if masters is not None and not masters_active:
         raise UserError(f"--resume: {path} holds float32 master weights but this run keeps none "
-                        "(master_weights = false or float32 compute): resume with the run's own config")
+                        "(master_weights = false or float32 compute): resume with the run's own config: "
+                        f"{resume_command('train', path)}")
 
 
 def load_weights(model, weights: dict, path: Path, strict: bool, model_name: str) -> None:

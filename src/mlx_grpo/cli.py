@@ -56,7 +56,8 @@ def _add_option(parser: argparse.ArgumentParser, opt: Option) -> None:
 
 def _add_config_fields(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flat, in group tables "
-                        "such as [rollout], or either under [mlx_grpo]); a missing file is an error.")
+                        "such as [rollout], or either under [mlx_grpo]), or a run's stored config "
+                        "(RUN/checkpoint-N/config.resolved.json); a missing file is an error.")
     parser.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=VALUE",
                         help="Override a config key (field or group.field); repeatable; wins over --config and "
                         "flags.")
@@ -197,27 +198,40 @@ def _memory_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     return out_of_memory(exc, command, run[1], holds_adapters(run[1]))
 
 
+def _what_survives(args: argparse.Namespace) -> str | None:
+    """For a train/sft run that ends early (a crash, Ctrl-C): where it continues from, or that a rerun starts
+    over; None for other commands, other ranks, or before the config was built."""
+    from mlx_grpo.distributed import launched_rank
+
+    # Rank 0 owns the run directory; other ranks (perhaps on other hosts) would name none or repeat it
+    if args.command not in ("train", "sft") or launched_rank() != 0 or not (run := _checkpoint(args)):
+        return None
+    cfg, point, listed = run
+    if point is not None:  # named: a plain --resume of a command that resumed from an older path would go back
+        return f"{point} is intact: the command with --resume {point} continues from it"
+    if not listed:  # as a failed save's line says it
+        return ("the run directory cannot be read now: once it can, the command with --resume latest continues "
+                "from its newest checkpoint")
+    if args.resume not in (None, "latest"):
+        return f"no checkpoint was written since {args.resume}: the same command resumes from it again"
+    return (f"no checkpoint of this run was written (save_steps = {cfg.run.save_steps}"
+            + (": only at the end" if not cfg.run.save_steps else "") + "): a rerun starts over")
+
+
 def _crashed(args: argparse.Namespace) -> int:
     """A crash that is no user error (a GPU fault, a bug): its traceback, then for train/sft what survives it,
     so that a run that died after an hour says where it continues from. Exit 1, as an uncaught error."""
     traceback.print_exc()
-    from mlx_grpo.distributed import launched_rank
-
-    # Rank 0 owns the run directory; other ranks (perhaps on other hosts) would name none or repeat it
-    if args.command in ("train", "sft") and launched_rank() == 0 and (run := _checkpoint(args)):
-        cfg, point, listed = run
-        if point is not None:  # named: a plain --resume of a command that resumed from an older path would go back
-            said = f"{point} is intact: the command with --resume {point} continues from it"
-        elif not listed:  # as a failed save's line says it
-            said = ("the run directory cannot be read now: once it can, the command with --resume latest continues "
-                    "from its newest checkpoint")
-        elif args.resume not in (None, "latest"):
-            said = f"no checkpoint was written since {args.resume}: the same command resumes from it again"
-        else:
-            said = (f"no checkpoint of this run was written (save_steps = {cfg.run.save_steps}"
-                    + (": only at the end" if not cfg.run.save_steps else "") + "): a rerun starts over")
+    if said := _what_survives(args):
         print(f"mlx-grpo {args.command}: crashed (the traceback above says where); {said}.", file=sys.stderr)
     return 1
+
+
+def _interrupted(args: argparse.Namespace) -> str | None:
+    """What Ctrl-C's line adds for train/sft (_what_survives, read when the signal comes): a run stopped before
+    its first checkpoint (save_steps = 0 writes one only at the end) is otherwise lost without a word."""
+    said = _what_survives(args)
+    return None if said is None else f"{said}."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
         keep_compiled_kernels()  # CUDA: compiled kernels kept beside the converted models, not in /tmp
         # Ctrl-C ends the command within a moment even inside a long native call (interrupt.py)
-        with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted"):
+        with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted", lambda: _interrupted(args)):
             _dispatch(args)
     except UserError as exc:
         print(f"mlx-grpo {args.command}: error: {exc}", file=sys.stderr)
@@ -241,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 -- reported, not swallowed: the traceback, then where the run resumes
         return _crashed(args)
     except KeyboardInterrupt:  # raised in-process (a caller outside the main thread): the same ending
-        print(f"mlx-grpo {args.command}: interrupted", file=sys.stderr)
+        try:
+            said = _interrupted(args)
+        except Exception:  # noqa: BLE001 -- the line goes without what survives
+            said = None
+        print(f"mlx-grpo {args.command}: interrupted" + (f"; {said}" if said else ""), file=sys.stderr)
         # Leave now: a reward still running in a worker thread (a hung scorer) would otherwise hold the exit
         # (Python joins worker threads at exit). Checkpoints are written atomically; nothing is lost.
         sys.stdout.flush()

@@ -154,15 +154,28 @@ def eval_worked(cfg: Config, split: str, pool: list[Example]) -> WorkedExamples:
     return worked
 
 
-def default_output(model_name: str, split: str) -> tuple[Path, str]:
-    """Where `eval` writes without --output, and why there: a checkpoint's results go into its run directory
-    (eval-<checkpoint>-<split>.jsonl), any other model's into <output_dir>/eval/ (the directory that holds
-    the run directories), never loose in the current directory."""
-    model = Path(model_name)
+def data_label(cfg: Config) -> str:
+    """The data set `eval` answers, as a file-name part: the eval file's or the `dataset`'s name ('gsm8k' of
+    'openai/gsm8k', 'test' of 'data/test.jsonl'), with only the characters a file name keeps everywhere."""
+    source = cfg.data.eval_dataset_path or cfg.data.dataset
+    name = Path(source.rstrip("/")).stem if Path(source).suffix in (".jsonl", ".json", ".parquet") else \
+        Path(source.rstrip("/")).name
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "data"
+
+
+def default_output(cfg: Config, split: str, shown: int, total: int) -> tuple[Path, str]:
+    """Where `eval` writes without --output, and why there: a checkpoint's results go into its run directory,
+    any other model's into <output_dir>/eval/ (the directory that holds the run directories), never loose in
+    the current directory. The name carries what was answered, so that another data set, subset size or k
+    writes beside earlier results instead of over them:
+    eval-<checkpoint>-<data set>-<split>[-<shown>of<total>][-pass<k>].jsonl."""
+    model = Path(cfg.model.model_name)
+    name = f"eval-{model.name}-{data_label(cfg)}-{split}" + (f"-{shown}of{total}" if shown < total else "") + (
+        f"-pass{cfg.eval.eval_num_samples}" if cfg.eval.eval_num_samples > 1 else "") + ".jsonl"
     if (model / "trainer_state.json").is_file():  # a checkpoint: its parent is the run that wrote it
-        return model.parent / f"eval-{model.name}-{split}.jsonl", "the checkpoint's run directory"
+        return model.parent / name, "the checkpoint's run directory"
     runs = Path(command_default("train", "output_dir"))
-    return runs / "eval" / f"eval-{model.name}-{split}.jsonl", "not a checkpoint of a run"
+    return runs / "eval" / name, "not a checkpoint of a run"
 
 
 @dataclass
@@ -176,6 +189,30 @@ class EvalJob:
     where: str | None  # why the default output is there (None: --output given)
 
 
+def _check_writable(out: Path, where: str | None) -> None:
+    """Open the output file and the config file beside it for writing (created files removed again), so that
+    an output that cannot be written stops `eval` before the model loads, not after every question."""
+    named = f"--output {out}" if where is None else f"the default output {out} ({where}; --output FILE to choose)"
+    try:  # is_dir raises for a name the system refuses (too long)
+        if out.is_dir():
+            raise UserError(f"{named} is a directory: give a file name")
+    except OSError:
+        pass  # said below, where the file is opened
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{named}: cannot create {out.parent}: {exc.strerror or exc}") from None
+    for path in (out, Path(f"{out}.config.json")):
+        try:
+            existed = path.exists()
+            with open(path, "a"):  # "a": an existing file is not emptied by the check
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as exc:
+            raise UserError(f"{named}: cannot write {path.name}: {exc.strerror or exc}") from None
+
+
 def prepare_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalJob:
     """The fixed seeded subset of the split, the run's worked examples, and a writable output path."""
     pool = run_examples(cfg, split, cfg.data.eval_dataset_path, path_key="eval_dataset_path")
@@ -183,16 +220,11 @@ def prepare_eval(cfg: Config, split: str = "test", output: str | None = None) ->
     examples = subset(pool, cfg.eval.eval_subset_size, cfg.run.seed)
     where = None
     if output is None:
-        out, where = default_output(cfg.model.model_name, split)
-        output = str(out)
-    out = Path(output)
+        out, where = default_output(cfg, split, len(examples), len(pool))
+    else:
+        out = Path(output)
     # Checked before the (slow) evaluation; the write itself can still fail (a full disk): one line then.
-    if out.is_dir():
-        raise UserError(f"--output {out} is a directory: give a file name")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
+    _check_writable(out, where)
     return EvalJob(split, examples, worked, out, where)
 
 

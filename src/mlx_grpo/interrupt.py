@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 EXIT_CODE = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
@@ -29,7 +29,7 @@ def _ignore(signum, frame) -> None:
     write to the wakeup pipe; doing nothing lets the main thread carry on until the watcher ends it."""
 
 
-def _watch(read_fd: int, message: str) -> None:
+def _watch(read_fd: int, message: str, detail: Callable[[], str | None] | None) -> None:
     while True:
         data = os.read(read_fd, 64)
         if signal.SIGINT in data:
@@ -42,10 +42,29 @@ def _watch(read_fd: int, message: str) -> None:
     flusher.start()
     flusher.join(0.2)
     try:
+        extra = _ask(detail) if detail is not None else None
+        line = f"{message}; {extra}" if extra else message
         newline = "\n" if os.isatty(2) else ""  # below a progress bar's line
-        os.write(2, f"{newline}{message}\n".encode())
+        os.write(2, f"{newline}{line}\n".encode())
     finally:  # a closed or broken stderr must not keep the process alive
         os._exit(EXIT_CODE)
+
+
+def _ask(detail: Callable[[], str | None]) -> str | None:
+    """detail()'s text, read now (what a run has saved by the time of the signal), given a second in a helper
+    thread: a run directory on a lost mount must not hold the exit; a failure leaves the line without it."""
+    answer: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            answer.append(detail())
+        except Exception:  # noqa: BLE001 -- the line still goes out, without it
+            pass
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(1.0)
+    return answer[0] if answer else None
 
 
 def _flush() -> None:
@@ -57,16 +76,17 @@ def _flush() -> None:
 
 
 @contextmanager
-def exit_on_interrupt(message: str) -> Iterator[None]:
-    """While inside, SIGINT prints `message` to stderr and ends the process with exit code 130 within a moment,
-    in any phase. Does nothing outside the main thread or where SIGINT is ignored (a background job)."""
+def exit_on_interrupt(message: str, detail: Callable[[], str | None] | None = None) -> Iterator[None]:
+    """While inside, SIGINT prints `message` to stderr (then "; " and detail()'s text, asked for when the signal
+    comes, if it gives one) and ends the process with exit code 130 within a moment, in any phase. Does nothing
+    outside the main thread or where SIGINT is ignored (a background job)."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
         yield
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)  # set_wakeup_fd requires it: the C handler must never block
-    watcher = threading.Thread(target=_watch, args=(read_fd, message), name="mlx-grpo-ctrl-c", daemon=True)
+    watcher = threading.Thread(target=_watch, args=(read_fd, message, detail), name="mlx-grpo-ctrl-c", daemon=True)
     watcher.start()
     previous_handler = signal.signal(signal.SIGINT, _ignore)
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)

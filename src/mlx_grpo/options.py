@@ -91,7 +91,7 @@ COMMAND_OPTIONS: dict[str, list[Option]] = {
     "eval": [
         Option(("--split",), "Data split to evaluate.", default="test"),
         Option(("--output", "-o"), "JSONL file of per-example results (default: a checkpoint's run directory, "
-                                   "RUN/eval-<checkpoint>-<split>.jsonl; any other model: "
-                                   "runs/eval/eval-<model>-<split>.jsonl)."),
+                                   "RUN/eval-<checkpoint>-<dataset>-<split>[-<n>of<total>][-pass<k>].jsonl; any "
+                                   "other model: runs/eval/eval-<model>-<dataset>-<split>...jsonl)."),
     ],
 }

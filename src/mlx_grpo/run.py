@@ -24,7 +24,7 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record, updates_left
 from mlx_grpo.reporting import Reporters, check_installed
-from mlx_grpo.run_dir import prepare_run_dir
+from mlx_grpo.run_dir import check_writable, prepare_run_dir
 from mlx_grpo.training.trainer import Trainer
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
@@ -67,6 +67,11 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     world = init_world(cfg.run.distributed_backend, cfg.run.distributed_timeout)
     if world.is_main:  # rank 0 reports: a missing package stops the run before the model loads
         check_installed(cfg.run.report_to)
+    try:  # rank 0 owns the run directory: one that cannot be written stops every rank before the model loads
+        error = check_writable(Path(cfg.run.output_dir) / cfg.run.run_name) if world.is_main else None
+    except UserError as exc:
+        error = str(exc)
+    world.agree(error, "the run directory")
     trainer = build_trainer(cfg, world)
     try:
         if world.size > 1:
@@ -135,8 +140,9 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
                          f"model_name = {path} (without --resume)")
             elif changed:
                 error = (f"--resume: {path} was written with other settings that change the run: "
-                         f"{', '.join(changed)}; resume with its config ({path / 'config.resolved.json'}) or "
-                         "start a new run (another run_name). Only logging, eval, saving and timeouts may change")
+                         f"{', '.join(changed)}; resume with its config: "
+                         f"{ckpt.resume_command('train', path, resume == 'latest')}, or start a new run (another "
+                         "run_name). Only logging, eval, saving and timeouts may change")
     except UserError as exc:
         error = str(exc)
     world.agree(error, "resume")
@@ -205,9 +211,15 @@ def _run_locked(trainer: Trainer, cfg: Config, resume: str | None, started: floa
     main = world.is_main
     logger = RunLogger(run_dir, cfg.run.log_jsonl and main)
     _resume(trainer, run_dir, resume, logger)
+    start_update = trainer.counters.update_step
     if main:
         save_json(cfg, run_dir / "config.resolved.json")
-    start_update = trainer.counters.update_step
+        # once, flushed: without a terminal (no bar) the first update's line may be minutes away
+        batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps
+        console(f"[mlx-grpo] train: model {cfg.model.model_name}, {len(trainer.train_examples)} prompts, "
+                f"{trainer.total_updates} updates of {batch} prompts x {cfg.rollout.num_generations} completions"
+                + (f" (resuming after update {start_update})" if resume is not None else "")
+                + f"; run directory {run_dir}")
     reporters = Reporters(cfg.run.report_to if main else [], run_dir, to_dict(cfg),
                           resumed_at=start_update if resume is not None else None)
     try:

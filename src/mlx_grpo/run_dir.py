@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 from mlx_grpo import checkpoint as ckpt
@@ -12,6 +13,22 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.models.writing import recover_staged
 
 LOGS = ("metrics.jsonl", "completions.jsonl", "eval.jsonl")
+
+
+def check_writable(run_dir: Path) -> None:
+    """Before the model loads (a download or a conversion can take minutes): the run directory, or the nearest
+    directory above it that exists, must take a file. Creates nothing (a temporary file without a name); one
+    UserError line otherwise, as prepare_run_dir's failures read."""
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"cannot use the run directory {run_dir}: {probe} is not a directory")
+    try:
+        tempfile.TemporaryFile(dir=probe).close()
+    except OSError as exc:
+        raise UserError(f"cannot use the run directory {run_dir}: {probe} cannot be written "
+                        f"({exc.strerror or exc})") from None
 
 
 def lock_run_dir(run_dir: Path):

@@ -35,6 +35,14 @@ from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimi
 COMMAND = "sft"
 
 
+def check_sft_checkpoint(path: Path, state: dict) -> None:
+    """Refuse, in one line, to resume a `train` checkpoint (trainer_state.json `state`) with `sft`: said before
+    the settings are compared, whose GRPO-only keys would otherwise read as changed settings."""
+    if state.get("command") != COMMAND:
+        raise UserError(f"--resume: {path} is a checkpoint of `mlx-grpo train`, not of `sft`; to start sft "
+                        f"from its weights set model_name = {path} (without --resume)")
+
+
 def nll_sums(logprobs: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
     """(sum of -log p over the masked-in tokens, their number). logprobs, mask [n, T] -> two scalars (float32)."""
     mask = mask.astype(mx.float32)
@@ -204,19 +212,17 @@ class SFTTrainer:
     def restore(self, path: Path, loaded: tuple) -> None:
         """Continue from checkpoint.read_for_resume's (weights, optimizer state, state, old, masters)."""
         weights, opt_state, state, _, masters = loaded
-        if state.get("command") != COMMAND:
-            raise UserError(f"--resume: {path} is a checkpoint of `mlx-grpo train`, not of `sft`; to start sft "
-                            f"from its weights set model_name = {path}")
+        check_sft_checkpoint(path, state)
         if state["total_updates"] != self.total_updates:
             raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} updates and this config "
                             f"gives {self.total_updates}: the data, epochs or batch shape differ; resume with the "
-                            "run's own config (config.resolved.json)")
+                            f"run's own config: {ckpt.resume_command('sft', path)}")
         if self.adapter_config is not None and set(weights) != set(adapter_parameters(self.model)):
             raise UserError(f"--resume: the adapters in {path} do not match this config's train_type/lora_* "
-                            "settings; resume with the run's own config (config.resolved.json)")
+                            f"settings; resume with the run's own config: {ckpt.resume_command('sft', path)}")
         if self.adapter_config is None and ckpt.holds_adapters(path):
             raise UserError(f"--resume: {path} holds lora/dora adapters but train_type is full; resume with the "
-                            "run's own config (config.resolved.json)")
+                            f"run's own config: {ckpt.resume_command('sft', path)}")
         current = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())}
         other = sorted({dtype_name(v.dtype) for k, v in weights.items() if k in current and v.dtype != current[k]})
         if other:

@@ -25,8 +25,8 @@ from mlx_grpo.evaluate import answer_records, summarize
 from mlx_grpo.logs import RunLogger, console, duration, fmt, pace
 from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.reporting import Reporters, check_installed
-from mlx_grpo.run_dir import prepare_run_dir
-from mlx_grpo.sft import SFTTrainer
+from mlx_grpo.run_dir import check_writable, prepare_run_dir
+from mlx_grpo.sft import SFTTrainer, check_sft_checkpoint
 from mlx_grpo.sft_data import SFTData, load_sft_data
 
 
@@ -34,6 +34,7 @@ def run_sft(cfg: Config, resume: str | None = None) -> Path:
     """Supervised fine-tuning as configured (or continue its checkpoint); returns the run directory."""
     started = time.perf_counter()
     check_installed(cfg.run.report_to)
+    check_writable(Path(cfg.run.output_dir) / cfg.run.run_name)  # before the model and the data load
     built = build_model(cfg, say=lambda line: print(line, flush=True))
     model_type = getattr(getattr(built.model, "args", None), "model_type", None)
     multiturn = multiturn_for(cfg, built.tokenizer, model_type)
@@ -65,11 +66,13 @@ def _resume(trainer: SFTTrainer, resume: str | None, logger: RunLogger) -> None:
                             "choose another run_name")
         return
     path, loaded = ckpt.read_for_resume(run_dir, resume, console)
+    check_sft_checkpoint(path, loaded[2])  # before the settings: a `train` checkpoint's GRPO keys are no "change"
     changed = ckpt.config_changes(path, trainer.cfg)
     if changed:
         raise UserError(f"--resume: {path} was written with other settings that change the run: "
-                        f"{', '.join(changed)}; resume with its config ({path / 'config.resolved.json'}) or start a "
-                        "new run (another run_name). Only logging, eval, saving and timeouts may change")
+                        f"{', '.join(changed)}; resume with its config: "
+                        f"{ckpt.resume_command('sft', path, resume == 'latest')}, or start a new run (another "
+                        "run_name). Only logging, eval, saving and timeouts may change")
     trainer.restore(path, loaded)
     trainer.resumed = (path, trainer.counters.update_step)
     logger.truncate_after(trainer.counters.update_step)
@@ -111,9 +114,10 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
     if cut:
         console(f"[mlx-grpo] {cut} of {len(trainer.rows)} prompts were longer than max_prompt_length = "
                 f"{cfg.data.max_prompt_length} tokens and were cut from the left")
-    console(f"[mlx-grpo] sft: {len(trainer.rows)} rows, {sum(r.trained for r in trainer.rows)} trained tokens, "
-            f"{trainer.total_updates} updates of "
-            f"{cfg.training.batch_size * cfg.training.gradient_accumulation_steps} rows")
+    console(f"[mlx-grpo] sft: model {cfg.model.model_name}, {len(trainer.rows)} rows, "
+            f"{sum(r.trained for r in trainer.rows)} trained tokens, {trainer.total_updates} updates of "
+            f"{cfg.training.batch_size * cfg.training.gradient_accumulation_steps} rows"
+            + (f" (resuming after update {start_update})" if resume else "") + f"; run directory {run_dir}")
     losses, last_eval, last_saved = [], None, c.update_step if resume else -1
     bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="sft", unit="update", disable=None)
     t_start = t_last = time.perf_counter()

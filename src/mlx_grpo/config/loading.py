@@ -1,7 +1,9 @@
 """Loading a Config: TOML files (flat keys, group tables such as [rollout], or either under [mlx_grpo]),
 `--set field=value` / `--set group.field=value`, command-line flags, and stored configs (checkpoints'
-config.resolved.json: flat, as every version wrote them; grouped is read too). Every value is parsed to its
-field's type; unknown keys fail with one line and a did-you-mean; the result is validated (validation.py).
+config.resolved.json: flat, as every version wrote them; grouped is read too; `--config` takes them as it
+takes TOML, so a refused resume's advice, `--config RUN/checkpoint-N/config.resolved.json`, works). Every
+value is parsed to its field's type; unknown keys fail with one line and a did-you-mean; the result is
+validated (validation.py).
 
 Sources, in increasing precedence: field defaults < per-command defaults < TOML file (`--config`)
 < command-line flags and `--set key=value`. Every field names the commands it applies to. A preset
@@ -170,6 +172,30 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     return flatten(data, f"config file {path}")
 
 
+def read_stored(path: str | Path) -> dict[str, Any]:
+    """{field: value} of a stored config (save_json's JSON: flat, or grouped by hand), without the
+    per-invocation options and the aliases older versions saved beside their fields."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"config file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path}: expected a JSON object of config keys")
+    data.pop("command_options", None)
+    for key in RENAMED:  # older runs saved these aliases; they always equalled their field
+        data.pop(key, None)
+    return flatten(data, f"config file {path}")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """{field: value} of `--config`: a TOML file (read_toml) or, ending in .json, a stored config such as a
+    checkpoint's config.resolved.json (read_stored)."""
+    if Path(path).suffix.lower() == ".json" and Path(path).is_file():
+        return read_stored(path)
+    return read_toml(path)
+
+
 def parse_set(items: list[str]) -> list[tuple[str, str]]:
     """`--set key=value` items as (key, value) pairs; the key may be 'field' or 'group.field'."""
     pairs = []
@@ -186,7 +212,7 @@ def build_config(command: str, toml_path: str | None = None,
     """Resolve defaults < command defaults < TOML < overrides (flags, --set), then validate."""
     values: dict[str, Any] = dict(COMMAND_DEFAULTS.get(command, {}))
     if toml_path is not None:
-        for key, value in read_toml(toml_path).items():
+        for key, value in read_config_file(toml_path).items():
             if command not in FIELDS[key].metadata["commands"]:
                 parse_value(key, value)  # still type-checked; a preset serves several commands
                 continue
@@ -214,11 +240,7 @@ def save_json(config: Config, path: str | Path, extra: dict[str, Any] | None = N
 
 def from_json(path: str | Path, command: str = "train") -> Config:
     """Load a resolved config saved by save_json (checkpoints; flat, or grouped by hand), re-validated."""
-    data = json.loads(Path(path).read_text())
-    data.pop("command_options", None)
-    for key in RENAMED:  # older runs saved these aliases; they always equalled their field
-        data.pop(key, None)
-    values = flatten(data, str(path))
+    values = read_stored(path)
     config = Config(**{key: parse_value(key, value) for key, value in values.items()})
     check(config, command)
     return config
