@@ -29,11 +29,16 @@ XML system prompt, B=16, G=16, max_new_tokens=256, temperature 1.0:
 
     python bench/grpo_bench.py --data ../shared/data/gsm8k/train.jsonl --out bench-results
 
-Other models: --shape qwen2.5-0.5b or qwen2.5-1.5b (bench/shapes.py) swaps in a random-weight model of
-that architecture, written once as an MLX model directory in a temporary folder with the tokenizer of
---tokenizer (default: the embedded model's) next to it, so every section, the trainer's `step` included,
-loads it as it would a real checkpoint. --train-type lora (or dora) wraps the model in the adapters the
-config's lora_* fields describe (apply_adapters, as the trainer does) in every section:
+Other models: --shape NAME (bench/shapes.py: qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, qwen3.5-0.8b,
+gemma-3-1b, gemma-3-270m, lfm2-1.2b) swaps in a random-weight model of that architecture and vocabulary,
+written once as an MLX model directory in a temporary folder with the tokenizer of --tokenizer (default:
+the embedded model's) next to it, so every section, the trainer's `step` included, loads it as it would a
+real checkpoint (--layers N keeps its first N layers: quick checks on a CPU). The rollout engine's sampling
+copy and the CUDA decode kernel serve llama-family models only (qwen2.5-*, qwen3-0.6b); for the others the
+engine decodes through generate_rollout on the model, so the rollout section runs the engine and the model
+rows only, labelled so (its other rows would repeat the same run). --train-type lora (or dora) wraps the
+model in the adapters the config's lora_* fields describe (apply_adapters, as the trainer does) in every
+section:
 
     python bench/grpo_bench.py --shape qwen2.5-0.5b --train-type lora --sections rollout,step \
         --data ../shared/data/gsm8k/train.jsonl --out bench-results
@@ -44,6 +49,7 @@ Prints a markdown table, then the ratios against the baselines; writes the JSON 
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 import datetime as dt
 from dataclasses import replace
 import json
@@ -69,7 +75,8 @@ from mlx_grpo.training.records import StepData
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.policy import logprob_pass
 from mlx_grpo.rollout.records import Rollout, SamplingParams
-from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
+from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout, supports_static_cache
+from mlx_grpo.rollout.engine import uses_copy
 
 import rollout_bench
 import shapes
@@ -102,6 +109,40 @@ def plain_train_step(model, optimizer, batches, advantages: list[mx.array], temp
         mx.eval(grads)
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state)
+
+
+def vocab_size(model) -> int:
+    """The output vocabulary (Qwen3.5's args hold it in text_config)."""
+    args = model.args
+    return args.vocab_size if hasattr(args, "vocab_size") else args.text_config["vocab_size"]
+
+
+@contextmanager
+def rollout_variants(variants: dict | None):
+    """rollout_bench's variants (name -> label) as given while the block runs (None: all of them)."""
+    saved = rollout_bench.ROLLOUT_VARIANTS
+    if variants is not None:
+        rollout_bench.ROLLOUT_VARIANTS = variants
+    try:
+        yield
+    finally:
+        rollout_bench.ROLLOUT_VARIANTS = saved
+
+
+def rollout_paths(model) -> dict:
+    """What the rollout section's variants run on for this model. Where the sampling copy does not serve it
+    (models/decoder.py supports: llama-family full attention), RolloutEngine decodes through generate_rollout
+    on the model whatever its compact/graph options, so only the engine and model rows run (the others would
+    repeat that run), labelled so; where the static cache does not serve it, generate_rollout decodes on the
+    batch caches of model.make_cache() (no CUDA decode kernel)."""
+    copy, static = uses_copy("copy", model), supports_static_cache(model)
+    out = {"sampling_copy": copy, "static_cache": static, "variants": None}
+    if not copy:
+        kind = getattr(model, "model_type", "this family")
+        cache = "static cache, decode kernel on CUDA" if static else "batch caches from make_cache, no decode kernel"
+        out["variants"] = {"engine": f"engine (no sampling copy for {kind}: generate_rollout on the model, {cache})",
+                           "model": f"generate_rollout on the model ({cache})"}
+    return out
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -174,13 +215,14 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
     token budget; the target is model + optimizer + 4 GB."""
     group = cfg.rollout.num_generations
     batch_prompts = (prompts * (rows // group // len(prompts) + 1))[:max(1, rows // group)]
-    rollout = synthetic_rollout(batch_prompts, group, length, model.args.vocab_size, cfg.run.seed)
+    vocab = vocab_size(model)
+    rollout = synthetic_rollout(batch_prompts, group, length, vocab, cfg.run.seed)
     weights = nbytes(model.parameters())
     opt = optim.AdamW(learning_rate=1e-6)
     opt.init(model.trainable_parameters())
     mx.eval(opt.state)
     optimizer_bytes = nbytes(opt.state)
-    full_logits = rollout.completion_ids.size * model.args.vocab_size * 4
+    full_logits = rollout.completion_ids.size * vocab * 4
     tokens = rollout.completion_ids.size
     out = []
     for budget in budgets:
@@ -237,7 +279,8 @@ def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["| measurement | ours | baseline | ratio |", "| --- | ---: | ---: | ---: |"]
-    lines += rollout_bench.markdown_rows(result.get("rollout", []))
+    with rollout_variants(result.get("rollout_paths", {}).get("variants")):
+        lines += rollout_bench.markdown_rows(result.get("rollout", []))
     if "short" in result:
         lines += short_answers.markdown_rows(result["short"])
     if "logprob" in result:
@@ -289,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or MLX directory")
     ap.add_argument("--shape", default="", choices=["", *shapes.SHAPES],
                     help="a random-weight model of this architecture instead of --model (bench/shapes.py)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="--shape with only its first N layers (quick checks on a CPU; default: all)")
     ap.add_argument("--tokenizer", default="",
                     help="model directory whose tokenizer --shape uses (default: the embedded default model's)")
     ap.add_argument("--train-type", default="full", choices=["full", "lora", "dora"],
@@ -328,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.layers and not args.shape:
+        ap.error("--layers applies to --shape only")
     if args.repeats < 1 or args.warmup < 0:
         ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
     try:
@@ -343,9 +390,11 @@ def run(args: argparse.Namespace, sections: list[str], argv: list[str] | None) -
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else shapes.default_tokenizer_dir()
     dtype = mx.float32 if args.dtype == "float32" else mx.float16 if args.dtype == "float16" else mx.bfloat16
     with tempfile.TemporaryDirectory(prefix="grpo_bench-shape-") as tmp:
-        model_dir = shapes.write_model_dir(args.shape, Path(tmp) / args.shape, tokenizer_dir, dtype, seed=0)
-        print(f"model: shape {args.shape}, random weights in {args.dtype if args.dtype != 'auto' else 'bfloat16'}, "
-              f"tokenizer of {tokenizer_dir}", flush=True)
+        model_dir = shapes.write_model_dir(args.shape, Path(tmp) / args.shape, tokenizer_dir, dtype, seed=0,
+                                           layers=args.layers)
+        depth = f" (first {args.layers} layers)" if args.layers else ""
+        print(f"model: shape {args.shape}{depth}, random weights in "
+              f"{args.dtype if args.dtype != 'auto' else 'bfloat16'}, tokenizer of {tokenizer_dir}", flush=True)
         return run_model(args, sections, argv, str(model_dir))
 
 
@@ -389,6 +438,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
               "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
               "workload": {"model": args.shape or cfg.model.model_name, "random_weights": bool(args.shape),
+                           "layers": args.layers or None, "vocab_size": vocab_size(model) if args.shape else None,
                            "train_type": cfg.model.train_type, "adapters": adapters,
                            "parameters": shapes.parameter_count(model),
                            "trainable_parameters": sum(p.size for _, p in tree_flatten(model.trainable_parameters())),
@@ -404,8 +454,12 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
     if "rollout" in sections:
         result["attention_kernel"] = rollout_bench.check_attention_kernel()
         result["sampler_kernel"] = rollout_bench.check_sampler_kernel()
-        result["rollout"] = rollout_bench.bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg,
-                                                        args.repeats, pad_id)
+        result["rollout_paths"] = paths = rollout_paths(model)
+        if paths["variants"]:
+            print("rollout: " + "; ".join(paths["variants"].values()), flush=True)
+        with rollout_variants(paths["variants"]):
+            result["rollout"] = rollout_bench.bench_rollout(model, tokenizer, prompts, parse_sizes(args.sizes), cfg,
+                                                            args.repeats, pad_id)
     if "short" in sections:
         pool = tuple(int(x) for x in args.short_pool.lower().split("x"))
         ends = json.loads(args.short_ends) if args.short_ends else None
