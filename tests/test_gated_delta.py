@@ -191,7 +191,7 @@ def test_bounded_scan_keeps_a_tiny_models_loss_and_gradients(tmp_path, family):
     flat0, flat1 = dict(tree_flatten(g0)), dict(tree_flatten(g1))
     assert flat0.keys() == flat1.keys() and any("linear_attn" in key for key in flat0)
     for key in flat0:
-        np.testing.assert_allclose(np.array(flat1[key]), np.array(flat0[key]), rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(np.array(flat1[key]), np.array(flat0[key]), rtol=1e-3, atol=2e-6, err_msg=key)  # chunked: other sum order
 
 
 def test_bounded_scan_is_scoped_and_restores(tmp_path):

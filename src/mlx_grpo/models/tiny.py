@@ -99,6 +99,9 @@ FAMILY_CONFIGS = {
 }
 
 
+EMBEDDING_SCALE = 0.25
+
+
 def write_tiny_family(path: Path, family: str, seed: int = 0, overrides: dict | None = None) -> Path:
     """An MLX model directory at path (created): mlx-lm's `family` (a key of FAMILY_CONFIGS) at its tiny
     configuration updated by `overrides`, random weights drawn from `seed`, and write_tokenizer's
@@ -113,6 +116,11 @@ def write_tiny_family(path: Path, family: str, seed: int = 0, overrides: dict | 
     module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    # mlx-lm draws embeddings from N(0, 1): with Gemma's sqrt(width) embedding scale and a tied head that gives
+    # log-probs near -50, whose float32 rounding alone approaches the matrix's 1e-5 bound. A quarter of that
+    # keeps the distributions peaked (padding tests need no near-ties) at the log-prob scale of real models.
+    weights = {k: v * EMBEDDING_SCALE if k.endswith("embed_tokens.weight") or k.endswith("wte.weight") else v
+               for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
     return path
