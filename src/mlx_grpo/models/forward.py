@@ -239,7 +239,7 @@ def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, tempera
 
 
 class _Checkpointed(nn.Module):
-    """A layer whose activations are recomputed in the backward pass (mx.checkpoint over its trainable
+    """A layer whose activations are recomputed in the backward pass (nn.utils.checkpoint: over its trainable
     parameters and its call's arguments), whatever the layer's call signature and outputs."""
 
     def __init__(self, layer: nn.Module):
@@ -252,14 +252,13 @@ class _Checkpointed(nn.Module):
         return super().__getattr__(key)
 
     def __call__(self, *args, **kwargs):
-        layer, call = self.layer, type(self.layer).__call__
+        layer = self.layer
 
-        def run(params, *args, **kwargs):
-            layer.update(params)
+        def bounded(*args, **kwargs):
             with bounded_scan(layer):  # the recomputation runs in the backward pass, outside the forward's scope
-                return call(layer, *args, **kwargs)
+                return layer(*args, **kwargs)
 
-        return mx.checkpoint(run)(layer.trainable_parameters(), *args, **kwargs)
+        return nn.utils.checkpoint(layer, bounded)(*args, **kwargs)
 
 
 def _layers_attribute(inner: nn.Module) -> str | None:

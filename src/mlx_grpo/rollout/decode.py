@@ -192,9 +192,7 @@ class StaticBatchCache:
 
 def supports_static_cache(model: nn.Module) -> bool:
     """True when every layer uses a plain KV cache (no sliding window or recurrent state)."""
-    if not hasattr(model, "make_cache"):
-        return True
-    return all(type(c) is KVCache for c in model.make_cache())
+    return all(type(c) is KVCache for c in _prompt_caches(model))
 
 
 def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: bool) -> list[StaticBatchCache]:
