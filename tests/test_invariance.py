@@ -7,6 +7,9 @@ figures), so where this machine computes like the recording one (same `platform_
 a fixed matmul + softmax + exp) every float must be equal to the bit. Another CPU (CI's 2-core VM) may take
 other BLAS/SIMD kernels whose float sums round differently; there floats are compared to rel 1e-4 (a few
 thousand float32 ulps over 3 updates) and everything counted (tokens, groups, sampled lengths) exactly.
+The two-rank run is always compared that way: its float sums moved by a few ulps between two CI sittings of
+the same code (base 96b0257 and the next session's head give identical runs today, but not last week's
+bits), so something the fingerprint cannot see (the ring backend's processes) enters its rounding.
 
 Re-record (only when a change is meant to alter the runs; say why in the commit):
     PYTHONPATH=src python tests/test_invariance.py --record
@@ -143,7 +146,7 @@ def test_the_recorded_runs_are_unchanged(model_dirs, tmp_path, name):
         if not mx.distributed.is_available() or not LAUNCH.is_file():
             pytest.skip("MLX without a distributed backend or mlx.launch")
     got = result(ranks, items, tmp_path)
-    exact = recorded["fingerprint"] == platform_fingerprint()
+    exact = recorded["fingerprint"] == platform_fingerprint() and ranks == 1
     assert len(got["metrics"]) == 3
     assert_close(got["metrics"], recorded["metrics"], exact, f"{name}.metrics")
     assert_close(got["weights"], recorded["weights"], exact, f"{name}.weights")
