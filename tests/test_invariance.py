@@ -125,7 +125,9 @@ def assert_close(got, want, exact: bool, where: str) -> None:
             assert_close(g, w, exact, f"{where}[{i}]")
     elif isinstance(want, float) and not exact:
         assert isinstance(got, (int, float)), f"{where}: {got!r} != {want!r}"
-        assert got == pytest.approx(want, rel=REL, abs=1e-7) or (math.isnan(got) and math.isnan(want)), \
+        # sampler_* measure the sampler/trainer rounding itself (~1e-6 in float32): compared at that scale
+        noise = 1e-6 if ".sampler_" in where else 1e-7
+        assert got == pytest.approx(want, rel=REL, abs=noise) or (math.isnan(got) and math.isnan(want)), \
             f"{where}: {got!r} != {want!r}"
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
