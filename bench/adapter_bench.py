@@ -166,40 +166,40 @@ def run_one(args: argparse.Namespace, blas: str | None) -> dict:
         return sum(a.nbytes for _, a in tree_flatten(tree))
 
     measured: dict = {}
-    build_trainer = run_module.build_trainer
+    build_job = run_module.build_job
 
     def build_and_measure(cfg, world=None):
         """The trainer's own build, then the weights it holds and the peak of loading them; the peak
         counter restarts for the training itself."""
-        trainer = build_trainer(cfg, world)
-        model, reference = trainer.model, trainer.policies.reference
+        job = build_job(cfg, world)
+        model, reference = job.model, job.trainer.policies.reference
         mx.eval(model.parameters(), reference.parameters() if reference is not None else [])
         trainable = model.trainable_parameters()
         measured.update(
-            trainer=trainer, model_bytes=nbytes(model.parameters()), trainable_bytes=nbytes(trainable),
+            job=job, model_bytes=nbytes(model.parameters()), trainable_bytes=nbytes(trainable),
             trainable_params=sum(a.size for _, a in tree_flatten(trainable)),
             reference_bytes=nbytes(reference.parameters()) if reference is not None else 0,
             quantized_layers=sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                                  for _, m in model.named_modules()),
             load_peak=mx.get_peak_memory(), active_after_load=mx.get_active_memory())
         mx.reset_peak_memory()
-        return trainer
+        return job
 
     with tempfile.TemporaryDirectory(prefix="adapter_bench-") as tmp:
         cfg = build_config("train", overrides=parse_set(variant_overrides(args, args.one, tmp)))
         mx.reset_peak_memory()
-        run_module.build_trainer = build_and_measure  # train() looks the name up at call time
+        run_module.build_job = build_and_measure  # train() looks the name up at call time
         try:
             started = time.perf_counter()
             run_dir = run_module.train(cfg)
             wall = time.perf_counter() - started
         finally:
-            run_module.build_trainer = build_trainer
+            run_module.build_job = build_job
         train_peak = mx.get_peak_memory()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not rows:
         raise UserError(f"{args.one}: the run made no update (is the data large enough?)")
-    optimizer_bytes = nbytes(measured["trainer"].optimizer.state)
+    optimizer_bytes = nbytes(measured["job"].trainer.optimizer.state)
     warm = rows[1:] if len(rows) >= 2 else rows
 
     def median(key: str) -> float:

@@ -71,7 +71,7 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.forward import pack
 from mlx_grpo.models.loading import load_model
-from mlx_grpo.training.records import StepData
+from mlx_grpo.training.records import StepData, UpdateSteps
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.policy import logprob_pass
 from mlx_grpo.rollout.records import Rollout, SamplingParams
@@ -248,15 +248,15 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
 def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
     """Full GRPO steps through the trainer itself: rollout, rewards, old/ref log-probs, update; medians of
     `repeats` steps after `warmup` untimed ones."""
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
 
-    trainer = build_trainer(cfg)
+    job = build_job(cfg)
     records = []
     mx.reset_peak_memory()
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
-        batch = trainer.batch_step(trainer.next_examples())
-        result = trainer.update([batch])
+        batch = job.sampling.batch_step(job.sampling.next_examples())
+        result = job.trainer.update(UpdateSteps([batch], job.sampling.position()))
         total = time.perf_counter() - t0
         stats = batch.stats
         rec = {"total_s": total, "rollout_s": stats.t_rollout, "reward_s": stats.t_reward,
@@ -270,7 +270,7 @@ def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
     summary = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
     summary["warmup"] = warmup
     summary["peak_memory_gb"] = mx.get_peak_memory() / GB
-    summary["trainable_parameters"] = sum(p.size for _, p in tree_flatten(trainer.model.trainable_parameters()))
+    summary["trainable_parameters"] = sum(p.size for _, p in tree_flatten(job.model.trainable_parameters()))
     summary["steps"] = records
     return summary
 

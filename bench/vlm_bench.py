@@ -36,9 +36,10 @@ def main() -> None:
     use_optimized_blas()
     import mlx.core as mx
 
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
     from mlx_grpo.config import build_config
     from mlx_grpo.models.convert import run_convert
+    from mlx_grpo.training.records import UpdateSteps
     from mlx_grpo.vlm.tiny import write_tiny_vlm
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,19 +52,20 @@ def main() -> None:
                  "train_type": "lora", "model_dtype": args.dtype, "max_prompt_length": 512, "temperature": 1.0,
                  "reward_funcs": "int", "save_steps": 0}
         cfg = build_config("train", None, [(k, str(v)) for k, v in items.items()])
-        trainer = build_trainer(cfg)
+        job = build_job(cfg)
         for update in range(1, args.updates + 1):
             mx.reset_peak_memory()
             t0 = time.perf_counter()
-            steps = trainer.batch_steps([trainer.next_examples()])
+            job.sampling.prompts.new_update()  # a fresh feature table for this update's prompts, as a run does
+            steps = [job.sampling.batch_step(job.sampling.next_examples())]
             t_rollout = time.perf_counter() - t0
-            result = trainer.update(steps)
+            result = job.trainer.update(UpdateSteps(steps, job.sampling.position()))
             tokens = int(steps[0].rollout.lengths.sum())
             print(json.dumps({"shape": args.shape, "update": update, "rollout_s": round(t_rollout, 3),
                               "rollout_tokens_per_s": round(tokens / t_rollout, 1),
                               "train_s": round(result.t_train, 3),
                               "step_s": round(time.perf_counter() - t0, 3),
-                              "encodings": trainer.model.table.encodings,
+                              "encodings": job.model.table.encodings,
                               "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3)}), flush=True)
 
 

@@ -24,11 +24,11 @@ def run_metrics(run_dir) -> list[dict]:
 
 def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=None) -> None:
     """Run train(cfg) and stop it with a KeyboardInterrupt just before `update` (what Ctrl-C leaves behind:
-    the checkpoints written so far); trainer_class: whose update to stop (default: the GRPO Trainer, whose
-    every update goes through train_step; SFT's through update)."""
+    the checkpoints written so far); trainer_class: whose update to stop (default: the GRPO Trainer; SFT's
+    has an update too)."""
     if trainer_class is None:
         from mlx_grpo.training.trainer import Trainer as trainer_class
-    name = "train_step" if hasattr(trainer_class, "train_step") else "update"
+    name = "update"
     original = getattr(trainer_class, name)
 
     def crashing(self, steps, *args, **kwargs):
@@ -110,3 +110,23 @@ def tiny_vlm_dir(tiny_vlm_hf_dir, tmp_path_factory) -> Path:
     from mlx_grpo.models.convert import run_convert
 
     return run_convert(hf_path=str(tiny_vlm_hf_dir), output_dir=str(tmp_path_factory.mktemp("tiny-vlm") / "mlx"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test gets its tier's marker before `-m` selects: a hand-placed `fast`/`run`/`bench`/`gpu` mark, else
+    the tier tests/tiers.py reads off its code (DEVELOPERS.md, "Tests in tiers"). `gpu` tests skip without CUDA."""
+    from tiers import TIERS, tier_of
+
+    cuda = None
+    for item in items:
+        marked = {mark.name for mark in item.iter_markers()} & set(TIERS)
+        if not marked:
+            item.add_marker(tier_of(item, __file__))
+        elif "gpu" in marked:
+            if cuda is None:
+                import mlx.core as mx
+
+                cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="gpu tier: needs MLX's CUDA backend and a CUDA device"))

@@ -11,16 +11,16 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.distributed import init_world
-from mlx_grpo.assembly import build_trainer
+from mlx_grpo.assembly import build_job
 
 
 def main(out: str, items: list[str]) -> None:
     cfg = build_config("train", overrides=parse_set(items))
     world = init_world(cfg.run.distributed_backend, cfg.run.distributed_timeout)
-    trainer = build_trainer(cfg, world)
-    batches = [trainer.batch_step(trainer.next_examples()) for _ in range(cfg.training.gradient_accumulation_steps)]
-    steps = [trainer.score(batch) for batch in batches]
-    grads, sums = trainer.gradients(steps)
+    job = build_job(cfg, world)
+    batches = [job.sampling.batch_step(job.sampling.next_examples()) for _ in range(cfg.training.gradient_accumulation_steps)]
+    steps = [job.trainer.score(batch) for batch in batches]
+    grads, sums = job.trainer.gradients(steps)
     if world.is_main:
         arrays = {f"grad/{k}": np.array(v) for k, v in tree_flatten(grads)}
         arrays.update({f"sum/{k}": np.array(v) for k, v in sums._asdict().items()})

@@ -17,12 +17,13 @@ from mlx.utils import tree_flatten, tree_map
 from caller_model import CALLER, write_caller_model
 from conftest import ctrl_c_while_scoring_hangs, interrupt_before_update, run_metrics
 from mlx_grpo import run as run_mod
-from mlx_grpo.assembly import build_trainer
+from mlx_grpo.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
 from mlx_grpo.rollout.process import RolloutProcess
 from mlx_grpo.training.trainer import Trainer
+from mlx_grpo.training.records import UpdateSteps
 
 TOY = Path(__file__).parent / "fixtures" / "toy_rewards.py"
 ASYNC = ["async_rollouts=1", "rollout_correction=token_truncate"]
@@ -65,26 +66,26 @@ def naive_reference(cfg) -> tuple[list[dict], dict]:
     """The async schedule written out plainly, without threads: update k trains on batch k, which was
     sampled from a copy of the weights update k-1 started from (batch 1 from the initial weights).
     -> (per-update figures, the trained tensors as a checkpoint holds them)."""
-    trainer = build_trainer(cfg)  # the same config: its own pipeline stays unused here
+    job = build_job(cfg)  # the same config: its own pipeline stays unused here
     G, A = cfg.rollout.num_generations, cfg.training.gradient_accumulation_steps
 
     def sample_from(params):
-        model = copy.deepcopy(trainer.model)
+        model = copy.deepcopy(job.model)
         model.update(params)
-        engine = RolloutEngine(trainer.tokenizer, mode=cfg.rollout.rollout_engine).refresh(model)
-        encoded = [trainer.encode(trainer.next_examples()) for _ in range(A)]
-        out = rollouts(engine, trainer.multiturn, encoded, G, trainer.params, cfg.data.prefill)
-        return [trainer.submit_rewards(mine, r, 0.0) for (_, _, mine), r in zip(encoded, out)]
+        engine = RolloutEngine(job.tokenizer, mode=cfg.rollout.rollout_engine).refresh(model)
+        encoded = [job.sampling.encode(job.sampling.next_examples()) for _ in range(A)]
+        out = rollouts(engine, job.sampling.prompts.multiturn, encoded, G, job.sampling.params, cfg.data.prefill)
+        return [job.sampling.submit_rewards(mine, r, 0.0) for (_, _, mine), r in zip(encoded, out)]
 
     figures = []
-    draws = sample_from(trainer.model.parameters())
-    for k in range(1, trainer.total_updates + 1):
-        before = trainer.model.parameters()  # arrays: the update replaces them, these stay
-        _, m = trainer.train_step([trainer.logprob_passes([d]) for d in draws])
+    draws = sample_from(job.model.parameters())
+    for k in range(1, job.trainer.total_updates + 1):
+        before = job.model.parameters()  # arrays: the update replaces them, these stay
+        m = job.trainer.update(UpdateSteps([job.sampling.logprob_passes([d]) for d in draws], job.sampling.position()))
         figures.append({f: getattr(m, f) for f in FIGURES})
-        draws = sample_from(before) if k < trainer.total_updates else None  # batch k+1 from the weights k started from
-    trainer.reward_runner.close()
-    trained = dict(tree_flatten(trainer.model.trainable_parameters()))
+        draws = sample_from(before) if k < job.trainer.total_updates else None  # batch k+1 from the weights k started from
+    job.sampling.reward_runner.close()
+    trained = dict(tree_flatten(job.model.trainable_parameters()))
     return figures, trained
 
 

@@ -36,7 +36,7 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     refill = record["refill"]
     assert refill["same_texts"] and refill["together_steps"] <= refill["one_by_one_steps"] and refill["ratio"] > 0
     rollout = record["rollout"][0]
-    for name in ("engine", "engine_nocompact", "engine_graph", "model"):
+    for name in _load_bench_module("rollout_bench").ROLLOUT_VARIANTS:  # every variant, a new one included
         assert rollout[f"{name}_noeos_tokens"] == 2 * 2 * 6  # no EOS: every row decodes max_new_tokens
         assert rollout[f"ratio_{name}_vs_plain"] > 0 and 0 < rollout[f"{name}_eos_tokens"] <= 2 * 2 * 6
     assert rollout["engine_uses_copy"] and rollout["engine_graph_uses_copy"] and not rollout["model_uses_copy"]

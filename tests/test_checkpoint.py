@@ -279,10 +279,10 @@ def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir,
     items = _items(tiny_model_dir, tmp_path, "batch_size=2", "num_generations=4", "max_new_tokens=8",
                    "max_prompt_length=96", "rollout_engine=model", "async_rollouts=1",
                    "rollout_correction=token_truncate")
-    assert assembly.build_trainer(_cfg(*items)).prefetch.process is None  # the thread: it fits
+    assert assembly.build_job(_cfg(*items)).source.process is None  # the thread: it fits
     with pytest.raises(UserError, match=r"plus 0.0 GB for the rollout process's copy of the model, more than this "
                                         r"machine's .* or rollout_worker = thread"):
-        assembly.build_trainer(_cfg(*items, "rollout_worker=process"))
+        assembly.build_job(_cfg(*items, "rollout_worker=process"))
 
 
 def test_the_resume_point_after_a_crash_reads_the_resumed_update_from_disk(tmp_path):

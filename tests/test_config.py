@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.cli import build_parser, main
+from mlx_grpo.cli import DESCRIPTIONS, build_parser, main
 from mlx_grpo.config import SYSTEM_PROMPT, build_config, fields_for, from_json, parse_set, save_json
 from mlx_grpo.errors import UserError
 
@@ -167,7 +167,7 @@ def test_objective_help_cites_papers(capsys):
         assert citation in out
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "train", "eval"])
+@pytest.mark.parametrize("command", [c for c in DESCRIPTIONS if fields_for(c)])
 def test_help_lists_every_field_with_default(command, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])

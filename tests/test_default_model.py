@@ -14,6 +14,8 @@ from mlx_grpo.config import DEFAULT_MODEL
 from mlx_grpo.errors import UserError
 from mlx_grpo.models import loading
 
+# The run tier (DEVELOPERS.md, "Tests in tiers"): the real 135M model, converted, decoding and sampling on a CPU
+pytestmark = pytest.mark.run
 SENTENCE = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and "
             "London is the capital of the United Kingdom.")
 
@@ -68,13 +70,13 @@ def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, 
     import numpy as np
 
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
 
     monkeypatch.setenv(CACHE_ENV, str(default_model[3]))
     root = loading.Path(__file__).resolve().parents[1]
     cfg = build_config("train", str(root / "configs" / "smoke_test.toml"), parse_set([f"output_dir={tmp_path}"]))
-    trainer = build_trainer(cfg)
-    batch = trainer.batch_step(trainer.next_examples())
-    trainer.score(batch)
+    job = build_job(cfg)
+    batch = job.sampling.batch_step(job.sampling.next_examples())
+    job.trainer.score(batch)
     stats = batch.stats
     assert stats.zero_std < 1.0 and float(np.std(stats.rewards)) > 0

@@ -165,6 +165,44 @@ def test_prefill_is_stripped_long_references_are_skipped_and_mismatches_refused(
         demo.inject([Example("q", "3", {"completion": "<answer>3</answer>"})] * 2, r, zero)
 
 
+def test_demonstrations_that_can_never_apply_are_refused_before_the_model_loads(tmp_path, capsys):
+    """Data without reference solutions: demonstrations could never apply (the run would end with
+    demo_fraction 0 and nothing said). One line, exit 2, before the model loads (it does not exist here), and
+    no run directory is written."""
+    from mlx_grpo.cli import main
+
+    data = tmp_path / "plain.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(4)))
+    argv = ["train", "--set", f"model_name={tmp_path / 'no-model'}", "--set", f"dataset_path={data}", "--set",
+            f"output_dir={tmp_path / 'runs'}", "--set", "demonstrations=zero_groups", "--set", "batch_size=2"]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == ("mlx-grpo train: error: demonstrations = zero_groups, but none of the 4 training examples has a "
+                    "reference solution to demonstrate (a 'completion' or 'solution' column, or GSM8K's or arith's "
+                    "worked solution), so no group could ever get one: use data with such a column, or set "
+                    "demonstrations = off")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_references_are_checked_at_start(tiny_model_dir, tmp_path):
+    """Some examples without a reference: a note naming how many; a reference the prefill does not open: refused
+    at start rather than at the first group that needs it."""
+    from mlx_grpo.data import load_file
+    from mlx_grpo.demonstrations import check_references
+
+    examples = load_file(DATA)
+    missing = len(examples) - len(references())
+    assert missing > 0
+    assert check_references(make_cfg(tiny_model_dir, tmp_path), examples) == (
+        f"[mlx-grpo] note: no reference solution in {missing} of the {len(examples)} training examples: their groups "
+        "never get a demonstration")
+    assert check_references(make_cfg(tiny_model_dir, tmp_path), [e for e in examples if "completion" in e.columns]) \
+        is None
+    with pytest.raises(UserError, match="does not begin with the prefill 'Sure:'"):
+        check_references(make_cfg(tiny_model_dir, tmp_path, "prefill=Sure:"), examples)
+
+
 @pytest.mark.parametrize("items,match", [
     (["demo_reward=correctness"], "demo_reward must name one of the run's rewards"),
     (["demonstrations=always"], "demonstrations must be one of off, zero_groups"),

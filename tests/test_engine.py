@@ -17,6 +17,7 @@ from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.forward import completion_logprobs, pack
 from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
+from mlx_grpo.training.records import UpdateSteps
 
 PROMPTS = [[17, 90], [120, 45, 203, 8, 77, 150, 33, 64, 99, 12, 250], [5, 6, 7]]
 
@@ -123,22 +124,22 @@ def test_refresh_follows_the_policy(tiny):
 
 def test_the_trainers_engine_holds_the_updated_weights(tiny_model_dir, tmp_path):
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=4", "batch_size=2",
         "num_generations=2", "max_new_tokens=8", "learning_rate=1e-2", "warmup_ratio=0", "system_prompt=",
         "max_prompt_length=96", "rollout_engine=copy"]))
-    trainer = build_trainer(cfg)
-    step = trainer.batch_step(trainer.next_examples())
-    mlp = trainer.model.model.layers[0].mlp
+    job = build_job(cfg)
+    step = job.sampling.batch_step(job.sampling.next_examples())
+    mlp = job.model.model.layers[0].mlp
     mlp.gate_proj.weight = mlp.gate_proj.weight * 2  # a change the engine has not seen
-    trainer.masters.adopt(dict(tree_flatten(trainer.model.trainable_parameters())))
-    stale = trainer.engine.weights["layers"][0]["gate_up"]
-    assert not trainer.update([step]).skipped
+    job.trainer.masters.adopt(dict(tree_flatten(job.model.trainable_parameters())))
+    stale = job.trainer.policies.engine.weights["layers"][0]["gate_up"]
+    assert not job.trainer.update(UpdateSteps([step], job.sampling.position())).skipped
     now = mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight])
     assert not mx.array_equal(stale, now)
-    assert mx.array_equal(trainer.engine.weights["layers"][0]["gate_up"], now)
+    assert mx.array_equal(job.trainer.policies.engine.weights["layers"][0]["gate_up"], now)
 
 
 def test_quantized_models_decode_the_model_itself(tiny):
@@ -248,28 +249,28 @@ def test_an_old_policy_kept_apart_is_what_the_engine_samples(tiny_model_dir, tmp
     """update_every = 2: after the first update the engine still samples the old policy (the model has
     moved on); after the second it samples the refreshed one."""
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=8", "batch_size=2",
         "num_generations=2", "max_new_tokens=8", "learning_rate=1e-2", "warmup_ratio=0", "system_prompt=",
         "max_prompt_length=96", "rollout_engine=copy", "update_every=2", "max_grad_norm=0",
         "weight_decay=0.5"]))  # decay moves the weights whatever the (here often zero) gradient
-    trainer = build_trainer(cfg)
+    job = build_job(cfg)
 
     def gate_up(module):
         mlp = module.model.layers[0].mlp
         return mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight])
 
-    first = gate_up(trainer.model)
+    first = gate_up(job.model)
     for _ in range(2):
-        step = trainer.batch_step(trainer.next_examples())
-        trainer.update([step])
-        held = trainer.engine.weights["layers"][0]["gate_up"]
-        assert mx.array_equal(held, gate_up(trainer.policies.sampler))
-        if trainer.counters.update_step == 1:
-            assert mx.array_equal(held, first) and not mx.array_equal(held, gate_up(trainer.model))
-    assert mx.array_equal(trainer.engine.weights["layers"][0]["gate_up"], gate_up(trainer.model))
+        step = job.sampling.batch_step(job.sampling.next_examples())
+        job.trainer.update(UpdateSteps([step], job.sampling.position()))
+        held = job.trainer.policies.engine.weights["layers"][0]["gate_up"]
+        assert mx.array_equal(held, gate_up(job.trainer.policies.sampler))
+        if job.counters.update_step == 1:
+            assert mx.array_equal(held, first) and not mx.array_equal(held, gate_up(job.model))
+    assert mx.array_equal(job.trainer.policies.engine.weights["layers"][0]["gate_up"], gate_up(job.model))
 
 
 def test_copy_bytes_counts_the_fused_and_merged_matrices(tiny):

@@ -37,7 +37,7 @@ def test_accuracy_and_pass_at_k_count_correct_answers(tiny_model_dir, monkeypatc
     cfg = _cfg(tiny_model_dir, "eval_subset_size=2", "eval_num_samples=2", "temperature=1.0")
     examples = evaluate.subset(evaluate.run_examples(cfg, "test"), 2, 0)
 
-    def scripted(engine, jobs, group, params, prefill=""):
+    def scripted(engine, jobs, group, params, prefill="", on_done=None):
         texts = [f"<answer>\n{examples[0].answer}\n</answer>", "no", "7 apples", f"so {examples[1].answer}"]
         return [Rollout(jobs[0][0], None, None, None, np.zeros(4, bool), texts, group)]
 
@@ -190,3 +190,71 @@ def test_eval_shows_a_bar_in_a_terminal(tiny_model_dir, tmp_path):
     assert "eval:   0%|" in text and "0/3 [" in text and "eval: 100%|" in text and "3/3 [" in text
     assert "accuracy: 0.0000 (0/3)" in text.split("eval: 100%|")[-1]  # the finished bar stays above the result
     assert "[mlx-grpo] eval:" not in text  # lines only where there is no bar
+
+
+def test_the_decode_loop_reports_rows_as_they_end(tiny_model_dir):
+    """Both decode paths (the model's loop, the sampling copy's) tell on_done, at their syncs, which rows have
+    ended so far: rows whose limits differ end at different syncs. What the eval bar follows."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_grpo.rollout.engine import RolloutEngine
+    from mlx_grpo.rollout.records import SamplingParams
+
+    model, tok = load(str(tiny_model_dir))
+    prompts = [tok.encode("a b"), tok.encode("c")]
+    for mode in ("model", "copy"):
+        engine = RolloutEngine(tok, mode=mode, sync_every=4).refresh(model)
+        seen = []
+        engine.generate_many([(prompts, mx.random.split(mx.random.key(0), 4))], 2, SamplingParams(16, 0.0),
+                             limits=np.array([4, 8, 12, 16]),
+                             on_done=lambda first, done: seen.append((first, done.astype(int).tolist())))
+        assert seen == [(0, [1, 0, 0, 0]), (0, [1, 1, 0, 0]), (0, [1, 1, 1, 0])], mode
+
+
+def test_the_eval_bar_moves_as_answers_end_within_one_batch(tiny_model_dir, monkeypatch):
+    """All questions in one batch: the bar counts a question once all its samples have ended, as the decode
+    reports them, instead of jumping from 0 to the end."""
+    import io
+
+    from mlx_lm import load
+    from tqdm import tqdm
+
+    cfg = _cfg(tiny_model_dir, "eval_subset_size=3", "eval_num_samples=2", "temperature=1.0", "eval_batch_size=8")
+    examples = evaluate.subset(evaluate.run_examples(cfg, "test"), 3, 0)
+    bars, positions = [], []
+
+    class Shown(tqdm):  # a bar drawn as on a terminal
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": False, "file": io.StringIO()})
+            bars.append(self)
+
+    def decoding(engine, multiturn, jobs, group, params, prefill="", on_done=None):
+        rows = len(jobs[0][0]) * group
+        for ended in ([1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 1, 1], [1] * 6):
+            on_done(0, np.array(ended, dtype=bool))
+            positions.append(bars[0].n)
+        return [Rollout(jobs[0][0], None, None, None, np.zeros(rows, bool), ["no"] * rows, group)]
+
+    monkeypatch.setattr(evaluate, "tqdm", Shown)
+    monkeypatch.setattr(evaluate, "rollouts", decoding)
+    model, tok = load(str(tiny_model_dir))
+    records = evaluate.answer_records(model, tok, examples, cfg, max_new_tokens=4, num_samples=2, temperature=1.0,
+                                      progress=True)
+    assert positions == [0, 1, 2, 3] and bars[0].n == 3 and len(records) == 3
+
+
+def test_an_eval_that_fails_after_the_check_leaves_no_directory(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The writable check makes runs/eval/ to try the default output there and removes it again: an eval that
+    then fails (here a device fault in the decode) leaves no empty directory where it ran."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("[metal] command buffer execution failed: a device fault")
+
+    monkeypatch.setattr(evaluate, "answer_records", fault)
+    assert main(["eval", "--model", str(tiny_model_dir), "--samples", "2", "--max-tokens", "2"]) == 1
+    assert "device fault" in capsys.readouterr().err
+    assert list(work.iterdir()) == []

@@ -90,6 +90,56 @@ def test_chat_second_turn_sees_first(tiny):
     assert text.index("first") < text.index("reply") < text.index("second")
 
 
+def test_ctrl_c_stops_the_answer_and_at_the_prompt_ends_the_chat(tiny_model_dir):
+    """`mlx-grpo chat` as a user runs it: Ctrl-C while an answer streams stops that answer and the chat goes on
+    (twice); Ctrl-C at the prompt then ends it, exit 0. Greedy answers of the random model never end by
+    themselves within max_new_tokens, so each one streams until the signal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from conftest import sigint_default
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_grpo", "chat", "--model", str(tiny_model_dir), "--set",
+                             "max_new_tokens=100000", "--set", "temperature=0"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=sigint_default)
+    shown = []
+    reader = threading.Thread(target=lambda: shown.extend(iter(lambda: proc.stdout.read1(4096).decode(), "")),
+                              daemon=True)
+    reader.start()
+
+    def wait_for(done, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done("".join(shown)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done("".join(shown)), f"{what}; shown: {''.join(shown)[-300:]!r}"
+
+    try:
+        for n, line in enumerate(["hello", "and again"], 1):
+            proc.stdin.write(f"{line}\n".encode())
+            proc.stdin.flush()
+            # the answer is streaming: some of it after the banner's line (or after the last stopped answer)
+            after = "[answer stopped]\n" if n > 1 else "Ctrl-C stops an answer.\n"
+            wait_for(lambda text: text.rpartition(after)[2] != "", "no answer")
+            proc.send_signal(signal.SIGINT)
+            wait_for(lambda text: text.count("[answer stopped]") == n, "the answer did not stop")
+            assert proc.poll() is None, "Ctrl-C during an answer ended the chat"
+        time.sleep(0.5)  # back at the prompt, reading the next line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read().decode()
+    assert "interrupted" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--prompt", "x", "--model", "/no/such/dir"], "not found"),
     (["generate", "--model", "m"], "exactly one of --prompt or --prompts-file"),

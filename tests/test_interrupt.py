@@ -84,10 +84,10 @@ def assert_interrupted(done: subprocess.CompletedProcess, command: str, survives
 
 
 PHASES = {  # phase: (the function that does its work, the call that stalls, extra config)
-    "rollout": ("mlx_grpo.training.trainer:Trainer:generate", 2, ()),
-    "log-prob pass": ("mlx_grpo.training.trainer::logprob_pass", 2, ("num_iterations=2",)),
+    "rollout": ("mlx_grpo.training.sampling:TextPrompts:generate", 2, ()),
+    "log-prob pass": ("mlx_grpo.training.sampling::logprob_pass", 2, ("num_iterations=2",)),
     "training pass": ("mlx_grpo.training.trainer::accumulate_gradients", 2, ()),
-    "evaluation": ("mlx_grpo.run::answer_records", 2, ("eval_every_updates=1",)),
+    "evaluation": ("mlx_grpo.assembly::answer_records", 2, ("eval_every_updates=1",)),
     "saving": ("mlx_grpo.models.writing::make_durable", 2, ()),
 }
 
@@ -120,7 +120,7 @@ def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tiny_model_
     from mlx_grpo.cli import main
 
     argv = train_argv(tiny_model_dir, tmp_path, "save_steps=0")
-    done, _ = interrupt(tmp_path, "mlx_grpo.training.trainer:Trainer:generate", 2, argv)
+    done, _ = interrupt(tmp_path, "mlx_grpo.training.sampling:TextPrompts:generate", 2, argv)
     assert_interrupted(done, "train", "no checkpoint of this run was written (save_steps = 0: only at the end): a "
                                       "rerun starts over")
     assert ckpt.list_checkpoints(tmp_path / "run") == []

@@ -30,8 +30,10 @@ def naive_advantages(rewards, group_size):
 
 def naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, clip_high=None, delta=0.0,
                       sequence=False, estimator="k3", loss_type="grpo", cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05,
-                      weight_logp=None):
+                      weight_logp=None, teacher=None, distill=0.0):
     """Per-token loss, kl, ratio, clipped-low and clipped-high flags as float64 [N, T] from plain loops.
+    teacher [N, T] (on-policy distillation): each token's advantage is its row's plus
+    distill * (teacher - old), the negated reverse-KL estimate on the sampled token.
     loss_type picks the policy term: the clipped surrogate, cispo (weight min(rho, cap) * A * logp, the weight
     a constant: computed from weight_logp when given, so finite differences see it fixed) or sapo (gate
     4 / tau * sigmoid(tau * (rho - 1)) * A)."""
@@ -44,7 +46,9 @@ def naive_token_terms(logp, old, ref, adv, mask, clip_eps, kl_coeff, clip_high=N
         idx = [t for t in range(T) if mask[n, t] > 0]
         seq = math.exp(sum(float(logp[n, t]) - float(old[n, t]) for t in idx) / max(len(idx), 1))
         seq_w = math.exp(sum(float(weight_logp[n, t]) - float(old[n, t]) for t in idx) / max(len(idx), 1))
+        row_a = a
         for t in range(T):
+            a = row_a if teacher is None else row_a + distill * (float(teacher[n, t]) - float(old[n, t]))
             lp = float(logp[n, t])
             rho = seq if sequence else math.exp(lp - float(old[n, t]))
             if loss_type == "cispo":
@@ -238,10 +242,11 @@ TERMS = {
 
 
 def objective(clip_eps=0.2, kl_coeff=0.04, clip_high=None, delta=0.0, sequence=False, estimator="k3",
-              loss_type="grpo", cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05):
+              loss_type="grpo", cispo_cap=5.0, tau_pos=1.0, tau_neg=1.05, distill=0.0):
     return Objective(clip_low=clip_eps, clip_high=clip_eps if clip_high is None else clip_high, delta=delta,
                      sequence_level=sequence, kl_coeff=kl_coeff, kl_estimator=estimator, loss_type=loss_type,
-                     cispo_cap=cispo_cap, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg)
+                     cispo_cap=cispo_cap, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
+                     distill_coeff=distill)
 
 
 def per_sequence_weights(mask):
@@ -727,3 +732,91 @@ def test_loss_types_are_declared_once():
     np.testing.assert_allclose(row_scales(lengths, keep, "sapo", 8)[0], row_scales(lengths, keep, "grpo", 8)[0])
     with pytest.raises(ValueError, match="unknown loss_type"):
         row_scales(lengths, keep, "ppo", 8)
+
+
+# ----------------------------------------------------------------------------- on-policy distillation
+
+def _teacher(old, seed=7):
+    """A teacher's log-probs of the sampled tokens: the student's, moved by up to +-1.5 nats."""
+    return (old + np.random.default_rng(seed).uniform(-1.5, 1.5, size=old.shape)).astype(np.float32)
+
+
+def distill_sums(logp, old, ref, adv, mask, teacher, obj, weights=None):
+    arrays = [None if a is None else mx.array(a) for a in (logp, old, ref, adv, mask)]
+    w = per_sequence_weights(mask) if weights is None else weights
+    return objective_sums(*arrays, w, obj, teacher_logp=None if teacher is None else mx.array(teacher))
+
+
+DISTILL = {"grpo": {}, "gspo": {"sequence": True}, "cispo": {"loss_type": "cispo", "cispo_cap": 1.3},
+           "sapo": {"loss_type": "sapo"}}
+
+
+@pytest.mark.parametrize("variant", list(DISTILL))
+@pytest.mark.parametrize("distill", [1.0, 0.3])
+def test_distill_objective_sums_match_naive(variant, distill):
+    logp, old, ref, adv, mask = _loss_case()
+    teacher = _teacher(old)
+    kw = DISTILL[variant]
+    sums = distill_sums(logp, old, ref, adv, mask, teacher, objective(distill=distill, **kw))
+    want = naive_loss_sum(logp, old, ref, adv, mask, 0.2, 0.04, teacher=teacher, distill=distill, **kw)
+    np.testing.assert_allclose(sums.loss.item(), want, rtol=RTOL, atol=ATOL)
+    real = mask > 0
+    np.testing.assert_allclose(sums.teacher_kl.item(), (old.astype(np.float64) - teacher)[real].sum(), rtol=RTOL)
+    # the teacher moves the loss: it is not GRPO's
+    assert abs(want - naive_loss_sum(logp, old, ref, adv, mask, 0.2, 0.04, **kw)) > 1e-3
+
+
+def test_pure_distillation_needs_no_reward_and_a_teacher_that_agrees_adds_nothing():
+    logp, old, ref, adv, mask = _loss_case()
+    obj = objective(distill=1.0)
+    plain = distill_sums(logp, old, ref, adv, mask, None, obj)
+    same = distill_sums(logp, old, ref, adv, mask, old, obj)  # the teacher is the sampling policy
+    for name, a, b in zip(plain._fields, plain, same):
+        np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=name)
+    grad = lambda teacher: np_(mx.grad(lambda lp: distill_sums(lp, old, ref, adv, mask, teacher, obj).loss)(  # noqa: E731
+        mx.array(logp)))
+    np.testing.assert_array_equal(grad(None), grad(old))
+    # no reward signal (all advantages 0), on-policy: the gradient raises the tokens the teacher likes more
+    zero = np.zeros_like(adv)
+    g = np_(mx.grad(lambda lp: distill_sums(lp, logp, None, zero, mask, _teacher(logp), obj).loss)(mx.array(logp)))
+    real = mask > 0
+    assert np.all(np.sign(-g[real]) == np.sign((_teacher(logp) - logp)[real]))
+
+
+@pytest.mark.parametrize("variant", list(DISTILL))
+def test_distill_gradient_matches_finite_differences(variant):
+    logp, old, ref, adv, mask = _loss_case()
+    teacher = _teacher(old)
+    kw = DISTILL[variant]
+    obj = objective(distill=0.5, **kw)
+    grad = np_(mx.grad(lambda lp: distill_sums(lp, old, ref, adv, mask, teacher, obj).loss)(mx.array(logp)))
+    h = 1e-5
+    for n, t in [(0, 0), (0, 3), (1, 2), (2, 0), (3, 5), (5, 4), (2, 3)]:
+        plus, minus = logp.astype(np.float64), logp.astype(np.float64)
+        plus[n, t] += h
+        minus[n, t] -= h
+        extra = dict(teacher=teacher, distill=0.5, weight_logp=logp if kw.get("loss_type") == "cispo" else None, **kw)
+        fd = (naive_loss_sum(plus, old, ref, adv, mask, 0.2, 0.04, **extra)
+              - naive_loss_sum(minus, old, ref, adv, mask, 0.2, 0.04, **extra)) / (2 * h)
+        np.testing.assert_allclose(grad[n, t], fd, rtol=1e-3, atol=1e-6)
+
+
+def test_distill_padding_and_accumulation_invariance():
+    logp, old, ref, adv, mask = _loss_case()
+    teacher = _teacher(old)
+    obj = objective(distill=1.0)
+    base = distill_sums(logp, old, ref, adv, mask, teacher, obj)
+    rng = np.random.default_rng(5)
+    p_logp, p_old, p_ref, p_mask = _pad(logp, old, ref, mask, 4, rng, -30.0, 5.0)
+    p_teacher = np.where(p_mask == 0, rng.uniform(-30.0, 5.0, size=p_mask.shape), 0.0).astype(np.float32)
+    p_teacher[:, :teacher.shape[1]] = np.where(mask > 0, teacher, p_teacher[:, :teacher.shape[1]])
+    padded = distill_sums(p_logp, p_old, p_ref, adv, p_mask, p_teacher, obj, per_sequence_weights(mask))
+    for name, a, b in zip(base._fields, base, padded):
+        np.testing.assert_allclose(b.item(), a.item(), rtol=RTOL, atol=ATOL, err_msg=name)
+    # the rows in two micro-batches add up to the whole
+    w = per_sequence_weights(mask)
+    parts = [distill_sums(logp[r], old[r], ref[r], adv[r], mask[r], teacher[r], obj, w[mx.array(r)])
+             for r in (np.arange(0, 2), np.arange(2, 6))]
+    np.testing.assert_allclose(parts[0].loss.item() + parts[1].loss.item(), base.loss.item(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(parts[0].teacher_kl.item() + parts[1].teacher_kl.item(), base.teacher_kl.item(),
+                               rtol=RTOL, atol=ATOL)

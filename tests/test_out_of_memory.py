@@ -30,7 +30,7 @@ def raised_in(filenames: list[str], message: str, kind: type = RuntimeError) -> 
 
 def test_the_phase_comes_from_the_traceback():
     root = "/site-packages/mlx_grpo"
-    rollouts = raised_in([f"{root}/run.py", f"{root}/training/trainer.py", f"{root}/rollout/engine.py"], CUDA_OOM)
+    rollouts = raised_in([f"{root}/run.py", f"{root}/training/sampling.py", f"{root}/rollout/engine.py"], CUDA_OOM)
     assert out_of_memory(rollouts, "train") == (
         f"out of device memory while sampling rollouts ({CUDA_OOM}): lower batch_size x num_generations, "
         "max_new_tokens or max_prompt_length, or stop other processes using the GPU.")
@@ -39,12 +39,13 @@ def test_the_phase_comes_from_the_traceback():
     assert out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8")).endswith(
         " checkpoint-8 is intact: --resume /r/grpo/checkpoint-8 continues from it with the same settings; lowering "
         "those needs a new run from it (fresh optimizer, schedule and data order): "
-        "--set model_name=/r/grpo/checkpoint-8 --set run_name=<another name>.")
-    # adapters cannot be a model_name: fused first
-    assert "mlx-grpo fuse --checkpoint /r/grpo/checkpoint-8 --output-dir <dir>, then --set model_name=<dir>" in \
-        out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8"), adapters=True)
-    # vision-language rollouts decode in vlm/rollout.py, under training/trainer.py
-    vlm = raised_in([f"{root}/training/trainer.py", f"{root}/vlm/trainer.py", f"{root}/vlm/rollout.py"], CUDA_OOM)
+        "rerun with --set model_name=/r/grpo/checkpoint-8 --set run_name=grpo-from-checkpoint-8.")
+    # the CLI says how a new run starts from the checkpoint (an adapter one: merged first; tests/test_hints.py)
+    assert out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8"), "merge it first: mlx-grpo fuse ...").endswith(
+        "(fresh optimizer, schedule and data order): merge it first: mlx-grpo fuse ... --set "
+        "run_name=grpo-from-checkpoint-8.")
+    # vision-language rollouts decode in vlm/rollout.py, under training/sampling.py
+    vlm = raised_in([f"{root}/training/sampling.py", f"{root}/vlm/sampling.py", f"{root}/vlm/rollout.py"], CUDA_OOM)
     assert "while sampling rollouts" in out_of_memory(vlm, "train")
     # an evaluation decodes through rollout/ too: its own settings are the ones to lower
     evaluation = raised_in([f"{root}/run.py", f"{root}/evaluate.py", f"{root}/rollout/engine.py"], CUDA_OOM)
@@ -108,7 +109,8 @@ def test_a_run_that_runs_out_of_memory_says_one_line_and_resumes(tiny_model_dir,
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1].startswith("mlx-grpo train: error: out of device memory while sampling rollouts (cudaMalloc")
-    assert err[-1].endswith(f"--set model_name={run_dir / 'checkpoint-1'} --set run_name=<another name>.")
+    assert err[-1].endswith(f"rerun with --set model_name={run_dir / 'checkpoint-1'} --set "
+                            "run_name=grpo-from-checkpoint-1.")
     assert not any("Traceback" in line for line in err)
     assert (run_dir / "checkpoint-1").is_dir() and not (run_dir / "checkpoint-2").exists()
     monkeypatch.setattr(engine, "generate_rollout", decode)  # the GPU freed: the same settings resume
@@ -152,7 +154,8 @@ def test_a_gpu_fault_keeps_its_traceback_and_says_where_the_run_resumes(tiny_mod
         "no checkpoint of this run was written (save_steps = 0: only at the end): a rerun starts over.")
     # other commands resume nothing: the traceback alone
     data = tmp_path / "train.jsonl"
-    assert main(["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--samples", "2"]) == 1
+    assert main(["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--samples", "2", "--output",
+                 str(tmp_path / "eval.jsonl")]) == 1
     err = capsys.readouterr().err
     assert GPU_FAULT in err and "crashed" not in err and "--resume" not in err
 

@@ -148,4 +148,4 @@ def test_curves_without_matplotlib_or_failing_never_fail_the_run(tiny_model_dir,
     run = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "max_train_samples=2", "run_name=broken"))
     out = capsys.readouterr().out
     assert f"could not draw the curves (RuntimeError: no fonts); try mlx-grpo plot {run}" in out
-    assert "[mlx-grpo] done: 1 updates" in out
+    assert "[mlx-grpo] summary: 1 update, wall time" in out and "[mlx-grpo] done: 1 update;" in out  # not "1 updates"

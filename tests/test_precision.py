@@ -15,7 +15,8 @@ from mlx_grpo.models.precision import MasterWeights, rounding_share
 from mlx_grpo.training.records import StepData
 from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
-from mlx_grpo.assembly import build_trainer
+from mlx_grpo.assembly import build_job
+from mlx_grpo.training.records import UpdateSteps
 
 
 
@@ -27,11 +28,11 @@ def make_cfg(model_dir, out, *items):
     return build_config("train", overrides=parse_set(base + list(items)))
 
 
-def _fixed_steps(trainer, n_steps=3):
+def _fixed_steps(job, n_steps=3):
     """Rollouts sampled once from the float32 model, with fixed advantages, reused by every trainer."""
     from mlx_lm import load
 
-    model, tok = load(str(trainer.cfg.model.model_name))
+    model, tok = load(str(job.cfg.model.model_name))
     steps = []
     for i in range(n_steps):
         prompts = [tok.encode(f"question {i} {j}") for j in range(2)]
@@ -42,24 +43,24 @@ def _fixed_steps(trainer, n_steps=3):
 
 
 def _train(cfg, steps):
-    trainer = build_trainer(cfg)
+    job = build_job(cfg)
     for step in steps:
-        trainer.update([step])
-    return trainer
+        job.trainer.update(UpdateSteps([step], job.sampling.position()))
+    return job
 
 
 def test_bf16_with_master_weights_follows_the_float32_run(tiny_model_dir, tmp_path):
     w0 = {k: np.array(v.astype(mx.float32)) for k, v in
           tree_flatten(__import__("mlx_lm").load(str(tiny_model_dir))[0].parameters())}
     fp32_cfg = make_cfg(tiny_model_dir, tmp_path, "model_dtype=float32", "learning_rate=1e-5")
-    steps = _fixed_steps(build_trainer(fp32_cfg))
+    steps = _fixed_steps(build_job(fp32_cfg))
     ref = _train(fp32_cfg, steps)
-    assert not ref.masters.active  # float32 compute needs no masters
+    assert not ref.trainer.masters.active  # float32 compute needs no masters
     mixed = _train(make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "learning_rate=1e-5"), steps)
-    assert mixed.masters.active
+    assert mixed.trainer.masters.active
     a = {k: np.array(v) for k, v in tree_flatten(ref.model.parameters())}
     compute = dict(tree_flatten(mixed.model.parameters()))
-    masters = mixed.masters.masters
+    masters = mixed.trainer.masters.masters
     moved_ref = moved_master = total = 0
     for k, w in a.items():
         assert compute[k].dtype == mx.bfloat16 and masters[k].dtype == mx.float32
@@ -82,11 +83,11 @@ def test_bf16_with_master_weights_follows_the_float32_run(tiny_model_dir, tmp_pa
 def test_without_master_weights_a_run_that_rounds_away_is_refused(tiny_model_dir, tmp_path):
     cfg = make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "master_weights=false", "learning_rate=1e-6")
     with pytest.raises(UserError, match=r"bfloat16 weights without master weights.*\d+% of the trained weights"):
-        build_trainer(cfg)
+        build_job(cfg)
     # a learning rate large enough for bfloat16 trains without masters, in bfloat16 state
-    trainer = build_trainer(make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "master_weights=false",
+    job = build_job(make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "master_weights=false",
                                      "learning_rate=1e-1"))
-    assert not trainer.masters.active
+    assert not job.trainer.masters.active
 
 
 def test_rounding_share_counts_steps_below_half_a_spacing():
@@ -151,12 +152,12 @@ def test_resume_in_another_compute_dtype_is_refused(tiny_model_dir, tmp_path):
                                "max_train_samples=4"), resume="latest")
     # the same config, but `auto` resolving to another dtype (another machine): refused by the weights' dtype
     cfg = make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "learning_rate=1e-4", "max_train_samples=4")
-    from mlx_grpo.assembly import build_trainer as build
+    from mlx_grpo.assembly import build_job as build
     from mlx_grpo import checkpoint as ckpt
 
-    trainer = build(make_cfg(tiny_model_dir, tmp_path, "model_dtype=float32", "learning_rate=1e-4",
-                             "max_train_samples=4"))
+    job = build(make_cfg(tiny_model_dir, tmp_path, "model_dtype=float32", "learning_rate=1e-4",
+                         "max_train_samples=4"))
     path = run / "checkpoint-2"
     with pytest.raises(UserError, match="holds bfloat16 weights and this run computes in float32"):
-        trainer.restore(path, (*ckpt.load_checkpoint(path), ckpt.load_masters(path)), False)
+        job.restore(path, (*ckpt.load_checkpoint(path), ckpt.load_masters(path)), False)
     assert cfg.model.model_dtype == "bfloat16"

@@ -152,3 +152,27 @@ def test_a_time_limited_run_sizes_its_bar_to_the_limit(tiny_model_dir, tmp_path,
     shown = buf.getvalue().rstrip().split("\r")
     assert any("0/6" in part for part in shown)  # the data's count before the first update
     assert shown[-1].startswith("grpo: 100%|") and "1/1 " in shown[-1], shown[-1]  # the limit ended it at 1
+
+
+def test_without_a_bar_the_first_update_says_each_phase_once(tiny_model_dir, tmp_path, capsys):
+    """Logs (no terminal) hear from the first update before its metrics line, which may be minutes away on a
+    fresh GPU machine; later updates print only their own line."""
+    run_mod.train(make_cfg(tiny_model_dir, tmp_path))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[mlx-grpo] update ")]
+    assert lines[:3] == ["[mlx-grpo] update 1: " + run_mod.PHASES["rollout"],
+                         "[mlx-grpo] update 1: " + run_mod.PHASES["train"]] + [lines[2]]
+    assert lines[2].startswith("[mlx-grpo] update 1: reward ")
+    assert lines[3].startswith("[mlx-grpo] update 2: reward ") and len(lines) == 4
+
+
+def test_a_resumed_runs_summary_covers_every_session(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from conftest import interrupt_before_update
+
+    cfg = make_cfg(tiny_model_dir, tmp_path, "max_train_samples=8", "save_steps=2")
+    interrupt_before_update(run_mod.train, cfg, monkeypatch, 3)
+    capsys.readouterr()
+    run_mod.train(cfg, resume="latest")
+    out = capsys.readouterr().out
+    assert "summary: 4 updates (2 in this session)" in out
+    # the reward trend runs from the first session's updates to the last: 1-2 -> 3-4, not 3 -> 4
+    assert re.search(r"reward_mean: \S+ \(mean of updates 1-2\) -> \S+ \(mean of updates 3-4\)", out), out

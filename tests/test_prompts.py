@@ -9,7 +9,8 @@ import pytest
 
 from mlx_grpo import evaluate
 from mlx_grpo import run as run_mod
-from mlx_grpo.assembly import build_trainer
+from mlx_grpo import assembly as assembly_mod
+from mlx_grpo.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.data import Example, load_examples, load_file, make_arith
 from mlx_grpo.errors import UserError
@@ -74,39 +75,39 @@ def train_cfg(model_dir, out, *items):
 
 def test_training_and_evaluation_encode_the_run_prompt(tiny_model_dir, tmp_path, capsys):
     cfg = train_cfg(tiny_model_dir, tmp_path, "worked_examples=1", "eval_every_updates=1", "eval_subset_size=2")
-    trainer = build_trainer(cfg)
+    job = build_job(cfg)
     try:
-        shown = trainer.worked.examples[0]
-        assert shown.prompt in trainer.prompt.system and trainer.eval_prompt is trainer.prompt
-        assert all(e.prompt != shown.prompt for e in trainer.train_examples + trainer.eval_examples)
+        shown = job.worked.examples[0]
+        assert shown.prompt in job.prompt.system and job.eval_prompt is job.prompt
+        assert all(e.prompt != shown.prompt for e in job.train_examples + job.eval_examples)
         encoded = {}
-        original = run_mod.answer_records
+        original = assembly_mod.answer_records
 
         def spy(*args, **kwargs):
             encoded["eval"] = kwargs["system_prompt"]
             return original(*args, **kwargs)
 
-        trainer_ids = trainer.encode(trainer.train_examples[:2])[0][0]
-        assert trainer.tokenizer.decode(trainer_ids).count(shown.prompt) == 1
+        trainer_ids = job.sampling.encode(job.train_examples[:2])[0][0]
+        assert job.tokenizer.decode(trainer_ids).count(shown.prompt) == 1
     finally:
-        trainer.reward_runner.close()
+        job.sampling.reward_runner.close()
     out = capsys.readouterr().out
     assert "[mlx-grpo] prompt: the system prompt with 1 worked example (train #" in out
     assert "tokens for the worked examples; longest prompt" in out
-    run_mod.answer_records = spy
+    assembly_mod.answer_records = spy
     try:
         run = run_mod.train(train_cfg(tiny_model_dir, tmp_path, "worked_examples=1", "eval_every_updates=1",
                                       "eval_subset_size=2", "run_name=e"))
     finally:
-        run_mod.answer_records = original
-    assert encoded["eval"] == trainer.prompt.system
+        assembly_mod.answer_records = original
+    assert encoded["eval"] == job.prompt.system
     assert json.loads((run / "eval.jsonl").read_text().splitlines()[-1])["worked_examples"] == 1
     # `mlx-grpo eval` draws the same example for the same seed, or evaluates without it when told
     eval_items = [f"model_name={tiny_model_dir}", "eval_max_new_tokens=4", "eval_subset_size=2",
                   "arith_max_steps=1", "worked_examples=1", "max_prompt_length=2048"]
     evaluate.run_eval(cfg_for("eval", *eval_items), output=str(tmp_path / "with.jsonl"))
     recorded = json.loads((tmp_path / "with.jsonl.config.json").read_text())["command_options"]["prompt"]
-    assert recorded["system_prompt"] == trainer.prompt.system and recorded["worked_examples"] == 1
+    assert recorded["system_prompt"] == job.prompt.system and recorded["worked_examples"] == 1
     evaluate.run_eval(cfg_for("eval", *eval_items, "eval_worked_examples=false"), output=str(tmp_path / "w.jsonl"))
     bare = json.loads((tmp_path / "w.jsonl.config.json").read_text())["command_options"]["prompt"]
     assert bare == {"worked_examples": 0, "sources": [], "system_prompt": cfg.data.system_prompt}
@@ -117,16 +118,43 @@ def test_training_and_evaluation_encode_the_run_prompt(tiny_model_dir, tmp_path,
 
 def test_examples_that_overflow_the_prompt_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match="over max_prompt_length = 96: .*raise max_prompt_length"):
-        build_trainer(train_cfg(tiny_model_dir, tmp_path, "worked_examples=3", "max_prompt_length=96"))
+        build_job(train_cfg(tiny_model_dir, tmp_path, "worked_examples=3", "max_prompt_length=96"))
 
 
 def test_tool_runs_show_calculator_calls(tiny_model_dir, tmp_path):
-    trainer = build_trainer(train_cfg(tiny_model_dir, tmp_path, "worked_examples=1", "tools=calculator",
+    job = build_job(train_cfg(tiny_model_dir, tmp_path, "worked_examples=1", "tools=calculator",
                                       "tool_format=plain"))
     try:
-        shown = trainer.worked.examples[0]
-        assert reference_completion(shown, Style(tools=trainer.multiturn.fmt)) in trainer.prompt.system
-        assert "<calc>" in trainer.prompt.system and "</calc><result>" in trainer.prompt.system
+        shown = job.worked.examples[0]
+        assert reference_completion(shown, Style(tools=job.sampling.prompts.multiturn.fmt)) in job.prompt.system
+        assert "<calc>" in job.prompt.system and "</calc><result>" in job.prompt.system
     finally:
-        trainer.reward_runner.close()
+        job.sampling.reward_runner.close()
     assert WorkedExamples() == WorkedExamples((), ())
+
+
+def test_worked_examples_that_leave_less_than_a_batch_are_named(tiny_model_dir, tmp_path, capsys):
+    """worked_examples = 4 on a 4-row file: the line says all 4 became examples (train and sft, one line, exit 2,
+    nothing written; the sampler's "the data set has 0 examples" would not say why). eval trains on nothing:
+    it may show them all."""
+    from mlx_grpo.cli import main
+
+    data = tmp_path / "four.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i),
+                                        "solution": f"{i} + {i} = {2 * i}"}) + "\n" for i in range(1, 5)))
+    common = ["--model", str(tiny_model_dir), "--set", f"dataset_path={data}", "--set",
+              f"output_dir={tmp_path / 'runs'}", "--set", "batch_size=2", "--set", "max_prompt_length=2048"]
+    assert main(["train", *common, "--set", "worked_examples=4"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mlx-grpo train: error: worked_examples = 4 takes all 4 training examples into the prompt (an example shown "
+        "is not trained on), leaving 0 to train on, fewer than batch_size = 2: lower worked_examples or add training "
+        "data"]
+    assert main(["sft", *common, "--set", "worked_examples=3", "--set", "prefill=<reasoning>\n"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("mlx-grpo sft: error: worked_examples = 3 takes 3 of the 4 training examples into the "
+                           "prompt (an example shown is not trained on), leaving 1 to train on, fewer than batch_size")
+    assert not (tmp_path / "runs").exists()
+    assert main(["eval", "--model", str(tiny_model_dir), "--set", f"dataset_path={data}", "--set",
+                 f"eval_dataset_path={FIXTURES / 'gsm8k_tiny.jsonl'}", "--set", "worked_examples=4", "--set",
+                 "max_prompt_length=2048", "--samples", "1", "--max-tokens", "2", "-o", str(tmp_path / "e.jsonl")]) == 0
+    assert "with 4 worked examples" in capsys.readouterr().err

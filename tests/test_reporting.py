@@ -160,7 +160,7 @@ def test_missing_package_names_the_extra(monkeypatch, tmp_path, name, modules):
 
 def test_missing_package_stops_train_before_the_model_loads(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)
-    monkeypatch.setattr(run_mod, "build_trainer", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(run_mod, "build_job", lambda *a: pytest.fail("the model was loaded"))
     assert main(["train", "--set", "report_to=wandb", "--set", f"output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'mlx-grpo[wandb]'" in err
@@ -197,14 +197,16 @@ def test_training_run_reports_every_update_and_eval(tiny_model_dir, tmp_path, fa
 
 
 def test_reporters_close_when_the_run_fails(tiny_model_dir, tmp_path, fake_wandb, monkeypatch):
-    train_step = run_mod.Trainer.train_step  # every update goes through it
+    from mlx_grpo.training.trainer import Trainer
 
-    def failing(self, steps, *args, **kwargs):
+    update = Trainer.update
+
+    def failing(self, steps):
         if self.counters.update_step >= 1:
             raise RuntimeError("boom")
-        return train_step(self, steps, *args, **kwargs)
+        return update(self, steps)
 
-    monkeypatch.setattr(run_mod.Trainer, "train_step", failing)
+    monkeypatch.setattr(Trainer, "update", failing)
     with pytest.raises(RuntimeError, match="boom"):
         run_mod.train(make_cfg(tiny_model_dir, tmp_path, "report_to=wandb"))
     assert [c[0] for c in fake_wandb.calls] == ["init", "log", "finish"] and fake_wandb.calls[-1] == ("finish", 1)

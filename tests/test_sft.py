@@ -134,7 +134,7 @@ def _weights(path: Path) -> dict:
 
 def test_checkpoint_loads_into_train_with_identical_weights(tiny_model_dir, tmp_path):
     """Mixed precision: train from an sft checkpoint gets its bfloat16 weights and its float32 masters."""
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
     from mlx_grpo.checkpoint import load_masters
     from mlx_grpo.sft_run import run_sft
 
@@ -143,18 +143,18 @@ def test_checkpoint_loads_into_train_with_identical_weights(tiny_model_dir, tmp_
     train_cfg = build_config("train", overrides=parse_set([
         f"model_name={ckpt}", f"output_dir={tmp_path / 'runs'}", "run_name=grpo", "kl_coeff=0.04",
         "learning_rate=1e-5"]))
-    trainer = build_trainer(train_cfg)
+    job = build_job(train_cfg)
     saved, masters = _weights(ckpt), load_masters(ckpt)
-    now = dict(tree_flatten(trainer.model.parameters()))
+    now = dict(tree_flatten(job.model.parameters()))
     assert set(now) == set(saved)
     for k, v in saved.items():
         assert now[k].dtype == mx.bfloat16 and mx.array_equal(now[k], v).item(), k
-    assert set(trainer.masters.masters) == set(masters)
+    assert set(job.trainer.masters.masters) == set(masters)
     for k, v in masters.items():
-        assert mx.array_equal(trainer.masters.masters[k], v).item(), k
+        assert mx.array_equal(job.trainer.masters.masters[k], v).item(), k
     # the masters carry what bfloat16 cannot hold: starting from the weights alone would lose it
     assert any(not mx.array_equal(v.astype(mx.bfloat16).astype(mx.float32), v).item() for v in masters.values())
-    reference = dict(tree_flatten(trainer.policies.reference.parameters()))
+    reference = dict(tree_flatten(job.trainer.policies.reference.parameters()))
     assert all(mx.array_equal(reference[k], v).item() for k, v in saved.items())  # the KL anchors to sft
 
 
@@ -184,7 +184,7 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_lora_checkpoint_fuses_into_a_model_train_starts_from(tiny_model_dir, tmp_path):
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
     from mlx_grpo.models.fuse import run_fuse
     from mlx_grpo.sft_run import run_sft
 
@@ -192,12 +192,12 @@ def test_lora_checkpoint_fuses_into_a_model_train_starts_from(tiny_model_dir, tm
     ckpt = run_dir / "checkpoint-3"
     assert (ckpt / "adapters.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
     with pytest.raises(UserError, match="fuse"):
-        build_trainer(build_config("train", overrides=parse_set([f"model_name={ckpt}", "kl_coeff=0"])))
+        build_job(build_config("train", overrides=parse_set([f"model_name={ckpt}", "kl_coeff=0"])))
     fused = run_fuse(str(ckpt), str(tmp_path / "fused"))
     merged, _ = load_model(str(ckpt), "float32")  # the base with the adapters applied
-    trainer = build_trainer(build_config("train", overrides=parse_set([f"model_name={fused}", "kl_coeff=0"])))
+    job = build_job(build_config("train", overrides=parse_set([f"model_name={fused}", "kl_coeff=0"])))
     x = mx.array([[5, 6, 7, 8]])
-    np.testing.assert_allclose(np.array(trainer.model(x)), np.array(merged(x)), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(job.model(x)), np.array(merged(x)), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -297,27 +297,27 @@ def test_sft_refuses_to_resume_a_train_checkpoint_before_comparing_settings(tiny
         run_sft(sft_cfg(tiny_model_dir, tmp_path, "num_epochs=1", "run_name=grpo"),
                 resume=str(run_dir / "checkpoint-1"))
     assert str(info.value) == (f"--resume: {run_dir / 'checkpoint-1'} is a checkpoint of `mlx-grpo train`, not of "
-                               f"`sft`; to start sft from its weights set model_name = {run_dir / 'checkpoint-1'} "
-                               "(without --resume)")
+                               f"`sft`; to start sft from its weights, rerun without --resume, with --set "
+                               f"model_name={run_dir / 'checkpoint-1'}")
 
 
 def test_worked_examples_prompt_is_trains(tiny_model_dir, tmp_path):
     """With worked examples the rows carry the system prompt `train` builds for the same settings (the same
     drawn examples, left out of the rows as train leaves them out of its data)."""
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
     from mlx_grpo.sft_data import load_sft_data
 
     keys = [f"model_name={tiny_model_dir}", "dataset=arith", "arith_max_steps=1", "worked_examples=2",
             "max_train_samples=6", "prefill=<reasoning>\n", "eval_every_updates=3", "eval_subset_size=4",
             "max_prompt_length=2048"]
-    trainer = build_trainer(build_config("train", overrides=parse_set(keys + ["kl_coeff=0"])))
+    job = build_job(build_config("train", overrides=parse_set(keys + ["kl_coeff=0"])))
     cfg = build_config("sft", overrides=parse_set(keys))
-    data = load_sft_data(cfg, trainer.tokenizer, None)
-    assert data.prompt == trainer.prompt and len(data.prompt.examples) == 2 and data.eval_prompt == trainer.eval_prompt
+    data = load_sft_data(cfg, job.tokenizer, None)
+    assert data.prompt == job.prompt and len(data.prompt.examples) == 2 and data.eval_prompt == job.eval_prompt
     assert [r.prompt_ids for r in data.rows] == [ids for ids, _ in encode_prompts(
-        None, trainer.tokenizer, trainer.train_examples, cfg, trainer.prompt.system)]
-    shown = {e.prompt for e in trainer.worked.examples}
-    assert not shown & {e.prompt for e in trainer.train_examples} and len(data.evals) == 4
+        None, job.tokenizer, job.train_examples, cfg, job.prompt.system)]
+    shown = {e.prompt for e in job.worked.examples}
+    assert not shown & {e.prompt for e in job.train_examples} and len(data.evals) == 4
 
 
 def test_a_warm_start_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -12,7 +12,10 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo import assembly as assembly_mod
 from mlx_grpo import run as run_mod
+from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.training import trainer as trainer_mod
+from mlx_grpo.training.records import UpdateSteps
+from mlx_grpo.training.step_sources import FreshSteps
 from mlx_grpo.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.errors import UserError
@@ -271,10 +274,10 @@ def test_quantized_rollouts_run(tiny_model_dir, tmp_path):
 
 
 def test_grad_checkpoint_without_effect_is_reported(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    assembly_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
+    assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
     assert "grad_checkpoint has no effect" not in capsys.readouterr().out  # llama layers are recomputed
     monkeypatch.setattr(assembly_mod, "supports_layer_checkpointing", lambda model: False)
-    assembly_mod.build_trainer(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
+    assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path, "grad_checkpoint=true"))
     assert "grad_checkpoint has no effect for model type 'llama'" in capsys.readouterr().out
 
 
@@ -287,26 +290,26 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir,
 
     cfg = make_cfg(tiny_model_dir, tmp_path, "train_type=lora", "kl_coeff=0.04", "learning_rate=1e-2",
                    f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids")
-    t = assembly_mod.build_trainer(cfg)
+    t = assembly_mod.build_job(cfg)
     before = {k: mx.array(v) for k, v in tree_flatten(t.model.parameters())}
     trainable = {k for k, _ in tree_flatten(t.model.trainable_parameters())}
     assert trainable and all(k.endswith(("lora_a", "lora_b")) for k in trainable)
     for _ in range(2):
-        step = t.batch_step(t.next_examples())
-        t.update([step])
+        step = t.sampling.batch_step(t.sampling.next_examples())
+        t.trainer.update(UpdateSteps([step], t.sampling.position()))
     after = dict(tree_flatten(t.model.parameters()))
     changed = {k for k in after if not np.array_equal(np.array(after[k]), np.array(before[k]))}
     assert changed and changed <= trainable  # the base weights are bitwise unchanged
-    assert {k for k, _ in tree_flatten(t.optimizer.state) if k.endswith(("m", "v"))} <= \
+    assert {k for k, _ in tree_flatten(t.trainer.optimizer.state) if k.endswith(("m", "v"))} <= \
         {f"{k}.{s}" for k in trainable for s in ("m", "v")}
     # The KL reference is the base model: the same log-probs as the model loaded afresh, with no copy.
-    assert t.policies.reference is None
+    assert t.trainer.policies.reference is None
     base, _ = load(str(tiny_model_dir))
-    ref = t.policies.reference_logprobs(step.rollout, t.pad_id)
-    plain = logprob_pass(base, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.pad_id,
+    ref = t.trainer.policies.reference_logprobs(step.rollout, t.trainer.pad_id)
+    plain = logprob_pass(base, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.trainer.pad_id,
                          cfg.training.micro_batch_tokens)
     np.testing.assert_array_equal(np.array(ref), np.array(plain))
-    adapted = logprob_pass(t.model, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.pad_id, 0)
+    adapted = logprob_pass(t.model, step.rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, t.trainer.pad_id, 0)
     assert not np.allclose(np.array(adapted), np.array(plain))  # the adapters are trained, and on again
     t.run_dir.mkdir(parents=True)
     ckpt = t.save()
@@ -325,7 +328,7 @@ def wider_model_dir(tmp_path_factory):
 def test_qlora_run_generate_and_fuse(wider_model_dir, tmp_path, capsys):
     cfg = make_cfg(wider_model_dir, tmp_path, "train_type=lora", "load_in_bits=4", "kl_coeff=0.04",
                    "max_train_samples=4", "learning_rate=1e-2", "save_steps=0")
-    t = assembly_mod.build_trainer(cfg)
+    t = assembly_mod.build_job(cfg)
     assert any(k.endswith(".scales") for k, _ in tree_flatten(t.model.parameters()))  # the base is 4-bit
     run = run_mod.train(cfg)
     rows = metrics(run)
@@ -535,17 +538,17 @@ def test_refilled_batch_steps_train_as_one_by_one(tiny_model_dir, tmp_path, monk
              "save_steps=0", "learning_rate=1e-2"]
     together = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=together", *extra))
     calls = {"many": 0}
-    original = trainer_mod.RolloutEngine.generate_many
+    original = RolloutEngine.generate_many
 
     def counted(self, jobs, *args, **kwargs):
         calls["many"] += len(jobs) > 1
         return original(self, jobs, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_mod.RolloutEngine, "generate_many", counted)
+    monkeypatch.setattr(RolloutEngine, "generate_many", counted)
     run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=counted", *extra))
     assert calls["many"] == 2  # 12 samples / (2 x 3) = 2 updates, each decoded together
-    monkeypatch.setattr(trainer_mod.Trainer, "batch_steps",
-                        lambda self, batches: [self.batch_step(b) for b in batches])
+    monkeypatch.setattr(FreshSteps, "next", lambda self: UpdateSteps(
+        [self.sampling.batch_step(self.sampling.next_examples()) for _ in range(3)], self.sampling.position()))
     one_by_one = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=single", *extra))
     assert metrics(together) == metrics(one_by_one)
 

@@ -28,7 +28,7 @@ def _rows(path):
 
 
 def test_eval_answers_as_the_in_run_evaluation_and_names_the_images(tiny_vlm_dir, tmp_path, capsys):
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
     from mlx_grpo.data import subset
     from mlx_grpo.sources import run_examples
 
@@ -40,10 +40,10 @@ def test_eval_answers_as_the_in_run_evaluation_and_names_the_images(tiny_vlm_dir
     assert len(rows) == 3 and all(r["images"][0].startswith("shapes/test/") for r in rows)
     assert f"accuracy: 0.0000 (0/3)  lenient: 0.0000  formatted: 0.0000" in printed  # text eval's summary line
     cfg = _train_cfg(tiny_vlm_dir, tmp_path, eval_subset_size=3, eval_max_new_tokens=4, eval_batch_size=2)
-    trainer = build_trainer(cfg)
+    job = build_job(cfg)
     examples = subset(run_examples(cfg, "test"), 3, cfg.run.seed)
-    inrun = trainer.answer_records(trainer.model, trainer.tokenizer, examples, cfg, max_new_tokens=4,
-                                   system_prompt=trainer.eval_prompt.system)
+    inrun = job.answer(job.model, job.tokenizer, examples, cfg, max_new_tokens=4,
+                                   system_prompt=job.eval_prompt.system)
     assert [r["completions"] for r in inrun] == [r["completions"] for r in rows]  # the same greedy answers
     assert [r["images"] for r in inrun] == [r["images"] for r in rows]
     assert any(r["completions"][0] for r in rows)  # something was decoded (the comparison is not of empties)

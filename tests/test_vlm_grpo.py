@@ -58,26 +58,26 @@ def _blobs(mask: np.ndarray) -> int:
 
 
 @pytest.fixture(scope="module")
-def trainer(tiny_vlm_dir, tmp_path_factory):
-    from mlx_grpo.assembly import build_trainer
+def job(tiny_vlm_dir, tmp_path_factory):
+    from mlx_grpo.assembly import build_job
 
-    return build_trainer(vlm_cfg(tiny_vlm_dir, tmp_path_factory.mktemp("t")))
+    return build_job(vlm_cfg(tiny_vlm_dir, tmp_path_factory.mktemp("t")))
 
 
-def test_logprobs_equal_a_naive_forward_with_the_image(trainer, tiny_vlm_dir):
+def test_logprobs_equal_a_naive_forward_with_the_image(job, tiny_vlm_dir):
     from mlx_vlm import load
 
     from mlx_grpo.training.policy import logprob_pass
     from mlx_grpo.vlm.rollout import encode_vision_prompt
 
-    examples = trainer.next_examples()
-    step = trainer.batch_steps([examples])[0]
+    examples = job.sampling.next_examples()
+    step = [job.sampling.batch_step(examples)][0]
     rollout = step.rollout
-    lp = logprob_pass(trainer.model, rollout, 1.0, 2, trainer.pad_id)  # micro-batches mix the prompts' rows
+    lp = logprob_pass(job.model, rollout, 1.0, 2, job.trainer.pad_id)  # micro-batches mix the prompts' rows
     naive, _ = load(str(tiny_vlm_dir))
-    G = trainer.cfg.rollout.num_generations
+    G = job.cfg.rollout.num_generations
     for r in range(len(rollout.texts)):
-        prompt = encode_vision_prompt(trainer.processor, examples[r // G], "image", trainer.prompt.system, None, 256)
+        prompt = encode_vision_prompt(job.sampling.prompts.processor, examples[r // G], "image", job.prompt.system, None, 256)
         n = int(rollout.lengths[r])
         completion = np.array(rollout.completion_ids[r, :n]).tolist()
         ids = mx.array([prompt.ids + completion])
@@ -88,36 +88,36 @@ def test_logprobs_equal_a_naive_forward_with_the_image(trainer, tiny_vlm_dir):
         np.testing.assert_allclose(np.array(rollout.sampler_logprobs[r, :n]), np.array(expect), atol=1e-4)
 
 
-def test_images_are_encoded_once_per_prompt_and_gradients_reach_only_adapters(trainer):
-    table = trainer.model.table
-    examples = trainer.next_examples()
-    batches = trainer.batch_steps([examples])
+def test_images_are_encoded_once_per_prompt_and_gradients_reach_only_adapters(job):
+    table = job.model.table
+    examples = job.sampling.next_examples()
+    batches = [job.sampling.batch_step(examples)]
     before = table.encodings
-    steps = [trainer.score(b) for b in batches]
-    grads, _ = trainer.gradients(steps)
+    steps = [job.trainer.score(b) for b in batches]
+    grads, _ = job.trainer.gradients(steps)
     assert table.encodings == before  # the gradient pass reads the rollout's features: no encoding
     assert len(steps[0].rollout.prompt_ids) == len(examples) and before >= len(examples)
     names = {k for k, _ in tree_flatten(grads)}
-    trainable = {k for k, _ in tree_flatten(trainer.model.trainable_parameters())}
+    trainable = {k for k, _ in tree_flatten(job.model.trainable_parameters())}
     assert names == trainable and names and all(".lora_" in k for k in names)
     assert not any(k.startswith("vision_tower.") for k in names)
 
 
 def test_encodings_are_counted_per_prompt(tiny_vlm_dir, tmp_path):
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
 
-    t = build_trainer(vlm_cfg(tiny_vlm_dir, tmp_path))
-    t.batch_steps([t.next_examples()])
+    t = build_job(vlm_cfg(tiny_vlm_dir, tmp_path))
+    [t.sampling.batch_step(t.sampling.next_examples())]
     assert t.model.table.encodings == t.cfg.training.batch_size  # B prompts, B x G samples: B encodings
 
 
 def test_train_vision_gives_the_tower_gradients(tiny_vlm_dir, tmp_path):
-    from mlx_grpo.assembly import build_trainer
+    from mlx_grpo.assembly import build_job
 
-    t = build_trainer(vlm_cfg(tiny_vlm_dir, tmp_path, train_type="full", train_vision="true"))
-    steps = [t.score(b) for b in t.batch_steps([t.next_examples()])]
+    t = build_job(vlm_cfg(tiny_vlm_dir, tmp_path, train_type="full", train_vision="true"))
+    steps = [t.trainer.score(b) for b in [t.sampling.batch_step(t.sampling.next_examples())]]
     before = t.model.table.encodings
-    grads, _ = t.gradients(steps)
+    grads, _ = t.trainer.gradients(steps)
     names = {k for k, _ in tree_flatten(grads)}
     assert any(k.startswith("vision_tower.") for k in names) and any(k.startswith("language_model.") for k in names)
     assert t.model.table.encodings - before <= t.cfg.training.batch_size * 2  # once per prompt per micro-batch at most

@@ -1,10 +1,10 @@
-"""Assembling a Trainer from a Config (run.py and the benches call `build_trainer`): the training and
+"""Assembling a run from a Config (run.py and the benches call `build_job`): the training and
 evaluation examples, the reward set, the model loaded and cast to its compute dtype with its float32
 masters, LoRA/DoRA adapters and the QLoRA base (`build_model`, which `mlx-grpo sft` shares), the KL
 reference model, the start-up memory check for the rollouts (and the rollout engine's copy), and the
 warnings about settings that will not do what they say
 (check_prompt_lengths: prompts that max_prompt_length cuts, measured before the first update).
-training/trainer.py holds the GRPO update and checkpoint state; it never imports this module.
+training/job.py wires the parts (sampling, step source, Trainer); training/ never imports this module.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_grpo.checkpoint import load_masters
+from mlx_grpo.checkpoint import list_checkpoints, load_masters
 from mlx_grpo.config import Config
 from mlx_grpo.data import subset
+from mlx_grpo.demonstrations import check_references
 from mlx_grpo.distributed import World
 from mlx_grpo.rollout.engine import check_rollout_model, uses_copy
 from mlx_grpo.errors import UserError
@@ -29,18 +30,22 @@ from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
 from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
+from mlx_grpo.evaluate import answer_records
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.training.job import Job, make_job
 from mlx_grpo.training.policy import Policies
+from mlx_grpo.training.served_teacher import ServedTeacher
 from mlx_grpo.prompts import select_worked_examples
+from mlx_grpo.sft import adapter_model_error
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
 from mlx_grpo.sources import run_examples
-from mlx_grpo.training.trainer import Trainer
 
 
 @dataclass
 class TrainedModel:
     """A model ready to train: in its compute dtype, with its float32 masters, adapters (lora/dora) and the
-    QLoRA base as configured; what `build_trainer` and `mlx-grpo sft` (sft.py) start from."""
+    QLoRA base as configured; what `build_job` and `mlx-grpo sft` (sft.py) start from."""
 
     model: object
     tokenizer: object
@@ -64,8 +69,7 @@ def build_model(cfg: Config, say=print) -> TrainedModel:
     dtype = compute_dtype(spec.model_name, spec.model_dtype, model)
     mixed = cfg.optimizer.master_weights and dtype != mx.float32  # float32 masters of the trained weights
     if any(isinstance(m, ADAPTER_LAYERS) for _, m in model.named_modules()):
-        raise UserError(f"model {spec.model_name!r} carries lora/dora adapters: continue its run with --resume, "
-                        "or merge them first with `mlx-grpo fuse`")
+        raise UserError(adapter_model_error(spec.model_name))
     quantized = any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters()))
     adapter_config = None
     if spec.train_type == "full":
@@ -107,13 +111,13 @@ def build_model(cfg: Config, say=print) -> TrainedModel:
     return TrainedModel(model, tokenizer, masters, adapter_config, source_dir, dtype)
 
 
-def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
+def build_job(cfg: Config, world: World | None = None) -> Job:
     """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
     in a data-parallel run (default: alone)."""
     if cfg.data.image_column:  # GRPO on image + text prompts (vlm/)
-        from mlx_grpo.vlm.assembly import build_vision_trainer
+        from mlx_grpo.vlm.assembly import build_vision_job
 
-        return build_vision_trainer(cfg, world)
+        return build_vision_job(cfg, world)
     train = run_examples(cfg, "train")
     evals = None
     if cfg.eval.eval_every_updates or cfg.eval.eval_steps or cfg.data.worked_examples \
@@ -125,6 +129,10 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
         train = subset(train, cfg.data.max_train_samples, cfg.run.seed)
     rewards = build_reward_set(cfg, Path.cwd())
     main = world is None or world.is_main
+    if cfg.objective.demonstrations != "off":  # before the model loads: refused where they can never apply
+        note = check_references(cfg, train)
+        if note and main:
+            print(note, flush=True)
     built = build_model(cfg, say=lambda line: print(line, flush=True) if main else None)
     model, tokenizer, masters, adapter_config = built.model, built.tokenizer, built.masters, built.adapter_config
     source_dir, dtype = built.source_dir, built.dtype
@@ -149,25 +157,87 @@ def build_trainer(cfg: Config, world: World | None = None) -> Trainer:
                         + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
                         "max_new_tokens" + (", or set rollout_engine = model" if copy else "")
                         + (", or rollout_worker = thread" if worker else ""))
-    policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
+    say = lambda line: print(line, flush=True) if main else None  # noqa: E731
+    teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
+    engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
+    policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None, teacher=teacher,
+                        teacher_source=teacher_source)
     if not (cfg.eval.eval_every_updates or cfg.eval.eval_steps):
         evals = None  # loaded only to keep its questions out of the worked examples
-    return Trainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.run.output_dir) / cfg.run.run_name,
-                   source_dir, evals, adapter_config, masters, world or World(), worked=worked)
+    return make_job(cfg, world or World(), tokenizer, policies, rewards, train, evals, worked, source_dir,
+                    adapter_config, masters, answer_records)
 
 
-def check_prompt_lengths(trainer: Trainer, measured: int = 2000) -> None:
+# Texts both tokenizers encode when a teacher is checked: prose, digits and arithmetic, code, accents, emoji.
+TOKENIZER_PROBES = ("The answer is 42.", "What is 17 * 23 - 5? <answer>386</answer>", "def f(x):\n    return x ** 2",
+                    "Café déjà vu, naïve façade.", "🙂 日本語 ∑ x_i")
+
+
+def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
+    """On-policy distillation's teacher, loaded in model_dtype (quantized weights stay quantized), or
+    teacher_url's server (load_served_teacher); -> (teacher, what it is: the checkpoint a run directory
+    resolved to, or the URL), which checkpoints record so that a resume keeps the same teacher. Its log-probs
+    are of token ids: a teacher whose tokenizer encodes text differently from the student's would score other
+    tokens, so it is refused in one line saying what differs."""
+    if cfg.objective.teacher_url:
+        return load_served_teacher(cfg, tokenizer, say), cfg.objective.teacher_url
+    name = cfg.objective.teacher_model
+    run = Path(name)
+    if run.is_dir() and not (run / "config.json").is_file() and list_checkpoints(run):
+        name = str(list_checkpoints(run)[-1])  # a run directory: its latest checkpoint
+        say(f"[mlx-grpo] teacher_model: {name}, the latest checkpoint of {run}")
+    teacher, theirs = load_model(name, cfg.model.model_dtype)
+    sizes = [len(t.get_vocab()) if hasattr(t, "get_vocab") else None for t in (theirs, tokenizer)]
+    if None not in sizes and sizes[0] != sizes[1]:
+        raise UserError(f"teacher_model {name!r} has a vocabulary of {sizes[0]} tokens, the student "
+                        f"{cfg.model.model_name!r} {sizes[1]}: on-policy distillation needs the same tokenizer "
+                        "(a teacher of the student's family)")
+    for text in TOKENIZER_PROBES:
+        a, b = tokenizer.encode(text), theirs.encode(text)
+        if a != b:
+            raise UserError(f"teacher_model {name!r} uses another tokenizer than the student "
+                            f"{cfg.model.model_name!r}: {text!r} encodes to {b[:8]}... there and {a[:8]}... here; "
+                            "on-policy distillation needs the same tokenizer (a teacher of the student's family)")
+    if set(theirs.eos_token_ids) != set(tokenizer.eos_token_ids):  # a base and its instruct model: same ids
+        say(f"[mlx-grpo] warning: teacher_model {name!r} ends its answers with tokens "
+            f"{sorted(theirs.eos_token_ids)}, the student with {sorted(tokenizer.eos_token_ids)}: the teacher scores "
+            "the student's end token as it would any other token")
+    return teacher, str(Path(name).resolve()) if Path(name).exists() else name
+
+
+def load_served_teacher(cfg: Config, tokenizer, say=print) -> ServedTeacher:
+    """teacher_url's client, checked before any update: the server scores a probe (down or answering in
+    another shape: one line now, not after the first rollout), and encodes TOKENIZER_PROBES as the student
+    does where it has vLLM's /tokenize; without one, a warning says the tokenizer was not checked."""
+    o = cfg.objective
+    teacher = ServedTeacher(o.teacher_url, o.teacher_url_timeout, o.teacher_url_retries, o.teacher_url_allowed_hosts)
+    teacher.score(tokenizer.encode(TOKENIZER_PROBES[1]))
+    for text in TOKENIZER_PROBES:
+        theirs, ours = teacher.tokenize(text), tokenizer.encode(text)
+        if theirs is None:
+            say(f"[mlx-grpo] warning: teacher_url {o.teacher_url}: the server has no /tokenize, so its tokenizer "
+                f"could not be checked against the student's; it must be {cfg.model.model_name!r}'s")
+            break
+        if theirs != ours:
+            raise UserError(f"teacher_url {o.teacher_url} uses another tokenizer than the student "
+                            f"{cfg.model.model_name!r}: {text!r} encodes to {theirs[:8]}... there and {ours[:8]}... "
+                            "here; on-policy distillation needs the same tokenizer (a teacher of the student's "
+                            "family)")
+    return teacher
+
+
+def check_prompt_lengths(job: Job, measured: int = 2000) -> None:
     """Say at start how much max_prompt_length cuts the training prompts (a seeded sample of them), and
     refuse a length that would cut the question out of most of them."""
-    cfg = trainer.cfg
+    cfg = job.cfg
     if cfg.data.image_column:  # image prompts are never cut: vlm/rollout.py refuses a longer one
         return
     whole = replace(cfg, max_prompt_length=sys.maxsize)  # each prompt's length uncut
-    examples = subset(trainer.train_examples, measured, cfg.run.seed)
-    lengths = [len(ids) for ids, _ in encode_prompts(trainer.multiturn, trainer.tokenizer, examples, whole,
-                                                    trainer.prompt.system)]
+    examples = subset(job.train_examples, measured, cfg.run.seed)
+    lengths = [len(ids) for ids, _ in encode_prompts(job.sampling.prompts.multiturn, job.tokenizer, examples, whole,
+                                                    job.prompt.system)]
     warning, error = prompt_cut_report(lengths, cfg.data.max_prompt_length)
     if error:
-        trainer.world.fail(error)
+        job.world.fail(error)
     if warning:
-        trainer.world.print(f"[mlx-grpo] warning: {warning}")
+        job.world.print(f"[mlx-grpo] warning: {warning}")

@@ -283,7 +283,8 @@ def check_resume(path: Path, loaded: tuple, adapters: bool, *, model, total_upda
     train_type or adapter shapes, compute dtype or master weights."""
     weights, _, state, _, masters = loaded
     if state.get("total_updates", total_updates) != total_updates:
-        raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} updates and this config "
+        raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} "
+                        f"update{'s' * (state['total_updates'] != 1)} and this config "
                         f"gives {total_updates}: the data, epochs or batch shape differ; resume with the "
                         f"run's own config: {resume_command('train', path)}")
     saved = state.get("world_size", 1)

@@ -25,7 +25,8 @@ from mlx_grpo.interrupt import exit_on_interrupt
 DESCRIPTIONS = {
     "convert": "Convert a Hugging Face model, a GGUF file or a nanochat checkpoint to an MLX model directory.",
     "generate": "Generate text from a prompt (or a file of prompts) with a model.",
-    "chat": "Chat with a model in the terminal (also works from a pipe).",
+    "chat": "Chat with a model in the terminal (also works from a pipe); Ctrl-C stops an answer, Ctrl-D or /exit "
+            "ends the chat.",
     "train": "Fine-tune a model with GRPO.",
     "sft": "Supervised warm start before GRPO: train on worked solutions or prompt/completion data, loss on the "
            "completion tokens only.",
@@ -193,9 +194,9 @@ def _memory_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     line = out_of_memory(exc, command)
     if line is None or command not in ("train", "sft") or not (run := _checkpoint(args)) or run[1] is None:
         return line
-    from mlx_grpo.checkpoint import holds_adapters
+    from mlx_grpo.sft import start_from
 
-    return out_of_memory(exc, command, run[1], holds_adapters(run[1]))
+    return out_of_memory(exc, command, run[1], start_from(run[1], instead_of_resume=args.resume is not None))
 
 
 def _what_survives(args: argparse.Namespace) -> str | None:

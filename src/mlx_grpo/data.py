@@ -355,7 +355,8 @@ class EpochSampler:
             raise UserError(f"need batch_size >= 1, num_epochs >= 1, seed >= 0; got {batch_size}, {num_epochs}, "
                             f"{seed}")
         if num_examples < batch_size:
-            raise UserError(f"the data set has {num_examples} examples, fewer than batch_size={batch_size}")
+            raise UserError(f"the data set has {num_examples} example{'s' * (num_examples != 1)}, fewer than "
+                            f"batch_size={batch_size}")
         self.num_examples, self.batch_size, self.num_epochs, self.seed = num_examples, batch_size, num_epochs, seed
         self.batches_per_epoch = num_examples // batch_size
         self.epoch, self.position = 0, 0

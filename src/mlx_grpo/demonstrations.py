@@ -39,10 +39,36 @@ def demo_ids(tokenizer, text: str, prefill: str, end_id: int) -> list[int]:
     prefill (the prompt already ends with it), encoded alone as a continuation, then the end token."""
     rest = after_prefill(text, prefill)
     if rest is None:
-        raise UserError(f"demonstrations: a reference completion does not begin with the prefill {prefill!r} "
-                        f"(it begins {text[:40]!r}); write the data's 'completion' column in the run's format, "
-                        "prefill included, or change the prefill")
+        raise UserError(_unprefilled(text, prefill))
     return list(tokenizer.encode(rest, add_special_tokens=False)) + [end_id]
+
+
+def _unprefilled(text: str, prefill: str) -> str:
+    return (f"demonstrations: a reference completion does not begin with the prefill {prefill!r} (it begins "
+            f"{text[:40]!r}); write the data's 'completion' column in the run's format, prefill included, or change "
+            "the prefill")
+
+
+def check_references(cfg, examples: Sequence[Example]) -> str | None:
+    """Before a run with demonstrations (the model not loaded yet): refuse one where they can never apply, no
+    training example having a reference solution (the run would end with demo_fraction 0 and nothing said),
+    and a reference the prefill does not open (found at start, not at the first group that needs it).
+    -> a note when only some examples have one (the others' groups never get a demonstration), else None."""
+    style = style_for(cfg)
+    texts = [t for t in (reference_completion(e, style) for e in examples) if t is not None]
+    if not texts:
+        raise UserError(f"demonstrations = {cfg.objective.demonstrations}, but none of the {len(examples)} training "
+                        "examples has a reference solution to demonstrate (a 'completion' or 'solution' column, or "
+                        "GSM8K's or arith's worked solution), so no group could ever get one: use data with such a "
+                        "column, or set demonstrations = off")
+    for text in texts:
+        if after_prefill(text, cfg.data.prefill) is None:
+            raise UserError(_unprefilled(text, cfg.data.prefill))
+    missing = len(examples) - len(texts)
+    if not missing:
+        return None
+    return (f"[mlx-grpo] note: no reference solution in {missing} of the {len(examples)} training examples: their "
+            "groups never get a demonstration")
 
 
 def with_demonstrations(rollout: Rollout, demos: dict[int, list[int]], texts: dict[int, str],

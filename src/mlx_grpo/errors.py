@@ -27,11 +27,12 @@ _OOM_PHASES = (
 
 
 def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = None,
-                  adapters: bool = False) -> str | None:
+                  new_run: str | None = None) -> str | None:
     """The one line for a failed allocation (None for any other error): where it happened, the first line of
     the backend's message, and what to lower. `checkpoint`: the one to resume from (train/sft, as
-    checkpoint.resume_point picks it; `adapters`: it holds LoRA/DoRA adapters), and whether --resume takes the
-    fix or it needs a new run from there. A traceback would hide that the fix is a setting."""
+    checkpoint.resume_point picks it), and whether --resume takes the fix or it needs a new run from there
+    (new_run: how one starts from the checkpoint, sft.start_from's words; an adapter checkpoint is merged
+    first). A traceback would hide that the fix is a setting."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     if not isinstance(exc, MemoryError) and not _OOM_FORMS.match(first):
@@ -57,6 +58,7 @@ def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = No
         line += f" {checkpoint.name} is intact: --resume {checkpoint} continues from it" + (
             " with those changed." if resumes else
             " with the same settings; lowering those needs a new run from it (fresh optimizer, schedule and data "
-            "order): " + (f"mlx-grpo fuse --checkpoint {checkpoint} --output-dir <dir>, then --set model_name=<dir>"
-                          if adapters else f"--set model_name={checkpoint}") + " --set run_name=<another name>.")
+            "order): " + (new_run or f"rerun with --set model_name={checkpoint}")
+            # another run directory: this one holds checkpoints, which a run without --resume refuses
+            + f" --set run_name={checkpoint.parent.name}-from-{checkpoint.name}.")
     return line

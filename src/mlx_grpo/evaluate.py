@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from tqdm import tqdm
 
 from mlx_grpo.config import Config, command_default, save_json
@@ -57,11 +58,13 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
                    lines: bool = False) -> list[dict]:
     """One record per example: its completions and whether they are right (greedy when num_samples == 1;
     an example passes if any sample is right). seed (default cfg.run.seed) keys sampled evaluations.
-    progress: show a progress bar over the examples (on a terminal only). engine: one already sampling from
-    `model` (the trainer's), so evaluation builds no second copy of the weights. multiturn: the run's tools or
-    environment (default: built from cfg); answers are then scored on the model's own turns. system_prompt: the
-    run's, with its worked examples (prompts.RunPrompt.system; default cfg.data.system_prompt). lines: where
-    progress shows no bar (not a terminal), print a line to stderr after each batch of eval_batch_size."""
+    progress: show a progress bar over the examples (on a terminal only; an example counts once all its samples
+    have ended, as the decode loop sees them every few tokens; with tools, per batch). engine: one already
+    sampling from `model` (the trainer's), so evaluation builds no second copy of the weights. multiturn: the
+    run's tools or environment (default: built from cfg); answers are then scored on the model's own turns.
+    system_prompt: the run's, with its worked examples (prompts.RunPrompt.system; default cfg.data.system_prompt).
+    lines: where progress shows no bar (not a terminal), print a line to stderr after each batch of
+    eval_batch_size."""
     sampling = cfg.rollout
     params = SamplingParams(max_new_tokens, temperature if num_samples > 1 else 0.0, sampling.top_p, sampling.top_k,
                             sampling.min_p, tuple(sampling.stop))
@@ -79,7 +82,9 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
             key, sub = mx.random.split(key)
             prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, chunk, cfg, system_prompt)]
             keys = mx.random.split(sub, len(prompts) * num_samples)
-            rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.data.prefill)[0]
+            follow = None if bar.disable else _follow(bar, start, len(chunk), num_samples)
+            rollout = rollouts(engine, multiturn, [(prompts, keys, chunk)], num_samples, params, cfg.data.prefill,
+                               on_done=follow)[0]
             written = model_texts(rollout, cfg.data.prefill)  # with tools: what the model wrote, not the tools' output
             calls = None if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
             for i, example in enumerate(chunk):
@@ -92,7 +97,7 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
                 if calls is not None:
                     record["tool_calls"] = int(calls[i * num_samples])
                 records.append(record)
-            bar.update(len(chunk))
+            bar.update(start + len(chunk) - bar.n)
             if lines and progress and bar.disable:
                 print(f"[mlx-grpo] eval: {len(records)}/{len(examples)} examples, "
                       f"{sum(r['correct'] for r in records)} correct, {time.perf_counter() - started:.0f}s",
@@ -101,10 +106,21 @@ def answer_records(model, tokenizer, examples: list[Example], cfg: Config, *, ma
     return records
 
 
+def _follow(bar: tqdm, start: int, examples: int, num_samples: int):
+    """The decode loop's on_done for a batch of `examples` whose first is example `start`: the bar moves to the
+    examples whose every sample has ended."""
+    ended = np.zeros(examples * num_samples, dtype=bool)
+
+    def advance(first: int, done: np.ndarray) -> None:
+        ended[first:first + len(done)] = done
+        bar.update(max(0, start + int(ended.reshape(examples, num_samples).all(axis=1).sum()) - bar.n))
+    return advance
+
+
 @contextmanager
 def _ticking(bar: tqdm, every: float = 1.0):
-    """Redraw the bar every `every` seconds while inside: its count moves once per batch of eval_batch_size
-    questions (decoded together), and in between the elapsed time shows that the batch is being answered."""
+    """Redraw the bar every `every` seconds while inside: its count moves as the decode loop sees answers end
+    (every few tokens; with tools once per batch), and in between the elapsed time shows the work goes on."""
     stop = threading.Event()
 
     def tick() -> None:
@@ -146,7 +162,7 @@ def eval_worked(cfg: Config, split: str, pool: list[Example]) -> WorkedExamples:
         return WorkedExamples()
     train = run_examples(cfg, "train")
     test = pool if split == "test" else run_examples(cfg, "test")
-    worked = select_worked_examples(cfg, train, test)[0]
+    worked = select_worked_examples(cfg, train, test, trains=False)[0]  # eval trains on nothing: all may be shown
     shown = {question_text(e.prompt).strip() for e in worked.examples}
     if any(question_text(e.prompt).strip() in shown for e in pool):
         raise UserError(f"the {split} split holds the worked examples' questions: evaluate it with "
@@ -190,27 +206,36 @@ class EvalJob:
 
 
 def _check_writable(out: Path, where: str | None) -> None:
-    """Open the output file and the config file beside it for writing (created files removed again), so that
-    an output that cannot be written stops `eval` before the model loads, not after every question."""
+    """Open the output file and the config file beside it for writing (created files and directories removed
+    again: an eval that fails later leaves nothing behind), so that an output that cannot be written stops
+    `eval` before the model loads, not after every question."""
     named = f"--output {out}" if where is None else f"the default output {out} ({where}; --output FILE to choose)"
     try:  # is_dir raises for a name the system refuses (too long)
         if out.is_dir():
             raise UserError(f"{named} is a directory: give a file name")
     except OSError:
         pass  # said below, where the file is opened
+    made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # the ones mkdir creates
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"{named}: cannot create {out.parent}: {exc.strerror or exc}") from None
-    for path in (out, Path(f"{out}.config.json")):
-        try:
-            existed = path.exists()
-            with open(path, "a"):  # "a": an existing file is not emptied by the check
-                pass
-            if not existed:
-                path.unlink()
-        except OSError as exc:
-            raise UserError(f"{named}: cannot write {path.name}: {exc.strerror or exc}") from None
+    try:
+        for path in (out, Path(f"{out}.config.json")):
+            try:
+                existed = path.exists()
+                with open(path, "a"):  # "a": an existing file is not emptied by the check
+                    pass
+                if not existed:
+                    path.unlink()
+            except OSError as exc:
+                raise UserError(f"{named}: cannot write {path.name}: {exc.strerror or exc}") from None
+    finally:
+        for directory in made:  # innermost first; finish_eval makes them again
+            try:
+                directory.rmdir()
+            except OSError:  # something else wrote there meanwhile: not ours to remove
+                break
 
 
 def prepare_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalJob:
@@ -232,6 +257,7 @@ def finish_eval(cfg: Config, job: EvalJob, result: EvalResult, prompt_record: di
     """Write the records (and the config beside them) and print the summary line."""
     out = job.out
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # prepare_eval's check left no directory behind
         out.write_text("".join(json.dumps(r) + "\n" for r in result.records))
         save_json(cfg, f"{out}.config.json", {"split": job.split, "prompt": prompt_record})
     except OSError as exc:
@@ -240,7 +266,7 @@ def finish_eval(cfg: Config, job: EvalJob, result: EvalResult, prompt_record: di
     print(f"{metric}: {result.accuracy:.4f} ({sum(r['correct'] for r in result.records)}/{len(result.records)})"
           f"  lenient: {result.lenient_accuracy:.4f}  formatted: {result.format_rate:.4f}"
           + ("" if result.tool_call_rate is None else f"  tool calls: {result.tool_call_rate:.4f}"))
-    print(f"wrote {len(result.records)} records to {out}"
+    print(f"wrote {len(result.records)} record{'s' * (len(result.records) != 1)} to {out}"
           + ("" if job.where is None else f" ({job.where}; --output FILE to choose)"), file=sys.stderr)
     return result
 

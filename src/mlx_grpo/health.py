@@ -157,11 +157,13 @@ class RunHealth:
         if self.max_without_signal and s.no_signal_streak >= self.max_without_signal:
             if s.paid_streak >= s.no_signal_streak:
                 # a model that earns every reward on every sample is done, not broken: no error
-                s.solved = (f"every completion earned the same rewards in {s.no_signal_streak} updates in a row (at "
+                s.solved = (f"every completion earned the same rewards in {s.no_signal_streak} "
+                            f"update{'s' * (s.no_signal_streak != 1)} in a row (at "
                             f"update {update}: {said}): nothing is left to learn from this data, so the run ends "
                             f"here{allow}")
                 return None
-            return (f"no reward function gave any signal in {s.no_signal_streak} updates in a row (at update "
+            return (f"no reward function gave any signal in {s.no_signal_streak} "
+                    f"update{'s' * (s.no_signal_streak != 1)} in a row (at update "
                     f"{update}: {said} for every completion), so every advantage was 0 and nothing was learnt; "
                     f"{PLATEAU_REMEDIES}{allow}")
         return None
@@ -180,7 +182,8 @@ class RunHealth:
             kind = f"plateau/{name}"
             if s.unpaid.get(name, 0) >= self.plateau_updates and kind not in s.fired:
                 s.fired.append(kind)
-                s.pending[kind] = (f"plateau: reward '{name}' has paid nothing for {s.unpaid[name]} updates (up "
+                s.pending[kind] = (f"plateau: reward '{name}' has paid nothing for {s.unpaid[name]} "
+                                   f"update{'s' * (s.unpaid[name] != 1)} (up "
                                    f"to update {update}) while {', '.join(payers)} paid: the model has not once "
                                    "produced what it rewards, so GRPO has no sample of it to reinforce. Remedies: "
                                    f"{PLATEAU_REMEDIES}")

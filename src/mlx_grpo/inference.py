@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from mlx_grpo.config import Config
 from mlx_grpo.errors import UserError
+from mlx_grpo.interrupt import interrupts_raise
 
 
 @dataclass
@@ -150,7 +151,7 @@ def run_generate(cfg: Config, prompt: str | None = None, prompts_file: str | Non
         Path(output).write_text("\n".join(rows) + "\n")
         save_json(cfg, f"{output}.config.json", {"prompts_file": prompts_file, "raw": raw,
                                                   "batch_size": batch_size})
-        print(f"wrote {len(rows)} completions to {output}", file=sys.stderr)
+        print(f"wrote {len(rows)} completion{'s' * (len(rows) != 1)} to {output}", file=sys.stderr)
     else:
         out.write("\n".join(rows) + "\n")
     if verbose:
@@ -184,7 +185,9 @@ def chat_inputs(lines: Iterable[str] | None, out: TextIO, banner: str, history: 
 
 def run_chat(cfg: Config, verbose: bool = False, lines: Iterable[str] | None = None,
              out: TextIO | None = None) -> list[dict]:
-    """`mlx-grpo chat`: a REPL that keeps the conversation; /reset clears it, /exit (or EOF) ends it.
+    """`mlx-grpo chat`: a REPL that keeps the conversation; /reset clears it, /exit (or EOF, Ctrl-D) ends it.
+    Ctrl-C while an answer is written stops that answer (what was written stays in the conversation, as it was
+    shown); Ctrl-C at the prompt ends the chat.
 
     Works from a pipe: lines are read from `lines` (default stdin) and answers streamed to `out`.
     Returns the final history (useful to callers and tests).
@@ -194,12 +197,28 @@ def run_chat(cfg: Config, verbose: bool = False, lines: Iterable[str] | None = N
     out = out or sys.stdout
     model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
     history: list[dict] = []
-    for message in chat_inputs(lines, out, "mlx-grpo chat: /reset clears the conversation, /exit quits.",
-                                 history):
-        ids = encode_prompt(tokenizer, message, cfg.data.system_prompt, history=history)
-        result = generate(model, tokenizer, ids, cfg, lambda t: (out.write(t), out.flush()))
-        out.write("\n")
-        if verbose:
-            out.write(_verbose_line(result) + "\n")
-        history += [{"role": "user", "content": message}, {"role": "assistant", "content": result.text}]
+    inputs = chat_inputs(lines, out, "mlx-grpo chat: /reset clears the conversation, /exit (or Ctrl-D) quits, "
+                                     "Ctrl-C stops an answer.", history)
+    with interrupts_raise():
+        while True:
+            try:
+                message = next(inputs, None)
+            except KeyboardInterrupt:  # at the prompt: the chat ends, as at EOF
+                out.write("\n")
+                break
+            if message is None:
+                break
+            shown: list[str] = []
+            try:
+                ids = encode_prompt(tokenizer, message, cfg.data.system_prompt, history=history)
+                result = generate(model, tokenizer, ids, cfg, lambda t: (shown.append(t), out.write(t), out.flush()))
+                answer = result.text
+                out.write("\n")
+                if verbose:
+                    out.write(_verbose_line(result) + "\n")
+            except KeyboardInterrupt:  # this answer only: back to the prompt
+                answer = "".join(shown)
+                out.write("\n[answer stopped]\n")
+            out.flush()
+            history += [{"role": "user", "content": message}, {"role": "assistant", "content": answer}]
     return history

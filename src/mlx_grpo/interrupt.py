@@ -9,6 +9,8 @@ Ending without unwinding is safe for what a run leaves on disk: model directorie
 a temporary and published by one rename (models/writing.staged_output), so an exit mid-write leaves the
 earlier checkpoints intact and a temporary that the next start removes; the run directory's lock is an flock,
 which the OS releases with the process; the JSONL logs are written a line at a time.
+
+`chat` takes Ctrl-C back inside `interrupts_raise`: there it stops the answer being written, not the command.
 """
 
 from __future__ import annotations
@@ -99,3 +101,22 @@ def exit_on_interrupt(message: str, detail: Callable[[], str | None] | None = No
         watcher.join()
         os.close(read_fd)
         os.close(write_fd)
+
+
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """Inside exit_on_interrupt's region: Ctrl-C raises KeyboardInterrupt in the main thread instead of ending
+    the process, for a caller that stops only what it is doing (chat: the answer being written). Python raises it
+    between bytecodes, so a long native call finishes first (a decode step is short). Does nothing outside the
+    main thread or where SIGINT is ignored (a background job)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+        yield
+        return
+    previous_fd = signal.set_wakeup_fd(-1)  # the watcher hears nothing while inside
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:  # the pipe first: a Ctrl-C between the two lines still ends the command, never goes unheard
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGINT, previous_handler)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from mlx_grpo.training.prefetch import data_position
-from mlx_grpo.training.records import BatchStats, UpdateMetrics
+from mlx_grpo.config import Config
+from mlx_grpo.training.records import BatchStats, Counters, DataPosition, UpdateMetrics
 
 
 def console(text: str) -> None:
@@ -75,11 +75,13 @@ def _credited(values: np.ndarray) -> float | None:
     return float(np.mean(applied > 0)) if applied.size else None
 
 
-def update_record(trainer, stats: list[BatchStats], result: UpdateMetrics) -> dict:
-    """The metrics of one optimizer update, from its batch steps' stats and the update's result. Reward,
-    length and variance figures cover every completion drawn (dynamic sampling may train on fewer)."""
-    c = trainer.counters
-    _, epoch, prompts_cut = data_position(trainer)  # async_rollouts: the batch trained, not the one drawn after it
+def update_record(cfg: Config, c: Counters, position: DataPosition, stats: list[BatchStats],
+                  result: UpdateMetrics) -> dict:
+    """The metrics of one optimizer update, from the run's counters, where the data stood when its batch
+    steps were drawn (async_rollouts: not the batch drawn after it), its batch steps' stats and the update's
+    result. Reward, length and variance figures cover every completion drawn (dynamic sampling may train on
+    fewer)."""
+    epoch, prompts_cut = position.epoch, position.prompts_cut
     drawn = [s.drawn_scores for s in stats]
     rewards = np.concatenate([d.total for d in drawn])
     lengths = np.concatenate([s.lengths for s in stats])
@@ -118,12 +120,14 @@ def update_record(trainer, stats: list[BatchStats], result: UpdateMetrics) -> di
         record["tool_call_rate"] = float(np.mean(calls > 0)) if len(calls) else 0.0
         record["tool_calls_mean"] = float(np.mean(calls)) if len(calls) else 0.0
         record["tool_error_fraction"] = float(errors.sum() / calls.sum()) if calls.sum() else 0.0
+    if result.teacher_kl is not None:  # on-policy distillation: how far the student's samples are from the teacher
+        record["teacher_kl"] = result.teacher_kl
     if result.rollout_staleness is not None:  # async_rollouts: updates applied since the batch was sampled
         record["rollout_staleness"] = result.rollout_staleness
     if stats[0].demo is not None:  # demonstrations: the share of trained groups that got one (one row each)
         groups = sum(s.groups_trained for s in stats)
         record["demo_fraction"] = sum(int(s.demo.sum()) for s in stats) / groups if groups else 0.0
-    record["warnings"] = diagnose(record, trainer.cfg)
+    record["warnings"] = diagnose(record, cfg)
     return record
 
 
@@ -179,7 +183,8 @@ def diagnose(record: dict, cfg) -> dict[str, str]:
     """Warnings (kind -> message) for an update that gives (almost) no learning signal, each saying what
     to change."""
     out = {}
-    if record["zero_std_fraction"] >= ZERO_STD_ALARM:
+    # with a teacher (on-policy distillation) every token carries a signal, whatever the rewards do
+    if record["zero_std_fraction"] >= ZERO_STD_ALARM and not cfg.objective.distill_coeff > 0:
         names = [k[len("reward/"):] for k in record if k.startswith("reward/")]  # this run's own rewards
         out["zero_std"] = (f"{record['zero_std_fraction']:.0%} of groups have zero reward variance under this "
                            f"run's rewards ({', '.join(names)}), so their advantages are 0 and they teach nothing: "
@@ -240,7 +245,7 @@ class RunLogger:
         console(f"[mlx-grpo] eval at update {record['update_step']}: accuracy {record['accuracy']:.3f} "
                 f"(lenient {record['accuracy_lenient']:.3f}, format {record['format_rate']:.3f}"
                 + (f", tool calls {record['tool_call_rate']:.3f}" if "tool_call_rate" in record else "") + ") "
-                f"on {record['num_examples']} examples")
+                f"on {record['num_examples']} example{'s' * (record['num_examples'] != 1)}")
 
     def log_completions(self, update_step: int, stats: BatchStats) -> None:
         """Every completion of one batch step with its rewards and advantage."""
@@ -284,22 +289,28 @@ class RunLogger:
         """The per-update console line (when the progress bar is off), with `progress` (pace()) after it."""
         line = (f"[mlx-grpo] update {record['update_step']}: reward {record['reward_mean']:.3f} "
                 f"loss {fmt(record['loss'], '.4f')} kl {fmt(record['kl'], '.4f')} "
-                f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}")
+                + (f"teacher_kl {fmt(record['teacher_kl'], '.4f')} " if "teacher_kl" in record else "")
+                + f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}")
         console(line + (f", {progress}" if progress else ""))
 
 
 def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: list[tuple[int, float]],
                   last_eval: dict | None, checkpoint: Path | None, records: list[dict] = ()) -> list[str]:
     """The end-of-run summary: updates and wall time (of this session, when it resumed a run), reward_mean
-    at the start vs the end of the session (each the mean over its first / last min(5, n // 2) updates,
-    named), then per reward function of `records` (the session's metrics records) what rose and what did
-    not, the last eval and the final checkpoint."""
+    at the start vs the end of `rewards` (each the mean over its first / last min(5, n // 2) updates, named;
+    run.py passes a resumed run's whole log), then per reward function of `records` (the same metrics
+    records) what rose and what did not, the teacher's KL with distillation, the last eval and the final
+    checkpoint."""
     resumed = session_updates != updates
-    lines = [f"[mlx-grpo] summary: {updates} updates"
+    lines = [f"[mlx-grpo] summary: {updates} update{'s' * (updates != 1)}"
              + (f" ({session_updates} in this session)" if resumed else "")
              + f", wall time {duration(wall_s)}" + (" (this session)" if resumed else "")]
-    if rewards:
-        k = max(1, min(5, len(rewards) // 2))  # the first and the last k updates never overlap
+    k = max(1, min(5, len(rewards) // 2))  # the first and the last k updates never overlap
+    distilled = [r for r in records if r.get("teacher_kl") is not None]
+    if len(distilled) > 1:  # on-policy distillation: how far the student's samples are from the teacher's
+        lines.append(f"[mlx-grpo]   teacher_kl: {np.mean([r['teacher_kl'] for r in distilled[:k]]):.3f} (first "
+                     f"updates) -> {np.mean([r['teacher_kl'] for r in distilled[-k:]]):.3f} (last updates)")
+    if rewards and not (records and not any(key.startswith("reward/") for key in records[0])):
 
         def span(part: list[tuple[int, float]]) -> str:
             steps = f"update {part[0][0]}" if len(part) == 1 else f"mean of updates {part[0][0]}-{part[-1][0]}"
@@ -312,7 +323,7 @@ def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: li
     if last_eval is not None:
         lines.append(f"[mlx-grpo]   last eval (update {last_eval['update_step']}): accuracy "
                      f"{last_eval['accuracy']:.3f}, lenient {last_eval['accuracy_lenient']:.3f} on "
-                     f"{last_eval['num_examples']} examples")
+                     f"{last_eval['num_examples']} example{'s' * (last_eval['num_examples'] != 1)}")
     if checkpoint is not None:
         lines.append(f"[mlx-grpo]   final checkpoint: {checkpoint}")
     return lines

@@ -57,6 +57,7 @@ class Objective:
     cispo_cap: float = 5.0  # CISPO: IS weight sg(min(ratio, cispo_cap))
     sapo_temperature_pos: float = 1.0  # SAPO: gate temperature for A > 0
     sapo_temperature_neg: float = 1.05  # ... and for A <= 0
+    distill_coeff: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal (distill_advantages)
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
@@ -66,7 +67,7 @@ class Objective:
                    clip_high=o.clip_eps_high or o.clip_eps, delta=o.delta,
                    sequence_level=o.importance_sampling_level == "sequence", kl_coeff=o.kl_coeff,
                    kl_estimator=o.kl_estimator, rollout_correction=o.rollout_correction,
-                   rollout_cap=o.rollout_correction_cap)
+                   rollout_cap=o.rollout_correction_cap, distill_coeff=o.distill_coeff)
 
 
 @dataclass
@@ -197,6 +198,14 @@ def sampler_weights(old_logp: mx.array, sampler_logp: mx.array, mask: mx.array, 
     return mx.stop_gradient(weight), over.astype(mx.float32)
 
 
+def distill_advantages(advantages: mx.array, old_logp: mx.array, teacher_logp: mx.array, coeff: float) -> mx.array:
+    """On-policy distillation (Thinking Machines 2025; TRL's DistillationTrainer): each sampled token's advantage
+    is the reward advantage plus coeff times the negated per-token reverse KL estimate on the student's own
+    sample, A_it = A_i - coeff * (log pi_old(y_t) - log pi_teacher(y_t)); a teacher that agrees with the
+    student adds 0. advantages [N], old_logp/teacher_logp [N, T] -> [N, T], without gradient."""
+    return advantages[:, None] + coeff * mx.stop_gradient(teacher_logp - old_logp)
+
+
 def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
     """Each sequence's mean over its masked tokens. values, mask [N, T] -> [N]."""
     return (values * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
@@ -212,8 +221,9 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
     sampled [N] (None: every row): 1 for sampled rows, 0 for demonstrations (demonstrations.py), whose tokens
     no sampler drew: their w is 1, and their old log-probs are the rollout policy's, teacher-forced, so rho
     and the clip are the same PPO ratio as for sampled rows (docs/algorithms-demonstrations.md).
-    logp/old_logp/ref_logp/sampler_logp/mask [N, T], advantages [N]."""
-    adv = advantages[:, None]  # [N, 1]
+    logp/old_logp/ref_logp/sampler_logp/mask [N, T], advantages [N] (per row) or [N, T] (per token:
+    distill_advantages)."""
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages  # [N, 1] or [N, T]
     log_ratio = logp - old_logp  # [N, T]
     if obj.sequence_level:
         log_ratio = masked_sequence_mean(log_ratio, mask)[:, None]  # [N, 1]
@@ -277,6 +287,7 @@ class LossSums(NamedTuple):
     is_weight: mx.array
     is_capped: mx.array
     sampled_tokens: mx.array
+    teacher_kl: mx.array  # on-policy distillation: sum over kept tokens of log pi_old - log pi_teacher
 
 
 # How LossSums fields combine across micro-batches and ranks; every other field is a sum.
@@ -297,11 +308,13 @@ def empty_sums() -> LossSums:
 
 
 def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Objective,
-                   sampler_logp=None, sampled=None) -> LossSums:
+                   sampler_logp=None, sampled=None, teacher_logp=None) -> LossSums:
     """sum_i weights_i * sum_t mask_it * loss_it for one micro-batch, plus logging sums.
-    logp/old_logp/ref_logp/sampler_logp/mask [n, T], advantages/weights/sampled [n] (row_scales). sampler_logp:
-    the rollout engine's log-probs of the sampled tokens (None: the mismatch is not measured); sampled: 0
-    marks demonstration rows, left out of the sampler mismatch and its correction (None: every row sampled)."""
+    logp/old_logp/ref_logp/sampler_logp/teacher_logp/mask [n, T], advantages/weights/sampled [n] (row_scales).
+    sampler_logp: the rollout engine's log-probs of the sampled tokens (None: the mismatch is not measured);
+    sampled: 0 marks demonstration rows, left out of the sampler mismatch and its correction (None: every row
+    sampled); teacher_logp: a teacher's log-probs of the same tokens (on-policy distillation, obj.distill_coeff;
+    None: rewards alone)."""
     # Zero the padded positions before the exponentials: exp(garbage) there could overflow to inf,
     # and inf * 0 = NaN would poison the loss and every gradient.
     valid = mask > 0
@@ -309,6 +322,9 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
     old_logp = mx.where(valid, old_logp, 0.0)
     ref_logp = None if ref_logp is None else mx.where(valid, ref_logp, 0.0)
     sampler_logp = None if sampler_logp is None else mx.where(valid, sampler_logp, 0.0)
+    if teacher_logp is not None:
+        teacher_logp = mx.where(valid, teacher_logp, 0.0)
+        advantages = distill_advantages(advantages, old_logp, teacher_logp, obj.distill_coeff)
     terms = token_terms(logp, old_logp, ref_logp, advantages, mask, obj, sampler_logp, sampled)
     loss = ((terms.loss * mask).sum(axis=1) * weights).sum()
     kept = mask * (weights > 0)[:, None]  # [n, T]
@@ -330,4 +346,6 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
                     ratio=(terms.ratio * kept).sum(), ratio_min=mx.where(present, terms.ratio, mx.inf).min(),
                     ratio_max=mx.where(present, terms.ratio, -mx.inf).max(), sampler_kl=sampler_kl,
                     sampler_diff_max=diff_max, is_weight=(terms.is_weight * drawn).sum(),
-                    is_capped=(terms.is_capped * drawn).sum(), sampled_tokens=drawn.sum())
+                    is_capped=(terms.is_capped * drawn).sum(), sampled_tokens=drawn.sum(),
+                    teacher_kl=(0.0 * kept).sum() if teacher_logp is None
+                    else (mx.stop_gradient(old_logp - teacher_logp) * kept).sum())

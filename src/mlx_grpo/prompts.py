@@ -81,17 +81,24 @@ class WorkedExamples:
     indices: tuple[int, ...] = ()
 
 
-def select_worked_examples(cfg, train: Sequence[Example], evals: Sequence[Example]
+def select_worked_examples(cfg, train: Sequence[Example], evals: Sequence[Example], trains: bool = True
                            ) -> tuple[WorkedExamples, list[Example]]:
     """(cfg.data.worked_examples drawn from the training split, the training examples without them): an example
     whose answer is in every prompt would pay for copying it, so it is not trained on. evals: the
-    evaluation split, whose questions are never shown (and may not appear in worked_examples_text)."""
+    evaluation split, whose questions are never shown (and may not appear in worked_examples_text). trains: the
+    caller trains on what is left (train, sft; not eval), so the draw may not leave less than a batch."""
     check_written_examples(cfg.data.worked_examples_text, evals)
     drawn = draw_worked_examples(train, cfg.data.worked_examples, cfg.data.worked_examples_seed,
                                  [e.prompt for e in evals])
     taken = set(drawn)
-    return (WorkedExamples(tuple(train[i] for i in drawn), tuple(drawn)),
-            [ex for i, ex in enumerate(train) if i not in taken])
+    left = [ex for i, ex in enumerate(train) if i not in taken]
+    batch = cfg.training.batch_size
+    if trains and drawn and len(left) < batch <= len(train):  # said here: the sampler's line would not say why
+        taken_text = f"all {len(train)}" if not left else f"{len(drawn)} of the {len(train)}"
+        raise UserError(f"worked_examples = {len(drawn)} takes {taken_text} training examples into the prompt (an "
+                        f"example shown is not trained on), leaving {len(left)} to train on, fewer than batch_size = "
+                        f"{batch}: lower worked_examples or add training data")
+    return WorkedExamples(tuple(train[i] for i in drawn), tuple(drawn)), left
 
 
 def render_example(example: Example, style: Style = Style()) -> str:

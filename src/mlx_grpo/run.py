@@ -1,5 +1,10 @@
 """`mlx-grpo train`'s run: the run directory, resume, the update loop with its logs, evaluations and
-checkpoints, alone or as one rank of the processes mlx.launch started (training/trainer.py owns the steps)."""
+checkpoints, alone or as one rank of the processes mlx.launch started. The loop reads
+
+    while (steps := job.source.next()):    sample -> rewards submitted -> old/reference log-probs
+        trainer.update(steps)              rewards -> advantages -> gradients -> optimizer step
+
+with evaluations, logs and checkpoints around it (training/job.py wires the parts)."""
 
 from __future__ import annotations
 
@@ -16,43 +21,41 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.assembly import build_trainer, check_prompt_lengths
+from mlx_grpo.assembly import build_job, check_prompt_lengths
 from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.data import Example, subset
 from mlx_grpo.distributed import init_world
 from mlx_grpo.errors import UserError
-from mlx_grpo.evaluate import answer_records, summarize
+from mlx_grpo.evaluate import summarize
 from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record, updates_left
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.run_dir import check_writable, prepare_run_dir
-from mlx_grpo.training.trainer import Trainer
+from mlx_grpo.training.job import Job
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
 
 
-def _evaluate(trainer: Trainer, logger: RunLogger, reporters: Reporters, examples: list[Example],
+def _evaluate(job: Job, logger: RunLogger, reporters: Reporters, examples: list[Example],
               trigger: str) -> dict | None:
     """Greedy accuracy on `examples`, each rank answering its share; rank 0 logs the whole and returns
     its eval record."""
-    cfg, world = trainer.cfg, trainer.world
+    cfg, world, policies = job.cfg, job.world, job.trainer.policies
     per = -(-len(examples) // world.size)
-    if trainer.prefetch is not None:  # async_rollouts: the next rollouts finish first (they share the tools)
-        trainer.prefetch.wait()
-    # the trainer's engine samples the trained model itself unless an old policy is kept apart
-    engine = trainer.engine if trainer.policies.sampler is trainer.model else None
-    records = getattr(trainer, "answer_records", answer_records)  # image prompts: vlm/trainer.py's own
-    mine = records(trainer.model, trainer.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
-                          max_new_tokens=cfg.eval.eval_max_new_tokens, seed=world.seed(cfg.run.seed),
-                          progress=world.is_main, engine=engine, multiturn=trainer.multiturn,
-                          system_prompt=trainer.eval_prompt.system)
+    job.source.wait()  # async_rollouts: the next rollouts finish first (they share the tools)
+    # the policies' engine samples the trained model itself unless an old policy is kept apart
+    engine = policies.engine if policies.sampler is job.model else None
+    mine = job.answer(job.model, job.tokenizer, examples[world.rank * per:(world.rank + 1) * per], cfg,
+                      max_new_tokens=cfg.eval.eval_max_new_tokens, seed=world.seed(cfg.run.seed),
+                      progress=world.is_main, engine=engine, multiturn=job.sampling.prompts.multiturn,
+                      system_prompt=job.eval_prompt.system)
     result = summarize([r for part in world.gather(mine, "evaluation") for r in part])
-    trainer.health.observe_eval(trainer.counters.update_step, result.accuracy, len(examples))  # every rank
+    job.health.observe_eval(job.counters.update_step, result.accuracy, len(examples))  # every rank
     if not world.is_main:
         return None
-    record = {"update_step": trainer.counters.update_step, "batch_step": trainer.counters.batch_step,
+    record = {"update_step": job.counters.update_step, "batch_step": job.counters.batch_step,
               "trigger": trigger, "accuracy": result.accuracy, "accuracy_lenient": result.lenient_accuracy,
               "format_rate": result.format_rate, "num_examples": len(examples),
-              "worked_examples": len(trainer.eval_prompt.examples)}
+              "worked_examples": len(job.eval_prompt.examples)}
     if result.tool_call_rate is not None:
         record["tool_call_rate"] = result.tool_call_rate
     logger.log_eval(record)
@@ -72,45 +75,41 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     except UserError as exc:
         error = str(exc)
     world.agree(error, "the run directory")
-    trainer = build_trainer(cfg, world)
+    job = build_job(cfg, world)
     try:
         if world.size > 1:
-            _check_same_job(trainer)
+            _check_same_job(job)
             world.print(f"[mlx-grpo] data-parallel over {world.size} ranks: {cfg.training.batch_size // world.size} of "
                         f"{cfg.training.batch_size} prompts per batch step each")
-        check_prompt_lengths(trainer)
-        run_dir = _run(trainer, cfg, resume, started)
+        check_prompt_lengths(job)
+        run_dir = _run(job, cfg, resume, started)
     except BaseException:
-        if trainer.prefetch is not None:  # async_rollouts: the rollout in flight ends (its reward jobs with it)
-            trainer.prefetch.close()
-        trainer.reward_runner.close(wait=False)
+        job.close(wait=False)  # async_rollouts: the rollout in flight ends (its reward jobs with it)
         raise
-    if trainer.prefetch is not None:
-        trainer.prefetch.close()
-    trainer.reward_runner.close()
+    job.close()
     return run_dir
 
 
-def _fingerprint(trainer: Trainer) -> dict:
+def _fingerprint(job: Job) -> dict:
     """What every rank of a run must share: its settings, its training data, and its model's trainable
     tensors (names, shapes, dtypes, and their sum)."""
     def digest(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
-    params = tree_flatten(trainer.model.trainable_parameters())
+    params = tree_flatten(job.model.trainable_parameters())
     total = sum((p.astype(mx.float32).sum() for _, p in params), mx.array(0.0))
-    return {"settings": digest(to_dict(trainer.cfg)),
-            "training data": digest([(e.prompt, e.answer, e.columns) for e in trainer.train_examples]),
+    return {"settings": digest(to_dict(job.cfg)),
+            "training data": digest([(e.prompt, e.answer, e.columns) for e in job.train_examples]),
             "model": digest([(k, p.shape, str(p.dtype)) for k, p in params]), "weight sum": total.item()}
 
 
-def _check_same_job(trainer: Trainer) -> None:
+def _check_same_job(job: Job) -> None:
     """Refuse ranks that would train different things (another config, data file or model revision at the
     same path on another host): their collectives would pair up wrongly or silently mix jobs."""
-    world, cfg = trainer.world, trainer.cfg
+    world, cfg = job.world, job.cfg
     # Ranks load at different speeds (a first run converts the default model): a long wait is normal.
     timeout = 0 if cfg.run.distributed_timeout == 0 else max(cfg.run.distributed_timeout, STARTUP_TIMEOUT)
-    prints = world.gather(_fingerprint(trainer), "start-up", timeout)
+    prints = world.gather(_fingerprint(job), "start-up", timeout)
     differ = {}
     for rank, other in enumerate(prints[1:], start=1):
         for key, value in other.items():
@@ -123,10 +122,10 @@ def _check_same_job(trainer: Trainer) -> None:
             + ". Start every rank with the same config, data and model (the same files at the same paths)")
 
 
-def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogger) -> None:
+def _resume(job: Job, run_dir: Path, resume: str | None, logger: RunLogger) -> None:
     """Check the run directory and restore a checkpoint. Rank 0 owns the run directory: it reads the
     checkpoint and sends it to the other ranks, whose hosts need no copy. A problem stops every rank."""
-    world, error, loaded, path = trainer.world, None, None, None
+    world, error, loaded, path = job.world, None, None, None
     try:
         if world.is_main and resume is None and ckpt.list_checkpoints(run_dir):
             error = (f"run directory {run_dir} already holds checkpoints: pass --resume to continue it, or "
@@ -134,10 +133,11 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
         elif world.is_main and resume is not None:
             path, loaded = ckpt.read_for_resume(run_dir, resume, world.print)
             adapters = ckpt.holds_adapters(path)
-            changed = ckpt.config_changes(path, trainer.cfg)
+            changed = ckpt.config_changes(path, job.cfg)
             if loaded[2].get("command") == "sft":  # sft_run.py's checkpoints: a model to start from
-                error = (f"--resume: {path} is a checkpoint of `mlx-grpo sft`; to start GRPO from it, set "
-                         f"model_name = {path} (without --resume)")
+                from mlx_grpo.sft import start_from
+                error = (f"--resume: {path} is a checkpoint of `mlx-grpo sft`; to start GRPO from it, "
+                         f"{start_from(path, instead_of_resume=True)}")
             elif changed:
                 error = (f"--resume: {path} was written with other settings that change the run: "
                          f"{', '.join(changed)}; resume with its config: "
@@ -159,17 +159,17 @@ def _resume(trainer: Trainer, run_dir: Path, resume: str | None, logger: RunLogg
         loaded = (weights, opt_state, state, old, masters)
     error = None
     try:
-        trainer.restore(path, loaded, adapters)
+        job.restore(path, loaded, adapters)
     except UserError as exc:  # the same checkpoint and config everywhere: every rank finds the same problem
         error = str(exc)
     world.agree(error, "resume")
-    trainer.resumed = (path, trainer.counters.update_step)
+    job.resumed = (path, job.counters.update_step)
     if world.is_main:
-        logger.truncate_after(trainer.counters.update_step)
-        for name in ckpt.set_aside_later(run_dir, trainer.counters.update_step):
+        logger.truncate_after(job.counters.update_step)
+        for name in ckpt.set_aside_later(run_dir, job.counters.update_step):
             world.print(f"[mlx-grpo] {name}: a checkpoint after the resumed one, moved aside so that a later "
                         "--resume cannot return to the abandoned branch")
-    world.print(f"[mlx-grpo] resumed from {path} at update {trainer.counters.update_step}")
+    world.print(f"[mlx-grpo] resumed from {path} at update {job.counters.update_step}")
 
 
 def _flat(tree) -> dict | None:
@@ -180,8 +180,8 @@ def _tree(flat: dict):
     return tree_unflatten(list(flat.items()))
 
 
-def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> Path:
-    run_dir, world = trainer.run_dir, trainer.world
+def _run(job: Job, cfg: Config, resume: str | None, started: float) -> Path:
+    run_dir, world = job.run_dir, job.world
     main = world.is_main  # rank 0 alone writes the run directory and the console
     error = lock = None
     created = main and not run_dir.exists()
@@ -195,7 +195,7 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
                 f" ({exc.filename})" if exc.filename else "")
     world.agree(error, "the run directory")
     try:
-        return _run_locked(trainer, cfg, resume, started)
+        return _run_locked(job, cfg, resume, started)
     except BaseException:
         # A run refused before it wrote anything (a bad --resume, say) leaves no empty directory behind.
         if created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".lock", "config.resolved.json"}:
@@ -206,31 +206,34 @@ def _run(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> P
             lock.close()
 
 
-def _run_locked(trainer: Trainer, cfg: Config, resume: str | None, started: float) -> Path:
-    run_dir, world = trainer.run_dir, trainer.world
+def _run_locked(job: Job, cfg: Config, resume: str | None, started: float) -> Path:
+    run_dir, world = job.run_dir, job.world
     main = world.is_main
     logger = RunLogger(run_dir, cfg.run.log_jsonl and main)
-    _resume(trainer, run_dir, resume, logger)
-    start_update = trainer.counters.update_step
+    _resume(job, run_dir, resume, logger)
+    start_update = job.counters.update_step
     if main:
         save_json(cfg, run_dir / "config.resolved.json")
         # once, flushed: without a terminal (no bar) the first update's line may be minutes away
         batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps
-        console(f"[mlx-grpo] train: model {cfg.model.model_name}, {len(trainer.train_examples)} prompts, "
-                f"{trainer.total_updates} updates of {batch} prompts x {cfg.rollout.num_generations} completions"
+        console(f"[mlx-grpo] train: model {cfg.model.model_name}, {len(job.train_examples)} prompts, "
+                f"{job.trainer.total_updates} update{'s' * (job.trainer.total_updates != 1)} of {batch} "
+                f"prompt{'s' * (batch != 1)} x {cfg.rollout.num_generations} completions"
                 + (f" (resuming after update {start_update})" if resume is not None else "")
                 + f"; run directory {run_dir}")
     reporters = Reporters(cfg.run.report_to if main else [], run_dir, to_dict(cfg),
                           resumed_at=start_update if resume is not None else None)
     try:
-        records, last_eval = _loop(trainer, cfg, resume, logger, reporters)
+        records, last_eval = _loop(job, cfg, resume, logger, reporters)
     except BaseException:
         reporters.close(failed=True)
         raise
     reporters.close()
-    c = trainer.counters
+    c = job.counters
     if main:
         checkpoints = ckpt.list_checkpoints(run_dir)
+        if resume is not None:  # the summary covers the whole run: its logs hold the sessions before this one
+            records, last_eval = _whole_run(run_dir, records, last_eval)
         rewards = [(r["update_step"], r["reward_mean"]) for r in records]
         for line in summary_lines(c.update_step, c.update_step - start_update, time.perf_counter() - started,
                                   rewards, last_eval, checkpoints[-1] if checkpoints else None, records):
@@ -238,8 +241,19 @@ def _run_locked(trainer: Trainer, cfg: Config, resume: str | None, started: floa
         curves = _curves(run_dir)
         if curves:
             console(curves)
-    world.print(f"[mlx-grpo] done: {c.update_step} updates; run directory {run_dir}")
+    world.print(f"[mlx-grpo] done: {c.update_step} update{'s' * (c.update_step != 1)}; run directory {run_dir}")
     return run_dir
+
+
+def _whole_run(run_dir: Path, records: list[dict], last_eval: dict | None) -> tuple[list[dict], dict | None]:
+    """A resumed run's metrics records and last evaluation from its logs (truncated at the resumed update, so
+    every session's updates once), or this session's when log_jsonl is off."""
+    def read(name: str) -> list[dict]:
+        path = run_dir / name
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+    evals = read("eval.jsonl")
+    return read("metrics.jsonl") or records, last_eval or (evals[-1] if evals else None)
 
 
 def _curves(run_dir: Path) -> str | None:
@@ -256,96 +270,71 @@ def _curves(run_dir: Path) -> str | None:
         return f"[mlx-grpo]   could not draw the curves ({type(exc).__name__}: {exc}); try mlx-grpo plot {run_dir}"
 
 
-def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1, span: int = 1) -> None:
+PHASES = {"rollout": "sampling rollouts and their log-prob passes (a fresh GPU machine first builds its kernels)",
+          "train": "collecting rewards and the training pass", "eval": "evaluating"}
+
+
+def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1, span: int = 1, announce: str = "") -> None:
     """Show what the update is doing in the progress bar's description (text only: no device sync);
-    span > 1: steps i+1 .. i+span at once (batch steps whose rollouts decode together)."""
+    span > 1: steps i+1 .. i+span at once (batch steps whose rollouts decode together). Without a bar (not a
+    terminal) `announce` ("update N", the session's first update on rank 0) prints the phase as a line: that
+    update can take minutes before its own line, and logs should not be silent meanwhile."""
     if not bar.disable:
         steps = f"{i + 1}-{i + span}" if span > 1 else f"{i + 1}"
         bar.set_description_str(f"grpo [{name}{f' {steps}/{n}' if n > 1 else ''}]")
+    elif announce:
+        console(f"[mlx-grpo] {announce}: {PHASES[name]}")
 
 
-def _sampled(trainer: Trainer, bar: tqdm, logger: RunLogger, reporters: Reporters, examples, n: int) -> list:
-    """After train_step sampled an update's n batch steps, before its update: eval_steps' evaluations (one per
-    batch step numbered a multiple of it, as when steps were sampled one by one); -> their records."""
-    cfg, step = trainer.cfg, trainer.counters.batch_step
-    records = []
+def _step_evals(job: Job, bar: tqdm, logger: RunLogger, reporters: Reporters, examples, n: int) -> dict | None:
+    """Once an update's n batch steps are sampled, before its update: eval_steps' evaluations (one per batch
+    step numbered a multiple of it, as when steps were sampled one by one); -> the last eval record."""
+    cfg, step, last = job.cfg, job.counters.batch_step, None
     for k in range(step - n + 1, step + 1):
         if cfg.eval.eval_steps and k % cfg.eval.eval_steps == 0:
             _phase(bar, "eval")
-            records.append(_evaluate(trainer, logger, reporters, examples, "eval_steps"))
-    _phase(bar, "train", 0, cfg.objective.num_iterations)  # and the wait for rewards still computing
-    return records
+            last = _evaluate(job, logger, reporters, examples, "eval_steps") or last
+    return last
 
 
-def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
+def _loop(job: Job, cfg: Config, resume: str | None, logger: RunLogger,
           reporters: Reporters) -> tuple[list[dict], dict | None]:
     """The updates with their logs, evaluations and checkpoints; returns the metrics records of this
     session's updates and the last eval record (rank 0)."""
-    world = trainer.world
+    world, trainer, source = job.world, job.trainer, job.source
     main = world.is_main
     records, last_eval = [], None
-    evals = trainer.eval_examples
+    evals = job.eval_examples
     eval_subset = subset(evals, cfg.eval.eval_subset_size, cfg.run.seed) if evals else None
     legacy_subset = subset(evals, cfg.eval.eval_samples or cfg.eval.eval_subset_size, cfg.run.seed) if evals else None
-    c = trainer.counters
+    c = job.counters
     bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="grpo", unit="update",
                disable=None if main else True)
     last_saved = c.update_step if resume is not None else -1
-    data_left = True
     t_last = t_start = time.perf_counter()
     start_update = c.update_step
-    while c.update_step < trainer.total_updates and data_left:
-        steps, stats = [], []
-        # Dynamic sampling draws more prompts inside a batch step, so its steps go one by one; otherwise
-        # the update's batch steps are taken first and their rollouts decode together (engine refill).
-        together = 1 if cfg.rollout.dynamic_sampling else cfg.training.gradient_accumulation_steps
-        # train_step samples the update's prompts itself unless dynamic sampling draws them one by one
-        fresh = not cfg.rollout.dynamic_sampling
-        if trainer.prefetch is not None:  # async_rollouts: sampled during the last update (training/prefetch.py)
-            steps = trainer.prefetch.take() or []
-        for i in range(0, cfg.training.gradient_accumulation_steps if trainer.prefetch is None else 0, together):
-            batches = []
-            while len(batches) < together and (examples := trainer.next_examples()) is not None:
-                batches.append(examples)
-            if len(batches) < together:  # dynamic sampling drew extra prompts: the data ran out early
-                data_left = False
-            if not batches:
-                break
-            if fresh:
-                steps += batches
-                continue
-            _phase(bar, "rollout", i, cfg.training.gradient_accumulation_steps, len(batches))  # and their log-prob passes
-            for batch in trainer.batch_steps(batches):
-                steps.append(batch)
-                stats.append(batch.stats)
-                if cfg.eval.eval_steps and c.batch_step % cfg.eval.eval_steps == 0:
-                    _phase(bar, "eval")
-                    last_eval = _evaluate(trainer, logger, reporters, legacy_subset, "eval_steps") or last_eval
-            if not data_left:
-                break
-        if not steps:
+    accumulation, iterations = cfg.training.gradient_accumulation_steps, cfg.objective.num_iterations
+    while c.update_step < trainer.total_updates:
+        announce = f"update {c.update_step + 1}" if main and c.update_step == start_update else ""
+        _phase(bar, "rollout", 0, accumulation, accumulation, announce)  # and their log-prob passes
+        steps = source.next()  # sampled, rewards submitted, old/reference log-probs
+        if steps is None:
             break
+        last_eval = _step_evals(job, bar, logger, reporters, legacy_subset, len(steps.batches)) or last_eval
+        stats = [batch.stats for batch in steps.batches]
         save_due = False
-        for i in range(cfg.objective.num_iterations):
-            if fresh and i == 0:  # sample, score, old/reference log-probs, then the update: one call
-                _phase(bar, "rollout", 0, cfg.training.gradient_accumulation_steps, len(steps))
-                evaluated: list[dict | None] = []
-                steps, result = trainer.train_step(steps, sampled=lambda batches: evaluated.extend(
-                    _sampled(trainer, bar, logger, reporters, legacy_subset, len(batches))))
-                last_eval = next((e for e in reversed(evaluated) if e), last_eval)
-                stats = [batch.stats for batch in steps]
-            else:
-                _phase(bar, "train", i, cfg.objective.num_iterations)  # and the wait for rewards still computing
-                result = trainer.update(steps)
+        for i in range(iterations):
+            _phase(bar, "train", i, iterations, announce=announce if i == 0 else "")  # and rewards still computing
+            result = trainer.update(steps)
             result.time_step_s = time.perf_counter() - t_last  # wall time since the last update's end
             merged, result = merge_ranks(world.gather((stats, result), "the metrics"))
-            stop = trainer.health.observe_drawn(c.update_step, [s.drawn_scores for s in merged])  # every rank
+            stop = job.health.observe_drawn(c.update_step, [s.drawn_scores for s in merged])  # every rank
             if not stop and cfg.eval.eval_every_updates and c.update_step % cfg.eval.eval_every_updates == 0:
                 _phase(bar, "eval")  # before the update's record, which carries what the eval showed
-                last_eval = _evaluate(trainer, logger, reporters, eval_subset, "eval_every_updates") or last_eval
-            warnings = trainer.health.take_warnings()
+                last_eval = _evaluate(job, logger, reporters, eval_subset, "eval_every_updates") or last_eval
+            warnings = job.health.take_warnings()
             if main:
-                record = update_record(trainer, merged, result)
+                record = update_record(cfg, c, steps.position, merged, result)
                 record["warnings"].update(warnings)
                 logger.log_metrics(record)
                 reporters.log(record, c.update_step)
@@ -355,10 +344,11 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
                     bar.set_postfix(reward=fmt(record["reward_mean"], ".3f"), loss=fmt(record["loss"], ".4f"),
                                     kl=fmt(record["kl"], ".4f"), refresh=False)
                     # the updates left: the data left at this run's draws per update (dynamic sampling > 1)
-                    drawn, elapsed = trainer.schedule_position(), time.perf_counter() - t_start
+                    drawn = trainer.schedule_position(steps.position.batches)
+                    elapsed = time.perf_counter() - t_start
                     left = math.ceil((trainer.total_updates - drawn) * c.update_step / max(drawn, 1))
                     timing = (elapsed, c.update_step - start_update, left, 60 * cfg.run.max_minutes, c.update_step,
-                              cfg.objective.num_iterations)
+                              iterations)
                     if bar.disable:  # no bar (not a terminal): the line says how far and how long
                         logger.print_line(record, pace(*timing))
                     else:  # the bar's total (and so its ETA) follows the same count
@@ -372,32 +362,32 @@ def _loop(trainer: Trainer, cfg: Config, resume: str | None, logger: RunLogger,
             bar.update(1)
             t_last = time.perf_counter()
         if save_due:  # only between rollout groups, where resume reproduces the run exactly
-            _save(trainer)
+            _save(job)
             last_saved = c.update_step
             t_last = time.perf_counter()  # time_step_s leaves the checkpoint out
-        if trainer.health.s.solved:  # every rank (merged figures); after the group, where a checkpoint resumes exactly
+        if job.health.s.solved:  # every rank (merged figures); after the group, where a checkpoint resumes exactly
             break
         if cfg.run.max_minutes and c.update_step < trainer.total_updates and any(
                 world.gather(time.perf_counter() - t_start >= 60 * cfg.run.max_minutes, "the time limit")):
             world.print(f"[mlx-grpo] max_minutes = {cfg.run.max_minutes:g} reached after {c.update_step} of "
-                        f"{trainer.total_updates} updates")
+                        f"{trainer.total_updates} update{'s' * (trainer.total_updates != 1)}")
             break
     bar.set_description_str("grpo", refresh=False)
     bar.close()
-    if trainer.health.s.solved:
-        world.print(f"[mlx-grpo] {trainer.health.s.solved}")
-    if not data_left:
+    if job.health.s.solved:
+        world.print(f"[mlx-grpo] {job.health.s.solved}")
+    if source.exhausted:
         world.print(f"[mlx-grpo] the training data ran out after {c.update_step} of {trainer.total_updates} "
                     f"updates: dynamic sampling drew {c.draws - c.batch_step} extra batches of prompts")
     if last_saved != c.update_step:
-        _save(trainer)
+        _save(job)
     if c.skipped_updates:
         world.print(f"[mlx-grpo] {c.skipped_updates} update(s) skipped for non-finite values")
     return records, last_eval
 
 
-def _save(trainer: Trainer) -> None:
+def _save(job: Job) -> None:
     """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients)."""
-    if trainer.world.is_main:
-        with ckpt.write_failures_as_one_line(trainer.run_dir, trainer.counters.update_step, trainer.resumed):
-            trainer.save()
+    if job.world.is_main:
+        with ckpt.write_failures_as_one_line(job.run_dir, job.counters.update_step, job.resumed):
+            job.save()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from mlx_grpo import checkpoint as ckpt
 from mlx_grpo.config import Config
 from mlx_grpo.data import EpochSampler
 from mlx_grpo.errors import UserError
-from mlx_grpo.models.adapters import adapter_parameters
+from mlx_grpo.models.adapters import ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
 from mlx_grpo.models.precision import MasterWeights, dtype_name
 from mlx_grpo.sft_data import SFTRow
@@ -40,7 +41,52 @@ def check_sft_checkpoint(path: Path, state: dict) -> None:
     the settings are compared, whose GRPO-only keys would otherwise read as changed settings."""
     if state.get("command") != COMMAND:
         raise UserError(f"--resume: {path} is a checkpoint of `mlx-grpo train`, not of `sft`; to start sft "
-                        f"from its weights set model_name = {path} (without --resume)")
+                        f"from its weights, {start_from(path, instead_of_resume=True)}")
+
+
+def fused_dir(checkpoint: Path) -> tuple[Path, bool]:
+    """(where `mlx-grpo fuse` merges an adapter checkpoint for start_from, whether that merge is there already):
+    beside the checkpoint, under a name no --resume takes. A merge older than the checkpoint's adapters (of an
+    earlier checkpoint of that name, before a resume set it aside) is not it: the next free name then."""
+    fused, n = checkpoint.parent / f"fused-{checkpoint.name}", 1
+    try:
+        if (fused / "config.json").stat().st_mtime >= (checkpoint / ADAPTER_WEIGHTS).stat().st_mtime:
+            return fused, True
+    except OSError:  # no merge there (or no adapters): fuse writes one
+        pass
+    while fused.exists():  # fuse refuses an existing directory
+        n += 1
+        fused = checkpoint.parent / f"fused-{checkpoint.name}.{n}"
+    return fused, False
+
+
+def start_from(checkpoint: Path, instead_of_resume: bool = False) -> str:
+    """The tail of a hint saying how a new run (train or sft) starts from `checkpoint`: its weights as
+    model_name, or for lora/dora adapters, which no run starts from (assembly.build_model), their merge into a
+    model (the `mlx-grpo fuse` command, unless done). instead_of_resume: the refused command had --resume."""
+    model, first = checkpoint, ""
+    if ckpt.holds_adapters(checkpoint):
+        model, merged = fused_dir(checkpoint)
+        first = (f"its adapters are merged into {shlex.quote(str(model))}: " if merged else
+                 f"merge its adapters into a model first: mlx-grpo fuse --checkpoint {shlex.quote(str(checkpoint))} "
+                 f"--output-dir {shlex.quote(str(model))}, then ")
+    rerun = "rerun without --resume, with" if instead_of_resume else "rerun with"
+    return f"{first}{rerun} --set model_name={shlex.quote(str(model))}"
+
+
+def adapter_model_error(model_name: str) -> str:
+    """Why model_name, an adapter checkpoint, cannot start a run, and what to run instead: the merge
+    (start_from), or, for a checkpoint of ours whose run has updates left, continuing that run."""
+    path = Path(model_name).expanduser()
+    line = f"model {model_name!r} is a lora/dora adapter checkpoint, which a run cannot start from: {start_from(path)}"
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        command, left = state.get("command", "train"), state["total_updates"] - state["counters"]["update_step"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # adapters no run of ours wrote
+        return line
+    if left <= 0:  # its run is done: a resume would end at once
+        return line
+    return f"{line}; or continue the `{command}` run that wrote it: {ckpt.resume_command(command, path)}"
 
 
 def nll_sums(logprobs: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
@@ -135,9 +181,10 @@ class SFTTrainer:
         self.sampler = EpochSampler(len(self.rows), cfg.training.batch_size, cfg.training.num_epochs, cfg.run.seed)
         self.total_updates = self.sampler.num_batches_total // cfg.training.gradient_accumulation_steps
         if self.total_updates == 0:
-            raise UserError(f"{len(self.rows)} training rows give {self.sampler.num_batches_total} batch steps, fewer "
-                            f"than gradient_accumulation_steps={cfg.training.gradient_accumulation_steps}: add data or lower "
-                            "batch_size/accumulation")
+            rows, steps = len(self.rows), self.sampler.num_batches_total
+            raise UserError(f"{rows} training row{'s' * (rows != 1)} give{'s' * (rows == 1)} {steps} batch "
+                            f"step{'s' * (steps != 1)}, fewer than gradient_accumulation_steps="
+                            f"{cfg.training.gradient_accumulation_steps}: add data or lower batch_size/accumulation")
         self.optimizer = make_optimizer(cfg, learning_rate_at(1, self.total_updates, cfg))
         self.grad_fn = make_grad_fn(self.model, cfg.training.grad_checkpoint)
         tok = self.tokenizer
@@ -214,7 +261,8 @@ class SFTTrainer:
         weights, opt_state, state, _, masters = loaded
         check_sft_checkpoint(path, state)
         if state["total_updates"] != self.total_updates:
-            raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} updates and this config "
+            raise UserError(f"--resume: {path} belongs to a run of {state['total_updates']} "
+                            f"update{'s' * (state['total_updates'] != 1)} and this config "
                             f"gives {self.total_updates}: the data, epochs or batch shape differ; resume with the "
                             f"run's own config: {ckpt.resume_command('sft', path)}")
         if self.adapter_config is not None and set(weights) != set(adapter_parameters(self.model)):

@@ -214,8 +214,8 @@ def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn
         raise UserError("no training example has a worked solution to learn from (GSM8K's solutions, arith's, or "
                         "a 'solution' column): give sft a dataset_path of prompt + completion or messages rows")
     if len(kept) < len(examples):
-        print(f"[mlx-grpo] sft: {len(examples) - len(kept)} of {len(examples)} examples have no worked solution "
-              "and are left out", flush=True)
+        print(f"[mlx-grpo] sft: no worked solution in {len(examples) - len(kept)} of the {len(examples)} examples: "
+              "left out", flush=True)
     encoded = encode_prompts(multiturn, tokenizer, [examples[i] for i in kept], cfg, system)
     rows = []
     for i, (prompt, _) in zip(kept, encoded):

@@ -4,11 +4,13 @@ sft_data.py the rows.
 
 The checkpoints are `train`'s kind (checkpoint.py): a full-weight one is a complete model directory, so
 `mlx-grpo train --set model_name=RUN_DIR/checkpoint-N` starts GRPO from exactly its weights (its float32
-masters too, assembly.build_model); an adapter one is merged first with `mlx-grpo fuse` (docs/sft.md).
+masters too, assembly.build_model); an adapter one is merged first with `mlx-grpo fuse` (docs/sft.md), as the
+summary's last line and sft.start_from's hints say.
 """
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from mlx_grpo.logs import RunLogger, console, duration, fmt, pace
 from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.reporting import Reporters, check_installed
 from mlx_grpo.run_dir import check_writable, prepare_run_dir
-from mlx_grpo.sft import SFTTrainer, check_sft_checkpoint
+from mlx_grpo.sft import SFTTrainer, check_sft_checkpoint, fused_dir
 from mlx_grpo.sft_data import SFTData, load_sft_data
 
 
@@ -114,9 +116,11 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
     if cut:
         console(f"[mlx-grpo] {cut} of {len(trainer.rows)} prompts were longer than max_prompt_length = "
                 f"{cfg.data.max_prompt_length} tokens and were cut from the left")
-    console(f"[mlx-grpo] sft: model {cfg.model.model_name}, {len(trainer.rows)} rows, "
-            f"{sum(r.trained for r in trainer.rows)} trained tokens, {trainer.total_updates} updates of "
-            f"{cfg.training.batch_size * cfg.training.gradient_accumulation_steps} rows"
+    rows, updates = len(trainer.rows), trainer.total_updates
+    per = cfg.training.batch_size * cfg.training.gradient_accumulation_steps
+    console(f"[mlx-grpo] sft: model {cfg.model.model_name}, {rows} row{'s' * (rows != 1)}, "
+            f"{sum(r.trained for r in trainer.rows)} trained tokens, {updates} update{'s' * (updates != 1)} of "
+            f"{per} row{'s' * (per != 1)}"
             + (f" (resuming after update {start_update})" if resume else "") + f"; run directory {run_dir}")
     losses, last_eval, last_saved = [], None, c.update_step if resume else -1
     bar = tqdm(total=trainer.total_updates, initial=c.update_step, desc="sft", unit="update", disable=None)
@@ -145,7 +149,7 @@ def _run_locked(trainer: SFTTrainer, resume: str | None, data: SFTData, multitur
             if cfg.run.max_minutes and time.perf_counter() - t_start >= 60 * cfg.run.max_minutes \
                     and c.update_step < trainer.total_updates:
                 console(f"[mlx-grpo] max_minutes = {cfg.run.max_minutes:g} reached after {c.update_step} of "
-                        f"{trainer.total_updates} updates")
+                        f"{trainer.total_updates} update{'s' * (trainer.total_updates != 1)}")
                 break
         bar.close()
         if evals and (last_eval is None or last_eval["update_step"] != c.update_step):
@@ -167,16 +171,19 @@ def _save(trainer: SFTTrainer) -> Path:
 def _summary(trainer: SFTTrainer, losses: list[float], last_eval: dict | None, final: Path, wall_s: float) -> None:
     c = trainer.counters
     finite = [x for x in losses if x == x]
-    console(f"[mlx-grpo] sft summary: {c.update_step} updates, {c.tokens_seen} trained tokens, wall time "
-            f"{duration(wall_s)}" + (f"; loss {finite[0]:.4f} -> {finite[-1]:.4f} (this session)" if finite else ""))
+    console(f"[mlx-grpo] sft summary: {c.update_step} update{'s' * (c.update_step != 1)}, {c.tokens_seen} trained "
+            f"tokens, wall time {duration(wall_s)}"
+            + (f"; loss {finite[0]:.4f} -> {finite[-1]:.4f} (this session)" if finite else ""))
     if last_eval is not None:
         console(f"[mlx-grpo]   eval (update {last_eval['update_step']}): accuracy {last_eval['accuracy']:.3f}, "
                 f"lenient {last_eval['accuracy_lenient']:.3f}, format {last_eval['format_rate']:.3f} on "
-                f"{last_eval['num_examples']} examples")
+                f"{last_eval['num_examples']} example{'s' * (last_eval['num_examples'] != 1)}")
     console(f"[mlx-grpo]   final checkpoint: {final}")
-    if trainer.adapter_config is None:
-        console(f"[mlx-grpo]   GRPO from it: mlx-grpo train --config <preset> --set model_name={final}")
-    else:
-        fused = final.parent / "fused"
-        console(f"[mlx-grpo]   GRPO from it: mlx-grpo fuse --checkpoint {final} --output-dir {fused}, then "
-                f"mlx-grpo train --config <preset> --set model_name={fused}")
+    # a command that runs as printed (the run's GRPO settings go on it: --config FILE.toml)
+    model, fuse = final, ""
+    if trainer.adapter_config is not None:  # no run starts from adapters: merged into a model first
+        model, merged = fused_dir(final)
+        fuse = "" if merged else (f"mlx-grpo fuse --checkpoint {shlex.quote(str(final))} --output-dir "
+                                  f"{shlex.quote(str(model))}, then ")
+    console(f"[mlx-grpo]   GRPO from it: {fuse}mlx-grpo train --set model_name={shlex.quote(str(model))} "
+            "(plus your --config)")

@@ -77,6 +77,32 @@ class ObjectiveConfig:
                                 ">= 0 (DeepSeekMath/GRPO); k1 = logp - ref, unbiased but high variance and can be "
                                 "negative; as a loss its expected gradient on fresh samples is 0, so it pulls towards "
                                 "the reference only weakly. Needs kl_coeff > 0.", TRAIN, choices=("k3", "k1"))
+    teacher_model: str = setting("", "On-policy distillation: the teacher, a model that scores every token the student "
+                                 "samples (a local MLX directory, a hub id or a `train`/`sft` checkpoint; quantized "
+                                 "weights are fine: a 4-bit teacher costs a quarter of the memory). It must use the "
+                                 "student's tokenizer. Needs distill_coeff > 0; or teacher_url instead "
+                                 "(docs/distillation.md).", TRAIN)
+    teacher_url: str = setting("", "On-policy distillation with a served teacher, instead of teacher_model: an "
+                               "OpenAI-compatible completions endpoint (vLLM's http://127.0.0.1:8000/v1/completions). "
+                               "Each row's prompt + completion token ids are POSTed as the prompt with echo and "
+                               "logprobs, and the answer's prompt log-probs (choices[0].prompt_logprobs or "
+                               "logprobs.token_logprobs) score the sampled tokens. The server must use the student's "
+                               "tokenizer (checked through its /tokenize where it has one). Served log-probs are "
+                               "untempered, so it needs temperature = 1. Loopback hosts only, unless listed in "
+                               "teacher_url_allowed_hosts (docs/distillation.md).", TRAIN)
+    teacher_url_timeout: float = setting(60.0, "Seconds to wait for the teacher server per request (one row each).",
+                                         TRAIN, range="> 0", resume_may_change=True)
+    teacher_url_retries: int = setting(3, "Retries after a timeout, a refused connection or an HTTP 5xx from the "
+                                       "teacher server, waiting 0.5, 1, 2, ... s between them.", TRAIN, range=">= 0",
+                                       resume_may_change=True)
+    teacher_url_allowed_hosts: list[str] = setting([], "Non-loopback hosts teacher_url may name (prompts and "
+                                                   "completions are sent to them).", TRAIN)
+    distill_coeff: float = setting(0.0, "On-policy distillation: weight of the teacher's per-token signal in each "
+                                   "sampled token's advantage, A_it = A_i + distill_coeff * (log p_teacher - log "
+                                   "p_student): the negated reverse KL to the teacher on the student's own samples "
+                                   "(Thinking Machines 2025; TRL's DistillationTrainer). 0 = GRPO alone; with "
+                                   "reward_funcs = [] the teacher is the only signal (pure distillation). Needs "
+                                   "teacher_model or teacher_url.", TRAIN, range=">= 0")
     mask_truncated_completions: bool = setting(False, "Leave completions cut by max_new_tokens out of the loss (DAPO's "
                                                "overlong filtering): an unfinished answer is not evidence against its "
                                                "reasoning. Their rewards still enter the group's advantages.", TRAIN)

@@ -107,8 +107,34 @@ def _validate_train(c: Config) -> None:
              "give one weight per function, or none")
     _require(ev.eval_samples == 0 or ev.eval_steps > 0,
              "eval_samples only sizes the eval_steps evaluations: set eval_steps > 0, or drop eval_samples")
-    _require(len(w.reward_funcs) > 0 or w.reward_url or w.reward_model, "reward_funcs must name at least one "
-             "reward function (or set reward_url / reward_model)")
+    _require(len(w.reward_funcs) > 0 or w.reward_url or w.reward_model or o.distill_coeff > 0, "reward_funcs must "
+             "name at least one reward function (or set reward_url / reward_model, or a teacher: distill_coeff > 0 "
+             "with teacher_model or teacher_url)")
+    _require(o.distill_coeff == 0 or o.teacher_model or o.teacher_url, "distill_coeff > 0 needs a teacher: set "
+             "teacher_model (a local model) or teacher_url (a served one)")
+    _require(not (o.teacher_model and o.teacher_url), "teacher_model and teacher_url both name a teacher: set one")
+    _require(o.distill_coeff == 0 or not c.data.image_column, "on-policy distillation (distill_coeff > 0) takes text "
+             "prompts; image_column runs train on rewards alone")
+    for name in ("teacher_model", "teacher_url"):
+        _unused_unless(c, name, o.distill_coeff > 0, "distill_coeff > 0")
+    if o.distill_coeff > 0:  # what does not mix with a per-token teacher signal, each in one line
+        _require(not r.dynamic_sampling, "dynamic_sampling drops groups whose rewards are all equal, and with a teacher "
+                 "(distill_coeff > 0) every group carries a signal: drop dynamic_sampling")
+        _require(o.demonstrations == "off", "demonstrations put reference solutions into groups that earned nothing; "
+                 "with a teacher (distill_coeff > 0) the teacher's signal is on the student's own samples: set "
+                 "demonstrations = \"off\"")
+        _require(o.importance_sampling_level == "token", "importance_sampling_level = sequence gives each sequence one "
+                 "ratio, which sums the teacher's per-token signal over the sequence: keep it token with distill_coeff")
+        _require(c.model.lora_dropout == 0, "lora_dropout with distill_coeff: on-policy the student's log-probs come "
+                 "from the dropout pass, so the teacher's signal would measure dropout noise; set lora_dropout = 0")
+        _require(c.health.max_updates_without_signal in (0, command_default("train", "max_updates_without_signal")),
+                 "max_updates_without_signal watches the rewards, and with a teacher (distill_coeff > 0) flat rewards "
+                 "are no reason to stop, so it is off: drop it")
+    for name in ("teacher_url_timeout", "teacher_url_retries", "teacher_url_allowed_hosts"):
+        _unused_unless(c, name, bool(o.teacher_url), "teacher_url set")
+    _require(not o.teacher_url or r.temperature == 1.0, f"teacher_url's server gives log-probs of the untempered "
+             f"distribution, but the rollouts sample at temperature = {r.temperature:g}: set temperature = 1.0, or "
+             "use teacher_model (scored at logits / temperature)")
     for name in ("reward_model_weight", "reward_model_clip", "reward_model_answer_weight", "reward_model_batch_size"):
         _unused_unless(c, name, bool(w.reward_model), "reward_model set")
     _require(not (w.reward_model and w.reward_workers), "the reward model runs on the accelerator inside the "

@@ -69,10 +69,11 @@ class RewardSet:
     """
 
     def __init__(self, names: list[str], weights: list[float] | None = None, base_dir: Path | None = None,
-                 extra: Sequence[tuple[str, RewardFn, float]] = ()):
+                 extra: Sequence[tuple[str, RewardFn, float]] = (), allow_empty: bool = False):
         """Resolve names (built-in, or 'file.py:function' relative to base_dir); weights default to 1.0.
-        `extra` adds ready-made functions as (name, function, weight), e.g. the HTTP reward."""
-        if not names and not extra:
+        `extra` adds ready-made functions as (name, function, weight), e.g. the HTTP reward. allow_empty: no
+        function at all scores 0 (pure distillation, where a teacher gives the signal)."""
+        if not names and not extra and not allow_empty:
             raise UserError("no reward functions given (e.g. rewards: [correctness, xmlcount])")
         resolved = [resolve_reward(n, base_dir) for n in names]
         self.names = [key for key, _ in resolved]

@@ -35,7 +35,9 @@ def build_reward_set(cfg, base_dir: Path) -> RewardSet:
         extra.append(("reward_model", RewardModelReward(w.reward_model, w.reward_model_clip,
                                                         w.reward_model_answer_weight, w.reward_model_batch_size),
                       w.reward_model_weight))
-    return RewardSet(w.reward_funcs, w.reward_weights or None, base_dir=base_dir, extra=extra)
+    # pure distillation (a teacher and no reward function, config/validation.py): every completion scores 0
+    return RewardSet(w.reward_funcs, w.reward_weights or None, base_dir=base_dir, extra=extra,
+                     allow_empty=cfg.objective.distill_coeff > 0)
 
 
 # Each process worker holds the RewardSet its initializer built (one per worker process, never shared).

@@ -211,7 +211,8 @@ def _static_caches(caches: list, group_size: int, capacity: int, use_kernel: boo
 def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], group_size: int,
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
                      sync_every: int = 8, static_cache: bool | None = None,
-                     attention_kernel: bool = True, on_stop=None, limits: np.ndarray | None = None) -> Rollout:
+                     attention_kernel: bool = True, on_stop=None, limits: np.ndarray | None = None,
+                     on_done=None) -> Rollout:
     """Sample G completions for each of the B prompts; decoding stops once every row has ended. key is
     one key (split into the N = B*G row keys) or the row keys themselves, [N, 2].
 
@@ -220,7 +221,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     buffer). static_cache=True/False and attention_kernel=False force a path (tests, benchmarks).
     on_stop(row, ids): called at the loop's stop-string checks with each row seen stopped and its ids up
     to the stop (multiturn.py starts the row's tool call then). limits [N]: a row counts as done after
-    that many tokens (the loop ends sooner; the caller cuts the row there)."""
+    that many tokens (the loop ends sooner; the caller cuts the row there). on_done(done): called at the
+    loop's syncs with [N] bool, the rows ended so far (evaluation's progress bar)."""
     eos_ids, pad_id = end_ids(tokenizer, params)
     eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
@@ -236,12 +238,12 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
         else:
             _repeat_caches(caches, group_size)
         ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop,
-                                 limits)
+                                 limits, on_done)
     return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
 def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
-            on_stop=None, limits: np.ndarray | None = None):
+            on_stop=None, limits: np.ndarray | None = None, on_done=None):
     """The sampling loop from the prefill logits [N, V] with row keys [N, 2]. -> (ids, log-probs,
     entropies), each [N, T]."""
     keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
@@ -253,6 +255,8 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
         if step % sync_every == 0:
             mx.eval(ended)
             done = np.array(ended) if limits is None else np.array(ended) | (step >= np.asarray(limits))
+            if on_done is not None:
+                on_done(done)
             if done.all() or (params.stop and _all_stopped(scanner, tokens, done, on_stop)):
                 break
         logits = model(token[:, None], cache=caches)[:, -1, :]

@@ -20,6 +20,8 @@ resumed run replays the same batches and reproduces the same tokens.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -120,7 +122,7 @@ class RolloutEngine:
 
     def generate_many(self, jobs: list[tuple[list[list[int]], mx.array]], group_size: int, params: SamplingParams,
                       prefill_text: str = "", on_stop=None, limits: np.ndarray | None = None,
-                      turns=None) -> list[Rollout] | None:
+                      turns=None, on_done=None) -> list[Rollout] | None:
         """The rollouts of several batch steps, jobs = [(prompts, row keys [B*G, 2])], decoded together: the
         first job fills the batch, and when rows end, the next jobs' prompts take their slots (refill), so
         one long row no longer holds a batch step. Each row samples the tokens generate() gives it alone.
@@ -133,7 +135,9 @@ class RolloutEngine:
         is done (its end token, a stop string or its limit; the tokens it wrote, which may run past that),
         and turns.take(n) for the next turns of the rows ended at earlier syncs: [(context ids, row key,
         limit)], rows numbered n, n + 1, ..., decoded in freed slots ahead of later prompts. turns.pending()
-        says whether any ended row may still go on. Returns None: the turns hold the results."""
+        says whether any ended row may still go on. Returns None: the turns hold the results.
+        on_done(first, done) (not with turns): called at the loop's syncs with done [n] bool, whether rows
+        first, ..., first + n - 1 (numbered over all jobs) have ended so far (evaluation's progress bar)."""
         if self.model is None:
             raise RuntimeError("RolloutEngine.generate before refresh(model)")
         if not self.uses_copy:
@@ -143,12 +147,14 @@ class RolloutEngine:
             for prompts, keys in jobs:
                 n = len(prompts) * group_size
                 watch = None if on_stop is None else (lambda r, ids, first=first: on_stop(first + r, ids))
+                progress = None if on_done is None else partial(on_done, first)
                 out.append(generate_rollout(self.model, self.tokenizer, prompts, group_size, params, keys,
                                             prefill_text, sync_every=self.sync_every, on_stop=watch,
-                                            limits=None if limits is None else limits[first:first + n]))
+                                            limits=None if limits is None else limits[first:first + n],
+                                            on_done=progress))
                 first += n
             return out
-        return self._generate_fused(jobs, group_size, params, prefill_text, on_stop, turns, limits)
+        return self._generate_fused(jobs, group_size, params, prefill_text, on_stop, turns, limits, on_done)
 
     # ------------------------------------------------------------------ the fused decode loop
     def _step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
@@ -197,7 +203,7 @@ class RolloutEngine:
         return keys, values, (padding + (at - width))[repeat], logits[repeat]
 
     def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str, on_stop=None,
-                        turns=None, limits: np.ndarray | None = None) -> list[Rollout] | None:
+                        turns=None, limits: np.ndarray | None = None, on_done=None) -> list[Rollout] | None:
         tokenizer, (spec, weights) = self.tokenizer, self._current()
         eos_ids, pad_id = end_ids(tokenizer, params)
         T = params.max_new_tokens
@@ -214,6 +220,7 @@ class RolloutEngine:
         # tokens a row may write (turns: what its budget leaves)
         limit = np.full(n_rows, T, dtype=np.int64) if limits is None else np.minimum(np.asarray(limits), T)
         reported = np.zeros(n_rows, dtype=bool)  # turns: rows already handed to turns.ended
+        finished = np.zeros(n_rows, dtype=bool)  # on_done: rows ended so far (compaction drops only ended ones)
         queue = list(range(len(jobs[0][0]), len(entries)))  # entries waiting for free slots
         first = list(range(len(jobs[0][0])))
         idx = bucket(max(len(entries[e][0]) for e in first))  # the slot the next fed token is written to
@@ -241,6 +248,9 @@ class RolloutEngine:
                     if params.stop or turns is not None else None
                 if params.stop:
                     done |= self._stopped(written[0], rows, scanner, on_stop)
+                if on_done is not None:
+                    finished[rows[done & (rows >= 0)]] = True
+                    on_done(0, finished)
                 if turns is not None:
                     _report(turns, written, rows, done, reported)
                     if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them

@@ -329,11 +329,12 @@ def encode_prompts(multiturn: MultiTurn | None, tokenizer, examples: list, cfg,
 
 
 def rollouts(engine, multiturn: MultiTurn | None, jobs: list[tuple[list[list[int]], mx.array, list]], group_size: int,
-             params: SamplingParams, prefill_text: str = "") -> list[Rollout]:
+             params: SamplingParams, prefill_text: str = "", on_done=None) -> list[Rollout]:
     """The rollouts of batch steps jobs = [(prompts, row keys [B*G, 2], examples [B])], decoded together:
-    episodes with tools or an environment, else plain completions (engine.generate_many)."""
+    episodes with tools or an environment, else plain completions (engine.generate_many, which calls on_done
+    with the rows ended so far; episodes do not: a row that ended a turn may go on)."""
     if multiturn is None:
-        return engine.generate_many([(p, k) for p, k, _ in jobs], group_size, params, prefill_text)
+        return engine.generate_many([(p, k) for p, k, _ in jobs], group_size, params, prefill_text, on_done=on_done)
     return multiturn.generate_many(engine, [(p, k, [data_row(e) for e in examples]) for p, k, examples in jobs],
                                    group_size, params, prefill_text)
 

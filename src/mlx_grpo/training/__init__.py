@@ -1,2 +1,3 @@
-"""The GRPO update: the Trainer (sample -> score -> advantages -> log-probs -> gradients -> step), the
-policies it samples and anchors with, and the gradient passes."""
+"""The GRPO update and where its steps come from: step sources over the sampling stage (sample -> rewards
+submitted -> old/reference log-probs), the Trainer (score -> advantages -> gradients -> step), the policies,
+the gradient passes, and the Job that wires a run's parts."""

@@ -56,6 +56,14 @@ def collect(draw: Draw, cfg, demonstrator) -> None:
     draw.t_reward += time.perf_counter() - t0  # time the loop waited: the whole scoring when inline
 
 
+def draw_scores(draw: Draw, cfg, demonstrator, sampled: bool = False) -> RewardScores:
+    """A draw's rewards plus the length penalty, waiting for them if the workers are still at it; with
+    demonstrations, those of the rows trained on (sampled: of the rows as sampled)."""
+    if not isinstance(draw.scores, RewardScores):
+        collect(draw, cfg, demonstrator)
+    return draw.sampled[1] if sampled and draw.sampled is not None else draw.scores
+
+
 def varied_groups(scores: RewardScores, group_size: int, reward: str = "") -> np.ndarray:
     """[B] bool: the groups whose scores of `reward` (a reward function's name; "" = the total) are not all
     equal, None counting as 0 as in the total: a group where the function never applies is not varied."""

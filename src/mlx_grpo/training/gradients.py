@@ -23,18 +23,18 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     when use_compile is set."""
     objective = Objective.from_config(cfg)
 
-    def loss_fn(_model, batch_arrays, old, ref, adv, weights, sampler, sampled):
+    def loss_fn(_model, batch_arrays, old, ref, adv, weights, sampler, sampled, teacher):
         lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.rollout.temperature,
                                  checkpoint_layers=cfg.training.grad_checkpoint)
         # on-policy the old policy is the model itself: its log-probs, teacher-forced on a demonstration too
         old_lp = mx.stop_gradient(lp) if old is None else old
-        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective, sampler, sampled)
+        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective, sampler, sampled, teacher)
         return sums.loss, tuple(sums[1:])
 
     grad_fn = nn.value_and_grad(model, loss_fn)
 
-    def step(batch_arrays, old, ref, adv, weights, sampler, sampled=None):
-        return grad_fn(model, batch_arrays, old, ref, adv, weights, sampler, sampled)
+    def step(batch_arrays, old, ref, adv, weights, sampler, sampled=None, teacher=None):
+        return grad_fn(model, batch_arrays, old, ref, adv, weights, sampler, sampled, teacher)
 
     if cfg.training.use_compile:
         # nn.value_and_grad swaps traced arrays into the model while tracing: declare the state as output
@@ -80,11 +80,12 @@ def accumulate_gradients(step_fn, steps: list[StepData], weights: list[mx.array]
             batch, width = chunk_batch(s.rollout, chunk, pad_id)
             old = None if s.old_logprobs is None else s.old_logprobs[chunk, :width]
             ref = None if s.ref_logprobs is None else s.ref_logprobs[chunk, :width]
+            teacher = None if s.teacher_logprobs is None else s.teacher_logprobs[chunk, :width]
             sampler = s.rollout.sampler_logprobs[chunk, :width]
             # demonstrations (rollout.demo) are no sampler's draws: 0 leaves them out of the rollout correction
             sampled = None if s.rollout.demo is None else mx.array(~s.rollout.demo, dtype=mx.float32)[chunk]
             arrays = (batch.inputs, batch.positions, batch.targets, batch.mask)
-            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk], sampler, sampled)
+            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk], sampler, sampled, teacher)
             sums = LossSums(loss, *aux)
             g = tree_map(lambda x: x.astype(mx.float32), g)
             if grads is None:

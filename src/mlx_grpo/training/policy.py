@@ -17,18 +17,29 @@ import mlx.nn as nn
 from mlx_grpo.config import Config
 from mlx_grpo.models.adapters import adapters_disabled
 from mlx_grpo.models.forward import completion_logprobs
+from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.records import Rollout
 from mlx_grpo.training.microbatch import chunk_batch, row_chunks
+from mlx_grpo.training.served_teacher import ServedTeacher
 
 ROLLOUT_QUANT_BITS = 4
 ROLLOUT_QUANT_GROUP = 64
 
 
 class Policies:
-    """Owns `model`, the old (sampling) policy and the frozen reference."""
+    """Owns `model`, the old (sampling) policy, the frozen reference, and the rollout engine: the sampling
+    policy as the decode runs it (rollout/engine.py; its own copy of the weights unless it decodes the model),
+    rebuilt whenever that policy changes."""
 
-    def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None, adapters: bool = False):
+    def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None, engine: RolloutEngine,
+                 adapters: bool = False, teacher: nn.Module | ServedTeacher | None = None,
+                 teacher_source: str | None = None):
         self.cfg = cfg
+        # on-policy distillation: scores the sampled tokens, never trained; a model here, or teacher_url's server
+        self.teacher = teacher
+        self.teacher_source = teacher_source  # the checkpoint or URL it came from: a resume must keep it
+        if isinstance(teacher, nn.Module):
+            teacher.freeze()
         self.model = model
         self.reference = reference
         self.adapters = adapters  # lora/dora: the reference is `model` with its adapters switched off
@@ -40,6 +51,7 @@ class Policies:
         self.sampler: nn.Module = model
         if self.separate_old:
             self.refresh()
+        self.engine = engine.refresh(self.sampler)
 
     def refresh(self, old_params: dict | None = None) -> None:
         """Point the old policy at the current weights (arrays are shared, not copied: the optimizer
@@ -55,6 +67,15 @@ class Policies:
         sampler.freeze()
         self.sampler = sampler
 
+    def after_update(self, update_step: int, applied: bool) -> None:
+        """Point the old policy at the new weights every update_every updates, and the engine at the
+        sampling policy whenever its weights changed."""
+        refresh_old = self.separate_old and update_step % self.cfg.objective.update_every == 0
+        if refresh_old:
+            self.refresh()
+        if refresh_old or (applied and not self.separate_old):
+            self.engine.refresh(self.sampler)
+
     def reference_logprobs(self, rollout: Rollout, pad_id: int) -> mx.array | None:
         """Log-probs [N, T] under the frozen reference, or None without a KL term."""
         cfg = self.cfg
@@ -65,6 +86,18 @@ class Policies:
                 return logprob_pass(self.model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
                                     cfg.training.micro_batch_tokens)
         return logprob_pass(self.reference, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
+                            cfg.training.micro_batch_tokens)
+
+    def teacher_logprobs(self, rollout: Rollout, pad_id: int) -> mx.array | None:
+        """Log-probs [N, T] of the sampled tokens under the teacher (micro-batched like the reference's, at
+        the sampling temperature: the distribution the student's tokens were drawn from), or None. A served
+        teacher scores each row on its server (temperature 1 only: validation.py)."""
+        if self.teacher is None:
+            return None
+        if isinstance(self.teacher, ServedTeacher):
+            return self.teacher.logprobs(rollout)
+        cfg = self.cfg
+        return logprob_pass(self.teacher, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
                             cfg.training.micro_batch_tokens)
 
     @property

@@ -10,11 +10,11 @@ left the weights as they were); the loss weights that back with rollout_correcti
 sampling on exp(trainer log-prob - sampler log-prob), the sampler's log-probs recorded during decoding),
 which validation requires, as verl's one-step-off-policy and TRL's async GRPO correct it.
 
-One update (RolloutPrefetch.take, called by run.py's loop):
+One update (PrefetchSteps.next, called by run.py's loop; the step-source interface: step_sources.py):
     join this update's rollouts (or sample them now: the first update, the first after a resume)
     draw and encode the next update's prompts (main thread: the draw counter and data cursor move here only)
     start their decode and reward submission in the thread, from the current weights
-    -> SampledUpdate, which Trainer.train_step takes through its log-prob passes and update (main thread)
+    run this update's old/reference log-prob passes (main thread) -> UpdateSteps for Trainer.update
 
 Resume is exact: a checkpoint written after update k, while batch k+1 decodes, records the run's position
 from before batch k+1 was drawn (draw counter, prompts cut, data cursor) and the weights that sample it as
@@ -41,7 +41,8 @@ from mlx_grpo.data import Example
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
 from mlx_grpo.rollout.process import RolloutProcess
-from mlx_grpo.training.records import Draw, SampledUpdate
+from mlx_grpo.training.records import DataPosition, Draw, UpdateSteps
+from mlx_grpo.training.sampling import Sampling
 
 
 @dataclass
@@ -82,61 +83,66 @@ def serve(jobs: queue.SimpleQueue) -> None:
         fn = future = None  # parked on the queue, the thread must not keep the last job's Trainer alive
 
 
-def data_position(trainer) -> tuple[int, int, int]:
-    """(batch steps drawn, epoch, prompts cut) of the batches trained so far, which the schedule and the logs
-    follow: async_rollouts' pending batches, drawn before the update that trains the ones before them, left out."""
-    pending = trainer.prefetch.pending if trainer.prefetch is not None else None
-    if pending is None:
-        return trainer.sampler.batches_done, trainer.sampler.epoch, trainer.counters.prompts_cut
-    c = pending.data_cursor
-    return c["epoch"] * trainer.sampler.batches_per_epoch + c["position"], c["epoch"], pending.prompts_cut
+class PrefetchSteps:
+    """Samples each update's batch steps during the update before it (see the module docstring), over the
+    run's sampling stage; total_updates: the last update starts no rollouts after it."""
 
+    exhausted = False  # total_updates is computed from the data: it never runs out first
 
-class RolloutPrefetch:
-    """Samples each update's batch steps during the update before it (see the module docstring). trainer:
-    the Trainer whose prompts, encoding, sampling settings and reward runner it uses."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        r = trainer.cfg.rollout
+    def __init__(self, sampling: Sampling, total_updates: int):
+        self.sampling, self.total_updates = sampling, total_updates
+        s = sampling
+        r = s.cfg.rollout
         self.view = self.engine = self.process = None
         if r.rollout_worker == "process":  # decode in a process of its own (rollout/process.py)
-            if trainer.world.size > 1:
-                trainer.world.fail("rollout_worker = process runs one rollout process beside one training process; "
-                                   "data-parallel runs take rollout_worker = thread")
-            self.process = RolloutProcess(trainer.model, trainer.tokenizer, r.rollout_engine, r.decode_graph)
+            if s.world.size > 1:
+                s.world.fail("rollout_worker = process runs one rollout process beside one training process; "
+                             "data-parallel runs take rollout_worker = thread")
+            self.process = RolloutProcess(s.policies.model, s.tokenizer, r.rollout_engine, r.decode_graph)
         else:
-            self.view = frozen_view(trainer.model)
-            # Its own engine: the trainer's keeps following the trained model (evaluations use it).
-            self.engine = RolloutEngine(trainer.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
+            self.view = frozen_view(s.policies.model)
+            # Its own engine: the policies' keeps following the trained model (evaluations use it).
+            self.engine = RolloutEngine(s.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=serve, args=(self.jobs,), name="mlx-grpo-rollouts", daemon=True).start()
         self.pending: Pending | None = None
         self.resumed: tuple[dict, int] | None = None  # a checkpoint's sampling weights for the first rollout
 
-    def take(self) -> SampledUpdate | None:
-        """This update's batch steps, sampled; starts the next update's. None: the data ran out."""
-        t = self.trainer
+    def next(self) -> UpdateSteps | None:
+        """This update's batch steps, sampled and through their log-prob passes; starts the next update's.
+        None: the data ran out."""
+        s = self.sampling
+        c = s.counters
         if self.pending is None:
-            weights, at = self.resumed or (t.model.parameters(), t.counters.applied_updates)
+            weights, at = self.resumed or (s.policies.model.parameters(), c.applied_updates)
             self.resumed = None
             if not self.start(weights, at):
                 return None
         pending, draws = self.pending, self.pending.future.result()
         self.pending = None
-        staleness = t.counters.applied_updates - pending.applied_at  # 0 when the update before was skipped
-        if t.counters.update_step + 1 < t.total_updates:  # a later update will train on them
-            self.start(t.model.parameters(), t.counters.applied_updates)
-        return SampledUpdate(draws, staleness=staleness)
+        staleness = c.applied_updates - pending.applied_at  # 0 when the update before was skipped
+        if c.update_step + 1 < self.total_updates:  # a later update will train on them
+            self.start(s.policies.model.parameters(), c.applied_updates)
+        batches = [s.logprob_passes([d]) for d in draws]  # old/reference log-probs, rewards computing meanwhile
+        return UpdateSteps(batches, self.position(), staleness)
+
+    def position(self) -> DataPosition:
+        """Where the data stood after this update's draws: the pending ones, drawn for the next update, left out."""
+        p = self.pending
+        if p is None:
+            return self.sampling.position()
+        c = p.data_cursor
+        return DataPosition(c["epoch"] * self.sampling.data.batches_per_epoch + c["position"], c["epoch"],
+                            p.prompts_cut)
 
     def start(self, weights: dict, applied_at: int) -> bool:
         """Draw and encode an update's prompts here, and decode them in the thread from `weights`."""
-        t = self.trainer
-        before = (t.counters.draws, t.counters.prompts_cut, t.sampler.state())
-        batches = [t.next_examples() for _ in range(t.cfg.training.gradient_accumulation_steps)]
+        s = self.sampling
+        before = (s.counters.draws, s.counters.prompts_cut, s.data.state())
+        batches = [s.next_examples() for _ in range(s.cfg.training.gradient_accumulation_steps)]
         if any(b is None for b in batches):
             return False
-        encoded = [t.encode(examples) for examples in batches]
+        encoded = [s.encode(examples) for examples in batches]
         # Everything the thread reads is computed here first: a lazy array built on this thread's stream
         # cannot be evaluated on another thread's.
         mx.eval([keys for _, keys, _ in encoded], weights)
@@ -156,17 +162,18 @@ class RolloutPrefetch:
     def sample(self, encoded: list[tuple[list[list[int]], mx.array, list[Example]]], weights: dict) -> list[Draw]:
         """The worker thread: decode the batch steps together (refill), here or in the rollout process, and
         submit them for scoring."""
-        t, cfg = self.trainer, self.trainer.cfg
+        s, cfg = self.sampling, self.sampling.cfg
         if self.process is not None:  # single-turn only (validation): the episodes' tools live here
             out, seconds = self.process.sample(weights, [(p, k) for p, k, _ in encoded],
-                                               cfg.rollout.num_generations, t.params, cfg.data.prefill)
+                                               cfg.rollout.num_generations, s.params, cfg.data.prefill)
         else:
             t0 = time.perf_counter()
-            out = rollouts(self.engine, t.multiturn, encoded, cfg.rollout.num_generations, t.params, cfg.data.prefill)
+            out = rollouts(self.engine, s.prompts.multiturn, encoded, cfg.rollout.num_generations, s.params,
+                           cfg.data.prefill)
             mx.eval([r.arrays for r in out])
             seconds = time.perf_counter() - t0
         share = seconds / len(encoded)  # one decode for all: each step is shown its share
-        return [t.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, out)]
+        return [s.submit_rewards(mine, rollout, share) for (_, _, mine), rollout in zip(encoded, out)]
 
     def wait(self) -> None:
         """Until the pending rollouts are done (their result is kept): evaluations share their tools."""
@@ -174,7 +181,7 @@ class RolloutPrefetch:
             wait([self.pending.future])
 
     # ------------------------------------------------------------------ checkpoints
-    def rewind(self, state: dict) -> dict:
+    def checkpoint_state(self, state: dict) -> dict:
         """The trainer state a checkpoint records: with rollouts pending, the position before they were
         drawn, and the update whose weights sample them (`sampling_weights` are saved as the old policy)."""
         p = self.pending

@@ -2,7 +2,7 @@
 
     Draw         one generation of this rank's prompts x G completions, its rewards submitted
     Batch        one batch step: the rows trained on, their old/reference log-probs, rewards still pending
-    SampledUpdate  an update's draws sampled ahead of it (async_rollouts, prefetch.py), and how stale they are
+    UpdateSteps  an update's batch steps as a step source hands them to Trainer.update, with where the data stood
     StepData     what the loss needs of a batch step once scored: rollout, advantages, old/ref log-probs
     BatchStats   what the logs need of a batch step (sampling figures, then its rewards once scored)
     UpdateMetrics  one optimizer update's figures (None where no row entered the loss)
@@ -41,22 +41,11 @@ class Draw:
 
     examples: list[Example]  # this rank's share of the batch
     rollout: Rollout
-    scores: RewardScores | Future  # a Future while the reward workers score it (Trainer.collect waits)
+    scores: RewardScores | Future  # a Future while the reward workers score it (draws.draw_scores waits)
     t_rollout: float
     t_reward: float
     flags: np.ndarray | None = None  # [B] groups with reward variance, over all ranks (dynamic sampling)
     sampled: tuple[Rollout, RewardScores] | None = None  # demonstrations: as sampled, before demonstrations
-
-
-@dataclass
-class SampledUpdate:
-    """An update's batch steps, sampled before the update began (async_rollouts: training/prefetch.py)."""
-
-    draws: list[Draw]  # one per batch step, rewards submitted
-    staleness: int  # updates between the weights that sampled them and those the update starts from
-
-    def __len__(self) -> int:
-        return len(self.draws)
 
 
 @dataclass
@@ -67,11 +56,32 @@ class StepData:
     advantages: mx.array  # [N]
     old_logprobs: mx.array | None  # [N, T]; None: the sampler is the current model (ratio 1 at start)
     ref_logprobs: mx.array | None  # [N, T]; None when kl_coeff = 0
+    teacher_logprobs: mx.array | None = None  # [N, T]; on-policy distillation's teacher (None: no teacher)
+
+
+@dataclass
+class DataPosition:
+    """Where the training data stood once an update's batch steps were drawn (async_rollouts' draws for the
+    update after it left out): the learning-rate schedule and the logs follow it."""
+
+    batches: int  # batch steps drawn, over all epochs (dynamic sampling's extra draws included)
+    epoch: int
+    prompts_cut: int
+
+
+@dataclass
+class UpdateSteps:
+    """An update's batch steps from a step source (training/step_sources.py, prefetch.py): sampled, their
+    old/reference log-prob passes run, their rewards submitted."""
+
+    batches: list[Batch]
+    position: DataPosition
+    staleness: int | None = None  # async_rollouts: optimizer steps between the sampling and the trained weights
 
 
 @dataclass
 class BatchStats:
-    """One batch step's figures for the logs: its sampling (Trainer.batch_step) and, once scored
+    """One batch step's figures for the logs: its sampling (Sampling.logprob_passes) and, once scored
     (Trainer.score), its rewards. Reward, length and variance figures cover every completion drawn."""
 
     examples: list[Example]  # the groups trained on (this rank's)
@@ -109,6 +119,7 @@ class Batch:
     draws: list[Draw]  # every draw of the batch step (dynamic sampling may draw more than one)
     selected: RewardScores | None  # dynamic sampling: the scores of the groups trained on
     stats: BatchStats
+    teacher_logprobs: mx.array | None = None  # on-policy distillation: the teacher's log-probs [N, T]
     scored: StepData | None = None
 
 
@@ -139,9 +150,10 @@ class UpdateMetrics:
     peak_memory_gb: float = 0.0
     time_step_s: float = 0.0
     rollout_staleness: int | None = None  # async_rollouts: updates between the sampling and the trained weights
+    teacher_kl: float | None = None  # on-policy distillation: mean log p_student - log p_teacher per token
 
     @classmethod
-    def from_sums(cls, lr: float, sums: LossSums, norm: mx.array) -> UpdateMetrics:
+    def from_sums(cls, lr: float, sums: LossSums, norm: mx.array, teacher: bool = False) -> UpdateMetrics:
         """An update's figures from its (every rank's) LossSums and gradient norm; skipped when either is
         not finite. Per-token figures are None when no token entered the loss; the sampler figures leave
         demonstrations out."""
@@ -156,4 +168,5 @@ class UpdateMetrics:
                    ratio_max=sums.ratio_max.item() if tokens else None, loss_tokens=int(tokens),
                    sampler_kl=per_drawn(sums.sampler_kl),
                    sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
-                   is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped))
+                   is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped),
+                   teacher_kl=per_token(sums.teacher_kl) if teacher else None)

@@ -1,7 +1,8 @@
-"""A VisionTrainer from a Config (assembly.build_trainer hands runs with image_column here): the examples and
+"""A run on image prompts from a Config (assembly.build_job hands runs with image_column here): the examples and
 rewards as for text, the mlx-vlm model loaded and wrapped (VisionPolicy) in its compute dtype with its float32
 masters, LoRA/DoRA on the language model's blocks, the vision tower frozen unless train_vision, and the KL
-reference sharing the feature table."""
+reference sharing the feature table; the run's parts wired as for text (training/job.py), with ImagePrompts
+(vlm/sampling.py) in the sampling stage."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ from mlx_grpo.distributed import World
 from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.precision import MasterWeights, cast_floats, compute_dtype, dtype_name
+from mlx_grpo.prompts import WorkedExamples
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.training.job import Job, make_job, pad_token_id
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.sources import run_examples
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
 from mlx_grpo.vlm.inference import load_vlm
 from mlx_grpo.vlm.policy_model import VisionPolicy
-from mlx_grpo.vlm.trainer import VisionTrainer
+from mlx_grpo.vlm.sampling import ImagePrompts
 
 
 def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:
@@ -37,7 +41,7 @@ def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:
     return policy, processor
 
 
-def build_vision_trainer(cfg: Config, world: World | None = None) -> VisionTrainer:
+def build_vision_job(cfg: Config, world: World | None = None) -> Job:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     train = run_examples(cfg, "train")
@@ -70,9 +74,11 @@ def build_vision_trainer(cfg: Config, world: World | None = None) -> VisionTrain
     if cfg.objective.kl_coeff > 0 and adapter_config is None:
         reference = load_policy(cfg, table=model.table)[0]
         cast_floats(reference, dtype)
-    policies = Policies(cfg, model, reference, adapters=adapter_config is not None)
     tokenizer = TokenizerWrapper(processor.tokenizer,
                                  eos_token_ids=eos_ids(cfg.model.model_name, processor.tokenizer))
-    return VisionTrainer(cfg, model, tokenizer, policies, rewards, train, Path(cfg.run.output_dir) / cfg.run.run_name,
-                         Path(cfg.model.model_name), evals, adapter_config, masters, world or World(), processor=processor)
+    engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
+    policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None)
+    prompts = ImagePrompts(cfg, processor, tokenizer, model, pad_token_id(tokenizer))
+    return make_job(cfg, world or World(), tokenizer, policies, rewards, train, evals, WorkedExamples(),
+                    Path(cfg.model.model_name), adapter_config, masters, prompts.answer_records, prompts)
 

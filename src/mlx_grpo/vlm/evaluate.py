@@ -1,4 +1,4 @@
-"""Evaluation on image + text prompts: the answers of a GRPO run's in-run evaluation on images (VisionTrainer)
+"""Evaluation on image + text prompts: the answers of a GRPO run's in-run evaluation on images (vlm/sampling.ImagePrompts)
 and `mlx-grpo eval` of a vision-language model or checkpoint on a data set with an image column. Records and
 the summary line are evaluate.py's, each record naming its images; prompts are built as training builds them
 (vlm/rollout.py), answered greedily (or sampled for pass@k) through the same rollout."""

@@ -1,0 +1,174 @@
+"""The sampling stage of a GRPO update: prompts drawn from the training data, G completions sampled for each,
+submitted to the reward workers, and the old/reference log-prob passes run while they score -> Batch.
+
+The step sources (training/step_sources.py, training/prefetch.py) drive it; the Trainer never calls it.
+What a prompt is and how it decodes is `prompts`, by composition: TextPrompts here (the chat template, the
+rollout engine; tools and environments as episodes, rollout/multiturn.py), vlm/sampling.ImagePrompts for
+image prompts. Rollout keys derive from (seed, draw, row): a run and its resumption sample the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.config import Config
+from mlx_grpo.data import EpochSampler, Example
+from mlx_grpo.distributed import World
+from mlx_grpo.rewards.scoring import RewardScores
+from mlx_grpo.rewards.workers import RewardRunner
+from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, rollouts
+from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.training.draws import (batch_stats, draw_scores, informative_batch, reward_inputs, row_keys,
+                                     varied_groups)
+from mlx_grpo.training.policy import Policies, logprob_pass
+from mlx_grpo.training.records import Batch, Counters, DataPosition, Draw
+
+
+class TextPrompts:
+    """Text prompts: encoded with the chat template (cut from the left to max_prompt_length) and decoded by
+    the sampling policy's rollout engine, as episodes when the run has tools or an environment."""
+
+    def __init__(self, cfg: Config, tokenizer, multiturn: MultiTurn | None, context: int | None, say):
+        self.cfg, self.tokenizer, self.multiturn, self.context, self.say = cfg, tokenizer, multiturn, context, say
+        self.warned_context = False
+
+    def encode(self, examples: list[Example], system: str, share: slice) -> tuple[list, int]:
+        """(this rank's share of the prompts' ids, prompts cut over the whole batch). Every rank encodes the
+        whole batch (cheap), so prompts_cut counts it without a collective."""
+        cfg = self.cfg
+        encoded = encode_prompts(self.multiturn, self.tokenizer, examples, cfg, system)
+        longest = max(len(ids) for ids, _ in encoded)
+        if isinstance(self.context, int) and longest + cfg.rollout.max_new_tokens > self.context \
+                and not self.warned_context:
+            # RoPE models run past it, on positions they never saw in training: say so once, do not stop
+            self.warned_context = True
+            self.say(f"[mlx-grpo] warning: a prompt of {longest} tokens + max_new_tokens "
+                     f"({cfg.rollout.max_new_tokens}) exceed {cfg.model.model_name!r}'s context window of "
+                     f"{self.context} tokens: the model works past positions it was trained on; lower "
+                     "max_prompt_length (prompts are cut to it from the left) or max_new_tokens")
+        return [ids for ids, _ in encoded[share]], sum(cut for _, cut in encoded)
+
+    def generate(self, policies: Policies, jobs: list, params: SamplingParams) -> list[Rollout]:
+        """The rollouts of batch steps [(prompts, row keys, examples)], decoded together (the engine refills
+        rows freed by ended ones)."""
+        return rollouts(policies.engine, self.multiturn, jobs, self.cfg.rollout.num_generations, params,
+                        self.cfg.data.prefill)
+
+    def new_update(self) -> None:
+        """Text prompts keep nothing between updates."""
+
+    def annotate(self, batch: Batch) -> None:
+        """Text batch steps log nothing beyond their rows."""
+
+
+class Sampling:
+    """Draws prompts (the data cursor), samples them, submits their rewards and runs the log-prob passes."""
+
+    def __init__(self, cfg: Config, tokenizer, policies: Policies, prompts, system: str, examples: list[Example],
+                 data: EpochSampler, reward_runner: RewardRunner, demonstrator, counters: Counters, world: World,
+                 pad_id: int):
+        self.cfg, self.tokenizer, self.policies, self.prompts, self.system = cfg, tokenizer, policies, prompts, system
+        self.examples, self.data, self.reward_runner, self.demonstrator = examples, data, reward_runner, demonstrator
+        self.counters, self.world, self.pad_id = counters, world, pad_id
+        r = cfg.rollout
+        self.params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p, tuple(r.stop))
+        self.batches = iter(data)
+
+    def next_examples(self) -> list[Example] | None:
+        indices = next(self.batches, None)
+        return None if indices is None else [self.examples[i] for i in indices]
+
+    def rewind_data(self, cursor: dict) -> None:
+        """Continue the data from a checkpoint's cursor."""
+        self.data.load_state(cursor)
+        self.batches = iter(self.data)
+
+    def position(self) -> DataPosition:
+        return DataPosition(self.data.batches_done, self.data.epoch, self.counters.prompts_cut)
+
+    # ------------------------------------------------------------------ sample
+    def encode(self, examples: list[Example]) -> tuple[list, mx.array, list[Example]]:
+        """This rank's share of a draw: (its prompts, their row keys, its examples)."""
+        G = self.cfg.rollout.num_generations
+        share = self.world.share(len(examples))
+        prompts, cut = self.prompts.encode(examples, self.system, share)
+        self.counters.prompts_cut += cut
+        keys = row_keys(self.cfg.run.seed, self.counters.draws, len(examples) * G,
+                        slice(share.start * G, share.stop * G))
+        self.counters.draws += 1
+        return prompts, keys, examples[share]
+
+    def sample(self, batches: list[list[Example]]) -> list[Draw]:
+        """The draws of an update's batch steps, decoded together, their rewards submitted."""
+        encoded = [self.encode(examples) for examples in batches]  # prompts, row keys
+        t0 = time.perf_counter()
+        out = self.prompts.generate(self.policies, encoded, self.params)  # sample
+        share = (time.perf_counter() - t0) / len(batches)  # one decode for all: each step is shown its share
+        return [self.submit_rewards(mine, rollout, share)  # score: submitted to the reward workers
+                for (_, _, mine), rollout in zip(encoded, out)]
+
+    def draw(self, examples: list[Example]) -> Draw:
+        """G completions for each of this rank's share of the examples, submitted for scoring."""
+        return self.sample([examples])[0]
+
+    def submit_rewards(self, examples: list[Example], rollout: Rollout, t_rollout: float) -> Draw:
+        """Submit a draw's completions for scoring (inline or to the reward workers); Trainer.score collects them."""
+        t1 = time.perf_counter()
+        pending = self.reward_runner.submit(*reward_inputs(examples, rollout, self.cfg.rollout.num_generations,
+                                                           self.cfg.data.prefill))
+        return Draw(examples, rollout, pending, t_rollout, time.perf_counter() - t1)
+
+    def flags(self, draw: Draw) -> np.ndarray:
+        """Which of a draw's B groups (all ranks) vary in dynamic_sampling_reward (or the total reward)."""
+        if draw.flags is None:
+            r = self.cfg.rollout
+            scores: RewardScores = draw_scores(draw, self.cfg, self.demonstrator)
+            mine = varied_groups(scores, r.num_generations, r.dynamic_sampling_reward)
+            draw.flags = np.concatenate(self.world.gather(mine, "dynamic sampling"))
+        return draw.flags
+
+    def batch_step(self, examples: list[Example]) -> Batch:
+        """One batch step on its own: draw (dynamic sampling: more prompts until enough groups, all ranks,
+        have rewards that differ), then the log-prob passes while the rewards compute."""
+        cfg = self.cfg
+        draws = [self.draw(examples)]
+        while cfg.rollout.dynamic_sampling and sum(int(self.flags(d).sum()) for d in draws) < cfg.training.batch_size \
+                and len(draws) <= cfg.rollout.max_resample_batches:
+            more = self.next_examples()
+            if more is None:  # the data is exhausted: train on what there is
+                break
+            draws.append(self.draw(more))
+        return self.logprob_passes(draws)
+
+    # ------------------------------------------------------------------ old / reference log-probs
+    def logprob_passes(self, draws: list[Draw]) -> Batch:
+        """A batch step from its draws (several: dynamic sampling keeps their informative groups): the
+        old/reference log-prob passes, while the draws' rewards may still be computing."""
+        cfg = self.cfg
+        selected = None
+        for d in draws if self.demonstrator is not None else ():  # demonstrations enter before the passes
+            draw_scores(d, cfg, self.demonstrator)
+        if cfg.rollout.dynamic_sampling:
+            examples, rollout, selected = informative_batch(draws, [self.flags(d) for d in draws],
+                                                            self.world.share(cfg.training.batch_size),
+                                                            cfg.training.batch_size, self.pad_id)
+        else:
+            examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
+        t0 = time.perf_counter()
+        old = ref = teacher = None
+        if len(rollout.texts):
+            if self.policies.needs_old_pass:
+                old = logprob_pass(self.policies.sampler, rollout, cfg.rollout.temperature,
+                                   cfg.training.micro_batch_size, self.pad_id, cfg.training.micro_batch_tokens)
+            ref = self.policies.reference_logprobs(rollout, self.pad_id)
+            teacher = self.policies.teacher_logprobs(rollout, self.pad_id)
+        t_logprob = time.perf_counter() - t0
+        self.counters.batch_step += 1
+        multiturn = self.prompts.multiturn
+        stats = batch_stats(draws, examples, rollout, t_logprob, bool(multiturn and multiturn.stop_strings))
+        batch = Batch(rollout, old, ref, draws, selected, stats, teacher)
+        self.prompts.annotate(batch)
+        return batch

@@ -1,0 +1,158 @@
+"""On-policy distillation's teacher behind an OpenAI-compatible completions endpoint (teacher_url): the served
+counterpart of policy.logprob_pass over a local teacher, giving the same [N, T] log-probs of each row's
+sampled completion tokens.
+
+Each row is one request: its prompt + completion token ids (what the student's log-prob pass feeds, up to the
+row's last completion token, fed context included) as the prompt, scored without generating:
+
+    POST teacher_url  {"prompt": [ids...], "echo": true, "max_tokens": 1, "logprobs": 1, "temperature": 1.0,
+                       "model": <the first id GET .../models lists, when the server has that endpoint>}
+
+Two answer shapes are read, whichever the server sends (vLLM sends both; the first is used then):
+- vLLM's extension: choices[0].prompt_logprobs = [null, {"<token id>": {"logprob": x, ...}, ...}, ...], one
+  entry per prompt token, each holding (at least) the prompt token's own log-prob under its id;
+- the classic completions API: choices[0].logprobs.token_logprobs = [null, x, ...], aligned with the echoed
+  prompt tokens (then the one generated token, ignored).
+Entry i is log p(ids[i] | ids[:i]), so completion column t of a row with a P-token prompt is entry P + t,
+exactly the logit position models/forward.pack gives the local pass. Columns the row's mask leaves out
+(padding, tool and environment text inside a multi-turn completion) are 0, as logprob_pass's are.
+Served log-probs are of the untempered distribution: config validation allows teacher_url only at
+temperature = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.errors import UserError
+from mlx_grpo.rewards.http import HttpRefused, check_reward_url, request_json
+from mlx_grpo.rollout.records import Rollout
+
+SERVER = "teacher server"
+# Requests in flight at once: vLLM batches concurrent requests itself (and caches the group's shared prompt),
+# so more than this only queues on the server's side.
+MAX_IN_FLIGHT = 16
+# Statuses meaning "this server has no such endpoint" (or takes another body there): /tokenize and /models
+# are optional, a server without them is still a teacher.
+MISSING = frozenset({400, 404, 405, 422, 501})
+
+
+class ServedTeacher:
+    """The teacher as a client of teacher_url. Constructing it checks the URL's host (loopback unless
+    allowed) and asks the server which model it serves; a server that is down stops here, in one line."""
+
+    def __init__(self, url: str, timeout_s: float, retries: int, allowed_hosts: Sequence[str] = ()):
+        check_reward_url(url, allowed_hosts, setting="teacher_url")
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        self.model = self._served_model()
+
+    def _sibling(self, path: str) -> str:
+        """This server's URL for `path` (absolute, e.g. "/tokenize")."""
+        parts = urlsplit(self.url)
+        return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+    def _served_model(self) -> str | None:
+        """The model name requests carry: the first one GET .../models lists next to .../completions (older
+        vLLM refuses a request without one); None when the URL has no such sibling or the server no list."""
+        path = urlsplit(self.url).path.rstrip("/")
+        if not path.endswith("/completions"):
+            return None
+        try:
+            answer = request_json(self._sibling(path[:-len("completions")] + "models"), None, self.timeout_s,
+                                  self.retries, SERVER, "the model list request")
+        except HttpRefused as e:
+            if e.status in MISSING:
+                return None
+            raise
+        data = answer.get("data") if isinstance(answer, dict) else None
+        first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+        return first.get("id") if isinstance(first.get("id"), str) else None
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """The server's token ids of `text` through vLLM's POST /tokenize {"prompt": text} -> {"tokens": [...]};
+        None when the server offers no such endpoint (the tokenizer cannot be checked then)."""
+        body = {"prompt": text, **({"model": self.model} if self.model else {})}
+        try:
+            answer = request_json(self._sibling("/tokenize"), json.dumps(body).encode(), self.timeout_s,
+                                  self.retries, SERVER, "the tokenize request")
+        except HttpRefused as e:
+            if e.status in MISSING:
+                return None
+            raise
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            return None  # another server's endpoint of that name, answering something else
+        return tokens
+
+    def score(self, ids: list[int]) -> list[float]:
+        """log p(ids[i] | ids[:i]) for i >= 1: entry i - 1 scores token i (nothing precedes the first)."""
+        body = {"prompt": ids, "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 1.0,
+                **({"model": self.model} if self.model else {})}
+        answer = request_json(self.url, json.dumps(body).encode(), self.timeout_s, self.retries, SERVER,
+                              "the request")
+        return read_logprobs(answer, ids, self.url)
+
+    def logprobs(self, rollout: Rollout) -> mx.array:
+        """Log-probs [N, T] (float32) of each row's sampled completion tokens, 0 where the mask is 0."""
+        N, T = rollout.completion_ids.shape
+        prompts, ids, mask = rollout.row_prompts, rollout.completion_ids.tolist(), np.array(rollout.mask)
+        extents = [int(e) for e in rollout.extents]
+        rows = [r for r in range(N) if extents[r] > 0]
+        pool = ThreadPoolExecutor(min(MAX_IN_FLIGHT, max(1, len(rows))))
+        try:
+            scored = list(pool.map(lambda r: self.score(prompts[r] + ids[r][:extents[r]]), rows))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # one row's error: the rows not started never start
+        out = np.zeros((N, T), dtype=np.float32)
+        for r, values in zip(rows, scored):
+            start = len(prompts[r]) - 1  # completion column t is token P + t, scored by entry P + t - 1
+            kept = mask[r, :extents[r]] > 0
+            out[r, :extents[r]][kept] = np.array(values[start:start + extents[r]], dtype=np.float32)[kept]
+        return mx.array(out)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def read_logprobs(answer: Any, ids: list[int], url: str) -> list[float]:
+    """The log-probs of ids[1:] (each given the tokens before it) from a completions answer of either shape
+    (the module's docstring); a malformed answer is one UserError line saying what is wrong."""
+    def bad(why: str) -> UserError:
+        return UserError(f"{SERVER} {url} answered without the prompt's log-probs ({why}): teacher_url must be "
+                         f"an OpenAI-compatible completions endpoint that echoes them (vLLM: .../v1/completions); "
+                         f"the answer began {json.dumps(answer)[:160]}")
+
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise bad("no choices")
+    choice, n = choices[0], len(ids)
+    entries = choice.get("prompt_logprobs")
+    if isinstance(entries, list):  # vLLM: one {token id: {"logprob": x, ...}} dict per prompt token
+        if len(entries) < n:
+            raise bad(f"{len(entries)} prompt_logprobs entries for {n} prompt tokens")
+        values = []
+        for i in range(1, n):
+            item = entries[i].get(str(ids[i])) if isinstance(entries[i], dict) else None
+            values.append(item.get("logprob") if isinstance(item, dict) else None)
+            if not _number(values[-1]):
+                raise bad(f"prompt_logprobs entry {i} has no log-prob for its token {ids[i]}")
+        return [float(v) for v in values]
+    logprobs = choice.get("logprobs")
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(values, list):
+        raise bad("neither choices[0].prompt_logprobs nor choices[0].logprobs.token_logprobs")
+    if len(values) < n:
+        raise bad(f"{len(values)} token_logprobs for {n} prompt tokens: is echo supported?")
+    values = values[1:n]  # the first token has none (null); the generated token's comes after the prompt's
+    if not all(_number(v) for v in values):
+        raise bad("token_logprobs holds something other than numbers after the first")
+    return [float(v) for v in values]
