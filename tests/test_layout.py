@@ -1,6 +1,6 @@
 """The source layout's rules (DEVELOPERS.md), read from src/ with `ast`, without importing it: imports go one
-way (no cycle between mlx_grpo modules, imports inside functions included), no module imports another's
-private (_name) names, and no module is over MAX_LINES lines."""
+way (no cycle between mlx_grpo modules, and none from a lower layer to a higher one: LAYERS; imports inside
+functions included), no module imports another's private (_name) names, and no module is over MAX_LINES lines."""
 
 from __future__ import annotations
 
@@ -14,6 +14,38 @@ MAX_LINES = 420  # the standard says "under ~400": 420 leaves room for a docstri
 # Each exemption names why it exists and who removes it; an exemption that no longer applies fails the test.
 LONG_MODULES: dict[str, str] = {}
 CYCLE_EDGES: dict[tuple[str, str], str] = {}  # (importer, imported): an import edge left out of the cycle check
+
+
+# The layers, lowest first (DEVELOPERS.md "Layers"): a module imports its own layer and those below, never one
+# above. A module takes the layer of its name here, else of its folder; a new flat module must be placed.
+LAYERS = ("base", "config", "models", "stages", "training", "commands")
+LAYER_OF = {
+    # base: errors, platform set-up, pure math and I/O adapters, importing nothing of the project above them
+    "": "base", "errors": "base", "blas": "base", "cache": "base", "interrupt": "base", "user_files": "base",
+    "reporting": "base", "loss": "base",
+    "config": "config", "options": "config",
+    # models: loading, converting and running the networks (vlm/: the vision-language ones)
+    "models": "models", "vlm": "models",
+    # stages: what an update's stages need, and the data they read: rollouts, tools, rewards, prompts
+    "tools": "stages", "rewards": "stages", "rollout": "stages", "data": "stages", "sources": "stages",
+    "solutions": "stages", "prompts": "stages", "demonstrations": "stages", "health": "stages",
+    "checkpoint": "stages", "run_dir": "stages", "vlm.rollout": "stages", "vlm.shapes": "stages",
+    # training: the update, its state and logs (GRPO and SFT)
+    "training": "training", "distributed": "training", "logs": "training", "sft_data": "training",
+    "sft": "training", "vlm.sampling": "training",
+    # commands: what the CLI runs, and the assembly of a run from a Config
+    "cli": "commands", "__main__": "commands", "run": "commands", "sft_run": "commands", "evaluate": "commands",
+    "inference": "commands", "plot": "commands", "assembly": "commands", "models.convert": "commands",
+    "models.fuse": "commands", "vlm.convert": "commands", "vlm.inference": "commands", "vlm.evaluate": "commands",
+    "vlm.assembly": "commands",
+}
+
+
+def layer(name: str) -> int | None:
+    """The layer index of module mlx_grpo.<name>: its own entry, else its folder's; None if unplaced."""
+    rel = name.removeprefix(PACKAGE).lstrip(".")
+    found = LAYER_OF.get(rel, LAYER_OF.get(rel.split(".")[0]))
+    return None if found is None else LAYERS.index(found)
 
 
 def modules(src: Path = SRC) -> dict[str, Path]:
@@ -81,6 +113,40 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles_not_even_inside_functions():
     cycle = find_cycle(graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def upward_imports(src: Path = SRC) -> list[str]:
+    """Every import of a module in a higher layer than the importer's, as 'importer (layer) -> imported (layer)'."""
+    known = modules(src)
+    found = []
+    for name, path in known.items():
+        for target, _, line in imports(name, path, known):
+            if target in known and target != name and layer(target) > layer(name):
+                found.append(f"{path.relative_to(src)}:{line}: {name} ({LAYERS[layer(name)]}) -> {target} "
+                             f"({LAYERS[layer(target)]})")
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = [name for name in modules() if layer(name) is None]
+    assert not unplaced, f"modules without a layer: {', '.join(unplaced)}: place them in LAYER_OF (DEVELOPERS.md)"
+
+
+def test_imports_never_go_up_a_layer():
+    found = upward_imports()
+    assert not found, "imports from a lower layer to a higher one:\n" + "\n".join(found)
+
+
+def test_the_layer_rule_catches_an_import_up(tmp_path):
+    """The update (training) importing a command, inside a function: caught; the other way round: allowed."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "training").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "training" / "__init__.py"):
+        init.write_text("")
+    (pkg / "run.py").write_text("from mlx_grpo.training import step\n")
+    (pkg / "training" / "step.py").write_text("def f():\n    from mlx_grpo import run\n")
+    assert upward_imports(tmp_path) == ["mlx_grpo/training/step.py:2: mlx_grpo.training.step (training) -> "
+                                        "mlx_grpo.run (commands)"]
 
 
 def test_the_cycle_exemptions_are_still_needed():

@@ -26,6 +26,7 @@ from mlx_grpo.sources import run_examples
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
 from mlx_grpo.vlm.inference import load_vlm
 from mlx_grpo.vlm.policy_model import VisionPolicy
+from mlx_grpo.vlm.evaluate import vision_answer_records
 from mlx_grpo.vlm.sampling import ImagePrompts
 
 
@@ -79,6 +80,12 @@ def build_vision_job(cfg: Config, world: World | None = None) -> Job:
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
     policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None)
     prompts = ImagePrompts(cfg, processor, tokenizer, model, pad_token_id(tokenizer))
+
+    def answer(model, tokenizer, examples, cfg, *, max_new_tokens: int, seed=None, system_prompt=None, **_):
+        """Greedy answers to image prompts (run.py's evaluation): one record per example, naming its images."""
+        return vision_answer_records(model, processor, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
+                                     eos=prompts.eos_ids, pad_id=prompts.pad_id, seed=seed, system_prompt=system_prompt)
+
     return make_job(cfg, world or World(), tokenizer, policies, rewards, train, evals, WorkedExamples(),
-                    Path(cfg.model.model_name), adapter_config, masters, prompts.answer_records, prompts)
+                    Path(cfg.model.model_name), adapter_config, masters, answer, prompts)
 

@@ -13,7 +13,6 @@ from mlx_grpo.data import Example
 from mlx_grpo.rollout.records import Rollout, SamplingParams
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.records import Batch
-from mlx_grpo.vlm.evaluate import vision_answer_records
 from mlx_grpo.vlm.images import image_name
 from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
 
@@ -49,12 +48,6 @@ class ImagePrompts:
     def annotate(self, batch: Batch) -> None:
         """Each trained prompt's images, for the logs."""
         batch.stats.images = [[str(x) for x in _names(e, self.cfg.data.image_column)] for e in batch.stats.examples]
-
-    def answer_records(self, model, tokenizer, examples: list[Example], cfg: Config, *, max_new_tokens: int, seed=None,
-                       system_prompt=None, **_) -> list[dict]:
-        """Greedy answers to image prompts (run.py's evaluation): one record per example, naming its images."""
-        return vision_answer_records(model, self.processor, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
-                                     eos=self.eos_ids, pad_id=self.pad_id, seed=seed, system_prompt=system_prompt)
 
 
 def _names(example: Example, column: str) -> list:
