@@ -65,28 +65,25 @@ class ServedTeacher:
         path = urlsplit(self.url).path.rstrip("/")
         if not path.endswith("/completions"):
             return None
+        answer = self._optional(self._sibling(path[:-len("completions")] + "models"), None, "the model list request")
+        data = answer.get("data") if isinstance(answer, dict) else None
+        first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+        return first.get("id") if isinstance(first.get("id"), str) else None
+
+    def _optional(self, url: str, body: bytes | None, what: str):
+        """request_json's answer, or None where the server has no such endpoint (an optional one)."""
         try:
-            answer = request_json(self._sibling(path[:-len("completions")] + "models"), None, self.timeout_s,
-                                  self.retries, SERVER, "the model list request")
+            return request_json(url, body, self.timeout_s, self.retries, SERVER, what)
         except HttpRefused as e:
             if e.status in MISSING:
                 return None
             raise
-        data = answer.get("data") if isinstance(answer, dict) else None
-        first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
-        return first.get("id") if isinstance(first.get("id"), str) else None
 
     def tokenize(self, text: str) -> list[int] | None:
         """The server's token ids of `text` through vLLM's POST /tokenize {"prompt": text} -> {"tokens": [...]};
         None when the server offers no such endpoint (the tokenizer cannot be checked then)."""
         body = {"prompt": text, **({"model": self.model} if self.model else {})}
-        try:
-            answer = request_json(self._sibling("/tokenize"), json.dumps(body).encode(), self.timeout_s,
-                                  self.retries, SERVER, "the tokenize request")
-        except HttpRefused as e:
-            if e.status in MISSING:
-                return None
-            raise
+        answer = self._optional(self._sibling("/tokenize"), json.dumps(body).encode(), "the tokenize request")
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             return None  # another server's endpoint of that name, answering something else
