@@ -277,8 +277,8 @@ PHASES = {"rollout": "sampling rollouts and their log-prob passes (a fresh GPU m
 def _phase(bar: tqdm, name: str, i: int = 0, n: int = 1, span: int = 1, announce: str = "") -> None:
     """Show what the update is doing in the progress bar's description (text only: no device sync);
     span > 1: steps i+1 .. i+span at once (batch steps whose rollouts decode together). Without a bar (not a
-    terminal) `announce` ("update N", the session's first update on rank 0) prints the phase as a line: that
-    update can take minutes before its own line, and logs should not be silent meanwhile."""
+    terminal) `announce` ("working on update N", the session's first update on rank 0) prints the phase as a
+    line: that update can take minutes before its own line, and logs should not be silent meanwhile."""
     if not bar.disable:
         steps = f"{i + 1}-{i + span}" if span > 1 else f"{i + 1}"
         bar.set_description_str(f"grpo [{name}{f' {steps}/{n}' if n > 1 else ''}]")
@@ -315,7 +315,7 @@ def _loop(job: Job, cfg: Config, resume: str | None, logger: RunLogger,
     start_update = c.update_step
     accumulation, iterations = cfg.training.gradient_accumulation_steps, cfg.objective.num_iterations
     while c.update_step < trainer.total_updates:
-        announce = f"update {c.update_step + 1}" if main and c.update_step == start_update else ""
+        announce = f"working on update {c.update_step + 1}" if main and c.update_step == start_update else ""
         _phase(bar, "rollout", 0, accumulation, accumulation, announce)  # and their log-prob passes
         steps = source.next()  # sampled, rewards submitted, old/reference log-probs
         if steps is None:
