@@ -85,7 +85,9 @@ def assert_interrupted(done: subprocess.CompletedProcess, command: str, survives
 
 PHASES = {  # phase: (the function that does its work, the call that stalls, extra config)
     "rollout": ("mlx_grpo.training.sampling:TextPrompts:generate", 2, ()),
-    "log-prob pass": ("mlx_grpo.training.sampling::logprob_pass", 2, ("num_iterations=2",)),
+    # the third pass: the second rollout group's old-policy pass (the first ran its old and reference passes,
+    # then saved)
+    "log-prob pass": ("mlx_grpo.training.policy::logprob_pass", 3, ("num_iterations=2",)),
     "training pass": ("mlx_grpo.training.trainer::accumulate_gradients", 2, ()),
     "evaluation": ("mlx_grpo.assembly::answer_records", 2, ("eval_every_updates=1",)),
     "saving": ("mlx_grpo.models.writing::make_durable", 2, ()),

@@ -129,11 +129,12 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
         train = subset(train, cfg.data.max_train_samples, cfg.run.seed)
     rewards = build_reward_set(cfg, Path.cwd())
     main = world is None or world.is_main
+    say = lambda line: print(line, flush=True) if main else None  # noqa: E731
     if cfg.objective.demonstrations != "off":  # before the model loads: refused where they can never apply
         note = check_references(cfg, train)
         if note and main:
             print(note, flush=True)
-    built = build_model(cfg, say=lambda line: print(line, flush=True) if main else None)
+    built = build_model(cfg, say=say)
     model, tokenizer, masters, adapter_config = built.model, built.tokenizer, built.masters, built.adapter_config
     source_dir, dtype = built.source_dir, built.dtype
     # the KL reference: a frozen copy for full training; with adapters, `model` with its adapters switched off
@@ -157,7 +158,6 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
                         + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
                         "max_new_tokens" + (", or set rollout_engine = model" if copy else "")
                         + (", or rollout_worker = thread" if worker else ""))
-    say = lambda line: print(line, flush=True) if main else None  # noqa: E731
     teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
     policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None, teacher=teacher,
@@ -183,8 +183,9 @@ def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
         return load_served_teacher(cfg, tokenizer, say), cfg.objective.teacher_url
     name = cfg.objective.teacher_model
     run = Path(name)
-    if run.is_dir() and not (run / "config.json").is_file() and list_checkpoints(run):
-        name = str(list_checkpoints(run)[-1])  # a run directory: its latest checkpoint
+    found = list_checkpoints(run) if run.is_dir() and not (run / "config.json").is_file() else []
+    if found:
+        name = str(found[-1])  # a run directory: its latest checkpoint
         say(f"[mlx-grpo] teacher_model: {name}, the latest checkpoint of {run}")
     teacher, theirs = load_model(name, cfg.model.model_dtype)
     sizes = [len(t.get_vocab()) if hasattr(t, "get_vocab") else None for t in (theirs, tokenizer)]
@@ -193,11 +194,7 @@ def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
                         f"{cfg.model.model_name!r} {sizes[1]}: on-policy distillation needs the same tokenizer "
                         "(a teacher of the student's family)")
     for text in TOKENIZER_PROBES:
-        a, b = tokenizer.encode(text), theirs.encode(text)
-        if a != b:
-            raise UserError(f"teacher_model {name!r} uses another tokenizer than the student "
-                            f"{cfg.model.model_name!r}: {text!r} encodes to {b[:8]}... there and {a[:8]}... here; "
-                            "on-policy distillation needs the same tokenizer (a teacher of the student's family)")
+        check_same_encoding(f"teacher_model {name!r}", cfg, text, theirs.encode(text), tokenizer.encode(text))
     if set(theirs.eos_token_ids) != set(tokenizer.eos_token_ids):  # a base and its instruct model: same ids
         say(f"[mlx-grpo] warning: teacher_model {name!r} ends its answers with tokens "
             f"{sorted(theirs.eos_token_ids)}, the student with {sorted(tokenizer.eos_token_ids)}: the teacher scores "
@@ -218,12 +215,16 @@ def load_served_teacher(cfg: Config, tokenizer, say=print) -> ServedTeacher:
             say(f"[mlx-grpo] warning: teacher_url {o.teacher_url}: the server has no /tokenize, so its tokenizer "
                 f"could not be checked against the student's; it must be {cfg.model.model_name!r}'s")
             break
-        if theirs != ours:
-            raise UserError(f"teacher_url {o.teacher_url} uses another tokenizer than the student "
-                            f"{cfg.model.model_name!r}: {text!r} encodes to {theirs[:8]}... there and {ours[:8]}... "
-                            "here; on-policy distillation needs the same tokenizer (a teacher of the student's "
-                            "family)")
+        check_same_encoding(f"teacher_url {o.teacher_url}", cfg, text, theirs, ours)
     return teacher
+
+
+def check_same_encoding(teacher: str, cfg: Config, text: str, theirs: list[int], ours: list[int]) -> None:
+    """One probe text's ids from the teacher and the student: different ids are one line naming both."""
+    if theirs != ours:
+        raise UserError(f"{teacher} uses another tokenizer than the student {cfg.model.model_name!r}: {text!r} "
+                        f"encodes to {theirs[:8]}... there and {ours[:8]}... here; on-policy distillation needs "
+                        "the same tokenizer (a teacher of the student's family)")
 
 
 def check_prompt_lengths(job: Job, measured: int = 2000) -> None:

@@ -310,7 +310,8 @@ def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: li
     if len(distilled) > 1:  # on-policy distillation: how far the student's samples are from the teacher's
         lines.append(f"[mlx-grpo]   teacher_kl: {np.mean([r['teacher_kl'] for r in distilled[:k]]):.3f} (first "
                      f"updates) -> {np.mean([r['teacher_kl'] for r in distilled[-k:]]):.3f} (last updates)")
-    if rewards and not (records and not any(key.startswith("reward/") for key in records[0])):
+    scored = not records or any(key.startswith("reward/") for key in records[0])  # pure distillation: no reward
+    if rewards and scored:
 
         def span(part: list[tuple[int, float]]) -> str:
             steps = f"update {part[0][0]}" if len(part) == 1 else f"mean of updates {part[0][0]}-{part[-1][0]}"

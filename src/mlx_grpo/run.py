@@ -248,12 +248,10 @@ def _run_locked(job: Job, cfg: Config, resume: str | None, started: float) -> Pa
 def _whole_run(run_dir: Path, records: list[dict], last_eval: dict | None) -> tuple[list[dict], dict | None]:
     """A resumed run's metrics records and last evaluation from its logs (truncated at the resumed update, so
     every session's updates once), or this session's when log_jsonl is off."""
-    def read(name: str) -> list[dict]:
-        path = run_dir / name
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    from mlx_grpo.plot import read_jsonl
 
-    evals = read("eval.jsonl")
-    return read("metrics.jsonl") or records, last_eval or (evals[-1] if evals else None)
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    return read_jsonl(run_dir / "metrics.jsonl") or records, last_eval or (evals[-1] if evals else None)
 
 
 def _curves(run_dir: Path) -> str | None:

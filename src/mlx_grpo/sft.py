@@ -28,6 +28,7 @@ from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
 from mlx_grpo.models.precision import MasterWeights, dtype_name
+from mlx_grpo.rollout.sampling import pad_token_id
 from mlx_grpo.sft_data import SFTRow
 from mlx_grpo.training.gradients import clip_by_global_norm
 from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
@@ -187,8 +188,7 @@ class SFTTrainer:
                             f"{cfg.training.gradient_accumulation_steps}: add data or lower batch_size/accumulation")
         self.optimizer = make_optimizer(cfg, learning_rate_at(1, self.total_updates, cfg))
         self.grad_fn = make_grad_fn(self.model, cfg.training.grad_checkpoint)
-        tok = self.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else sorted(tok.eos_token_ids)[0]
+        self.pad_id = pad_token_id(self.tokenizer)
         self._batches = iter(self.sampler)
         self.model.eval()  # dropout (lora_dropout) only inside the gradient pass
 

@@ -42,11 +42,14 @@ def sample(logits: mx.array, keys: mx.array, params: SamplingParams) -> tuple[mx
     return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
 
 
+def pad_token_id(tokenizer) -> int:
+    """What pads rollout rows and batches: the pad token, or the lowest end token when the tokenizer has none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
+
+
 def end_ids(tokenizer, params: SamplingParams) -> tuple[list[int], int]:
     """(the ids that end a row: none with ignore_eos, the pad id written after a row's end)."""
-    eos_ids = sorted(tokenizer.eos_token_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    return ([] if params.ignore_eos else eos_ids), pad_id
+    return ([] if params.ignore_eos else sorted(tokenizer.eos_token_ids)), pad_token_id(tokenizer)
 
 
 def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:

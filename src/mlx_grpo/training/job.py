@@ -27,6 +27,7 @@ from mlx_grpo.prompts import RunPrompt, WorkedExamples, build_run_prompts
 from mlx_grpo.rewards.scoring import RewardSet
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import multiturn_for
+from mlx_grpo.rollout.sampling import pad_token_id
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.prefetch import PrefetchSteps
 from mlx_grpo.training.records import Counters
@@ -117,11 +118,6 @@ class Job:
         """End the rollouts in flight and the reward workers (wait=False: a failed run does not wait for them)."""
         self.source.close()
         self.sampling.reward_runner.close(wait=wait)
-
-
-def pad_token_id(tokenizer) -> int:
-    """What pads rollout rows: the pad token, or an end token when the tokenizer has none."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
 
 
 def make_job(cfg: Config, world: World, tokenizer, policies: Policies, rewards: RewardSet, train: list[Example],

@@ -76,17 +76,20 @@ class Policies:
         if refresh_old or (applied and not self.separate_old):
             self.engine.refresh(self.sampler)
 
+    def logprobs(self, model: nn.Module, rollout: Rollout, pad_id: int) -> mx.array:
+        """logprob_pass under `model` at the run's sampling temperature and micro-batch limits."""
+        t = self.cfg.training
+        return logprob_pass(model, rollout, self.cfg.rollout.temperature, t.micro_batch_size, pad_id,
+                            t.micro_batch_tokens)
+
     def reference_logprobs(self, rollout: Rollout, pad_id: int) -> mx.array | None:
         """Log-probs [N, T] under the frozen reference, or None without a KL term."""
-        cfg = self.cfg
-        if cfg.objective.kl_coeff == 0:
+        if self.cfg.objective.kl_coeff == 0:
             return None
         if self.adapters:
             with adapters_disabled(self.model):
-                return logprob_pass(self.model, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
-                                    cfg.training.micro_batch_tokens)
-        return logprob_pass(self.reference, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
-                            cfg.training.micro_batch_tokens)
+                return self.logprobs(self.model, rollout, pad_id)
+        return self.logprobs(self.reference, rollout, pad_id)
 
     def teacher_logprobs(self, rollout: Rollout, pad_id: int) -> mx.array | None:
         """Log-probs [N, T] of the sampled tokens under the teacher (micro-batched like the reference's, at
@@ -96,9 +99,7 @@ class Policies:
             return None
         if isinstance(self.teacher, ServedTeacher):
             return self.teacher.logprobs(rollout)
-        cfg = self.cfg
-        return logprob_pass(self.teacher, rollout, cfg.rollout.temperature, cfg.training.micro_batch_size, pad_id,
-                            cfg.training.micro_batch_tokens)
+        return self.logprobs(self.teacher, rollout, pad_id)
 
     @property
     def needs_old_pass(self) -> bool:

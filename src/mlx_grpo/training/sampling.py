@@ -23,7 +23,7 @@ from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, rollouts
 from mlx_grpo.rollout.records import Rollout, SamplingParams
 from mlx_grpo.training.draws import (batch_stats, draw_scores, informative_batch, reward_inputs, row_keys,
                                      varied_groups)
-from mlx_grpo.training.policy import Policies, logprob_pass
+from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.records import Batch, Counters, DataPosition, Draw
 
 
@@ -161,8 +161,7 @@ class Sampling:
         old = ref = teacher = None
         if len(rollout.texts):
             if self.policies.needs_old_pass:
-                old = logprob_pass(self.policies.sampler, rollout, cfg.rollout.temperature,
-                                   cfg.training.micro_batch_size, self.pad_id, cfg.training.micro_batch_tokens)
+                old = self.policies.logprobs(self.policies.sampler, rollout, self.pad_id)
             ref = self.policies.reference_logprobs(rollout, self.pad_id)
             teacher = self.policies.teacher_logprobs(rollout, self.pad_id)
         t_logprob = time.perf_counter() - t0

@@ -19,7 +19,8 @@ from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.precision import MasterWeights, cast_floats, compute_dtype, dtype_name
 from mlx_grpo.prompts import WorkedExamples
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.training.job import Job, make_job, pad_token_id
+from mlx_grpo.rollout.sampling import pad_token_id
+from mlx_grpo.training.job import Job, make_job
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.sources import run_examples

@@ -18,6 +18,7 @@ from mlx_grpo.prompts import build_run_prompts
 from mlx_grpo.rewards.builtin import answers_match, extract_answer
 from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.sampling import pad_token_id
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
 from mlx_grpo.vlm.policy_model import VisionPolicy
 from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
@@ -70,8 +71,7 @@ def load_eval_model(model_name: str, model_dtype: str):
     model.eval()
     cast_floats(model, compute_dtype(model_name, model_dtype, model))
     tokenizer = TokenizerWrapper(processor.tokenizer, eos_token_ids=eos_ids(model_name, processor.tokenizer))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
-    return model, processor, tokenizer, pad_id
+    return model, processor, tokenizer, pad_token_id(tokenizer)
 
 
 def run_vision_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
