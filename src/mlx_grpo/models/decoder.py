@@ -204,6 +204,33 @@ def prefill(spec: Spec, w: dict, tokens: mx.array, left_padding: mx.array):
     return _logits(w, spec, x[:, -1, :]), keys, values
 
 
+def prefill_after(spec: Spec, w: dict, tokens: mx.array, left_padding: mx.array, keys: mx.array,
+                  values: mx.array, start: mx.array):
+    """Prefill chunks on top of kept caches. Row r's context is slots [start[r], W) of a W-slot timeline:
+    its past, already in keys, values [layers, n, Hkv, W, Dh], then its chunk, the real tokens of tokens
+    [n, C] (left_padding[r] pads first), at the timeline's last C - left_padding[r] slots. The token at
+    slot t sits at RoPE position t - start[r] and attends slots [start[r], t]. -> (last logits [n, V],
+    keys and values [layers, n, Hkv, W, Dh]: the past with the chunk's own written in)."""
+    n, C = tokens.shape
+    first = keys.shape[3] - C  # the timeline slot of tokens[:, 0]
+    slots, query = mx.arange(keys.shape[3]), first + mx.arange(C)
+    # a pad sees at least its own slot: no softmax over nothing (its output is never used)
+    mask = ((slots[None, :] <= query[:, None])[None] & (slots >= start[:, None, None])) \
+        | (slots[None, :] == query[:, None])[None]
+    fresh = (mx.arange(C)[None, :] >= left_padding[:, None])[:, None, :, None]  # [n, 1, C, 1]
+    x = w["embed"][tokens]  # [n, C, D]
+    out_keys, out_values = [], []
+    for layer, lw in enumerate(w["layers"]):
+        q, k, v = _qkv(spec, lw, x, first - start)
+        k = mx.concatenate([keys[layer, :, :, :first], mx.where(fresh, k, keys[layer, :, :, first:])], axis=2)
+        v = mx.concatenate([values[layer, :, :, :first], mx.where(fresh, v, values[layer, :, :, first:])], axis=2)
+        attended = mx.fast.scaled_dot_product_attention(q, k, v, scale=spec.scale, mask=mask[:, None])
+        x = _finish_layer(lw, x, attended, spec.eps)
+        out_keys.append(k)
+        out_values.append(v)
+    return _logits(w, spec, x[:, -1, :]), mx.stack(out_keys), mx.stack(out_values)
+
+
 def cache_attention(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, stop: mx.array,
                     scale: float, kernel: bool, layer: int) -> tuple[mx.array, mx.array]:
     """Attention of one query per row over cache slots [start[r], stop[0]) of layer `layer`, with its

@@ -32,6 +32,7 @@ from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.records import Rollout, SamplingParams
 from mlx_grpo.rollout.sampling import StopScanner, end_ids, finish_rollout, make_sampler, sample
 from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
+from mlx_grpo.rollout.turns import TurnRows, prefill_resumed
 
 # A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.
 MIN_ROWS = 8
@@ -65,16 +66,18 @@ class RolloutEngine:
 
     mode: rollout_engine (copy, model or auto: the copy on NVIDIA GPUs). compact: drop ended rows from the
     batch (False: every row decodes to the end, for comparisons). graph: decode_graph, the copy's step with
-    fewer primitives (models/compiled_decode.py).
+    fewer primitives (models/compiled_decode.py). keep_turn_cache: a row's next turn prefills only what its
+    kept cache lacks (rollout/turns.py); False: its whole context again (for comparisons).
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
-                 graph: bool = False):
+                 graph: bool = False, keep_turn_cache: bool = True):
         self.tokenizer = tokenizer
         self.mode = mode
         self.compact = compact
         self.sync_every = sync_every
         self.graph = graph
+        self.keep_turn_cache = keep_turn_cache
         self.traces = 0  # times a decode step was traced (compiled): once per batch shape and cache capacity
         self.model = None
         self._copy = None  # (spec, weights), built on first use after each refresh
@@ -82,6 +85,7 @@ class RolloutEngine:
         self._steps = {}
         self.row_steps = 0  # rows x decode steps the last fused rollout computed (what compaction saves)
         self.steps = 0  # decode steps it ran (what refill saves: a step costs about the same at any row count)
+        self.prefilled_tokens = 0  # context tokens it prefilled (what keeping turns' caches saves)
 
     def refresh(self, model: nn.Module) -> "RolloutEngine":
         """Sample from `model`'s current weights from now on. The copy is rebuilt when next needed, so
@@ -133,8 +137,9 @@ class RolloutEngine:
         turns (the sampling copy only; multiturn.py): rows go on in later turns inside this decode. At each
         of the loop's syncs the engine calls turns.ended(row, ids, logprobs, entropies) for every row that
         is done (its end token, a stop string or its limit; the tokens it wrote, which may run past that),
-        and turns.take(n) for the next turns of the rows ended at earlier syncs: [(context ids, row key,
-        limit)], rows numbered n, n + 1, ..., decoded in freed slots ahead of later prompts. turns.pending()
+        -> how many of ids its context keeps, or None when its episode ended; and turns.take(n) for the next
+        turns of the rows ended at earlier syncs: [(context ids, row key, limit, the row it continues)], rows
+        numbered n, n + 1, ..., decoded in freed slots ahead of later prompts (rollout/turns.py). turns.pending()
         says whether any ended row may still go on. Returns None: the turns hold the results.
         on_done(first, done) (not with turns): called at the loop's syncs with done [n] bool, whether rows
         first, ..., first + n - 1 (numbered over all jobs) have ended so far (evaluation's progress bar)."""
@@ -184,12 +189,15 @@ class RolloutEngine:
     def _traced(self) -> None:
         self.traces += 1
 
+    def _prefill_weights(self) -> dict:
+        return compiled_decode.model_layout(self.weights) if self.graph else self.weights
+
     def _prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int, pad_id: int):
         """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
         ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows],
         last logits [rows, V])."""
-        spec, weights = self._current()
-        weights = compiled_decode.model_layout(weights) if self.graph else weights
+        spec, weights = self.spec, self._prefill_weights()
+        self.prefilled_tokens += sum(len(c) for c in contexts)
         longest = max(len(c) for c in contexts)
         width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
         padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
@@ -210,10 +218,11 @@ class RolloutEngine:
         sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
         step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
         scanner = StopScanner(tokenizer, params.stop)
-        # An entry is a context and the rows it starts: a prompt's G rows, or (turns) one row's next turn.
-        # Rollout row r (numbered over all entries) writes its step s's token to column s - join[r].
-        entries = [(p, g * G, G) for g, p in enumerate(p for job, _ in jobs for p in job)]
+        # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
+        # next turn. Rollout row r (numbered over all entries) writes its step s's token to column s - join[r].
+        entries = [(p, g * G, G, None) for g, p in enumerate(p for job, _ in jobs for p in job)]
         n_rows = len(entries) * G
+        state = None if turns is None else TurnRows(turns, self.keep_turn_cache, [len(e[0]) for e in entries], G)
         # every row's T step keys, as generate_rollout splits them: [rows, T, 2]
         all_keys = mx.concatenate([mx.vmap(lambda k: mx.random.split(k, T))(keys) for _, keys in jobs])
         join = np.zeros(n_rows, dtype=np.int64)
@@ -224,6 +233,7 @@ class RolloutEngine:
         queue = list(range(len(jobs[0][0]), len(entries)))  # entries waiting for free slots
         first = list(range(len(jobs[0][0])))
         idx = bucket(max(len(entries[e][0]) for e in first))  # the slot the next fed token is written to
+        self.prefilled_tokens = 0
         keys, values, start, logits = self._prefill([entries[e][0] for e in first], [G] * len(first), idx,
                                                     idx + T, pad_id)
         rows = np.arange(len(first) * G)  # the rollout row of each batch slot (-1: a filler slot)
@@ -240,8 +250,8 @@ class RolloutEngine:
             if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
                 mx.eval(ended)
                 if turns is not None:  # next turns of the rows that ended at an earlier sync
-                    n_rows, all_keys, join, limit, reported = _continue(turns, entries, queue, n_rows, T, all_keys,
-                                                                        join, limit, reported)
+                    n_rows, all_keys, join, limit, reported = state.take(entries, queue, n_rows, T, all_keys, join,
+                                                                         limit, reported)
                 done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
                 # the tokens so far as rows (one host copy per sync, for the stop strings and the turns)
                 written = _assemble(segments + [(rows, opened, columns)], join, n_rows, T, -1) \
@@ -252,10 +262,10 @@ class RolloutEngine:
                     finished[rows[done & (rows >= 0)]] = True
                     on_done(0, finished)
                 if turns is not None:
-                    _report(turns, written, rows, done, reported)
+                    state.report(written, rows, done, reported, keys, values, start)
                     if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
-                        n_rows, all_keys, join, limit, reported = _continue(turns, entries, queue, n_rows, T,
-                                                                            all_keys, join, limit, reported)
+                        n_rows, all_keys, join, limit, reported = state.take(entries, queue, n_rows, T, all_keys,
+                                                                             join, limit, reported)
                 if done.all() and not queue:
                     break
                 live = np.flatnonzero(~done)
@@ -334,14 +344,21 @@ class RolloutEngine:
         if capacity > keys.shape[3]:
             grow = [(0, 0), (0, 0), (0, 0), (0, capacity - keys.shape[3]), (0, 0)]
             keys, values = mx.pad(keys, grow), mx.pad(values, grow)
-        new_keys, new_values, new_start, logits = self._prefill([c for c, _, _ in admit], [n for _, _, n in admit],
-                                                                idx, capacity, pad_id)
-        added = np.concatenate([first + np.arange(n) for _, first, n in admit])
+        fresh, resumed = [e for e in admit if e[3] is None], [e for e in admit if e[3] is not None]
+        parts = [self._prefill([e[0] for e in fresh], [e[2] for e in fresh], idx, capacity, pad_id)] if fresh else []
+        if resumed:  # next turns on their kept caches (rollout/turns.py)
+            *part, n = prefill_resumed(self.spec, self._prefill_weights(), [(e[0], e[3]) for e in resumed], idx,
+                                       capacity, pad_id)
+            parts.append(part)
+            self.prefilled_tokens += n
+        new_start, logits = (mx.concatenate([p[i] for p in parts]) for i in (2, 3))
+        added = np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
         first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
                                                              mx.zeros((len(added),), mx.bool_))
         join[added] = s - 1  # their first token sits in the column before this step's
         segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
-        keys, values = mx.concatenate([keys, new_keys], axis=1), mx.concatenate([values, new_values], axis=1)
+        keys = mx.concatenate([keys] + [p[0] for p in parts], axis=1)  # the refill's one copy of the cache
+        values = mx.concatenate([values] + [p[1] for p in parts], axis=1)
         mx.eval(keys, values)
         return (keys, values, mx.concatenate([start, new_start]), mx.concatenate([token, first_token]),
                 mx.concatenate([ended, first_ended]), mx.concatenate([kstep, mx.ones((len(added),), mx.int32)]),
@@ -359,34 +376,6 @@ class RolloutEngine:
                 on_stop(int(r), row[:cut])
             out.append(r < 0 or cut is not None)
         return np.array(out)
-
-
-def _report(turns, written, rows, done, reported) -> None:
-    """Hand each row of the batch that is done and not yet reported to turns.ended, with the tokens, log-probs
-    and entropies it wrote (written: _assemble's)."""
-    ids, lps, ents, filled = written
-    for r in (int(r) for r, d in zip(rows, done) if d and r >= 0 and not reported[r]):
-        reported[r] = True
-        n = int(filled[r])
-        turns.ended(r, ids[r, :n].tolist(), lps[r, :n].tolist(), ents[r, :n].tolist())
-
-
-def _continue(turns, entries: list, queue: list, n_rows: int, T: int, all_keys, join, limit, reported):
-    """Queue the next turns turns.take() hands back (waiting for their environment steps), ahead of the
-    prompts still waiting: each a row numbered after the n_rows so far. -> the per-row state (n_rows, step
-    keys, join, limit, reported) with those rows appended."""
-    added = []
-    for context, key, budget in turns.take(n_rows):
-        entries.append((context, n_rows + len(added), 1))
-        added.append((key, budget))
-    if not added:
-        return n_rows, all_keys, join, limit, reported
-    queue[:0] = range(len(entries) - len(added), len(entries))  # an episode ends sooner than a new one
-    keys = mx.vmap(lambda k: mx.random.split(k, T))(mx.stack([k for k, _ in added]))
-    return (n_rows + len(added), mx.concatenate([all_keys, keys]),
-            np.concatenate([join, np.zeros(len(added), np.int64)]),
-            np.concatenate([limit, np.array([b for _, b in added], np.int64)]),
-            np.concatenate([reported, np.zeros(len(added), bool)]))
 
 
 def _assemble(segments, join: np.ndarray, n_rows: int, T: int, pad_id: int):

@@ -8,14 +8,14 @@ A turn ends at the end-of-turn token, a stop string, the stop string that closes
 completion's budget (max_new_tokens counts every token of every turn, tool output included). The
 environment answers each ended turn on a thread pool, off the decode loop (a tool's output right after
 the call, an environment's message after the end token); the answer is rendered in the model's syntax
-(tools/calls.py), tokenized and appended to the row, and the row's next turn decodes with its whole
-context prefilled in one chunk:
+(tools/calls.py), tokenized and appended to the row, and the row's next turn decodes:
 - on the engine's sampling copy, inside the running batch: the engine hands each row that ended to
   `ended` at the loop's next sync, the answer computes while the other rows decode, and at the sync
-  after that the row's next turn takes a freed slot (engine refill), ahead of prompts still waiting;
+  after that the row's next turn takes a freed slot (engine refill), ahead of prompts still waiting, with
+  only the answer (and the turn's last token) prefilled on the row's kept cache (rollout/turns.py);
 - on the model itself (decode.generate_rollout: other families, quantized weights, nanochat, CPUs by
-  default), in waves: turn w of every row decodes in batch w, and a tool call starts as soon as the loop
-  sees its row stopped.
+  default), in waves: turn w of every row decodes in batch w, its whole context prefilled in one chunk, and
+  a tool call starts as soon as the loop sees its row stopped.
 
 A row's tokens depend only on its context and its keys (turn w samples with split(row key, w + 1)[w],
 split into max_new_tokens step keys; the first turn with the row key itself), and the schedule waits for
@@ -245,31 +245,36 @@ class MultiTurn:
 
 
 class _Turns:
-    """The engine's turns hooks (engine.generate_many): engine row -> episode, and the rows waiting for their
-    environment's answer."""
+    """The engine's turns hooks (engine.generate_many): engine row -> episode, and the engine rows waiting for
+    their environment's answer."""
 
     def __init__(self, multiturn: MultiTurn, rows: list[_Row], ends: "_Ends", pool):
         self.multiturn, self.rows, self.ends, self.pool = multiturn, rows, ends, pool
         self.episode = list(range(len(rows)))  # engine row -> index in rows
         self.waiting: list[int] = []
 
-    def ended(self, row: int, ids: list[int], logprobs: list[float], entropies: list[float]) -> None:
-        r = self.episode[row]
-        self.multiturn._end_turn(self.rows[r], ids, logprobs, entropies, self.ends, self.pool)
-        if not self.rows[r].done:
-            self.waiting.append(r)
+    def ended(self, row: int, ids: list[int], logprobs: list[float], entropies: list[float]) -> int | None:
+        """-> how many of ids the episode kept (the turn's cut), or None when the episode has ended."""
+        episode = self.rows[self.episode[row]]
+        before = len(episode.ids)
+        self.multiturn._end_turn(episode, ids, logprobs, entropies, self.ends, self.pool)
+        if episode.done:
+            return None
+        self.waiting.append(row)
+        return len(episode.ids) - before
 
     def pending(self) -> bool:
         return bool(self.waiting)
 
-    def take(self, first_row: int) -> list[tuple[list[int], mx.array, int]]:
+    def take(self, first_row: int) -> list[tuple[list[int], mx.array, int, int]]:
+        """-> the next turns of the rows waiting: (context, key, budget, the engine row it continues)."""
         assert first_row == len(self.episode)
         out = []
-        for r in self.waiting:
-            nxt = self.multiturn._next_turn(self.rows[r], self.ends.budget)
+        for row in self.waiting:
+            nxt = self.multiturn._next_turn(self.rows[self.episode[row]], self.ends.budget)
             if nxt is not None:
-                self.episode.append(r)
-                out.append(nxt)
+                self.episode.append(self.episode[row])
+                out.append((*nxt, row))
         self.waiting = []
         return out
 

@@ -1,0 +1,99 @@
+"""The rollout engine's side of multi-turn decoding (engine.generate_many with `turns`, multiturn.py).
+
+Owns `TurnRows`: per engine row, the length of the context it decoded from; handing rows that are done to
+turns.ended and queueing the next turns turns.take hands back; and (keep_turn_cache) each row's KV block while
+its environment answers. A row whose turn ended keeps the cache entries of its context and of its turn's
+accepted tokens but the last one; its next turn prefills only the rest (that last token and the environment's
+answer) on top of them (`prefill_resumed`), where the re-prefill path prefills the whole context again.
+
+Why that cut: a token's keys exist once the token was fed back, which for the turn's last accepted token
+depends on where the loop's sync fell; cutting before it makes which keys come from the decode and which from
+the prefill a function of the row alone, so its tokens never depend on the batch around it. The block is
+copied out of the batch at the sync that reports the row (the slot is freed as before) and enters the batch
+again in the refill's one concatenation, so keeping it adds no copy of the whole cache.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.models import decoder
+from mlx_grpo.models.forward import bucket
+
+
+class TurnRows:
+    """turns: multiturn's hooks (ended / take / pending). keep: keep each row's cache for its next turn.
+    prompts: the prompts' lengths, each starting G rows."""
+
+    def __init__(self, turns, keep: bool, prompts: list[int], G: int):
+        self.turns, self.keep = turns, keep
+        self.context_len = [n for n in prompts for _ in range(G)]  # engine row -> its context's length
+        self.blocks: dict[int, tuple[mx.array, mx.array]] = {}  # engine row -> its kept keys, values
+
+    def report(self, written, rows: np.ndarray, done: np.ndarray, reported: np.ndarray, keys: mx.array,
+               values: mx.array, start: mx.array) -> None:
+        """Hand each row of the batch that is done and not yet reported to turns.ended, with the tokens,
+        log-probs and entropies it wrote (written: engine._assemble's); keep: copy the KV block of each one
+        that may go on out of its slot (keys, values [layers, slots, Hkv, S, Dh]; start [slots])."""
+        ids, lps, ents, filled = written
+        spans = []
+        for slot, r in ((i, int(r)) for i, (r, d) in enumerate(zip(rows, done)) if d and r >= 0 and not reported[r]):
+            reported[r] = True
+            n = int(filled[r])
+            accepted = self.turns.ended(r, ids[r, :n].tolist(), lps[r, :n].tolist(), ents[r, :n].tolist())
+            if self.keep and accepted is not None:
+                spans.append((slot, r, self.context_len[r] + accepted - 1))
+        if spans:
+            first = np.array(start)
+            for slot, r, kept in spans:
+                at = mx.arange(int(first[slot]), int(first[slot]) + kept)
+                # a gather: a block of its own, so the cache's buffer stays free to be written in place
+                self.blocks[r] = (mx.take(keys[:, slot], at, axis=2), mx.take(values[:, slot], at, axis=2))
+            mx.eval(self.blocks)
+
+    def take(self, entries: list, queue: list, n_rows: int, T: int, all_keys, join, limit, reported):
+        """Queue the next turns turns.take() hands back (waiting for their environment steps), ahead of the
+        prompts still waiting: each a row numbered after the n_rows so far, its entry (context, row, 1, kept
+        block or None). -> the per-row state (n_rows, step keys, join, limit, reported) with those rows
+        appended."""
+        added = []
+        for context, key, budget, prior in self.turns.take(n_rows):
+            kept = self.blocks.pop(prior, None)
+            if kept is not None and kept[0].shape[2] >= len(context):
+                raise RuntimeError(f"row {prior}'s kept cache covers its whole next context")
+            entries.append((context, n_rows + len(added), 1, kept))
+            self.context_len.append(len(context))
+            added.append((key, budget))
+        self.blocks.clear()  # take answers every row reported so far: the rest's episodes ended
+        if not added:
+            return n_rows, all_keys, join, limit, reported
+        queue[:0] = range(len(entries) - len(added), len(entries))  # an episode ends sooner than a new one
+        keys = mx.vmap(lambda k: mx.random.split(k, T))(mx.stack([k for k, _ in added]))
+        return (n_rows + len(added), mx.concatenate([all_keys, keys]),
+                np.concatenate([join, np.zeros(len(added), np.int64)]),
+                np.concatenate([limit, np.array([b for _, b in added], np.int64)]),
+                np.concatenate([reported, np.zeros(len(added), bool)]))
+
+
+def prefill_resumed(spec, weights: dict, admitted: list, at: int, capacity: int, pad_id: int):
+    """The next turns of rows that kept their cache, admitted = [(context, (keys, values) of context[:P],
+    [layers, Hkv, P, Dh] each)]: their contexts' cache ending at slot `at` of a [layers, rows, Hkv, capacity,
+    Dh] cache, only context[P:] prefilled. -> (keys, values, start [rows], last logits [rows, V], tokens
+    prefilled)."""
+    lengths = [len(c) for c, _ in admitted]
+    width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as engine._prefill's
+    chunks = [c[k.shape[2]:] for c, (k, _) in admitted]
+    C = min(bucket(max(len(c) for c in chunks)), width)
+    # each past right before its chunk, the chunks ending at the timeline's last slot
+    place = [[(0, 0), (0, 0), (width - n, n - k.shape[2]), (0, 0)] for n, (_, (k, _)) in zip(lengths, admitted)]
+    past_k = mx.stack([mx.pad(k, p) for p, (_, (k, _)) in zip(place, admitted)], axis=1)
+    past_v = mx.stack([mx.pad(v, p) for p, (_, (_, v)) in zip(place, admitted)], axis=1)
+    tokens = mx.array([[pad_id] * (C - len(c)) + list(c) for c in chunks], dtype=mx.int32)
+    padding = mx.array([C - len(c) for c in chunks], dtype=mx.int32)
+    start = mx.array([width - n for n in lengths], dtype=mx.int32)
+    logits, keys, values = decoder.prefill_after(spec, weights, tokens, padding, past_k, past_v, start)
+    slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
+    keys, values = mx.pad(keys, slots), mx.pad(values, slots)
+    mx.eval(keys, values)
+    return keys, values, start + (at - width), logits, sum(len(c) for c in chunks)

@@ -1,0 +1,178 @@
+"""Tool turns that keep their place (rollout/turns.py): a row whose turn ended at a tool call resumes on its
+kept KV cache, only the tool's answer (and the turn's last token) prefilled on top of it
+(decoder.prefill_after). Same tokens and log-probs as prefilling the whole context again, fewer tokens
+prefilled, and each row still gets what it gets decoded alone."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from caller_model import CALLER, write_caller_model
+from mlx_grpo.models import decoder
+from mlx_grpo.models.loading import load_model
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.multiturn import MultiTurn
+from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.turns import prefill_resumed
+from mlx_grpo.tools.calls import NanochatFormat
+from mlx_grpo.tools.environments import ToolEnvironment
+
+
+@pytest.fixture(scope="module")
+def attending(tmp_path_factory):
+    """write_caller_model's bigram llama that calls the calculator, given a second layer and small attention
+    and MLP outputs: it still calls the tool (a varying number of times, or answers at once), but every
+    logit now depends on the keys and values of its whole context, through both layers."""
+    from mlx_lm.models import llama
+
+    path = write_caller_model(tmp_path_factory.mktemp("attending") / "model", CALLER)
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    mx.random.seed(5)
+    fresh = dict(tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters()))
+    params = {**fresh, **mx.load(str(path / "model.safetensors"))}  # embedding, head, layer 0: the caller's
+    for i, k in enumerate(sorted(params)):
+        if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+            params[k] = 0.01 * mx.random.normal(params[k].shape, key=mx.random.key(i))
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    return load_model(str(path), "float32")
+
+
+def _episodes(model, tok, keep: bool, n_prompts: int = 6, G: int = 4, sync_every: int = 4, graph: bool = False,
+              T: int = 64, jobs_of: int = 3):
+    """Two (or more) batch steps of n_prompts prompts x G rows: the later steps' prompts refill freed slots.
+    -> (rollouts, the engine)."""
+    fmt = NanochatFormat(tok)
+    multiturn = MultiTurn(ToolEnvironment(["calculator"], fmt, max_turns=4), fmt, tok)
+    rows = [{"prompt": f"q{i}", "answer": "5"} for i in range(n_prompts)]
+    prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
+    keys = mx.random.split(mx.random.key(3), n_prompts * G)
+    jobs = [(prompts[j:j + jobs_of], keys[j * G:(j + jobs_of) * G], rows[j:j + jobs_of])
+            for j in range(0, n_prompts, jobs_of)]
+    engine = RolloutEngine(tok, mode="copy", sync_every=sync_every, graph=graph, keep_turn_cache=keep).refresh(model)
+    return multiturn.generate_many(engine, jobs, G, SamplingParams(T, 1.0)), engine
+
+
+def _calls(outs) -> list[int]:
+    return [sum(t.origin == "tool" for t in tr.turns) for out in outs for tr in out.transcripts]
+
+
+@pytest.mark.parametrize("sync_every,graph", [(4, False), (2, False), (8, False), (4, True)])
+def test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives(attending, sync_every, graph):
+    model, tok = attending
+    kept, _ = _episodes(model, tok, True, sync_every=sync_every, graph=graph)
+    whole, _ = _episodes(model, tok, False, sync_every=sync_every, graph=graph)
+    calls = _calls(kept)
+    # the cases this is for: rows calling twice or more, rows answering at once, two batch steps (refill)
+    assert sum(c >= 2 for c in calls) >= 3 and 0 in calls and len(kept) == 2
+    for a, b in zip(kept, whole):
+        assert a.texts == b.texts
+        assert a.completion_ids.tolist() == b.completion_ids.tolist() and a.mask.tolist() == b.mask.tolist()
+        assert a.extents.tolist() == b.extents.tolist() and a.truncated.tolist() == b.truncated.tolist()
+        np.testing.assert_allclose(np.array(a.sampler_logprobs), np.array(b.sampler_logprobs), atol=1e-5)
+        np.testing.assert_allclose(np.array(a.entropies), np.array(b.entropies), atol=1e-4)
+    # the attention matters: a token drawn at 0.8 by the bigram is drawn at another probability here
+    drawn = np.array(kept[0].sampler_logprobs)[np.array(kept[0].sampler_logprobs) < -0.01]
+    assert np.abs(drawn - np.log(0.8)).min() > 1e-4
+
+
+def test_prefill_after_a_prefix_is_the_whole_prefill(tiny_model_dir):
+    """prefill(prefix + chunk) == prefill(prefix), then prefill_after(chunk) on its keys: last logits and every
+    layer's keys and values, rows of different prefix and chunk lengths (left padding on both)."""
+    model, _ = load_model(str(tiny_model_dir), "float32")
+    spec, w = decoder.build(model, mx.float32)
+    rng = np.random.default_rng(0)
+    prefixes = [[int(t) for t in rng.integers(3, 200, n)] for n in (5, 12, 1, 9)]
+    chunks = [[int(t) for t in rng.integers(3, 200, n)] for n in (3, 1, 7, 2)]
+
+    def left_padded(seqs, width):
+        return (mx.array([[0] * (width - len(s)) + s for s in seqs], dtype=mx.int32),
+                mx.array([width - len(s) for s in seqs], dtype=mx.int32))
+
+    full = [p + c for p, c in zip(prefixes, chunks)]
+    want_logits, want_k, want_v = decoder.prefill(spec, w, *left_padded(full, 24))
+    _, past_k, past_v = decoder.prefill(spec, w, *left_padded(prefixes, 14))
+    W, C = 26, 8  # a timeline wider than any context; chunks padded to C
+    k_line = np.zeros((len(w["layers"]), 4, spec.kv_heads, W, spec.head_dim), np.float32)
+    v_line = k_line.copy()
+    for r, (p, c) in enumerate(zip(prefixes, chunks)):  # each past right before its chunk, at the timeline's end
+        k_line[:, r, :, W - len(c) - len(p):W - len(c)] = np.array(mx.stack(past_k)[:, r, :, 14 - len(p):])
+        v_line[:, r, :, W - len(c) - len(p):W - len(c)] = np.array(mx.stack(past_v)[:, r, :, 14 - len(p):])
+    start = mx.array([W - len(f) for f in full], dtype=mx.int32)
+    logits, keys, values = decoder.prefill_after(spec, w, *left_padded(chunks, C), mx.array(k_line),
+                                                 mx.array(v_line), start)
+    np.testing.assert_allclose(np.array(logits), np.array(want_logits), atol=1e-5)
+    for r, f in enumerate(full):
+        for got, want in ((keys, want_k), (values, want_v)):
+            np.testing.assert_allclose(np.array(got[:, r, :, W - len(f):]),
+                                       np.array(mx.stack(want)[:, r, :, 24 - len(f):]), atol=1e-5)
+    # and the engine's placement: the contexts' cache ends at slot `at`, as a whole prefill lays it out
+    engine = RolloutEngine(None, mode="copy").refresh(model)
+    at, capacity = 40, 72
+    whole_k, whole_v, whole_start, whole_logits = engine._prefill(full, [1] * 4, at, capacity, 0)
+    kept = [(np.array(mx.stack(past_k)[:, r, :, 14 - len(p):]), np.array(mx.stack(past_v)[:, r, :, 14 - len(p):]))
+            for r, p in enumerate(prefixes)]
+    got_k, got_v, got_start, got_logits, prefilled = prefill_resumed(
+        spec, w, [(f, (mx.array(k), mx.array(v))) for f, (k, v) in zip(full, kept)], at, capacity, 0)
+    assert prefilled == sum(len(c) for c in chunks) and got_start.tolist() == whole_start.tolist()
+    np.testing.assert_allclose(np.array(got_logits), np.array(whole_logits), atol=1e-5)
+    for r, f in enumerate(full):  # the slots a row attends (a whole prefill leaves its pads' keys before them)
+        for got, want in ((got_k, whole_k), (got_v, whole_v)):
+            np.testing.assert_allclose(np.array(got[:, r, :, at - len(f):at]), np.array(want[:, r, :, at - len(f):at]),
+                                       atol=1e-5)
+
+
+def test_kept_caches_prefill_only_the_answers(attending):
+    """The tokens prefilled, counted by the engine, are exactly the prompts (once per group) plus, for each
+    later turn, the tool's answer and the turn's last token; the whole context each time without the cache."""
+    model, tok = attending
+    (kept, engine), (whole, whole_engine) = (_episodes(model, tok, keep) for keep in (True, False))
+    assert kept[0].completion_ids.tolist() == whole[0].completion_ids.tolist()
+    prompts = sum(len(p) for out in kept for p in out.prompt_ids)
+    answers = contexts = 0
+    for out in kept:
+        for r in range(len(out.texts)):
+            mask = out.mask[r, :int(out.extents[r])].tolist()
+            for i in range(1, len(mask)):  # a later turn starts where fed tokens give way to sampled ones
+                if mask[i] == 1 and mask[i - 1] == 0:
+                    j = i - 1
+                    while mask[j] == 0:
+                        j -= 1
+                    answers += i - j  # the fed tokens and the sampled token before them
+                    contexts += len(out.row_prompts[r]) + i
+    assert answers > 0
+    assert engine.prefilled_tokens == prompts + answers
+    assert whole_engine.prefilled_tokens == prompts + contexts
+    assert engine.prefilled_tokens < whole_engine.prefilled_tokens / 3
+
+
+def test_rows_resumed_on_their_cache_match_each_row_alone(attending):
+    """Which rows share the batch (and where the syncs fall for a row) leaves a resumed row's tokens as they are."""
+    model, tok = attending
+    together, _ = _episodes(model, tok, True, n_prompts=4, jobs_of=2, sync_every=2)
+    fmt = NanochatFormat(tok)
+    multiturn = MultiTurn(ToolEnvironment(["calculator"], fmt, max_turns=4), fmt, tok)
+    engine = RolloutEngine(tok, mode="copy", sync_every=2).refresh(model)
+    keys = mx.random.split(mx.random.key(3), 16)
+    rows = [{"prompt": f"q{i}", "answer": "5"} for i in range(4)]
+    checked = 0
+    for j, out in enumerate(together):
+        for r in range(8):
+            if sum(t.origin == "tool" for t in out.transcripts[r].turns) < 2 and r % 3:
+                continue  # every row with 2+ calls, some others
+            p, k = j * 2 + r // 4, j * 8 + r
+            alone = multiturn.generate_many(engine, [([out.prompt_ids[r // 4]], keys[k:k + 1], [rows[p]])], 1,
+                                            SamplingParams(64, 1.0))[0]
+            n = int(out.extents[r])
+            assert int(alone.extents[0]) == n and alone.texts[0] == out.texts[r]
+            assert alone.completion_ids[0, :n].tolist() == out.completion_ids[r, :n].tolist()
+            np.testing.assert_allclose(np.array(alone.sampler_logprobs[0, :n]), np.array(out.sampler_logprobs[r, :n]),
+                                       atol=2e-5)
+            checked += 1
+    assert checked >= 4
