@@ -114,6 +114,10 @@ def update_record(cfg: Config, c: Counters, position: DataPosition, stats: list[
         "time_step_s": result.time_step_s,
         "peak_memory_gb": result.peak_memory_gb,
     }
+    if cfg.rollout.dynamic_sampling:  # the engine passes the draws took (waves), and the rows decoded per row trained
+        record["decode_passes"] = sum(s.decode_passes for s in stats)
+        trained = sum(len(s.texts) for s in stats)
+        record["rows_decoded_per_trained"] = len(lengths) / trained if trained else None
     if stats[0].tool_calls is not None:  # multi-turn: how often the drawn completions called a tool, how many failed
         calls = np.concatenate([s.tool_calls for s in stats])
         errors = np.concatenate([s.tool_errors for s in stats])
@@ -156,6 +160,7 @@ def merge_ranks(ranks: list[tuple[list[BatchStats], UpdateMetrics]]) -> tuple[li
             drawn_scores=type(drawn[0]).concat(drawn),
             zero_std=float(np.average([p.zero_std for p in parts], weights=sizes)),
             draws=parts[0].draws,  # every rank draws its share of each batch
+            decode_passes=parts[0].decode_passes,  # in the same waves (dynamic sampling's decisions are global)
             **{k: sum(getattr(p, k) for p in parts) for k in ("groups_trained", "entropy_sum", "tokens")},
             **{k: max(getattr(p, k) for p in parts) for k in ("t_rollout", "t_logprob", "t_reward")},
         ))
@@ -290,7 +295,9 @@ class RunLogger:
         line = (f"[mlx-grpo] update {record['update_step']}: reward {record['reward_mean']:.3f} "
                 f"loss {fmt(record['loss'], '.4f')} kl {fmt(record['kl'], '.4f')} "
                 + (f"teacher_kl {fmt(record['teacher_kl'], '.4f')} " if "teacher_kl" in record else "")
-                + f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}")
+                + f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}"
+                + (f" draws {record['draws']} in {record['decode_passes']} pass{'es' * (record['decode_passes'] != 1)}"
+                   if "decode_passes" in record else ""))
         console(line + (f", {progress}" if progress else ""))
 
 

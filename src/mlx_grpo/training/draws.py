@@ -1,6 +1,6 @@
 """The pieces of a batch step's sampling stage that need no trainer state: each row's sampling key, what
 the rewards are given of a draw, collecting a draw's scores (length penalty, demonstrations), dynamic
-sampling's choice of groups, and the batch step's figures for the logs."""
+sampling's choice of groups and the size of its decode waves, and the batch step's figures for the logs."""
 
 from __future__ import annotations
 
@@ -68,6 +68,24 @@ def varied_groups(scores: RewardScores, group_size: int, reward: str = "") -> np
     """[B] bool: the groups whose scores of `reward` (a reward function's name; "" = the total) are not all
     equal, None counting as 0 as in the total: a group where the function never applies is not varied."""
     return np.ptp(scores.values(reward).reshape(-1, group_size), axis=1) > 0
+
+
+# Dynamic sampling's varied-group rate is measured over this many of the run's latest draws (Counters.varied_recent):
+# recent enough to follow a policy that learns (the share of all-correct groups grows), long enough to be steady.
+RATE_WINDOW = 16
+
+
+def wave_size(recent: list[int], deficit: int, room: int) -> int:
+    """Dynamic sampling: how many draws to decode together in one pass (a wave) for `deficit` more varied
+    groups, from `recent` (the varied groups, all ranks, of each of the run's latest draws): the draws the
+    deficit needs at their mean, ceil(deficit / (sum(recent) / len(recent))); one with nothing measured yet
+    (a run's first draw), all `room` (the draws left under max_resample_batches) when none of them varied.
+    At most `room`, at least 1."""
+    if not recent:
+        return min(1, room)
+    if not sum(recent):
+        return room
+    return max(1, min(room, -(-deficit * len(recent) // sum(recent))))
 
 
 def informative_batch(draws: list[Draw], flags: list[np.ndarray], share: slice, batch_size: int,

@@ -6,7 +6,8 @@
     StepData     what the loss needs of a batch step once scored: rollout, advantages, old/ref log-probs
     BatchStats   what the logs need of a batch step (sampling figures, then its rewards once scored)
     UpdateMetrics  one optimizer update's figures (None where no row entered the loss)
-    Counters     the run's position: the whole of its random state (sampling keys derive from it)
+    Counters     the run's position: the whole of its random state (sampling keys and dynamic sampling's waves
+                 derive from it)
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Counters:
     applied_updates: int = 0  # optimizer steps taken: a skipped update leaves the weights as they were
     prompts_cut: int = 0
     draws: int = 0  # rollout generations: batch steps plus dynamic sampling's extra draws (rollout keys)
+    # dynamic sampling: the varied groups (all ranks) of each of the run's latest draws (draws.RATE_WINDOW), the
+    # rate that sizes its decode waves (draws.wave_size), so which draws are made follows from these counters too
+    varied_recent: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +99,7 @@ class BatchStats:
     tokens: int
     t_rollout: float
     t_logprob: float
+    decode_passes: int = 1  # dynamic sampling: the engine passes its draws decoded in (waves of draws decoded together)
     demo: np.ndarray | None = None  # [trained rows] demonstrations
     tool_calls: np.ndarray | None = None  # [drawn rows] tool calls per row (tools runs)
     tool_errors: np.ndarray | None = None

@@ -21,8 +21,8 @@ from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, rollouts
 from mlx_grpo.rollout.records import Rollout, SamplingParams
-from mlx_grpo.training.draws import (batch_stats, draw_scores, informative_batch, reward_inputs, row_keys,
-                                     varied_groups)
+from mlx_grpo.training.draws import (RATE_WINDOW, batch_stats, draw_scores, informative_batch, reward_inputs,
+                                     row_keys, varied_groups, wave_size)
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.records import Batch, Counters, DataPosition, Draw
 
@@ -131,17 +131,50 @@ class Sampling:
         return draw.flags
 
     def batch_step(self, examples: list[Example]) -> Batch:
-        """One batch step on its own: draw (dynamic sampling: more prompts until enough groups, all ranks,
-        have rewards that differ), then the log-prob passes while the rewards compute."""
-        cfg = self.cfg
-        draws = [self.draw(examples)]
-        while cfg.rollout.dynamic_sampling and sum(int(self.flags(d).sum()) for d in draws) < cfg.training.batch_size \
-                and len(draws) <= cfg.rollout.max_resample_batches:
+        """One batch step on its own: draw (dynamic sampling: in waves, `waves`), then the log-prob passes while
+        the rewards compute."""
+        if not self.cfg.rollout.dynamic_sampling:
+            return self.logprob_passes([self.draw(examples)])
+        draws, passes = self.waves(examples)
+        batch = self.logprob_passes(draws)
+        batch.stats.decode_passes = passes
+        return batch
+
+    def waves(self, examples: list[Example]) -> tuple[list[Draw], int]:
+        """Dynamic sampling's draws for one batch step, starting with `examples`, and the decode passes they took.
+
+        The rule is sequential: draw batch_size prompts, and while fewer than batch_size groups (all ranks) vary,
+        draw again, at most max_resample_batches times more; informative_batch trains on the first batch_size
+        varied groups in draw order. A decode step costs about the same at 4x the rows (host-bound on a GPU), so
+        the draws are decoded in waves: each wave decodes together (engine refill; row keys from (seed, draw,
+        row): the tokens of one-by-one decoding) as many draws as the missing groups need at the varied-group
+        rate of the run's latest draws (draws.wave_size: one draw at a run's start), within the cap; another wave
+        follows while groups are still missing. The waves make at least the draws the sequential rule would, so
+        the first batch_size varied groups, the groups trained on, are the same. Draws a wave decodes beyond
+        those the rule needed (surplus) advance the data cursor and the draw counter like any draw: later batch
+        steps get later prompts than one-by-one drawing would give them. Every rank takes the same decisions
+        (the flags and the rate are over all ranks)."""
+        cfg, c = self.cfg, self.counters
+        B, cap = cfg.training.batch_size, 1 + cfg.rollout.max_resample_batches
+        draws: list[Draw] = []
+        varied = passes = 0
+        batches = [examples]
+        while True:
+            size = wave_size(c.varied_recent, B - varied, cap - len(draws))
+            while len(batches) < size and (more := self.next_examples()) is not None:
+                batches.append(more)
+            wave = self.sample(batches)  # one decode pass
+            passes += 1
+            counts = [int(self.flags(d).sum()) for d in wave]
+            c.varied_recent = (c.varied_recent + counts)[-RATE_WINDOW:]
+            draws += wave
+            varied += sum(counts)
+            if varied >= B or len(draws) >= cap or len(batches) < size:  # enough, the cap, or the data ran out
+                return draws, passes
             more = self.next_examples()
             if more is None:  # the data is exhausted: train on what there is
-                break
-            draws.append(self.draw(more))
-        return self.logprob_passes(draws)
+                return draws, passes
+            batches = [more]
 
     # ------------------------------------------------------------------ old / reference log-probs
     def logprob_passes(self, draws: list[Draw]) -> Batch:

@@ -3,7 +3,7 @@ chosen by the config (`step_source`), each over the same sampling stage (trainin
 
     FreshSteps      the update's batch steps drawn together, their rollouts decoding together (engine refill)
     DynamicSteps    dynamic_sampling: batch steps one by one, each drawing more prompts until enough groups
-                    have rewards that differ
+                    have rewards that differ, the draws it needs decoded together in waves (Sampling.waves)
     PrefetchSteps   async_rollouts: each update's rollouts decoded during the update before (prefetch.py)
 
     next()              -> UpdateSteps, or None when the data has run out
@@ -52,7 +52,10 @@ class FreshSteps:
 
 
 class DynamicSteps(FreshSteps):
-    """dynamic_sampling: the batch steps one by one, each drawing until enough groups vary in reward."""
+    """dynamic_sampling: the batch steps one by one, each drawing until enough groups vary in reward, in waves of
+    draws decoded together (Sampling.waves). The wave sizes follow the varied-group rate of the run's latest
+    draws, kept in the counters (Counters.varied_recent), so checkpoints and resumes carry it as they carry
+    the draw counter."""
 
     def next(self) -> UpdateSteps | None:
         s = self.sampling
