@@ -1,8 +1,11 @@
 #!/bin/bash
 # docs/distillation.md's arith experiment on one GPU: a teacher trained with configs/arith.toml (seed
 # TEACHER_SEED), then for each student seed, side by side: configs/arith_distill.toml from the untrained base
-# model with that teacher, and greedy exact match on that seed's 500 held-out problems for the base model, the
-# teacher and the distilled student (bench/learning_report.py's intervals read the .jsonl files).
+# model with that teacher and, for comparison, supervised fine-tuning from the same start on arith's worked
+# solutions (configs/arith_tools_control_sft.toml, capped at the students' 5 minutes); then greedy exact match
+# on that seed's 500 held-out problems for the base model, the teacher, the distilled student and the SFT
+# model (bench/learning_report.py's intervals read the .jsonl files). GRPO's figure in the same minutes is the
+# teacher run's own held-out evaluation every 25 updates (its metrics.jsonl, with the minutes elapsed).
 # usage: bash bench/distill_run.sh OUT_DIR TEACHER_SEED STUDENT_SEED... [STAGE=teacher|students|evals|all]
 # STAGE splits the run for machines held in short calls: `teacher` trains it, `students` trains the
 # students (waiting for the teacher first), `evals` evaluates; `all` (the default) does the three in turn.
@@ -25,6 +28,8 @@ students() {
   for s in "$@"; do
     timed "student-s$s" $M train --config configs/arith_distill.toml --set seed="$s" \
       --set teacher_model="$TEACHER" --set output_dir="$OUT/runs/student-s$s" &
+    timed "sft-s$s" $M sft --config configs/arith_tools_control_sft.toml --set seed="$s" --set max_minutes=5 \
+      --set output_dir="$OUT/runs/sft-s$s" &
   done
   wait
 }
@@ -34,7 +39,9 @@ evals() {
       timed "teacher-s$s" $M eval --config configs/arith.toml --set seed="$s" --model "$(latest "$TEACHER")" \
         --samples 500 -o "$OUT/teacher-s$s.jsonl"
       timed "student-eval-s$s" $M eval --config configs/arith_distill.toml --set seed="$s" \
-        --model "$(latest "$OUT/runs/student-s$s/arith_distill")" --samples 500 -o "$OUT/student-s$s.jsonl" ) &
+        --model "$(latest "$OUT/runs/student-s$s/arith_distill")" --samples 500 -o "$OUT/student-s$s.jsonl"
+      timed "sft-eval-s$s" $M eval --config configs/arith.toml --set seed="$s" \
+        --model "$(latest "$OUT/runs/sft-s$s/arith-tools-control-sft")" --samples 500 -o "$OUT/sft-s$s.jsonl" ) &
   done
   wait
 }

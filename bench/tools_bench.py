@@ -37,7 +37,7 @@ def batches(cfg, n: int) -> list[list]:
     return [examples[i * size:(i + 1) * size] for i in range(n)]
 
 
-def run(cfg, model, tokenizer, mode: str, n: int, repeats: int) -> dict:
+def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, profile: bool = False) -> dict:
     engine = RolloutEngine(tokenizer, mode=mode).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
@@ -52,9 +52,25 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int) -> dict:
         seconds, rollout = timed(lambda: one(i, examples), repeats)
         calls = np.zeros(len(rollout.texts)) if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
         out.append({"seconds": seconds, "tool_call_rate": float(np.mean([c > 0 for c in calls])),
-                    "length_mean": float(rollout.lengths.mean()), "extent_mean": float(rollout.extents.mean())})
+                    "tool_calls_mean": float(np.mean(calls)),
+                    "length_mean": float(rollout.lengths.mean()), "extent_mean": float(rollout.extents.mean()),
+                    # sampled tokens (tool output excluded) per second: the throughput the target compares
+                    "tokens_per_s": float(rollout.lengths.sum()) / seconds,
+                    "decode_steps": engine.steps, "row_steps": engine.row_steps})
+    if profile:  # one more batch under cProfile: where a tool-calling draw's seconds go (host functions)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(one, 0, batches(cfg, 1)[0])
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(35)
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue(), flush=True)
     return {"uses_copy": engine.uses_copy, "batches": out,
-            "seconds_mean": float(np.mean([b["seconds"] for b in out]))}
+            "seconds_mean": float(np.mean([b["seconds"] for b in out])),
+            "tokens_per_s": float(np.mean([b["tokens_per_s"] for b in out]))}
 
 
 def stop_scan_cost(tokenizer, rows: int, T: int, sync_every: int, stops: tuple[str, ...]) -> dict:
@@ -90,6 +106,7 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="copy,model")
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
     ap.add_argument("--stop-scan", action="store_true", help="only time the stop-string checks (host work)")
+    ap.add_argument("--profile", action="store_true", help="then profile one tools batch (cProfile)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
@@ -113,16 +130,20 @@ def main(argv=None) -> None:
         if model is None:
             model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)  # the compute dtype, as training
         for mode in args.modes.split(","):
-            result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats)
+            result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
+                                                   args.profile and name == "tools" and mode == args.modes.split(",")[0])
             r = result["runs"][f"{name}/{mode}"]
-            print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch  "
+            print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
+                  f"{r['tokens_per_s']:.0f} tok/s  "
                   + "  ".join(f"[{b['seconds']:.2f} s, calls {b['tool_call_rate']:.3f}, len {b['length_mean']:.0f}]"
                               for b in r["batches"]), flush=True)
     for mode in args.modes.split(","):
         for base in ("plain", "prompt"):
             ratio = result["runs"][f"tools/{mode}"]["seconds_mean"] / result["runs"][f"{base}/{mode}"]["seconds_mean"]
             result[f"ratio_tools_over_{base}/{mode}"] = ratio
-            print(f"{mode}: tools / {base} = {ratio:.2f}x")
+            throughput = result["runs"][f"tools/{mode}"]["tokens_per_s"] / result["runs"][f"{base}/{mode}"]["tokens_per_s"]
+            result[f"throughput_tools_over_{base}/{mode}"] = throughput
+            print(f"{mode}: tools / {base} = {ratio:.2f}x the seconds, {throughput:.2f}x the tokens/s")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 
