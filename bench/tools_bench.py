@@ -38,7 +38,8 @@ def batches(cfg, n: int) -> list[list]:
 
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, profile: bool = False) -> dict:
-    engine = RolloutEngine(tokenizer, mode=mode).refresh(model)
+    # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26)
+    engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute").refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, out = cfg.rollout.num_generations, []
@@ -56,7 +57,8 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, profile: bool = 
                     "length_mean": float(rollout.lengths.mean()), "extent_mean": float(rollout.extents.mean()),
                     # sampled tokens (tool output excluded) per second: the throughput the target compares
                     "tokens_per_s": float(rollout.lengths.sum()) / seconds,
-                    "decode_steps": engine.steps, "row_steps": engine.row_steps})
+                    "decode_steps": engine.steps, "row_steps": engine.row_steps,
+                    "prefilled_tokens": getattr(engine, "prefilled_tokens", None)})
     if profile:  # one more batch under cProfile: where a tool-calling draw's seconds go (host functions)
         import cProfile
         import io
@@ -103,7 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tools", default="configs/arith_tools.toml")
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--modes", default="copy,model")
+    ap.add_argument("--modes", default="copy,model", help="copy, copy-recompute (later turns re-prefilled), model")
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
     ap.add_argument("--stop-scan", action="store_true", help="only time the stop-string checks (host work)")
     ap.add_argument("--profile", action="store_true", help="then profile one tools batch (cProfile)")
