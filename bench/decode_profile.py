@@ -45,8 +45,8 @@ import json
 import sys
 from pathlib import Path
 
-from mlx_grpo.blas import use_optimized_blas
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.blas import use_optimized_blas
+from mlx_grpo.base.errors import UserError
 
 PROG = "decode_profile"
 try:

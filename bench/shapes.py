@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import copy_model_files
 
 # Values from each checkpoint's Hugging Face config.json (keys mlx-lm's ModelArgs does not read are kept where

@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from mlx_grpo.config import build_config, parse_set  # noqa: E402
-from mlx_grpo.data import load_examples  # noqa: E402
-from mlx_grpo.rollout.engine import RolloutEngine  # noqa: E402
+from mlx_grpo.data.examples import load_examples  # noqa: E402
 from mlx_grpo.models.loading import load_model  # noqa: E402
+from mlx_grpo.rollout.engine import RolloutEngine  # noqa: E402
 from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts, tool_use  # noqa: E402
 from mlx_grpo.rollout.records import SamplingParams  # noqa: E402
 

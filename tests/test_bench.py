@@ -234,8 +234,8 @@ def test_decode_profile_times_the_trainers_decode_step(tiny_model_dir):
     import mlx.core as mx
 
     from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout.records import SamplingParams
     from mlx_grpo.rollout.decode import generate_rollout
+    from mlx_grpo.rollout.records import SamplingParams
 
     profile = _load_bench_module("decode_profile")
     shapes = _load_bench_module("shapes")
@@ -255,8 +255,8 @@ def test_decode_profile_engine_step_is_the_engines_decode(tiny_model_dir):
     row keys give the tokens engine.generate samples."""
     import mlx.core as mx
 
-    from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.models.loading import load_model
+    from mlx_grpo.rollout.engine import RolloutEngine
     from mlx_grpo.rollout.records import SamplingParams
 
     profile = _load_bench_module("decode_profile")

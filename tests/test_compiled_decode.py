@@ -10,8 +10,8 @@ import pytest
 from mlx_lm import load
 from test_engine import PROMPTS, _family_model, _many_ends
 
-from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.models import compiled_decode, decoder
+from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.records import SamplingParams
 
 

@@ -9,9 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_grpo.cache import CACHE_ENV
+from mlx_grpo.base.cache import CACHE_ENV
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import DEFAULT_MODEL
-from mlx_grpo.errors import UserError
 from mlx_grpo.models import loading
 
 # The run tier (DEVELOPERS.md, "Tests in tiers"): the real 135M model, converted, decoding and sampling on a CPU
@@ -40,8 +40,8 @@ def test_converts_from_package_into_cache(default_model):
 
 
 def test_greedy_answer_knows_paris(default_model):
+    from mlx_grpo.commands.inference import encode_prompt, generate
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.inference import encode_prompt, generate
 
     model, tokenizer, _, _ = default_model
     cfg = build_config("generate", overrides=parse_set(["max_new_tokens=12"]))
@@ -69,8 +69,8 @@ def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, 
     sampled exactly as the run samples it, with the preset's prompts, prefill, budget and rewards)."""
     import numpy as np
 
+    from mlx_grpo.commands.assembly import build_job
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.assembly import build_job
 
     monkeypatch.setenv(CACHE_ENV, str(default_model[3]))
     root = loading.Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ import pytest
 
 from docs_reader import (BLOCK, PAGES, ROOT, Command, Workdir, gsm8k_rows, jsonl, matches, page_commands,
                          write_default_standin)
-from mlx_grpo import data as data_mod
 from mlx_grpo.config import DEFAULT_MODEL
+from mlx_grpo.data import examples as data_mod
 from mlx_grpo.models import loading
 
 EXCLUDED = {

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_grpo import evaluate
-from mlx_grpo.cli import main
+from mlx_grpo.commands import evaluate
+from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rollout.records import Rollout
 
@@ -84,8 +84,8 @@ def test_eval_hint_names_the_eval_key_and_following_it_works(tiny_model_dir, tmp
 def test_data_hints_name_the_key_of_the_split():
     import pytest
 
-    from mlx_grpo.data import load_examples
-    from mlx_grpo.errors import UserError
+    from mlx_grpo.base.errors import UserError
+    from mlx_grpo.data.examples import load_examples
 
     with pytest.raises(UserError, match=r"or set dataset_path\)"):
         load_examples("gsm8", "train", None, 0)
@@ -110,7 +110,7 @@ def test_eval_output_defaults_to_the_checkpoints_run_directory(tiny_model_dir, t
     the name carries the data set, the split and the subset size (another data set or --samples writes
     beside earlier results, not over them); the line on stderr says where; nothing lands loose in the current
     directory. Without a terminal, a line follows each batch of eval_batch_size questions."""
-    from mlx_grpo.sources import run_examples
+    from mlx_grpo.data.sources import run_examples
 
     work = tmp_path / "work"
     work.mkdir()

@@ -1,4 +1,4 @@
-"""The CUDA sampler's draws (rollout/keyed_bits.py), checked on the CPU: a numpy threefry2x32 written from
+"""The CUDA sampling's draws (rollout/keyed_bits.py), checked on the CPU: a numpy threefry2x32 written from
 the Threefry paper with the counter layout the kernel uses reproduces MLX's own uniform draws per key, and
 categorical_from_bits on those bits picks MLX's categorical token for every row. The kernel itself runs only
 on CUDA; bench/rollout_bench.check_sampler_kernel compares it with MLX there."""
@@ -71,7 +71,7 @@ def test_categorical_from_bits_picks_mlx_categorical_tokens(vocab, scale):
     want = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(filtered, keys)
     bits = layout_bits(keys, vocab)
     assert want.tolist() == categorical_from_bits(filtered, bits).tolist()
-    assert want.tolist() == mx.compile(categorical_from_bits)(filtered, bits).tolist()  # as the sampler runs it
+    assert want.tolist() == mx.compile(categorical_from_bits)(filtered, bits).tolist()  # as the sampling runs it
 
 
 def test_sample_through_the_keyed_path_draws_the_same_tokens(monkeypatch):

@@ -7,10 +7,11 @@ import re
 import pytest
 from tqdm import tqdm
 
-from mlx_grpo import evaluate, logs
-from mlx_grpo import run as run_mod
+from mlx_grpo.commands import evaluate
+from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.data import load_examples, subset
+from mlx_grpo.data.examples import load_examples, subset
+from mlx_grpo.reporting import logs
 
 
 def make_cfg(model_dir, out, *items):

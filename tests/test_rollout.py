@@ -12,10 +12,10 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlx_grpo.models.forward import completion_logprobs, pack
-from mlx_grpo.training.policy import logprob_pass
+from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
 from mlx_grpo.rollout.records import Rollout, SamplingParams
 from mlx_grpo.rollout.sampling import finish_rollout
-from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
+from mlx_grpo.training.policy import logprob_pass
 
 EOS = 2  # <|im_end|> in the conftest tokenizer
 PAD = 0  # <|endoftext|>

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 
 pytest.importorskip("mlx_vlm")
 

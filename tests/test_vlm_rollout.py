@@ -15,7 +15,7 @@ pytest.importorskip("mlx_vlm")
 
 
 def test_batched_rollout_samples_what_each_prompt_alone_does(tiny_vlm_dir, tmp_path):
-    from mlx_grpo.assembly import build_job
+    from mlx_grpo.commands.assembly import build_job
     from mlx_grpo.rollout.records import SamplingParams
     from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
 

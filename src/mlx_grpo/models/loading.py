@@ -13,9 +13,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_grpo.cache import cache_root
+from mlx_grpo.base.cache import cache_root
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import DEFAULT_MODEL
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, attach_saved_adapters,
                                       is_adapter_checkpoint, quantize_base, read_adapter_config)
 from mlx_grpo.models.precision import cast_floats, compute_dtype

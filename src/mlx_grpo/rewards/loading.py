@@ -1,5 +1,5 @@
 """Reward functions by name: a built-in (builtin.py) or a user's ``path/to/file.py:function``, whose file
-is executed as a fresh module (user_files.py; environment files are loaded the same way)."""
+is executed as a fresh module (base/user_files.py; environment files are loaded the same way)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.base.user_files import import_file
 from mlx_grpo.rewards.builtin import BUILTIN_REWARDS, RewardFn
-from mlx_grpo.user_files import import_file
 
 
 def _callables_in(module: Any) -> list[str]:

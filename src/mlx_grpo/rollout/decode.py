@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache,
                                   RotatingKVCache)
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.decode_attention import kernel_serves, left_padded_attention, route_attention
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.records import Rollout, SamplingParams

@@ -37,7 +37,7 @@ class Rollout:
     # or fed (mask 0 marks tool output and environment text, which sit inside the completion)
     transcripts: list | None = None
     ends: np.ndarray | None = None
-    # [N] bool: rows that are demonstrations (demonstrations.py), teacher-forced, not sampled; None: none are
+    # [N] bool: rows that are demonstrations (data/demonstrations.py), teacher-forced, not sampled; None: none are
     demo: np.ndarray | None = None
 
     @property

@@ -10,8 +10,8 @@ from concurrent.futures import BrokenExecutor
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.data import Example, reward_columns
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.examples import Example, reward_columns
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.rewards.scoring import RewardScores, overlong_penalty
 from mlx_grpo.rollout.multiturn import model_texts, tool_use
 from mlx_grpo.rollout.records import Rollout, select_groups

@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.config import Config
-from mlx_grpo.data import EpochSampler, Example
-from mlx_grpo.distributed import World
+from mlx_grpo.data.examples import EpochSampler, Example
+from mlx_grpo.training.distributed import World
 from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, rollouts

@@ -11,24 +11,24 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import Config
-from mlx_grpo.data import subset
-from mlx_grpo.distributed import World
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.examples import subset
+from mlx_grpo.data.prompts import WorkedExamples
+from mlx_grpo.data.sources import run_examples
 from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.precision import MasterWeights, cast_floats, compute_dtype, dtype_name
-from mlx_grpo.prompts import WorkedExamples
+from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.sampling import pad_token_id
+from mlx_grpo.training.distributed import World
 from mlx_grpo.training.job import Job, make_job
 from mlx_grpo.training.policy import Policies
-from mlx_grpo.rewards.workers import build_reward_set
-from mlx_grpo.sources import run_examples
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
-from mlx_grpo.vlm.inference import load_vlm
+from mlx_grpo.vlm.sampling import ImagePrompts
 from mlx_grpo.vlm.policy_model import VisionPolicy
 from mlx_grpo.vlm.evaluate import vision_answer_records
-from mlx_grpo.vlm.sampling import ImagePrompts
+from mlx_grpo.vlm.inference import load_vlm
 
 
 def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:
@@ -83,7 +83,8 @@ def build_vision_job(cfg: Config, world: World | None = None) -> Job:
     prompts = ImagePrompts(cfg, processor, tokenizer, model, pad_token_id(tokenizer))
 
     def answer(model, tokenizer, examples, cfg, *, max_new_tokens: int, seed=None, system_prompt=None, **_):
-        """Greedy answers to image prompts (run.py's evaluation): one record per example, naming its images."""
+        """Greedy answers to image prompts (commands/train.py's evaluation): one record per example, naming its
+        images."""
         return vision_answer_records(model, processor, tokenizer, examples, cfg, max_new_tokens=max_new_tokens,
                                      eos=prompts.eos_ids, pad_id=prompts.pad_id, seed=seed, system_prompt=system_prompt)
 

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import check_quantization, staged_output, write_record
 from mlx_grpo.vlm.families import check_processor_files, family, is_vision_config, read_config
 

@@ -1,6 +1,6 @@
 """Evaluation on image + text prompts: the answers of a GRPO run's in-run evaluation on images (vlm/sampling.ImagePrompts)
 and `mlx-grpo eval` of a vision-language model or checkpoint on a data set with an image column. Records and
-the summary line are evaluate.py's, each record naming its images; prompts are built as training builds them
+the summary line are commands/evaluate.py's, each record naming its images; prompts are built as training builds them
 (vlm/rollout.py), answered greedily (or sampled for pass@k) through the same rollout."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
+from mlx_grpo.commands.evaluate import EvalResult, finish_eval, lenient_match, prepare_eval, summarize
 from mlx_grpo.config import Config
-from mlx_grpo.data import Example
-from mlx_grpo.evaluate import EvalResult, finish_eval, lenient_match, prepare_eval, summarize
-from mlx_grpo.prompts import build_run_prompts
+from mlx_grpo.data.examples import Example
+from mlx_grpo.data.prompts import build_run_prompts
 from mlx_grpo.rewards.builtin import answers_match, extract_answer
 from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.sampling import pad_token_id
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
-from mlx_grpo.vlm.policy_model import VisionPolicy
 from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
+from mlx_grpo.vlm.policy_model import VisionPolicy
 
 
 def vision_answer_records(model: VisionPolicy, processor, tokenizer, examples: list[Example], cfg: Config, *,

@@ -12,7 +12,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 GRPO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # Files a processor is built from: an image processor config, and a tokenizer

@@ -1,5 +1,5 @@
 """`mlx-grpo generate --image` and `mlx-grpo chat --image`: image + text prompts through mlx-vlm's
-stream_generate, streamed like text generation (inference.py owns the text-only path)."""
+stream_generate, streamed like text generation (commands/inference.py owns the text-only path)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Iterable, TextIO
 
 import mlx.core as mx
 
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.inference import chat_inputs
 from mlx_grpo.config import Config
-from mlx_grpo.errors import UserError
-from mlx_grpo.inference import chat_inputs
 from mlx_grpo.models.adapters import adapter_base, attach_saved_adapters, is_adapter_checkpoint, read_adapter_config
 from mlx_grpo.vlm.families import is_vision_dir, require_mlx_vlm
 from mlx_grpo.vlm.images import load_image

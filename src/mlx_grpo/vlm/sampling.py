@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlx_grpo.config import Config
-from mlx_grpo.data import Example
+from mlx_grpo.data.examples import Example
 from mlx_grpo.rollout.records import Rollout, SamplingParams
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.records import Batch
-from mlx_grpo.vlm.images import image_name
 from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
+from mlx_grpo.vlm.images import image_name
 
 
 class ImagePrompts:

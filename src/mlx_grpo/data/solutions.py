@@ -5,7 +5,7 @@ a group all need the same thing: the completion a good policy would write for an
 format the run's rewards read. This module owns that conversion. Sources, first found wins:
 
 - a data row's `completion` column: the user's own completion in their format, used verbatim;
-- ``Example.solution``: GSM8K's worked solution (data._row_to_example keeps it) or the one `arith` writes
+- ``Example.solution``: GSM8K's worked solution (examples._row_to_example keeps it) or the one `arith` writes
   in the same form, e.g. "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\\n...\\n#### 72";
 - a data row's `solution` column: a worked solution in that form, or plain reasoning text (the answer is
   then the row's `answer`).
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from mlx_grpo.tools.calls import ToolFormat
 from mlx_grpo.tools.calculator import calculate
+from mlx_grpo.tools.calls import ToolFormat
 
 COMPLETION_COLUMN = "completion"
 SOLUTION_COLUMN = "solution"
@@ -181,7 +181,7 @@ def convert_solution(solution: str, answer: str, style: Style = Style()) -> list
 
 def reference_segments(example: Any, style: Style = Style()) -> list[Segment] | None:
     """The example's reference completion in pieces (model text and tool answers, in order), or None when
-    it carries no worked solution. example: a data.Example."""
+    it carries no worked solution. example: an examples.Example."""
     columns = getattr(example, "columns", {}) or {}
     completion = columns.get(COMPLETION_COLUMN)
     if isinstance(completion, str) and completion.strip():

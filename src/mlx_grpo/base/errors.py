@@ -19,11 +19,13 @@ _OOM_FORMS = re.compile(r"^(cuda\w*\(.*\) failed: out of memory|\[(metal|cuda|ma
 # that bound its memory, and whether --resume accepts them changed. Evaluation decodes through rollout/ too.
 _TRAINING_PASS_FIX = "lower micro_batch_size or micro_batch_tokens, or set grad_checkpoint = true"
 _OOM_PHASES = (
-    (("/evaluate.py",), "while evaluating", "lower eval_batch_size or eval_max_new_tokens", True),
+    (("/commands/evaluate.py", "/vlm/evaluate.py"), "while evaluating",
+     "lower eval_batch_size or eval_max_new_tokens", True),
     (("/rollout/", "/vlm/rollout.py"), "while sampling rollouts",
      "lower batch_size x num_generations, max_new_tokens or max_prompt_length", False),
-    (("/training/", "/sft.py"), "in the training pass", _TRAINING_PASS_FIX, True),
+    (("/training/", "/sft/steps.py"), "in the training pass", _TRAINING_PASS_FIX, True),
 )
+_NO_PHASE = ("/training/distributed.py",)  # the ranks' collectives: the frames of their callers tell the phase
 
 
 def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = None,
@@ -31,14 +33,14 @@ def out_of_memory(exc: BaseException, command: str, checkpoint: Path | None = No
     """The one line for a failed allocation (None for any other error): where it happened, the first line of
     the backend's message, and what to lower. `checkpoint`: the one to resume from (train/sft, as
     checkpoint.resume_point picks it), and whether --resume takes the fix or it needs a new run from there
-    (new_run: how one starts from the checkpoint, sft.start_from's words; an adapter checkpoint is merged
+    (new_run: how one starts from the checkpoint, sft/steps.start_from's words; an adapter checkpoint is merged
     first). A traceback would hide that the fix is a setting."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     if not isinstance(exc, MemoryError) and not _OOM_FORMS.match(first):
         return None
     files = (frame.f_code.co_filename.replace("\\", "/") for frame, _ in traceback.walk_tb(exc.__traceback__))
-    ours = [f for f in files if "mlx_grpo" in f]
+    ours = [f for f in files if "mlx_grpo" in f and not f.endswith(_NO_PHASE)]
     where, advice, resumes = "", "lower batch_size, num_generations or max_new_tokens", False
     for parts, phase, fix, takes in _OOM_PHASES:
         if any(part in f for part in parts for f in ours):

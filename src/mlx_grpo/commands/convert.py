@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import write_record
 from mlx_grpo.vlm.convert import is_vision_source
 

@@ -14,13 +14,13 @@ import traceback
 from pathlib import Path
 
 from mlx_grpo import __version__
-from mlx_grpo.blas import use_optimized_blas
-from mlx_grpo.cache import keep_compiled_kernels
+from mlx_grpo.base.blas import use_optimized_blas
+from mlx_grpo.base.cache import keep_compiled_kernels
+from mlx_grpo.base.errors import UserError, out_of_memory
+from mlx_grpo.base.interrupt import exit_on_interrupt
+from mlx_grpo.commands.options import COMMAND_FLAG_ALIASES, COMMAND_OPTIONS, FLAG_ALIASES, Option
 from mlx_grpo.config import FIELD_GROUP, FIELDS, GROUPS, build_config, command_default, fields_for, parse_set
 from mlx_grpo.config.reference import field_help
-from mlx_grpo.options import COMMAND_FLAG_ALIASES, COMMAND_OPTIONS, FLAG_ALIASES, Option
-from mlx_grpo.errors import UserError, out_of_memory
-from mlx_grpo.interrupt import exit_on_interrupt
 
 DESCRIPTIONS = {
     "convert": "Convert a Hugging Face model, a GGUF file or a nanochat checkpoint to an MLX model directory.",
@@ -113,7 +113,7 @@ def _config_from_args(command: str, args: argparse.Namespace):
 def _dispatch(args: argparse.Namespace) -> None:
     command = args.command
     if command == "convert":
-        from mlx_grpo.models.convert import run_convert
+        from mlx_grpo.commands.convert import run_convert
 
         out = run_convert(hf_path=args.hf_path, gguf=args.gguf, output_dir=args.output_dir,
                           quantize=args.quantize, bits=int(args.bits), group_size=args.group_size,
@@ -122,12 +122,12 @@ def _dispatch(args: argparse.Namespace) -> None:
         print(f"wrote MLX model to {out}")
         return
     if command == "plot":
-        from mlx_grpo.plot import plot_run
+        from mlx_grpo.reporting.plot import plot_run
 
         print(f"wrote {plot_run(args.run_dir, args.output)}")
         return
     if command == "fuse":
-        from mlx_grpo.models.fuse import run_fuse
+        from mlx_grpo.commands.fuse import run_fuse
 
         if not args.checkpoint or not args.output_dir:
             raise UserError("fuse needs --checkpoint and --output-dir")
@@ -143,20 +143,20 @@ def _dispatch(args: argparse.Namespace) -> None:
         else:
             run_chat_images(cfg, args.image, verbose=args.verbose)
     elif command == "generate":
-        from mlx_grpo.inference import run_generate
+        from mlx_grpo.commands.inference import run_generate
 
         run_generate(cfg, prompt=args.prompt, prompts_file=args.prompts_file, output=args.output,
                      batch_size=args.batch_size, stream=args.stream, raw=args.raw, verbose=args.verbose)
     elif command == "chat":
-        from mlx_grpo.inference import run_chat
+        from mlx_grpo.commands.inference import run_chat
 
         run_chat(cfg, verbose=args.verbose)
     elif command == "train":
-        from mlx_grpo.run import train
+        from mlx_grpo.commands.train import train
 
         train(cfg, resume=args.resume)
     elif command == "sft":
-        from mlx_grpo.sft_run import run_sft
+        from mlx_grpo.commands.sft import run_sft
 
         run_sft(cfg, resume=args.resume)
     elif command == "eval":
@@ -165,7 +165,7 @@ def _dispatch(args: argparse.Namespace) -> None:
         if image_eval(cfg.model.model_name, cfg.data.image_column):  # image prompts: vlm/evaluate.py
             from mlx_grpo.vlm.evaluate import run_vision_eval as run_eval
         else:
-            from mlx_grpo.evaluate import run_eval
+            from mlx_grpo.commands.evaluate import run_eval
         run_eval(cfg, split=args.split, output=args.output)
 
 
@@ -175,7 +175,7 @@ def _checkpoint(args: argparse.Namespace):
     line then goes without. The checkpoint is checkpoint.resume_point's, as the failed-save line names it:
     after a resume from another directory, the resumed one unless this run saved a later one (not an older
     run's newest)."""
-    from mlx_grpo.checkpoint import resume_point_after_crash
+    from mlx_grpo.storage.checkpoint import resume_point_after_crash
 
     cfg = getattr(args, "built_config", None)
     if cfg is None:
@@ -194,7 +194,7 @@ def _memory_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     line = out_of_memory(exc, command)
     if line is None or command not in ("train", "sft") or not (run := _checkpoint(args)) or run[1] is None:
         return line
-    from mlx_grpo.sft import start_from
+    from mlx_grpo.sft.steps import start_from
 
     return out_of_memory(exc, command, run[1], start_from(run[1], instead_of_resume=args.resume is not None))
 
@@ -202,7 +202,7 @@ def _memory_line(exc: BaseException, args: argparse.Namespace) -> str | None:
 def _what_survives(args: argparse.Namespace) -> str | None:
     """For a train/sft run that ends early (a crash, Ctrl-C): where it continues from, or that a rerun starts
     over; None for other commands, other ranks, or before the config was built."""
-    from mlx_grpo.distributed import launched_rank
+    from mlx_grpo.training.distributed import launched_rank
 
     # Rank 0 owns the run directory; other ranks (perhaps on other hosts) would name none or repeat it
     if args.command not in ("train", "sft") or launched_rank() != 0 or not (run := _checkpoint(args)):
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before any subcommand imports mlx.core: this module and the config package must not import it at the top.
         use_optimized_blas(on_slow=lambda line: print(line, file=sys.stderr))
         keep_compiled_kernels()  # CUDA: compiled kernels kept beside the converted models, not in /tmp
-        # Ctrl-C ends the command within a moment even inside a long native call (interrupt.py)
+        # Ctrl-C ends the command within a moment even inside a long native call (base/interrupt.py)
         with exit_on_interrupt(f"mlx-grpo {args.command}: interrupted", lambda: _interrupted(args)):
             _dispatch(args)
     except UserError as exc:

@@ -5,7 +5,7 @@ This module owns the reporters: which package each needs (an optional extra, imp
 listed), the start-up check that it is installed, the numeric scalars taken from a record, and the
 W&B offline default. TensorBoard event files go to RUN_DIR/tensorboard/ (tensorboardX's SummaryWriter,
 or PyTorch's with the `tensorboard` package); W&B runs are named after the run directory and keep
-their files in it. The run loop (run.py) creates one `Reporters` on rank 0.
+their files in it. The run loop (commands/train.py) creates one `Reporters` on rank 0.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 # report_to values, and the extra that installs each one's package
 REPORTERS = ("tensorboard", "wandb")

@@ -8,9 +8,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import recover_staged
+from mlx_grpo.storage import checkpoint as ckpt
 
 LOGS = ("metrics.jsonl", "completions.jsonl", "eval.jsonl")
 

@@ -20,16 +20,17 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.assembly import build_job, check_prompt_lengths
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.assembly import build_job, check_prompt_lengths
+from mlx_grpo.commands.evaluate import summarize
 from mlx_grpo.config import Config, save_json, to_dict
-from mlx_grpo.data import Example, subset
-from mlx_grpo.distributed import init_world
-from mlx_grpo.errors import UserError
-from mlx_grpo.evaluate import summarize
-from mlx_grpo.logs import RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record, updates_left
-from mlx_grpo.reporting import Reporters, check_installed
-from mlx_grpo.run_dir import check_writable, prepare_run_dir
+from mlx_grpo.data.examples import Example, subset
+from mlx_grpo.reporting.logs import (RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record,
+                                     updates_left)
+from mlx_grpo.reporting.reporters import Reporters, check_installed
+from mlx_grpo.storage import checkpoint as ckpt
+from mlx_grpo.storage.run_dir import check_writable, prepare_run_dir
+from mlx_grpo.training.distributed import init_world
 from mlx_grpo.training.job import Job
 
 STARTUP_TIMEOUT = 3600.0  # seconds ranks wait for each other to load (a hub download, a first conversion)
@@ -134,8 +135,8 @@ def _resume(job: Job, run_dir: Path, resume: str | None, logger: RunLogger) -> N
             path, loaded = ckpt.read_for_resume(run_dir, resume, world.print)
             adapters = ckpt.holds_adapters(path)
             changed = ckpt.config_changes(path, job.cfg)
-            if loaded[2].get("command") == "sft":  # sft_run.py's checkpoints: a model to start from
-                from mlx_grpo.sft import start_from
+            if loaded[2].get("command") == "sft":  # commands/sft.py's checkpoints: a model to start from
+                from mlx_grpo.sft.steps import start_from
                 error = (f"--resume: {path} is a checkpoint of `mlx-grpo sft`; to start GRPO from it, "
                          f"{start_from(path, instead_of_resume=True)}")
             elif changed:
@@ -248,7 +249,7 @@ def _run_locked(job: Job, cfg: Config, resume: str | None, started: float) -> Pa
 def _whole_run(run_dir: Path, records: list[dict], last_eval: dict | None) -> tuple[list[dict], dict | None]:
     """A resumed run's metrics records and last evaluation from its logs (truncated at the resumed update, so
     every session's updates once), or this session's when log_jsonl is off."""
-    from mlx_grpo.plot import read_jsonl
+    from mlx_grpo.reporting.plot import read_jsonl
 
     evals = read_jsonl(run_dir / "eval.jsonl")
     return read_jsonl(run_dir / "metrics.jsonl") or records, last_eval or (evals[-1] if evals else None)
@@ -256,7 +257,7 @@ def _whole_run(run_dir: Path, records: list[dict], last_eval: dict | None) -> tu
 
 def _curves(run_dir: Path) -> str | None:
     """Draw RUN_DIR/curves.png when matplotlib is installed, else name the command; never fails the run."""
-    from mlx_grpo.plot import INSTALL_HINT, plot_run
+    from mlx_grpo.reporting.plot import INSTALL_HINT, plot_run
 
     if not (run_dir / "metrics.jsonl").is_file():  # log_jsonl = false: nothing to draw
         return None

@@ -1,6 +1,6 @@
 """The command line's surface beyond the config fields: short flag aliases for the most used fields and
 the per-invocation options of each command (what to do, not how: --resume, --prompt, --output-dir, ...).
-The config package declares every field, default and help text; cli.py builds the parsers from both."""
+The config package declares every field, default and help text; commands/cli.py builds the parsers from both."""
 
 from __future__ import annotations
 

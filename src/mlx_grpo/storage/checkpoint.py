@@ -27,8 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import RESUME_MAY_CHANGE, Config, save_json, to_dict
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.precision import dtype_name
 from mlx_grpo.models.writing import copy_model_files, staged_output

@@ -20,15 +20,15 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import Config, command_default, save_json
-from mlx_grpo.data import Example, subset
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.examples import Example, subset
+from mlx_grpo.data.prompts import WorkedExamples, build_run_prompts, question_text, select_worked_examples
+from mlx_grpo.data.sources import run_examples
 from mlx_grpo.rewards.builtin import answers_match, extract_answer
 from mlx_grpo.rollout.engine import RolloutEngine, check_rollout_model
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
-from mlx_grpo.prompts import WorkedExamples, build_run_prompts, question_text, select_worked_examples
 from mlx_grpo.rollout.records import SamplingParams
-from mlx_grpo.sources import run_examples
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 

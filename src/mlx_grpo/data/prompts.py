@@ -2,7 +2,7 @@
 
 Owns which training examples are shown as worked examples (`draw_worked_examples`: a seeded draw from the
 training split, never an example whose question is in the evaluation set), how each is written (its
-question, then its reference completion in the run's format, solutions.py), and the one system-prompt text
+question, then its reference completion in the run's format, data/solutions.py), and the one system-prompt text
 that training rollouts and evaluation both encode (`RunPrompt`). The measured lever behind the feature: one
 worked example in the system prompt took the arith preset from a model that never wrote an <answer> block to
 one that does from its first updates (issue 22).
@@ -18,10 +18,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mlx_grpo.data import Example
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.data.examples import Example
+from mlx_grpo.data.solutions import Style, reference_completion, reference_segments, style_for
 from mlx_grpo.rollout.multiturn import encode_prompts
-from mlx_grpo.solutions import Style, reference_completion, reference_segments, style_for
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINING_FILES, adapter_modules, has_full_weights,
                                       is_adapter_checkpoint, is_quantized)
 from mlx_grpo.models.loading import load_with_adapters

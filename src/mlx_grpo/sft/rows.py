@@ -2,7 +2,7 @@
 
 Three sources, each tokenized as `train` sees it:
 - the run's data set (`gsm8k`, `arith`, or a GSM8K-form / prompt-answer file): every example's prompt is
-  encoded exactly as `train` encodes it (system prompt with its worked examples, prompts.py; chat template,
+  encoded exactly as `train` encodes it (system prompt with its worked examples, data/prompts.py; chat template,
   prefill, tools; multiturn.encode_prompts)
   and the target is its worked solution written in the run's answer format (solutions.reference_segments),
   the part after the prefill; with the calculator its computations are calls and the tool's answers context;
@@ -19,12 +19,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_grpo.data import Example, subset
-from mlx_grpo.sources import run_examples
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.data.examples import Example, subset
+from mlx_grpo.data.prompts import RunPrompt, build_run_prompts, select_worked_examples
+from mlx_grpo.data.solutions import Segment, after_prefill, reference_segments, style_for
+from mlx_grpo.data.sources import run_examples
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts
-from mlx_grpo.prompts import RunPrompt, build_run_prompts, select_worked_examples
-from mlx_grpo.solutions import Segment, after_prefill, reference_segments, style_for
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def is_sft_file(path: Path) -> bool:
 def reference_rows(examples: list[Example], tokenizer, cfg, multiturn: MultiTurn | None,
                    system: str) -> tuple[list[SFTRow], int]:
     """Rows of question/answer examples whose target is their worked solution in the run's answer format
-    (solutions.py): the model's text is trained; with the calculator, the tool's answers between its calls
+    (data/solutions.py): the model's text is trained; with the calculator, the tool's answers between its calls
     are context, as multi-turn rollouts feed them. Examples without a worked solution are left out."""
     style = style_for(cfg, multiturn.fmt if multiturn is not None else None)
     pieces = [reference_segments(e, style) for e in examples]
@@ -248,7 +248,7 @@ class SFTData:
 
 def load_sft_data(cfg, tokenizer, multiturn: MultiTurn | None, say=print) -> SFTData:
     """The rows of an sft run (max_train_samples of them, a seeded subset as `train` takes), its eval subset
-    and its prompts. Worked examples are drawn as `train` draws them (prompts.py: from the whole training
+    and its prompts. Worked examples are drawn as `train` draws them (data/prompts.py: from the whole training
     split, never an eval question) and their examples are left out of the rows, as `train` leaves them out."""
     path = Path(cfg.data.dataset_path).expanduser() if cfg.data.dataset_path else None
     evals = None

@@ -1,4 +1,4 @@
-"""The supervised steps of `mlx-grpo sft` (sft_run.py drives them): the completion-only loss, its
+"""The supervised steps of `mlx-grpo sft` (commands/sft.py drives them): the completion-only loss, its
 micro-batched gradient, the AdamW update on the float32 masters, and the state a checkpoint holds.
 
 The loss of an update is the mean negative log-likelihood over the trained (completion) tokens of all its
@@ -21,15 +21,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mlx_grpo import checkpoint as ckpt
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import Config
-from mlx_grpo.data import EpochSampler
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.examples import EpochSampler
 from mlx_grpo.models.adapters import ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
 from mlx_grpo.models.precision import MasterWeights, dtype_name
 from mlx_grpo.rollout.sampling import pad_token_id
-from mlx_grpo.sft_data import SFTRow
+from mlx_grpo.sft.rows import SFTRow
+from mlx_grpo.storage import checkpoint as ckpt
 from mlx_grpo.training.gradients import clip_by_global_norm
 from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
 

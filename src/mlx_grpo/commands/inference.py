@@ -14,9 +14,9 @@ from typing import Callable, Iterable, Iterator, TextIO
 
 import mlx.core as mx
 
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.base.interrupt import interrupts_raise
 from mlx_grpo.config import Config
-from mlx_grpo.errors import UserError
-from mlx_grpo.interrupt import interrupts_raise
 
 
 @dataclass

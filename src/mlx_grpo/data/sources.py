@@ -2,7 +2,7 @@
 file, a saved data set directory or a Hugging Face hub id, with the prompt and answer columns detected
 (config.PROMPT_COLUMNS, config.ANSWER_COLUMNS) or named (`prompt_column`, `answer_column`).
 
-Rows are mapped to data.py's generic form (`prompt`, `answer`, every other column) and converted there, so
+Rows are mapped to data/examples.py's generic form (`prompt`, `answer`, every other column) and converted there, so
 a file in the old forms (`prompt`/`answer`, GSM8K's `question`/`answer ... #### N`) loads as before.
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import ANSWER_COLUMNS, PROMPT_COLUMNS, dataset_kind, unknown_dataset
-from mlx_grpo.data import Example, load_examples as load_builtin, read_rows, row_to_example
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.examples import Example, load_examples as load_builtin, read_rows, row_to_example
 
 BOXED = "\\boxed{"
 
@@ -80,7 +80,7 @@ def to_examples(rows: Sequence[tuple[str, Any]], source: str, prompt_column: str
         answer = row[answer_col]
         gsm8k = prompt_col == "question" and answer_col == "answer" and isinstance(answer, str) and "####" in answer
         if (prompt_col, answer_col) == ("prompt", "answer") or gsm8k:
-            out.append(row_to_example(row, loc))  # data.py's own forms, unchanged
+            out.append(row_to_example(row, loc))  # data/examples.py's own forms, unchanged
             continue
         # Other columns named prompt/answer would collide with the generic form's two: left out.
         rest = {k: v for k, v in row.items() if k not in (prompt_col, answer_col, "prompt", "answer")}
@@ -117,7 +117,7 @@ def _hub_rows(name: str, split: str, directory: bool) -> list[tuple[str, Any]]:
 def load_examples(dataset: str, split: str, path: str | None, seed: int, *, arith_max_steps: int = 4,
                   prompt_column: str = "", answer_column: str = "", path_key: str | None = None) -> list[Example]:
     """The examples of a run's `split`: from `path` when given (a file or directory), else from `dataset`.
-    path_key: the config key that gives a local file instead, named in hints (data.load_examples)."""
+    path_key: the config key that gives a local file instead, named in hints (examples.load_examples)."""
     source = path or dataset
     if dataset == "shapes" and not path:  # the built-in image task (vlm/shapes.py), sized like arith's splits
         from mlx_grpo.vlm.shapes import make_shapes

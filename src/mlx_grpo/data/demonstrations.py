@@ -1,7 +1,7 @@
 """Demonstrations in the group: off-policy guidance as in LUFFY (Yan et al. 2025, "Learning to Reason under
 Off-Policy Guidance", arXiv 2504.14945). With `demonstrations = zero_groups`, a group none of whose sampled
 completions earned anything (> 0 of the total reward, or of `demo_reward`) has its LAST completion replaced
-by the example's reference solution in the run's format (solutions.py: the data's `completion` column,
+by the example's reference solution in the run's format (data/solutions.py: the data's `completion` column,
 GSM8K's worked solution, the one `arith` writes); the group's advantages are then computed with the
 demonstration in it, so the group has something to reinforce where it had nothing.
 
@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.data import Example, reward_columns
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.data.examples import Example, reward_columns
+from mlx_grpo.data.solutions import Style, after_prefill, reference_completion, style_for
 from mlx_grpo.rewards.scoring import RewardScores, RewardSet, overlong_penalty
 from mlx_grpo.rollout.records import Rollout
-from mlx_grpo.solutions import Style, after_prefill, reference_completion, style_for
 
 
 def groups_without_reward(scores: RewardScores, group_size: int, reward: str = "") -> np.ndarray:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata, util
 from pathlib import Path
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 ENV = "MLX_GRPO_BLAS"
 OPT_OUT = "reference"

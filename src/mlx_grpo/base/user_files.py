@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 
 def one_line(exc: BaseException) -> str:

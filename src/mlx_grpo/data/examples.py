@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import BUILTIN_DATASETS as DATASETS
-from mlx_grpo.errors import UserError
 from mlx_grpo.rewards.builtin import RESERVED_ARGS
 
 # Seed offset of the arith test split: far from any seed a user would pick for train.
@@ -29,7 +29,7 @@ class Example:
     answer: str  # gold final answer, e.g. "72"
     columns: dict = field(default_factory=dict)  # every other column, passed to the rewards
     # The worked solution in GSM8K's form ("48/2 = <<48/2=24>>24 ...\n#### 24"): GSM8K's own, or the one arith
-    # writes; "" when there is none. Not a column: rewards never see it; solutions.py writes it as a completion.
+    # writes; "" when there is none. Not a column: rewards never see it; data/solutions.py writes it as a completion.
     solution: str = ""
 
 

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 # matplotlib is a base dependency: only an environment set up by other means lacks it.
 INSTALL_HINT = "pip install matplotlib (or re-run bash scripts/setup.sh)"
@@ -79,7 +79,7 @@ def _panel(ax, title: str, lines: list[tuple[str, tuple[list, list], dict]], yla
         ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, fontsize=12, color="gray")
 
 
-# Warnings given once (health.py) whose update the plot marks: a kind's prefix -> its colour.
+# Warnings given once (reporting/health.py) whose update the plot marks: a kind's prefix -> its colour.
 MARKED_WARNINGS = {"plateau": "C3", "gaming": "C1"}
 
 

@@ -1,11 +1,11 @@
 """`mlx-grpo sft`'s run: the supervised warm start before GRPO. The run directory, resume, the update loop
-with its logs (metrics.jsonl, eval.jsonl), evaluations and checkpoints; sft.py owns the steps and
-sft_data.py the rows.
+with its logs (metrics.jsonl, eval.jsonl), evaluations and checkpoints; sft/steps.py owns the steps and
+sft/rows.py the rows.
 
-The checkpoints are `train`'s kind (checkpoint.py): a full-weight one is a complete model directory, so
+The checkpoints are `train`'s kind (storage/checkpoint.py): a full-weight one is a complete model directory, so
 `mlx-grpo train --set model_name=RUN_DIR/checkpoint-N` starts GRPO from exactly its weights (its float32
 masters too, assembly.build_model); an adapter one is merged first with `mlx-grpo fuse` (docs/sft.md), as the
-summary's last line and sft.start_from's hints say.
+summary's last line and sft/steps.start_from's hints say.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.assembly import build_model
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.assembly import build_model
+from mlx_grpo.commands.evaluate import answer_records, summarize
 from mlx_grpo.config import Config, save_json, to_dict
-from mlx_grpo.distributed import World
+from mlx_grpo.reporting.logs import RunLogger, console, duration, fmt, pace
+from mlx_grpo.reporting.reporters import Reporters, check_installed
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.errors import UserError
-from mlx_grpo.evaluate import answer_records, summarize
-from mlx_grpo.logs import RunLogger, console, duration, fmt, pace
 from mlx_grpo.rollout.multiturn import multiturn_for
-from mlx_grpo.reporting import Reporters, check_installed
-from mlx_grpo.run_dir import check_writable, prepare_run_dir
-from mlx_grpo.sft import SFTTrainer, check_sft_checkpoint, fused_dir
-from mlx_grpo.sft_data import SFTData, load_sft_data
+from mlx_grpo.sft.rows import SFTData, load_sft_data
+from mlx_grpo.sft.steps import SFTTrainer, check_sft_checkpoint, fused_dir
+from mlx_grpo.storage import checkpoint as ckpt
+from mlx_grpo.storage.run_dir import check_writable, prepare_run_dir
+from mlx_grpo.training.distributed import World
 
 
 def run_sft(cfg: Config, resume: str | None = None) -> Path:
@@ -86,7 +86,7 @@ def _resume(trainer: SFTTrainer, resume: str | None, logger: RunLogger) -> None:
 
 def _evaluate(trainer: SFTTrainer, engine: RolloutEngine, data: SFTData, multiturn, logger: RunLogger,
               reporters: Reporters, trigger: str) -> dict:
-    """Greedy exact match of the model now on the eval subset (evaluate.py, with the prompt `train`
+    """Greedy exact match of the model now on the eval subset (commands/evaluate.py, with the prompt `train`
     evaluates with), logged."""
     cfg = trainer.cfg
     engine.refresh(trainer.model)  # the weights changed since the engine last sampled

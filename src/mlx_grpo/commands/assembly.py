@@ -1,4 +1,4 @@
-"""Assembling a run from a Config (run.py and the benches call `build_job`): the training and
+"""Assembling a run from a Config (commands/train.py and the benches call `build_job`): the training and
 evaluation examples, the reward set, the model loaded and cast to its compute dtype with its float32
 masters, LoRA/DoRA adapters and the QLoRA base (`build_model`, which `mlx-grpo sft` shares), the KL
 reference model, the start-up memory check for the rollouts (and the rollout engine's copy), and the
@@ -16,36 +16,36 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_grpo.checkpoint import list_checkpoints, load_masters
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.evaluate import answer_records
 from mlx_grpo.config import Config
-from mlx_grpo.data import subset
-from mlx_grpo.demonstrations import check_references
-from mlx_grpo.distributed import World
-from mlx_grpo.rollout.engine import check_rollout_model, uses_copy
-from mlx_grpo.errors import UserError
-from mlx_grpo.health import prompt_cut_report
+from mlx_grpo.data.demonstrations import check_references
+from mlx_grpo.data.examples import subset
+from mlx_grpo.data.prompts import select_worked_examples
+from mlx_grpo.data.sources import run_examples
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, apply_adapters, quantize_base
 from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.loading import load_model, resolve_model_path
-from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
-from mlx_grpo.evaluate import answer_records
+from mlx_grpo.reporting.health import prompt_cut_report
+from mlx_grpo.rewards.workers import build_reward_set
+from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
+from mlx_grpo.rollout.engine import check_rollout_model, uses_copy
 from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.multiturn import encode_prompts
+from mlx_grpo.sft.steps import adapter_model_error
+from mlx_grpo.storage.checkpoint import list_checkpoints, load_masters
+from mlx_grpo.training.distributed import World
 from mlx_grpo.training.job import Job, make_job
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.served_teacher import ServedTeacher
-from mlx_grpo.prompts import select_worked_examples
-from mlx_grpo.sft import adapter_model_error
-from mlx_grpo.rewards.workers import build_reward_set
-from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
-from mlx_grpo.sources import run_examples
 
 
 @dataclass
 class TrainedModel:
     """A model ready to train: in its compute dtype, with its float32 masters, adapters (lora/dora) and the
-    QLoRA base as configured; what `build_job` and `mlx-grpo sft` (sft.py) start from."""
+    QLoRA base as configured; what `build_job` and `mlx-grpo sft` (sft/steps.py) start from."""
 
     model: object
     tokenizer: object
