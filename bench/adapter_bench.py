@@ -120,7 +120,7 @@ def check_inputs(args: argparse.Namespace, variants: list[str]) -> None:
     """Everything that can be checked before a child starts: keys and values of every variant's config,
     the model path, the data file and its size."""
     from mlx_grpo.data.examples import load_examples
-    from mlx_grpo.models.loading import resolve_model_path
+    from mlx_grpo.models.model_loading import resolve_model_path
 
     configs = [build_config("train", overrides=parse_set(variant_overrides(args, v, "unused"))) for v in variants]
     resolve_model_path(args.model)  # a missing directory is one line here; the default converts once

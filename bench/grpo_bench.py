@@ -70,10 +70,10 @@ from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.data.examples import load_examples
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.forward import pack
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout, supports_static_cache
 from mlx_grpo.rollout.engine import uses_copy
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.policy import logprob_pass
 from mlx_grpo.training.records import StepData, UpdateSteps

@@ -85,9 +85,9 @@ def rollout_precision(model_dir: Path, rows: int = 128, tokens: int = 64) -> lis
     """ms per decode step and memory of one rollout from float32 / bf16 weights, plain and 4-bit."""
     import mlx.nn as nn
 
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     results = []
     for dtype, bits in [("float32", None), ("float32", 4), ("bfloat16", None), ("bfloat16", 4)]:

@@ -213,7 +213,7 @@ def write_model_dir(name: str, target: Path, tokenizer_dir: Path, dtype: mx.Dtyp
 def default_tokenizer_dir() -> Path:
     """The embedded default model's directory (converted once into the cache): its tokenizer."""
     from mlx_grpo.config import DEFAULT_MODEL
-    from mlx_grpo.models.loading import resolve_model_path
+    from mlx_grpo.models.model_loading import resolve_model_path
 
     return Path(resolve_model_path(DEFAULT_MODEL))
 

@@ -40,7 +40,7 @@ def main() -> None:
     from mlx_grpo.commands.convert import run_convert
     from mlx_grpo.config import build_config
     from mlx_grpo.training.records import UpdateSteps
-    from mlx_grpo.vlm.tiny import write_tiny_vlm
+    from mlx_grpo.vlm.tiny_vlm import write_tiny_vlm
 
     with tempfile.TemporaryDirectory() as tmp:
         shape = SHAPES[args.shape]

@@ -99,7 +99,7 @@ def _no_end_of_run_curves(request, monkeypatch):
 def tiny_vlm_hf_dir(tmp_path_factory) -> Path:
     """A 2-layer random-weight Qwen2-VL in Hugging Face form (transformers, torch CPU), written offline."""
     pytest.importorskip("mlx_vlm")
-    from mlx_grpo.vlm.tiny import write_tiny_vlm
+    from mlx_grpo.vlm.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "hf")
 

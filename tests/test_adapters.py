@@ -22,7 +22,7 @@ from mlx_grpo.commands.fuse import run_fuse
 from mlx_grpo.config import Config
 from mlx_grpo.models.adapters import (adapter_modules, adapter_parameters, adapters_disabled, apply_adapters,
                                       is_adapter_checkpoint, lora_block_keys, quantize_base)
-from mlx_grpo.models.loading import load_model, load_with_adapters
+from mlx_grpo.models.model_loading import load_model, load_with_adapters
 from mlx_grpo.models.tiny import write_tiny_family
 from mlx_grpo.storage import checkpoint as ckpt
 

@@ -269,7 +269,7 @@ def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir,
     from mlx.utils import tree_flatten
 
     from mlx_grpo.commands import assembly
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.decode import rollout_memory_bytes
 
     model = load_model(str(tiny_model_dir), "float32")[0]

@@ -16,7 +16,7 @@ from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.forward import completion_logprobs, pack
 from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.training.records import UpdateSteps
 
 PROMPTS = [[17, 90], [120, 45, 203, 8, 77, 150, 33, 64, 99, 12, 250], [5, 6, 7]]

@@ -10,7 +10,7 @@ import numpy as np
 from mlx_grpo.commands import evaluate
 from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -145,12 +145,12 @@ def test_an_output_that_cannot_be_written_stops_eval_before_the_model_loads(tiny
                                                                            capsys):
     """An --output the system refuses (here a name longer than a file name may be; a read-only directory as
     well, but root writes there) is one line and exit 2 before the model loads, not after every question."""
-    from mlx_grpo.models import loading
+    from mlx_grpo.models import model_loading
 
     def never(*args, **kwargs):
         raise AssertionError("the model loaded before the output was checked")
 
-    monkeypatch.setattr(loading, "load_model", never)
+    monkeypatch.setattr(model_loading, "load_model", never)
     out = tmp_path / ("x" * 300 + ".jsonl")
     assert main(["eval", "--model", str(tiny_model_dir), "--samples", "2", "--output", str(out)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
@@ -199,7 +199,7 @@ def test_the_decode_loop_reports_rows_as_they_end(tiny_model_dir):
     from mlx_lm import load
 
     from mlx_grpo.rollout.engine import RolloutEngine
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     model, tok = load(str(tiny_model_dir))
     prompts = [tok.encode("a b"), tok.encode("c")]

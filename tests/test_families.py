@@ -24,10 +24,10 @@ from mlx_grpo.commands import evaluate
 from mlx_grpo.commands.train import train
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.models.forward import completion_logprobs, logit_split, pack, supports_layer_checkpointing, token_logprobs
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.models.tiny import FAMILY_CONFIGS, write_tiny_family
 from mlx_grpo.rollout.decode import generate_rollout
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = sorted(FAMILY_CONFIGS)

@@ -1,4 +1,4 @@
-"""The CUDA sampling's draws (rollout/keyed_bits.py), checked on the CPU: a numpy threefry2x32 written from
+"""The CUDA sampler's draws (rollout/keyed_bits.py), checked on the CPU: a numpy threefry2x32 written from
 the Threefry paper with the counter layout the kernel uses reproduces MLX's own uniform draws per key, and
 categorical_from_bits on those bits picks MLX's categorical token for every row. The kernel itself runs only
 on CUDA; bench/rollout_bench.check_sampler_kernel compares it with MLX there."""
@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_grpo.rollout import sampling
+from mlx_grpo.rollout import sampler
 from mlx_grpo.rollout.keyed_bits import categorical_from_bits, gumbel_from_bits
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's, Salmon et al. 2011, table 4
 MASK = np.uint64(0xFFFFFFFF)
@@ -71,7 +71,7 @@ def test_categorical_from_bits_picks_mlx_categorical_tokens(vocab, scale):
     want = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(filtered, keys)
     bits = layout_bits(keys, vocab)
     assert want.tolist() == categorical_from_bits(filtered, bits).tolist()
-    assert want.tolist() == mx.compile(categorical_from_bits)(filtered, bits).tolist()  # as the sampling runs it
+    assert want.tolist() == mx.compile(categorical_from_bits)(filtered, bits).tolist()  # as the sampler runs it
 
 
 def test_sample_through_the_keyed_path_draws_the_same_tokens(monkeypatch):
@@ -80,10 +80,10 @@ def test_sample_through_the_keyed_path_draws_the_same_tokens(monkeypatch):
     params = SamplingParams(max_new_tokens=4, temperature=0.9, top_p=0.95, top_k=50)
     logits = mx.random.normal((48, 300), key=mx.random.key(5)) * 2
     keys = mx.random.split(mx.random.key(9), 48)
-    want = sampling.sample(logits, keys, params)
-    monkeypatch.setattr(sampling, "kernel_available", lambda: True)
-    monkeypatch.setattr(sampling, "keyed_bits", layout_bits)
-    got = sampling.sample(logits, keys, params)
+    want = sampler.sample(logits, keys, params)
+    monkeypatch.setattr(sampler, "kernel_available", lambda: True)
+    monkeypatch.setattr(sampler, "keyed_bits", layout_bits)
+    got = sampler.sample(logits, keys, params)
     for a, b in zip(want, got):
         assert a.tolist() == b.tolist()
 

@@ -27,13 +27,17 @@ LAYER_OF = {
     "models": "models", "vlm": "models",
     # stages: what an update's stages need, and the data they read: rollouts, tools, rewards, examples, storage
     "tools": "stages", "rewards": "stages", "rollout": "stages", "data": "stages", "storage": "stages",
-    "vlm.rollout": "stages", "vlm.shapes": "stages",
+    "vlm.image_rollout": "stages", "vlm.shapes": "stages",
     # training: the update, its state and logs (GRPO and SFT)
-    "training": "training", "sft": "training", "reporting": "training", "vlm.sampling": "training",
+    "training": "training", "sft": "training", "reporting": "training", "vlm.image_prompts": "training",
     # commands: what the CLI runs, and the assembly of a run from a Config
-    "commands": "commands", "__main__": "commands", "vlm.convert": "commands",
-    "vlm.inference": "commands", "vlm.evaluate": "commands", "vlm.assembly": "commands",
+    "commands": "commands", "__main__": "commands", "vlm.vision_convert": "commands",
+    "vlm.vision_inference": "commands", "vlm.vision_eval": "commands", "vlm.vision_job": "commands",
 }
+
+# Module file names shared by two or more modules (__init__.py, __main__.py aside), each with why no clearer name
+# exists; a name no longer shared fails the test.
+SHARED_BASENAMES: dict[str, str] = {}
 
 
 def layer(name: str) -> int | None:
@@ -203,3 +207,34 @@ def test_modules_are_short():
         f"{name} ({n})" for name, n in sorted(long.items()) if name not in LONG_MODULES)
     stale = set(LONG_MODULES) - set(long)
     assert not stale, f"{', '.join(sorted(stale))} no longer over {MAX_LINES} lines: drop it from LONG_MODULES"
+
+
+def shared_basenames(src: Path = SRC) -> dict[str, list[str]]:
+    """Module file names (__init__.py, __main__.py aside) that more than one module has: name -> the modules."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules(src).items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            found.setdefault(path.name, []).append(name)
+    return {base: names for base, names in found.items() if len(names) > 1}
+
+
+def test_no_two_modules_share_a_basename():
+    """A file name says what its module owns: two `loading.py`s make a reader (and a traceback) ask which one."""
+    shared = shared_basenames()
+    unexplained = {base: names for base, names in shared.items() if base not in SHARED_BASENAMES}
+    assert not unexplained, "modules sharing a file name (rename one, or say why in SHARED_BASENAMES): " + \
+        "; ".join(f"{base}: {', '.join(names)}" for base, names in sorted(unexplained.items()))
+    stale = set(SHARED_BASENAMES) - set(shared)
+    assert not stale, f"{', '.join(sorted(stale))} no longer shared: drop it from SHARED_BASENAMES"
+
+
+def test_the_basename_rule_catches_a_shared_name(tmp_path):
+    pkg = tmp_path / PACKAGE
+    for sub in ("models", "rewards"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+        (pkg / sub / "loading.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("")
+    (pkg / "models" / "forward.py").write_text("")
+    assert shared_basenames(tmp_path) == {"loading.py": ["mlx_grpo.models.loading", "mlx_grpo.rewards.loading"]}

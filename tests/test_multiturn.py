@@ -18,10 +18,10 @@ from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.loss import group_advantages
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 from mlx_grpo.tools.environments import Environment, StepResult, ToolEnvironment
 from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn

@@ -24,7 +24,7 @@ from mlx_grpo.commands.evaluate import run_eval
 from mlx_grpo.commands.inference import run_chat
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.training.policy import logprob_pass
 from nanochat_fixture import CONFIG, make_encoding, random_state_dict, write_checkpoint
 

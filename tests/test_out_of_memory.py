@@ -45,8 +45,8 @@ def test_the_phase_comes_from_the_traceback():
     assert out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8"), "merge it first: mlx-grpo fuse ...").endswith(
         "(fresh optimizer, schedule and data order): merge it first: mlx-grpo fuse ... --set "
         "run_name=grpo-from-checkpoint-8.")
-    # vision-language rollouts decode in vlm/rollout.py, under training/sampling.py
-    vlm = raised_in([f"{root}/training/sampling.py", f"{root}/vlm/sampling.py", f"{root}/vlm/rollout.py"],
+    # vision-language rollouts decode in vlm/image_rollout.py, under training/sampling.py
+    vlm = raised_in([f"{root}/training/sampling.py", f"{root}/vlm/image_prompts.py", f"{root}/vlm/image_rollout.py"],
                     CUDA_OOM)
     assert "while sampling rollouts" in out_of_memory(vlm, "train")
     # an evaluation decodes through rollout/ too: its own settings are the ones to lower

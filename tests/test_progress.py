@@ -121,7 +121,7 @@ def test_bar_shows_the_phase(tiny_model_dir, tmp_path, monkeypatch):
 def test_evaluation_bar_over_the_examples(tiny_model_dir, monkeypatch, progress):
     """The bar counts examples as each batch of eval_batch_size is answered; progress=False (the
     non-main ranks) shows none."""
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.models.model_loading import load_model
 
     buf = io.StringIO()
     monkeypatch.setattr(evaluate, "tqdm", lambda *a, **k: tqdm(*a, **{**k, "file": buf, "mininterval": 0,

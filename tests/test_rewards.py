@@ -8,7 +8,7 @@ import pytest
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.rewards.builtin import BUILTIN_REWARDS, SYSTEM_PROMPT, answers_match, correctness, extract_answer
-from mlx_grpo.rewards.loading import load_reward_function
+from mlx_grpo.rewards.reward_loading import load_reward_function
 from mlx_grpo.rewards.scoring import RewardSet
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -16,7 +16,7 @@ from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.models.forward import token_logprobs
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.sft.rows import SFTRow, conversation_row, end_id, file_rows, target_ids
 from mlx_grpo.sft.steps import make_grad_fn, micro_batches, nll_sums, pack_rows, sft_gradients

@@ -18,7 +18,7 @@ from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.training import trainer as trainer_mod
 from mlx_grpo.training.draws import varied_groups
 from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn

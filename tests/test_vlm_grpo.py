@@ -68,7 +68,7 @@ def test_logprobs_equal_a_naive_forward_with_the_image(job, tiny_vlm_dir):
     from mlx_vlm import load
 
     from mlx_grpo.training.policy import logprob_pass
-    from mlx_grpo.vlm.rollout import encode_vision_prompt
+    from mlx_grpo.vlm.image_rollout import encode_vision_prompt
 
     examples = job.sampling.next_examples()
     step = [job.sampling.batch_step(examples)][0]

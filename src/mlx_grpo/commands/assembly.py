@@ -26,7 +26,7 @@ from mlx_grpo.data.sources import run_examples
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import ADAPTER_LAYERS, apply_adapters, quantize_base
 from mlx_grpo.models.forward import supports_layer_checkpointing
-from mlx_grpo.models.loading import load_model, resolve_model_path
+from mlx_grpo.models.model_loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import MasterWeights, cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.reporting.health import prompt_cut_report
 from mlx_grpo.rewards.workers import build_reward_set
@@ -115,7 +115,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
     in a data-parallel run (default: alone)."""
     if cfg.data.image_column:  # GRPO on image + text prompts (vlm/)
-        from mlx_grpo.vlm.assembly import build_vision_job
+        from mlx_grpo.vlm.vision_job import build_vision_job
 
         return build_vision_job(cfg, world)
     train = run_examples(cfg, "train")
@@ -231,7 +231,7 @@ def check_prompt_lengths(job: Job, measured: int = 2000) -> None:
     """Say at start how much max_prompt_length cuts the training prompts (a seeded sample of them), and
     refuse a length that would cut the question out of most of them."""
     cfg = job.cfg
-    if cfg.data.image_column:  # image prompts are never cut: vlm/rollout.py refuses a longer one
+    if cfg.data.image_column:  # image prompts are never cut: vlm/image_rollout.py refuses a longer one
         return
     whole = replace(cfg, max_prompt_length=sys.maxsize)  # each prompt's length uncut
     examples = subset(job.train_examples, measured, cfg.run.seed)

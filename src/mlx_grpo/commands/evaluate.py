@@ -28,7 +28,7 @@ from mlx_grpo.data.sources import run_examples
 from mlx_grpo.rewards.builtin import answers_match, extract_answer
 from mlx_grpo.rollout.engine import RolloutEngine, check_rollout_model
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, model_texts, multiturn_for, rollouts, tool_use
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 _LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
@@ -273,8 +273,8 @@ def finish_eval(cfg: Config, job: EvalJob, result: EvalResult, prompt_record: di
 
 def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
     """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written.
-    (Image data sets: vlm/evaluate.py's run_vision_eval.)"""
-    from mlx_grpo.models.loading import load_model
+    (Image data sets: vlm/vision_eval.py's run_vision_eval.)"""
+    from mlx_grpo.models.model_loading import load_model
 
     job = prepare_eval(cfg, split, output)
     model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)

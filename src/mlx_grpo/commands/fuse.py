@@ -12,7 +12,7 @@ from mlx.utils import tree_unflatten
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINING_FILES, adapter_modules, has_full_weights,
                                       is_adapter_checkpoint, is_quantized)
-from mlx_grpo.models.loading import load_with_adapters
+from mlx_grpo.models.model_loading import load_with_adapters
 from mlx_grpo.models.precision import cast_floats
 from mlx_grpo.models.writing import copy_model_files, exists_error, staged_output
 

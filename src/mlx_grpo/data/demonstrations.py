@@ -24,7 +24,7 @@ from mlx_grpo.base.errors import UserError
 from mlx_grpo.data.examples import Example, reward_columns
 from mlx_grpo.data.solutions import Style, after_prefill, reference_completion, style_for
 from mlx_grpo.rewards.scoring import RewardScores, RewardSet, overlong_penalty
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
 
 
 def groups_without_reward(scores: RewardScores, group_size: int, reward: str = "") -> np.ndarray:

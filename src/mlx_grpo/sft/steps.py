@@ -27,7 +27,7 @@ from mlx_grpo.data.examples import EpochSampler
 from mlx_grpo.models.adapters import ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
 from mlx_grpo.models.precision import MasterWeights, dtype_name
-from mlx_grpo.rollout.sampling import pad_token_id
+from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.sft.rows import SFTRow
 from mlx_grpo.storage import checkpoint as ckpt
 from mlx_grpo.training.gradients import clip_by_global_norm

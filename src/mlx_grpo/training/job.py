@@ -1,4 +1,4 @@
-"""One `mlx-grpo train` run's parts, wired together (commands/assembly.py and vlm/assembly.py call `make_job`): the
+"""One `mlx-grpo train` run's parts, wired together (commands/assembly.py and vlm/vision_job.py call `make_job`): the
 sampling stage and the step source over it, the Trainer that updates, the run's health checks, the
 evaluation set and prompt; and the checkpoint state of them all (state, restore, save). commands/train.py's loop is
 `while (steps := job.source.next()): job.trainer.update(steps)` with evaluation, logs and saving around it.
@@ -25,7 +25,7 @@ from mlx_grpo.reporting.health import RunHealth
 from mlx_grpo.rewards.scoring import RewardSet
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import multiturn_for
-from mlx_grpo.rollout.sampling import pad_token_id
+from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.storage import checkpoint as ckpt
 from mlx_grpo.training.distributed import World
 from mlx_grpo.training.policy import Policies

@@ -20,7 +20,7 @@ from mlx_grpo.training.distributed import World
 from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, rollouts
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.training.draws import (batch_stats, draw_scores, informative_batch, reward_inputs, row_keys,
                                      varied_groups)
 from mlx_grpo.training.policy import Policies

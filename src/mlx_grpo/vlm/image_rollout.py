@@ -1,7 +1,7 @@
 """Image + text prompts and their rollouts: each prompt built with the model's processor and chat template,
 its images encoded once (VisionPolicy.register), prefilled once, and its KV cache repeated for its G samples;
 all prompts' samples then decode together (left-padded caches, the padding masked). Sampling is
-rollout/sampling.sample with one key per row and step, so a row's tokens depend on its key only (same keys, same
+rollout/sampler.sample with one key per row and step, so a row's tokens depend on its key only (same keys, same
 rollout; a resumed run samples what the uninterrupted one did; a prompt decoded alone samples what it does in a
 batch)."""
 
@@ -15,8 +15,8 @@ import numpy as np
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.data.examples import Example
-from mlx_grpo.rollout.records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampling import sample
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampler import sample
 from mlx_grpo.vlm.images import image_name, load_image
 from mlx_grpo.vlm.policy_model import VisionPolicy
 

@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.rollout.keyed_bits import categorical_from_bits, keyed_bits
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 
 
 def _entropy(logprobs: mx.array) -> mx.array:

@@ -1,7 +1,7 @@
 """Evaluation on image + text prompts: the answers of a GRPO run's in-run evaluation on images (vlm/sampling.ImagePrompts)
 and `mlx-grpo eval` of a vision-language model or checkpoint on a data set with an image column. Records and
 the summary line are commands/evaluate.py's, each record naming its images; prompts are built as training builds them
-(vlm/rollout.py), answered greedily (or sampled for pass@k) through the same rollout."""
+(vlm/image_rollout.py), answered greedily (or sampled for pass@k) through the same rollout."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from mlx_grpo.data.examples import Example
 from mlx_grpo.data.prompts import build_run_prompts
 from mlx_grpo.rewards.builtin import answers_match, extract_answer
 from mlx_grpo.rollout.multiturn import multiturn_for
-from mlx_grpo.rollout.records import SamplingParams
-from mlx_grpo.rollout.sampling import pad_token_id
+from mlx_grpo.rollout.rollout_records import SamplingParams
+from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
-from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
+from mlx_grpo.vlm.image_rollout import encode_vision_prompt, vision_rollout
 from mlx_grpo.vlm.policy_model import VisionPolicy
 
 
@@ -63,7 +63,7 @@ def load_eval_model(model_name: str, model_dtype: str):
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from mlx_grpo.models.precision import cast_floats, compute_dtype
-    from mlx_grpo.vlm.inference import load_vlm
+    from mlx_grpo.vlm.vision_inference import load_vlm
 
     check_grpo_family(read_config(Path(model_name).expanduser()).get("model_type", ""), model_name)
     vlm, processor = load_vlm(model_name)

@@ -2,7 +2,7 @@
 rewards as for text, the mlx-vlm model loaded and wrapped (VisionPolicy) in its compute dtype with its float32
 masters, LoRA/DoRA on the language model's blocks, the vision tower frozen unless train_vision, and the KL
 reference sharing the feature table; the run's parts wired as for text (training/job.py), with ImagePrompts
-(vlm/sampling.py) in the sampling stage."""
+(vlm/image_prompts.py) in the sampling stage."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.precision import MasterWeights, cast_floats, compute_dtype, dtype_name
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.sampling import pad_token_id
+from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.training.distributed import World
 from mlx_grpo.training.job import Job, make_job
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
-from mlx_grpo.vlm.sampling import ImagePrompts
+from mlx_grpo.vlm.image_prompts import ImagePrompts
 from mlx_grpo.vlm.policy_model import VisionPolicy
-from mlx_grpo.vlm.evaluate import vision_answer_records
-from mlx_grpo.vlm.inference import load_vlm
+from mlx_grpo.vlm.vision_eval import vision_answer_records
+from mlx_grpo.vlm.vision_inference import load_vlm
 
 
 def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:

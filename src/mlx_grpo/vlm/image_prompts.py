@@ -1,5 +1,5 @@
 """GRPO on image + text prompts: how they encode and decode in the sampling stage (training/sampling.py takes
-ImagePrompts in place of TextPrompts). Prompts are built by the model's processor and drawn by vlm/rollout.py;
+ImagePrompts in place of TextPrompts). Prompts are built by the model's processor and drawn by vlm/image_rollout.py;
 everything after the rollout (rewards, advantages, the old/reference log-prob passes, the micro-batched update
 on float32 masters, TIS, checkpoints, resume) is the text run's own: the model is a VisionPolicy, whose forward
 reads each prompt's image features from the shared table by token id."""
@@ -10,15 +10,15 @@ from pathlib import Path
 
 from mlx_grpo.config import Config
 from mlx_grpo.data.examples import Example
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.records import Batch
-from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
+from mlx_grpo.vlm.image_rollout import encode_vision_prompt, vision_rollout
 from mlx_grpo.vlm.images import image_name
 
 
 class ImagePrompts:
-    """Image + text prompts: the processor encodes them (never cut: vlm/rollout.py refuses a longer one), each
+    """Image + text prompts: the processor encodes them (never cut: vlm/image_rollout.py refuses a longer one), each
     prompt's image features are registered in the policy's table once, and vision_rollout decodes them."""
 
     multiturn = None  # image runs are single-turn (validation)
