@@ -90,7 +90,7 @@ def test_the_cli_sets_it_before_mlx_is_imported(tmp_path):
     """`mlx-grpo` calls keep_compiled_kernels before any subcommand imports mlx.core (MLX reads the variable
     when it first compiles a kernel): the CLI's own process, with a recorder in its place."""
     probe = ("import sys\n"
-             "from mlx_grpo import cli\n"
+             "from mlx_grpo.commands import cli\n"
              "import mlx_grpo.reporting.plot\n"
              "calls = []\n"
              "cli.keep_compiled_kernels = lambda: calls.append(('kernels', 'mlx.core' in sys.modules))\n"
