@@ -3,7 +3,7 @@ the same workload, each variant in a fresh process.
 
 MLX's peak-memory counter and buffer cache belong to the process, so a fair peak needs a new one: the
 script runs itself once per variant (`--one VARIANT`, hidden) and each child runs a whole
-`mlx_grpo.run.train(cfg)` on a small fixed GRPO workload, then reports
+`mlx_grpo.commands.train.train(cfg)` on a small fixed GRPO workload, then reports
 
   * the peak memory of the run (mx.get_peak_memory(), load included) and the peak after loading (the
     counter is reset once the trainer is built: rollouts, log-prob passes, updates),
@@ -47,10 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# No mlx.core at the top: the optimized-BLAS choice (mlx_grpo.blas) must come before its first import.
-from mlx_grpo.blas import use_optimized_blas
+# No mlx.core at the top: the optimized-BLAS choice (mlx_grpo.base.blas) must come before its first import.
+from mlx_grpo.base.blas import use_optimized_blas
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import DEFAULT_MODEL, build_config, parse_set
-from mlx_grpo.errors import UserError
 
 PROG = "adapter_bench"
 GB = 1e9  # as metrics.jsonl's peak_memory_gb
@@ -119,8 +119,8 @@ def variant_overrides(args: argparse.Namespace, variant: str, output_dir: str) -
 def check_inputs(args: argparse.Namespace, variants: list[str]) -> None:
     """Everything that can be checked before a child starts: keys and values of every variant's config,
     the model path, the data file and its size."""
-    from mlx_grpo.data import load_examples
-    from mlx_grpo.models.loading import resolve_model_path
+    from mlx_grpo.data.examples import load_examples
+    from mlx_grpo.models.model_loading import resolve_model_path
 
     configs = [build_config("train", overrides=parse_set(variant_overrides(args, v, "unused"))) for v in variants]
     resolve_model_path(args.model)  # a missing directory is one line here; the default converts once
@@ -160,7 +160,7 @@ def run_one(args: argparse.Namespace, blas: str | None) -> dict:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    import mlx_grpo.run as run_module
+    import mlx_grpo.commands.train as run_module
 
     def nbytes(tree) -> int:
         return sum(a.nbytes for _, a in tree_flatten(tree))

@@ -32,8 +32,8 @@ import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from mlx_grpo import checkpoint as ckpt  # noqa: E402
 from mlx_grpo.models.tiny import write_tiny_model  # noqa: E402
+from mlx_grpo.storage import checkpoint as ckpt  # noqa: E402
 
 TIMING = ("time_", "_per_s", "peak_memory")
 STATE_FILES = ("model.safetensors", "adapters.safetensors", "master_weights.safetensors", "optimizer.safetensors")

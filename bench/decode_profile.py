@@ -45,8 +45,8 @@ import json
 import sys
 from pathlib import Path
 
-from mlx_grpo.blas import use_optimized_blas
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.blas import use_optimized_blas
+from mlx_grpo.base.errors import UserError
 
 PROG = "decode_profile"
 try:
@@ -90,8 +90,8 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
     """The decode step of mlx_grpo.rollout.decode.generate_rollout (default settings, ignore_eos, temperature 1,
     no top-k/top-p), from its own pieces; yields a Decoder over N = len(prompts) * group rows."""
     from mlx_grpo.rollout import decode as R
-    from mlx_grpo.rollout.records import SamplingParams
-    from mlx_grpo.rollout.sampling import make_sampler
+    from mlx_grpo.rollout.rollout_records import SamplingParams
+    from mlx_grpo.rollout.sampler import make_sampler
 
     params = SamplingParams(max_new_tokens, 1.0, ignore_eos=True)
     eos = mx.array([-1], dtype=mx.int32)  # as generate_rollout with ignore_eos: no row ends
@@ -128,7 +128,7 @@ def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: b
     (pad id 0) to their bucket width. -> (engine, params, width, padding [B], tokens [B, width])."""
     from mlx_grpo.models.forward import bucket
     from mlx_grpo.rollout.engine import RolloutEngine
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     engine = RolloutEngine(None, mode="copy", graph=graph).refresh(model)
     if not engine.uses_copy:
@@ -145,7 +145,7 @@ def _sampling_start(engine, params, logits, padding, group: int, max_new_tokens:
     """The rows' start offsets [N], per-step keys [T, N, 2], the sampler's first state (from the prefill's
     logits, each prompt's repeated G times) and the engine's compiled step."""
     from mlx_grpo.models import decoder as D
-    from mlx_grpo.rollout.sampling import make_sampler
+    from mlx_grpo.rollout.sampler import make_sampler
 
     start = mx.repeat(padding, group)
     logits = mx.repeat(logits, group, axis=0)
@@ -225,7 +225,7 @@ def graph_step(model, prompts: list[list[int]], group: int, max_new_tokens: int,
     start, step_keys, state, kernel, compiled = _sampling_start(engine, params, logits, padding, group,
                                                                 max_new_tokens, seed)
     if not fuse:  # graph_split: the same step with RoPE and attention as the default engine runs them
-        from mlx_grpo.rollout.sampling import sample
+        from mlx_grpo.rollout.sampler import sample
         eos = mx.array([-1], dtype=mx.int32)  # ignore_eos, as _sampling_start's step
         compiled = C.make_step(spec, lambda logits, k: sample(logits, k, params), eos, kernel, fuse=False)
     n = start.shape[0]
@@ -323,7 +323,7 @@ def load(args):
     dtype = getattr(mx, args.dtype)
     if args.shape:
         return shapes.build(args.shape, dtype), f"{args.shape} (random weights)"
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.models.model_loading import load_model
 
     return load_model(args.model, args.dtype)[0], args.model
 

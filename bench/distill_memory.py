@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from mlx_grpo.models.loading import resolve_model_path  # noqa: E402
+from mlx_grpo.models.model_loading import resolve_model_path  # noqa: E402
 
 
 def quantized_copy(model_dir: str, out: Path) -> Path:

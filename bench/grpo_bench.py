@@ -65,18 +65,18 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.data import load_examples
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.examples import load_examples
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.forward import pack
-from mlx_grpo.models.loading import load_model
-from mlx_grpo.training.records import StepData, UpdateSteps
-from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
-from mlx_grpo.training.policy import logprob_pass
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout, supports_static_cache
 from mlx_grpo.rollout.engine import uses_copy
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
+from mlx_grpo.training.policy import logprob_pass
+from mlx_grpo.training.records import StepData, UpdateSteps
 
 import rollout_bench
 import shapes
@@ -248,7 +248,7 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
 def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
     """Full GRPO steps through the trainer itself: rollout, rewards, old/ref log-probs, update; medians of
     `repeats` steps after `warmup` untimed ones."""
-    from mlx_grpo.assembly import build_job
+    from mlx_grpo.commands.assembly import build_job
 
     job = build_job(cfg)
     records = []

@@ -26,11 +26,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.train import train
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.nanochat import write_nanochat_model
 from mlx_grpo.models.nanochat_tokenizer import SPECIAL_TOKENS, TiktokenState
-from mlx_grpo.run import train
 
 # nanochat's GPTConfig for its speedrun (d20) and largest released (d32) models
 SIZES = {
@@ -85,9 +85,9 @@ def rollout_precision(model_dir: Path, rows: int = 128, tokens: int = 64) -> lis
     """ms per decode step and memory of one rollout from float32 / bf16 weights, plain and 4-bit."""
     import mlx.nn as nn
 
-    from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     results = []
     for dtype, bits in [("float32", None), ("float32", 4), ("bfloat16", None), ("bfloat16", 4)]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 from bench_util import GB, timed
 

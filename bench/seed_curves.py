@@ -2,7 +2,7 @@
 
 `mlx-grpo plot` draws one run; docs/learning.md's per-seed figures need the same metric from several runs
 (one per seed) side by side. Reads each run's metrics.jsonl (a run directory, or the file itself as
-bench/learning_run.sh copies it) through mlx_grpo.plot.
+bench/learning_run.sh copies it) through mlx_grpo.reporting.plot.
 
     python bench/seed_curves.py -o docs/learning-prod-tools-seeds.png s42=RUN_DIR s7=RUN_DIR s1234=RUN_DIR
     python bench/seed_curves.py --panels correctness,format,kl -o PNG s42=arith-s42.metrics.jsonl ...
@@ -18,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # from a checkout, as learning_report.py
-from mlx_grpo.plot import read_jsonl, series  # noqa: E402
+from mlx_grpo.reporting.plot import read_jsonl, series  # noqa: E402
 
 # name -> (metrics.jsonl key, panel title, scale): reasoned_correctness pays 2.0 for a right answer, so half
 # its mean is the share of right completions among those drawn.

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import copy_model_files
 
 # Values from each checkpoint's Hugging Face config.json (keys mlx-lm's ModelArgs does not read are kept where
@@ -213,7 +213,7 @@ def write_model_dir(name: str, target: Path, tokenizer_dir: Path, dtype: mx.Dtyp
 def default_tokenizer_dir() -> Path:
     """The embedded default model's directory (converted once into the cache): its tokenizer."""
     from mlx_grpo.config import DEFAULT_MODEL
-    from mlx_grpo.models.loading import resolve_model_path
+    from mlx_grpo.models.model_loading import resolve_model_path
 
     return Path(resolve_model_path(DEFAULT_MODEL))
 

@@ -30,9 +30,9 @@ from __future__ import annotations
 import numpy as np
 import mlx.core as mx
 
-from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 from bench_util import timed
 

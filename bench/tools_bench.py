@@ -21,11 +21,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from mlx_grpo.config import build_config, parse_set  # noqa: E402
-from mlx_grpo.data import load_examples  # noqa: E402
+from mlx_grpo.data.examples import load_examples  # noqa: E402
+from mlx_grpo.models.model_loading import load_model  # noqa: E402
 from mlx_grpo.rollout.engine import RolloutEngine  # noqa: E402
-from mlx_grpo.models.loading import load_model  # noqa: E402
 from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts, tool_use  # noqa: E402
-from mlx_grpo.rollout.records import SamplingParams  # noqa: E402
+from mlx_grpo.rollout.rollout_records import SamplingParams  # noqa: E402
 
 from bench_util import device_name, timed  # noqa: E402
 
@@ -81,7 +81,7 @@ def stop_scan_cost(tokenizer, rows: int, T: int, sync_every: int, stops: tuple[s
     rows through stop_cut (before session 8) against rollout.StopScanner's tails."""
     import time
 
-    from mlx_grpo.rollout.sampling import StopScanner, stop_cut
+    from mlx_grpo.rollout.sampler import StopScanner, stop_cut
 
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, min(20000, len(tokenizer.get_vocab())), size=(rows, T)).tolist()

@@ -19,8 +19,8 @@ The first step (CUDA/cuBLAS warm-up) is excluded from the mean. TRL's own `step_
 
 Needs: torch, transformers, accelerate, trl, datasets (TRL requires a `datasets.Dataset`). It does not
 need mlx: the rewards, the system prompt and the GSM8K answer parser are imported from this repository's
-src/mlx_grpo (rewards.py, config.py, data.py, cache.py and errors.py import only the standard library and
-numpy).
+src/mlx_grpo (rewards/, config/, data/examples.py, base/cache.py and base/errors.py import only the standard
+library and numpy).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 # mlx-free modules of this repository (no mlx import anywhere in them; see the module docstring).
+from mlx_grpo.base.cache import cache_root  # noqa: E402
 from mlx_grpo.config import BUILTIN_REWARD_NAMES, SYSTEM_PROMPT  # noqa: E402
-from mlx_grpo.cache import cache_root  # noqa: E402
-from mlx_grpo.data import parse_gsm8k_answer  # noqa: E402
+from mlx_grpo.data.examples import parse_gsm8k_answer  # noqa: E402
 from mlx_grpo.rewards.builtin import BUILTIN_REWARDS  # noqa: E402
 
 # mlx-grpo's default-model cache ($MLX_GRPO_CACHE or ~/.cache/mlx-grpo), where the first mlx-grpo run converts it

@@ -31,16 +31,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    from mlx_grpo.blas import use_optimized_blas
+    from mlx_grpo.base.blas import use_optimized_blas
 
     use_optimized_blas()
     import mlx.core as mx
 
-    from mlx_grpo.assembly import build_job
+    from mlx_grpo.commands.assembly import build_job
+    from mlx_grpo.commands.convert import run_convert
     from mlx_grpo.config import build_config
-    from mlx_grpo.models.convert import run_convert
     from mlx_grpo.training.records import UpdateSteps
-    from mlx_grpo.vlm.tiny import write_tiny_vlm
+    from mlx_grpo.vlm.tiny_vlm import write_tiny_vlm
 
     with tempfile.TemporaryDirectory() as tmp:
         shape = SHAPES[args.shape]

@@ -9,7 +9,7 @@ import sys
 
 import mlx.core as mx
 
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 
 if __name__ == "__main__":
     mx.set_cache_limit(int(float(sys.argv[1]) * 2 ** 30))

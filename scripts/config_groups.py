@@ -2,7 +2,7 @@
 (also `self.cfg.`, `trainer.cfg.`, `self.trainer.cfg.`, `t.cfg.`). Mechanical and idempotent, so it can run
 again after a merge; `--check` lists what it would change and exits 1 if anything is left.
 
-    python scripts/config_groups.py src/mlx_grpo/run.py src/mlx_grpo/evaluate.py
+    python scripts/config_groups.py src/mlx_grpo/commands/train.py src/mlx_grpo/commands/evaluate.py
     python scripts/config_groups.py --check src/mlx_grpo/*.py
     python scripts/config_groups.py --receiver probe --receiver workload bench/adapter_bench.py
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install mlx-grpo with the MLX backend this machine needs:
 # macOS arm64 -> plain mlx (Metal); Linux with an NVIDIA GPU -> mlx[cuda13]; otherwise mlx[cpu], with the
-# OpenBLAS wheel that mlx-grpo puts under MLX's reference BLAS (src/mlx_grpo/blas.py; no root needed).
+# OpenBLAS wheel that mlx-grpo puts under MLX's reference BLAS (src/mlx_grpo/base/blas.py; no root needed).
 # Extra arguments are package extras to add, e.g. `bash scripts/setup.sh test data`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,6 @@ extras=$(IFS=,; echo "${backend}${backend:+${*:+,}}$*")
 case " $* " in *" test "*) .venv/bin/python -m pip install -q --no-deps "mlx-vlm>=0.7.10" ;; esac
 if [ "$backend" = cpu ]; then
   # Make the OpenBLAS copy now (a second, once) rather than in the first command, and say which BLAS runs.
-  .venv/bin/python -m mlx_grpo.blas
+  .venv/bin/python -m mlx_grpo.base.blas
 fi
 echo "installed mlx-grpo into .venv (backend: ${backend:-metal}${*:+, extras: $*})"

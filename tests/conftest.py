@@ -90,16 +90,16 @@ def _no_end_of_run_curves(request, monkeypatch):
     """Drawing curves.png at the end of a run costs ~0.3 s of matplotlib per tiny run: only tests marked
     `curves` (tests/test_plot.py) draw them; the other runs print their summary without the PNG."""
     if request.node.get_closest_marker("curves") is None:
-        from mlx_grpo import run
+        from mlx_grpo.commands import train as run_mod
 
-        monkeypatch.setattr(run, "_curves", lambda run_dir: None)
+        monkeypatch.setattr(run_mod, "_curves", lambda run_dir: None)
 
 
 @pytest.fixture(scope="session")
 def tiny_vlm_hf_dir(tmp_path_factory) -> Path:
     """A 2-layer random-weight Qwen2-VL in Hugging Face form (transformers, torch CPU), written offline."""
     pytest.importorskip("mlx_vlm")
-    from mlx_grpo.vlm.tiny import write_tiny_vlm
+    from mlx_grpo.vlm.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "hf")
 
@@ -107,7 +107,7 @@ def tiny_vlm_hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(tiny_vlm_hf_dir, tmp_path_factory) -> Path:
     """tiny_vlm_hf_dir converted to MLX by `mlx-grpo convert` (float32)."""
-    from mlx_grpo.models.convert import run_convert
+    from mlx_grpo.commands.convert import run_convert
 
     return run_convert(hf_path=str(tiny_vlm_hf_dir), output_dir=str(tmp_path_factory.mktemp("tiny-vlm") / "mlx"))
 

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_grpo.commands.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.distributed import init_world
-from mlx_grpo.assembly import build_job
+from mlx_grpo.training.distributed import init_world
 
 
 def main(out: str, items: list[str]) -> None:

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import data as data_mod
-from mlx_grpo.cli import DESCRIPTIONS, build_parser, main
+from mlx_grpo.commands.cli import DESCRIPTIONS, build_parser, main
 from mlx_grpo.config import build_config, fields_for, to_dict
+from mlx_grpo.data import examples as data_mod
 from test_readme import overrides, preset_runs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,14 +17,14 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from conftest import write_tiny_model
-from mlx_grpo import checkpoint as ckpt
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.fuse import run_fuse
 from mlx_grpo.config import Config
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.adapters import (adapter_modules, adapter_parameters, adapters_disabled, apply_adapters,
                                       is_adapter_checkpoint, lora_block_keys, quantize_base)
-from mlx_grpo.models.fuse import run_fuse
-from mlx_grpo.models.loading import load_model, load_with_adapters
+from mlx_grpo.models.model_loading import load_model, load_with_adapters
 from mlx_grpo.models.tiny import write_tiny_family
+from mlx_grpo.storage import checkpoint as ckpt
 
 TOKENS = mx.array([[5, 17, 42, 99, 3, 250, 7, 64]])
 LLAMA_KEYS = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",

@@ -16,14 +16,14 @@ from mlx.utils import tree_flatten, tree_map
 
 from caller_model import CALLER, write_caller_model
 from conftest import ctrl_c_while_scoring_hangs, interrupt_before_update, run_metrics
-from mlx_grpo import run as run_mod
-from mlx_grpo.assembly import build_job
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
 from mlx_grpo.rollout.process import RolloutProcess
-from mlx_grpo.training.trainer import Trainer
 from mlx_grpo.training.records import UpdateSteps
+from mlx_grpo.training.trainer import Trainer
 
 TOY = Path(__file__).parent / "fixtures" / "toy_rewards.py"
 ASYNC = ["async_rollouts=1", "rollout_correction=token_truncate"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 
 
 @pytest.fixture

@@ -233,9 +233,9 @@ def test_decode_profile_times_the_trainers_decode_step(tiny_model_dir):
     """The profiled "trainer" step is generate_rollout's decode: the same row keys give the same tokens."""
     import mlx.core as mx
 
-    from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.decode import generate_rollout
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     profile = _load_bench_module("decode_profile")
     shapes = _load_bench_module("shapes")
@@ -255,9 +255,9 @@ def test_decode_profile_engine_step_is_the_engines_decode(tiny_model_dir):
     row keys give the tokens engine.generate samples."""
     import mlx.core as mx
 
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.engine import RolloutEngine
-    from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     profile = _load_bench_module("decode_profile")
     shapes = _load_bench_module("shapes")
@@ -301,7 +301,7 @@ def test_short_answers_picks_one_full_row_and_the_mean(tiny_model_dir):
     the extra ends: the candidate whose median length is nearest the target, single tokens only."""
     import numpy as np
 
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.models.model_loading import load_model
 
     short = _load_bench_module("short_answers")
     tokenizer = load_model(str(tiny_model_dir), "float32")[1]

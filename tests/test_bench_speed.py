@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_decode_profile_graph_step_is_the_engines_decode_graph(tiny_model_dir):
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.engine import RolloutEngine
-    from mlx_grpo.models.loading import load_model
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     profile = _load_bench_module("decode_profile")
     shapes = _load_bench_module("shapes")

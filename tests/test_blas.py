@@ -1,4 +1,4 @@
-"""The CLI's choice of BLAS under MLX's Linux CPU build (blas.py): the decision as pure functions, the
+"""The CLI's choice of BLAS under MLX's Linux CPU build (base/blas.py): the decision as pure functions, the
 prefix-stripped copy of scipy-openblas32's library, and in fresh CLI processes that the fast library is
 bound when present, that one line says so when it is hidden, and that matmuls agree either way."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_grpo import blas
-from mlx_grpo.errors import UserError
+from mlx_grpo.base import blas
+from mlx_grpo.base.errors import UserError
 
 LINUX = sys.platform.startswith("linux")
 CPU_WHEEL = {"mlx_distributions": ["numpy", "mlx", "mlx-cpu", "mlx-lm"],
@@ -161,16 +161,16 @@ def _python(*args: str, setting: str | None = None, **extra_env: str) -> subproc
 
 
 def test_cli_import_does_not_import_mlx():
-    """The BLAS can only be swapped before libmlx loads: cli.py and what it imports at the top must not
+    """The BLAS can only be swapped before libmlx loads: commands/cli.py and what it imports at the top must not
     import mlx.core."""
-    proc = _python("import sys, mlx_grpo.cli; print('mlx.core' in sys.modules)")
+    proc = _python("import sys, mlx_grpo.commands.cli; print('mlx.core' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 
 
 @pytest.mark.skipif(not LINUX, reason="MLX_GRPO_BLAS only acts on Linux")
 def test_cli_reports_a_bad_blas_setting():
-    proc = _python("from mlx_grpo.cli import main; raise SystemExit(main(['generate', '--prompt', 'hi']))",
+    proc = _python("from mlx_grpo.commands.cli import main; raise SystemExit(main(['generate', '--prompt', 'hi']))",
                    setting="/no/such/libblas.so")
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
@@ -183,13 +183,13 @@ def test_cli_reports_a_bad_blas_setting():
 CLI_THEN_MATMUL = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from mlx_grpo import blas
+    from mlx_grpo.base import blas
     model, out, cache, hide = sys.argv[1:5]
     blas.cache_dirs = lambda environ: [Path(cache)]
     if hide == "hide":
         blas.packaged_source = lambda: None
         blas.CANDIDATES = (blas.PACKAGED, "libno-such-openblas.so.0")
-    from mlx_grpo.cli import main
+    from mlx_grpo.commands.cli import main
     assert main(["generate", "--model", model, "--prompt", "hi", "--max-tokens", "2"]) == 0
     import mlx.core as mx, numpy as np
     a = mx.random.normal((300, 200), key=mx.random.key(1))
@@ -248,7 +248,7 @@ def test_cli_without_a_fast_blas_says_so_in_one_line(tiny_model_dir, tmp_path):
 def test_loaded_blas_reads_the_memory_map(tmp_path):
     """The rollout process (rollout/worker_entry.py) loads the BLAS its training process has mapped: OpenBLAS
     builds in map order (numpy's, without CBLAS, is skipped by load_first) or the library MLX_GRPO_BLAS names."""
-    from mlx_grpo.blas import loaded_blas
+    from mlx_grpo.base.blas import loaded_blas
 
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 42   /usr/lib/x86_64-linux-gnu/libm.so.6\n"

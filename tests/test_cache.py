@@ -1,4 +1,4 @@
-"""cache.py: where converted models and MLX's compiled CUDA kernels are kept."""
+"""base/cache.py: where converted models and MLX's compiled CUDA kernels are kept."""
 
 import inspect
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_grpo.cache import CACHE_ENV, KERNEL_CACHE_ENV, cache_root, gpu_models, keep_compiled_kernels
+from mlx_grpo.base.cache import CACHE_ENV, KERNEL_CACHE_ENV, cache_root, gpu_models, keep_compiled_kernels
 
 CUDA = [("mlx", "0.32.4"), ("mlx-cuda-13", "0.32.4"), ("numpy", "2.1.0")]
 H100 = ["NVIDIA H100 80GB HBM3"]
@@ -90,11 +90,11 @@ def test_the_cli_sets_it_before_mlx_is_imported(tmp_path):
     """`mlx-grpo` calls keep_compiled_kernels before any subcommand imports mlx.core (MLX reads the variable
     when it first compiles a kernel): the CLI's own process, with a recorder in its place."""
     probe = ("import sys\n"
-             "from mlx_grpo import cli\n"
-             "import mlx_grpo.plot\n"
+             "from mlx_grpo.commands import cli\n"
+             "import mlx_grpo.reporting.plot\n"
              "calls = []\n"
              "cli.keep_compiled_kernels = lambda: calls.append(('kernels', 'mlx.core' in sys.modules))\n"
-             "mlx_grpo.plot.plot_run = lambda *a, **k: calls.append(('plot', 'mlx.core' in sys.modules))\n"
+             "mlx_grpo.reporting.plot.plot_run = lambda *a, **k: calls.append(('plot', 'mlx.core' in sys.modules))\n"
              "cli.main(['plot', 'nowhere'])\n"
              "print(calls)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,

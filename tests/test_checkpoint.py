@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import run as run_mod
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.writing import recover_staged, staged_output
 
 
@@ -155,7 +155,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_pat
     """A full disk while saving: the staged copy is removed, earlier checkpoints stay, one line."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     real = ckpt.mx.save_safetensors
     calls = {"n": 0}
@@ -181,7 +181,7 @@ def test_a_grpo_save_failing_after_a_resume_elsewhere_names_the_resumed_checkpoi
                                                                                      monkeypatch):
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     first = Path(run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path)))) / "checkpoint-2"
 
@@ -198,7 +198,7 @@ def test_a_first_checkpoint_that_cannot_be_written_says_a_rerun_starts_over(tmp_
     """Nothing of the run on disk yet: the line does not point at a checkpoint to resume."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     with pytest.raises(UserError, match=r"saving checkpoint-1 in .* failed: No space left on device; no checkpoint of "
                        r"this run exists yet: once there is room, a rerun starts over$"):
@@ -212,7 +212,7 @@ def test_a_failed_save_after_a_resume_points_back_to_what_was_resumed(tmp_path):
     later one. A lost mount is not told to make room; MLX's writer error may be either."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     elsewhere, run = tmp_path / "a" / "checkpoint-4", tmp_path / "b"
 
@@ -240,7 +240,7 @@ def test_a_failed_save_on_a_lost_mount_or_a_device_fault(tmp_path, monkeypatch):
     A RuntimeError that is not MLX's writer (a GPU fault, out of memory) is not called a disk problem."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     def gone(run_dir):
         raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
@@ -268,8 +268,8 @@ def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir,
     """rollout_worker = process: the worker's copy of the model is part of what the machine must hold."""
     from mlx.utils import tree_flatten
 
-    from mlx_grpo import assembly
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.commands import assembly
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.decode import rollout_memory_bytes
 
     model = load_model(str(tiny_model_dir), "float32")[0]
@@ -286,7 +286,7 @@ def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir,
 
 
 def test_the_resume_point_after_a_crash_reads_the_resumed_update_from_disk(tmp_path):
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     run, elsewhere = tmp_path / "run", tmp_path / "a" / "checkpoint-4"
     for path, step in ((run / "checkpoint-2", 2), (elsewhere, 4)):
@@ -307,7 +307,7 @@ def test_the_resume_point_after_a_crash_on_a_lost_mount(tmp_path, monkeypatch):
     (the CLI's crash line then says --resume latest)."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     elsewhere = tmp_path / "a" / "checkpoint-4"
     elsewhere.mkdir(parents=True)
@@ -350,7 +350,7 @@ def test_a_refused_resume_names_a_command_that_works_when_pasted(tiny_model_dir,
     --resume CHECKPOINT`; that command, run as written, resumes (`--config` reads the stored JSON config)."""
     import shlex
 
-    from mlx_grpo.cli import main
+    from mlx_grpo.commands.cli import main
 
     argv = ["train", *(a for item in _items(tiny_model_dir, tmp_path, "max_train_samples=4") for a in ("--set", item))]
     assert main(argv) == 0
@@ -374,7 +374,7 @@ def test_a_refused_resume_names_a_command_that_works_when_pasted(tiny_model_dir,
 def test_train_prints_one_start_line_before_its_first_update(tiny_model_dir, tmp_path, capsys):
     """Without a terminal (no progress bar) `train` says what it starts before the first update's line: the
     model, the prompts, the updates and the run directory, once."""
-    from mlx_grpo.cli import main
+    from mlx_grpo.commands.cli import main
 
     argv = ["train", *(a for item in _items(tiny_model_dir, tmp_path, "max_train_samples=4") for a in ("--set", item))]
     assert main(argv) == 0

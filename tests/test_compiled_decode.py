@@ -10,9 +10,9 @@ import pytest
 from mlx_lm import load
 from test_engine import PROMPTS, _family_model, _many_ends
 
-from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.models import compiled_decode, decoder
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 
 @pytest.fixture()
@@ -110,7 +110,7 @@ def test_graph_step_runs_tool_turns_as_todays_step(tmp_path, max_new_tokens, syn
     the default step's texts, tokens and log-probs, two jobs, tight and loose syncs (the skip-ahead of idx
     is covered by test_graph_step_refills_as_todays_step)."""
     from caller_model import CALLER, write_caller_model
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.models.model_loading import load_model
     from mlx_grpo.rollout.multiturn import MultiTurn
     from mlx_grpo.tools.calls import NanochatFormat
     from mlx_grpo.tools.environments import ToolEnvironment

@@ -109,7 +109,7 @@ def test_runs_with_the_speed_options_resume_exactly_and_follow_the_eager_run(tin
     from conftest import interrupt_before_update, run_metrics
     from test_trainer import FIXTURES, make_cfg, weights
 
-    from mlx_grpo import run as run_mod
+    from mlx_grpo.commands import train as run_mod
 
     extra = [f"reward_funcs={FIXTURES / 'toy_rewards.py'}:share_of_even_ids", *extra]  # a reward that varies
     base = [e for e in extra if not e.startswith(("compile_update", "decode_graph"))]

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.cli import DESCRIPTIONS, build_parser, main
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.cli import DESCRIPTIONS, build_parser, main
 from mlx_grpo.config import SYSTEM_PROMPT, build_config, fields_for, from_json, parse_set, save_json
-from mlx_grpo.errors import UserError
 
 
 def test_precedence_defaults_toml_set(tmp_path):
@@ -184,7 +184,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys):
 
 
 def test_cli_flag_equals_set():
-    from mlx_grpo.cli import _config_from_args
+    from mlx_grpo.commands.cli import _config_from_args
 
     args = build_parser().parse_args(["generate", "--temperature", "0.5", "--max-tokens", "9"])
     cfg = _config_from_args("generate", args)
@@ -222,7 +222,7 @@ def test_bad_inputs_get_one_line():
 
 
 def test_abbreviated_flags_are_refused_and_eval_max_tokens_sizes_answers(capsys):
-    from mlx_grpo.cli import build_parser
+    from mlx_grpo.commands.cli import build_parser
 
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["train", "--learning-rat", "1"])

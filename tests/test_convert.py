@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 
 
 def _dtypes(path):

@@ -1,4 +1,5 @@
-"""Tests of mlx_grpo.data: file loading and its errors, the hub wrapper (faked), arith, subsets, EpochSampler."""
+"""Tests of mlx_grpo.data.examples: file loading and its errors, the hub wrapper (faked), arith, subsets,
+EpochSampler."""
 
 import json
 import re
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.data import (
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.data.examples import (
     EpochSampler,
     Example,
     load_examples,
@@ -19,7 +21,6 @@ from mlx_grpo.data import (
     reward_columns,
     subset,
 )
-from mlx_grpo.errors import UserError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

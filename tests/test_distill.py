@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from caller_model import CALLER, write_caller_model
-from mlx_grpo import run as run_mod
-from mlx_grpo.assembly import build_job
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.tiny import write_tiny_model
 from mlx_grpo.training.policy import logprob_pass
 

@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_grpo.distributed import World, init_world
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.training.distributed import World, init_world
 
 from conftest import run_metrics
 

@@ -23,9 +23,9 @@ import pytest
 
 from docs_reader import (BLOCK, PAGES, ROOT, Command, Workdir, gsm8k_rows, jsonl, matches, page_commands,
                          write_default_standin)
-from mlx_grpo import data as data_mod
 from mlx_grpo.config import DEFAULT_MODEL
-from mlx_grpo.models import loading
+from mlx_grpo.data import examples as data_mod
+from mlx_grpo.models import model_loading
 
 EXCLUDED = {
     "bash scripts/setup.sh": "installs the packages (network); the environment running this test is its result",
@@ -84,8 +84,8 @@ def workdir(tmp_path_factory):
         cache = shared / "cache"
         mp.setenv("MLX_GRPO_CACHE", str(cache))
         mp.setenv("TQDM_DISABLE", "1")
-        write_default_standin(cache / "models" / f"{DEFAULT_MODEL}-{loading.DEFAULT_MODEL_DTYPE}")
-        assert loading.resolve_model_path(DEFAULT_MODEL).startswith(str(cache))  # no conversion of the real one
+        write_default_standin(cache / "models" / f"{DEFAULT_MODEL}-{model_loading.DEFAULT_MODEL_DTYPE}")
+        assert model_loading.resolve_model_path(DEFAULT_MODEL).startswith(str(cache))  # no conversion of the real one
         (shared / "gsm8k").mkdir()
         for split in ("train", "test"):
             (shared / f"gsm8k/{split}.jsonl").write_text(jsonl(gsm8k_rows()))

@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_grpo import assembly as assembly_mod
-from mlx_grpo import run as run_mod
+from mlx_grpo.commands import assembly as assembly_mod
+from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.training.draws import RATE_WINDOW, wave_size
 from mlx_grpo.training.job import Job

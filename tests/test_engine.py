@@ -11,12 +11,12 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 
-from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.forward import completion_logprobs, pack
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
+from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.training.records import UpdateSteps
 
 PROMPTS = [[17, 90], [120, 45, 203, 8, 77, 150, 33, 64, 99, 12, 250], [5, 6, 7]]
@@ -123,8 +123,8 @@ def test_refresh_follows_the_policy(tiny):
 
 
 def test_the_trainers_engine_holds_the_updated_weights(tiny_model_dir, tmp_path):
+    from mlx_grpo.commands.assembly import build_job
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.assembly import build_job
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=4", "batch_size=2",
@@ -248,8 +248,8 @@ def test_bfloat16_copy_logprobs_are_the_training_forwards_within_rounding(tiny):
 def test_an_old_policy_kept_apart_is_what_the_engine_samples(tiny_model_dir, tmp_path):
     """update_every = 2: after the first update the engine still samples the old policy (the model has
     moved on); after the second it samples the refreshed one."""
+    from mlx_grpo.commands.assembly import build_job
     from mlx_grpo.config import build_config, parse_set
-    from mlx_grpo.assembly import build_job
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "max_train_samples=8", "batch_size=2",

@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import write_tokenizer
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 from mlx_grpo.tools.environments import (Environment, Episode, StepResult, ToolEnvironment, Transcript, Turn,
                                    observation_text, prompt_messages)
-from mlx_grpo.errors import UserError
-from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 
 
 class GuessNumber(Environment):

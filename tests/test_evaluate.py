@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_grpo import evaluate
-from mlx_grpo.cli import main
+from mlx_grpo.commands import evaluate
+from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -84,8 +84,8 @@ def test_eval_hint_names_the_eval_key_and_following_it_works(tiny_model_dir, tmp
 def test_data_hints_name_the_key_of_the_split():
     import pytest
 
-    from mlx_grpo.data import load_examples
-    from mlx_grpo.errors import UserError
+    from mlx_grpo.base.errors import UserError
+    from mlx_grpo.data.examples import load_examples
 
     with pytest.raises(UserError, match=r"or set dataset_path\)"):
         load_examples("gsm8", "train", None, 0)
@@ -110,7 +110,7 @@ def test_eval_output_defaults_to_the_checkpoints_run_directory(tiny_model_dir, t
     the name carries the data set, the split and the subset size (another data set or --samples writes
     beside earlier results, not over them); the line on stderr says where; nothing lands loose in the current
     directory. Without a terminal, a line follows each batch of eval_batch_size questions."""
-    from mlx_grpo.sources import run_examples
+    from mlx_grpo.data.sources import run_examples
 
     work = tmp_path / "work"
     work.mkdir()
@@ -145,12 +145,12 @@ def test_an_output_that_cannot_be_written_stops_eval_before_the_model_loads(tiny
                                                                            capsys):
     """An --output the system refuses (here a name longer than a file name may be; a read-only directory as
     well, but root writes there) is one line and exit 2 before the model loads, not after every question."""
-    from mlx_grpo.models import loading
+    from mlx_grpo.models import model_loading
 
     def never(*args, **kwargs):
         raise AssertionError("the model loaded before the output was checked")
 
-    monkeypatch.setattr(loading, "load_model", never)
+    monkeypatch.setattr(model_loading, "load_model", never)
     out = tmp_path / ("x" * 300 + ".jsonl")
     assert main(["eval", "--model", str(tiny_model_dir), "--samples", "2", "--output", str(out)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
@@ -199,7 +199,7 @@ def test_the_decode_loop_reports_rows_as_they_end(tiny_model_dir):
     from mlx_lm import load
 
     from mlx_grpo.rollout.engine import RolloutEngine
-    from mlx_grpo.rollout.records import SamplingParams
+    from mlx_grpo.rollout.rollout_records import SamplingParams
 
     model, tok = load(str(tiny_model_dir))
     prompts = [tok.encode("a b"), tok.encode("c")]

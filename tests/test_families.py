@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_grpo import evaluate
+from mlx_grpo.commands import evaluate
+from mlx_grpo.commands.train import train
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.models.forward import completion_logprobs, logit_split, pack, supports_layer_checkpointing, token_logprobs
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.models.tiny import FAMILY_CONFIGS, write_tiny_family
 from mlx_grpo.rollout.decode import generate_rollout
-from mlx_grpo.rollout.records import SamplingParams
-from mlx_grpo.run import train
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = sorted(FAMILY_CONFIGS)
@@ -127,7 +127,7 @@ def test_rollout_process_stop_strings_and_evaluations(family_dirs, tmp_path, fam
 def test_a_cache_the_decode_cannot_batch_is_one_line(family_dirs, monkeypatch):
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from mlx_grpo.errors import UserError
+    from mlx_grpo.base.errors import UserError
     from mlx_grpo.rollout.engine import check_rollout_model
 
     model, _ = load_model(str(family_dirs["qwen3"]), "float32")

@@ -15,7 +15,7 @@ import gguf
 import mlx_lm
 from mlx_lm.models.llama import Model, ModelArgs
 
-from mlx_grpo.errors import UserError  # noqa: E402
+from mlx_grpo.base.errors import UserError  # noqa: E402
 from mlx_grpo.models import gguf as conv  # noqa: E402
 from mlx_grpo.models.gguf_tokenizer import build_tokenizer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""health.py on scripted streams: silent-reward lines and the no-signal stop, the plateau and gaming warnings
+"""reporting/health.py on scripted streams: silent-reward lines and the no-signal stop, the plateau and gaming warnings
 (each fires where it should and not otherwise), their state surviving a JSON round trip mid-stream, the
 prompt-cut report, and the plot's marks of the warnings."""
 
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from mlx_grpo import plot
-from mlx_grpo.health import RunHealth, gaming_check, EvalPoint, prompt_cut_report, silence, wilson
+from mlx_grpo.reporting import plot
+from mlx_grpo.reporting.health import RunHealth, gaming_check, EvalPoint, prompt_cut_report, silence, wilson
 
 NAN = float("nan")
 
@@ -176,7 +176,7 @@ def test_a_training_run_warns_of_the_plateau_once_in_console_and_metrics(tiny_mo
     """A random model never writes <answer>: correctness never pays while share_of_even_ids does."""
     from pathlib import Path
 
-    from mlx_grpo import run as run_mod
+    from mlx_grpo.commands import train as run_mod
     from mlx_grpo.config import build_config, parse_set
 
     toy = Path(__file__).parent / "fixtures" / "toy_rewards.py"
@@ -194,7 +194,7 @@ def test_a_training_run_warns_of_the_plateau_once_in_console_and_metrics(tiny_mo
 
 
 def test_silent_reward_lines_are_printed_when_they_say_something_new_not_every_ten_updates(tmp_path, capsys):
-    from mlx_grpo.logs import RunLogger
+    from mlx_grpo.reporting.logs import RunLogger
 
     logger = RunLogger(tmp_path, enabled=False)
     for u in range(1, 61):
@@ -216,7 +216,7 @@ def test_a_training_run_warns_of_gaming_after_the_evaluation_that_shows_it(tiny_
     """A reward that pays more at every call (inline rewards: one call per batch step) while the random
     model's eval accuracy stays 0: the evaluation at update 4 closes the second window; its update record
     carries the warning, the plot marks it."""
-    from mlx_grpo import run as run_mod
+    from mlx_grpo.commands import train as run_mod
     from mlx_grpo.config import build_config, parse_set
 
     (tmp_path / "rising.py").write_text(

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 from mlx_grpo.rollout import engine
 
 # a GRPO run of one update (two with max_train_samples=4), on the default data set
@@ -221,7 +221,7 @@ def test_out_of_memory_on_an_adapter_run_names_a_resume_and_a_new_run_that_work(
 
 
 def test_a_failed_save_names_the_resume_that_continues(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     argv = ["train", "--model", str(tiny_model_dir), *SMALL, *out(tmp_path), "--set", "max_train_samples=4",
             "--set", "save_steps=1", "--set", "run_name=disk"]

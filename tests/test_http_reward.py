@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mlx_grpo.rewards import http as http_reward
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
+from mlx_grpo.rewards import http as http_reward
 from mlx_grpo.rewards.http import HttpReward, check_reward_url
 from mlx_grpo.rewards.scoring import RewardSet
 
@@ -142,7 +142,7 @@ def test_url_fields_need_reward_url():
 
 
 def test_training_run_scored_by_the_server(server, tiny_model_dir, tmp_path):
-    from mlx_grpo import run as trainer
+    from mlx_grpo.commands import train as trainer
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",

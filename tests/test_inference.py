@@ -6,9 +6,9 @@ import json
 import pytest
 from mlx_lm import load
 
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
+from mlx_grpo.commands.inference import encode_prompt, generate, generate_batch, run_chat, run_generate
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.inference import encode_prompt, generate, generate_batch, run_chat, run_generate
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import checkpoint as ckpt
-from mlx_grpo.interrupt import exit_on_interrupt
+from mlx_grpo.base.interrupt import exit_on_interrupt
 from mlx_grpo.models.writing import recover_staged
+from mlx_grpo.storage import checkpoint as ckpt
 
 from conftest import sigint_default
 
@@ -49,7 +49,7 @@ def phase(*args, **kwargs):
         except KeyboardInterrupt:
             pass
 setattr(owner, attr, phase)
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 sys.exit(main(sys.argv[4:]))
 """
 
@@ -89,7 +89,7 @@ PHASES = {  # phase: (the function that does its work, the call that stalls, ext
     # then saved)
     "log-prob pass": ("mlx_grpo.training.policy::logprob_pass", 3, ("num_iterations=2",)),
     "training pass": ("mlx_grpo.training.trainer::accumulate_gradients", 2, ()),
-    "evaluation": ("mlx_grpo.assembly::answer_records", 2, ("eval_every_updates=1",)),
+    "evaluation": ("mlx_grpo.commands.assembly::answer_records", 2, ("eval_every_updates=1",)),
     "saving": ("mlx_grpo.models.writing::make_durable", 2, ()),
 }
 
@@ -119,7 +119,7 @@ def test_ctrl_c_ends_a_training_run_in_every_phase(phase, tiny_model_dir, tmp_pa
 def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tiny_model_dir, tmp_path, capsys):
     """save_steps = 0 writes a checkpoint only at the end: Ctrl-C before it says that nothing was saved, and a
     --resume afterwards says why it finds no checkpoint."""
-    from mlx_grpo.cli import main
+    from mlx_grpo.commands.cli import main
 
     argv = train_argv(tiny_model_dir, tmp_path, "save_steps=0")
     done, _ = interrupt(tmp_path, "mlx_grpo.training.sampling:TextPrompts:generate", 2, argv)
@@ -134,7 +134,7 @@ def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tiny_model_
 
 
 def test_ctrl_c_ends_the_eval_command(tiny_model_dir, tmp_path):
-    done, _ = interrupt(tmp_path, "mlx_grpo.evaluate::answer_records", 1,
+    done, _ = interrupt(tmp_path, "mlx_grpo.commands.evaluate::answer_records", 1,
                         ["eval", "--model", str(tiny_model_dir), "--samples", "2", "--output",
                          str(tmp_path / "eval.jsonl")])
     assert_interrupted(done, "eval")

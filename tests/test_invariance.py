@@ -90,7 +90,7 @@ def weight_summary(checkpoint: Path) -> dict:
 
 
 def run_case(ranks: int, items: list[str], out: Path) -> Path:
-    from mlx_grpo import run as run_mod
+    from mlx_grpo.commands import train as run_mod
     from mlx_grpo.config import build_config, parse_set
 
     if ranks == 1:

@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_grpo.rollout import sampling
+from mlx_grpo.rollout import sampler
 from mlx_grpo.rollout.keyed_bits import categorical_from_bits, gumbel_from_bits
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's, Salmon et al. 2011, table 4
 MASK = np.uint64(0xFFFFFFFF)
@@ -80,10 +80,10 @@ def test_sample_through_the_keyed_path_draws_the_same_tokens(monkeypatch):
     params = SamplingParams(max_new_tokens=4, temperature=0.9, top_p=0.95, top_k=50)
     logits = mx.random.normal((48, 300), key=mx.random.key(5)) * 2
     keys = mx.random.split(mx.random.key(9), 48)
-    want = sampling.sample(logits, keys, params)
-    monkeypatch.setattr(sampling, "kernel_available", lambda: True)
-    monkeypatch.setattr(sampling, "keyed_bits", layout_bits)
-    got = sampling.sample(logits, keys, params)
+    want = sampler.sample(logits, keys, params)
+    monkeypatch.setattr(sampler, "kernel_available", lambda: True)
+    monkeypatch.setattr(sampler, "keyed_bits", layout_bits)
+    got = sampler.sample(logits, keys, params)
     for a, b in zip(want, got):
         assert a.tolist() == b.tolist()
 

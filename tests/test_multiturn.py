@@ -14,18 +14,18 @@ from mlx.utils import tree_flatten
 
 from caller_model import CALLER, END, Scripted, write_caller_model
 from conftest import interrupt_before_update, run_metrics
-from mlx_grpo import run as run_mod
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.tools.environments import Environment, StepResult, ToolEnvironment
-from mlx_grpo.errors import UserError
 from mlx_grpo.loss import group_advantages
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
+from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
-from mlx_grpo.training.records import StepData
-from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
+from mlx_grpo.tools.environments import Environment, StepResult, ToolEnvironment
+from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.training.records import StepData
 
 CALL = "<calc>2+3</calc>"
 RESULT = "<result>5</result>"

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from mlx_grpo import run as run_mod
-from mlx_grpo.cli import main
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.cli import main
+from mlx_grpo.commands.convert import run_convert
+from mlx_grpo.commands.evaluate import run_eval
+from mlx_grpo.commands.inference import run_chat
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
-from mlx_grpo.evaluate import run_eval
-from mlx_grpo.inference import run_chat
-from mlx_grpo.models.convert import run_convert
-from mlx_grpo.training.policy import logprob_pass
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
+from mlx_grpo.rollout.rollout_records import SamplingParams
+from mlx_grpo.training.policy import logprob_pass
 from nanochat_fixture import CONFIG, make_encoding, random_state_dict, write_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -337,9 +337,9 @@ def test_bad_inputs_are_clear_errors(tmp_path, config, state, encoding, checkpoi
 def test_tools_speak_nanochats_python_tokens(converted, tmp_path):
     """tools = calculator on a nanochat model: its python/output special tokens carry the calls and results,
     and a training run with them goes through."""
-    from mlx_grpo.tools.environments import StepResult, observation_text
     from mlx_grpo.rollout.multiturn import multiturn_for
     from mlx_grpo.tools.calls import NanochatFormat
+    from mlx_grpo.tools.environments import StepResult, observation_text
 
     cfg = build_config("train", overrides=parse_set([
         f"model_name={converted}", f"output_dir={tmp_path}", f"dataset_path={FIXTURES / 'gsm8k_tiny.jsonl'}",

@@ -12,7 +12,7 @@ import tiktoken
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.utils import load_config, load_tokenizer
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.nanochat_tokenizer import (
     SPECIAL_TOKENS,
     TiktokenState,

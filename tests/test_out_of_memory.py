@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.cli import main
-from mlx_grpo.errors import out_of_memory
+from mlx_grpo.base.errors import out_of_memory
+from mlx_grpo.commands.cli import main
 from mlx_grpo.rollout import engine
 
 CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
@@ -30,7 +30,8 @@ def raised_in(filenames: list[str], message: str, kind: type = RuntimeError) -> 
 
 def test_the_phase_comes_from_the_traceback():
     root = "/site-packages/mlx_grpo"
-    rollouts = raised_in([f"{root}/run.py", f"{root}/training/sampling.py", f"{root}/rollout/engine.py"], CUDA_OOM)
+    rollouts = raised_in([f"{root}/commands/train.py", f"{root}/training/sampling.py", f"{root}/rollout/engine.py"],
+                         CUDA_OOM)
     assert out_of_memory(rollouts, "train") == (
         f"out of device memory while sampling rollouts ({CUDA_OOM}): lower batch_size x num_generations, "
         "max_new_tokens or max_prompt_length, or stop other processes using the GPU.")
@@ -44,26 +45,31 @@ def test_the_phase_comes_from_the_traceback():
     assert out_of_memory(rollouts, "train", Path("/r/grpo/checkpoint-8"), "merge it first: mlx-grpo fuse ...").endswith(
         "(fresh optimizer, schedule and data order): merge it first: mlx-grpo fuse ... --set "
         "run_name=grpo-from-checkpoint-8.")
-    # vision-language rollouts decode in vlm/rollout.py, under training/sampling.py
-    vlm = raised_in([f"{root}/training/sampling.py", f"{root}/vlm/sampling.py", f"{root}/vlm/rollout.py"], CUDA_OOM)
+    # vision-language rollouts decode in vlm/image_rollout.py, under training/sampling.py
+    vlm = raised_in([f"{root}/training/sampling.py", f"{root}/vlm/image_prompts.py", f"{root}/vlm/image_rollout.py"],
+                    CUDA_OOM)
     assert "while sampling rollouts" in out_of_memory(vlm, "train")
     # an evaluation decodes through rollout/ too: its own settings are the ones to lower
-    evaluation = raised_in([f"{root}/run.py", f"{root}/evaluate.py", f"{root}/rollout/engine.py"], CUDA_OOM)
+    evaluation = raised_in([f"{root}/commands/train.py", f"{root}/commands/evaluate.py", f"{root}/rollout/engine.py"],
+                           CUDA_OOM)
     line = out_of_memory(evaluation, "train", Path("/r/grpo/checkpoint-8"))
     assert line.startswith("out of device memory while evaluating") and "eval_batch_size" in line
     assert line.endswith("checkpoint-8 is intact: --resume /r/grpo/checkpoint-8 continues from it with those changed.")
     assert "--resume" not in out_of_memory(evaluation, "eval", Path("/r/grpo/checkpoint-8"))  # eval resumes nothing
-    backward = raised_in([f"{root}/run.py", f"{root}/training/gradients.py", "/mlx/nn/layers.py"],
+    backward = raised_in([f"{root}/commands/train.py", f"{root}/training/gradients.py", "/mlx/nn/layers.py"],
                          "[malloc] Unable to allocate 1073741824 bytes.")
     line = out_of_memory(backward, "sft", Path("/r/sft/checkpoint-3"))
     assert "in the training pass" in line and "micro_batch_tokens" in line and "continues from it" in line
+    # the ranks' collectives (training/distributed.py) name no phase: their callers do
+    gathered = raised_in([f"{root}/commands/train.py", f"{root}/training/distributed.py"], CUDA_OOM)
+    assert out_of_memory(gathered, "train").startswith(f"out of device memory ({CUDA_OOM}): lower batch_size")
     # outside our frames (a user's reward function, say): no phase, the general settings; perhaps host memory
     elsewhere = raised_in(["/home/me/reward.py"], "", MemoryError)
     assert out_of_memory(elsewhere, "train").startswith("out of memory (MemoryError): lower batch_size")
     assert out_of_memory(raised_in([f"{root}/rollout/engine.py"], CUDA_OOM), "generate").startswith(
         f"out of device memory while sampling rollouts ({CUDA_OOM}): lower --batch-size or max_new_tokens")
-    assert ": lower max_new_tokens," in out_of_memory(raised_in([f"{root}/inference.py"], CUDA_OOM), "chat")
-    assert ": lower micro_batch_size" in out_of_memory(raised_in([f"{root}/sft_run.py"], CUDA_OOM), "sft")
+    assert ": lower max_new_tokens," in out_of_memory(raised_in([f"{root}/commands/inference.py"], CUDA_OOM), "chat")
+    assert ": lower micro_batch_size" in out_of_memory(raised_in([f"{root}/commands/sft.py"], CUDA_OOM), "sft")
 
 
 def test_other_errors_are_not_memory():
@@ -193,7 +199,7 @@ def test_a_crash_beside_a_lost_mount_says_resume_latest(tiny_model_dir, tmp_path
     checkpoint resumed from."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     def gone(run_dir):
         raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
@@ -219,7 +225,7 @@ def test_a_crash_beside_a_lost_mount_says_resume_latest(tiny_model_dir, tmp_path
 
 
 def test_a_crashed_warm_start_says_where_it_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    from mlx_grpo.sft import SFTTrainer
+    from mlx_grpo.sft.steps import SFTTrainer
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"}) + "\n"

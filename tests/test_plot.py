@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import plot
-from mlx_grpo import run as run_mod
-from mlx_grpo.cli import main
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
+from mlx_grpo.reporting import plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -107,7 +107,7 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
 
 def test_plot_imports_no_mlx(tmp_path):
     run = write_run(tmp_path / "run")
-    code = ("import sys; from mlx_grpo.cli import main; rc = main(['plot', sys.argv[1]]); "
+    code = ("import sys; from mlx_grpo.commands.cli import main; rc = main(['plot', sys.argv[1]]); "
             "assert rc == 0; assert not [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]")
     subprocess.run([sys.executable, "-c", code, str(run)], check=True, capture_output=True)
     assert_png(run / "curves.png")

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_grpo import run as run_mod
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.precision import MasterWeights, rounding_share
-from mlx_grpo.training.records import StepData
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.decode import generate_rollout
-from mlx_grpo.assembly import build_job
+from mlx_grpo.rollout.rollout_records import SamplingParams
+from mlx_grpo.training.records import StepData
 from mlx_grpo.training.records import UpdateSteps
 
 
@@ -152,8 +152,8 @@ def test_resume_in_another_compute_dtype_is_refused(tiny_model_dir, tmp_path):
                                "max_train_samples=4"), resume="latest")
     # the same config, but `auto` resolving to another dtype (another machine): refused by the weights' dtype
     cfg = make_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "learning_rate=1e-4", "max_train_samples=4")
-    from mlx_grpo.assembly import build_job as build
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.commands.assembly import build_job as build
+    from mlx_grpo.storage import checkpoint as ckpt
 
     job = build(make_cfg(tiny_model_dir, tmp_path, "model_dtype=float32", "learning_rate=1e-4",
                          "max_train_samples=4"))

@@ -7,10 +7,11 @@ import re
 import pytest
 from tqdm import tqdm
 
-from mlx_grpo import evaluate, logs
-from mlx_grpo import run as run_mod
+from mlx_grpo.commands import evaluate
+from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.data import load_examples, subset
+from mlx_grpo.data.examples import load_examples, subset
+from mlx_grpo.reporting import logs
 
 
 def make_cfg(model_dir, out, *items):
@@ -120,7 +121,7 @@ def test_bar_shows_the_phase(tiny_model_dir, tmp_path, monkeypatch):
 def test_evaluation_bar_over_the_examples(tiny_model_dir, monkeypatch, progress):
     """The bar counts examples as each batch of eval_batch_size is answered; progress=False (the
     non-main ranks) shows none."""
-    from mlx_grpo.models.loading import load_model
+    from mlx_grpo.models.model_loading import load_model
 
     buf = io.StringIO()
     monkeypatch.setattr(evaluate, "tqdm", lambda *a, **k: tqdm(*a, **{**k, "file": buf, "mininterval": 0,

@@ -1,4 +1,4 @@
-"""Worked examples in prompts (prompts.py): drawn from the training split only, never an evaluation question,
+"""Worked examples in prompts (data/prompts.py): drawn from the training split only, never an evaluation question,
 left out of training, the same seed giving the same prompt, and the one system prompt that training rollouts
 and evaluation encode."""
 
@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import evaluate
-from mlx_grpo import run as run_mod
-from mlx_grpo import assembly as assembly_mod
-from mlx_grpo.assembly import build_job
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import assembly as assembly_mod
+from mlx_grpo.commands import evaluate
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.data import Example, load_examples, load_file, make_arith
-from mlx_grpo.errors import UserError
-from mlx_grpo.prompts import (RunPrompt, WorkedExamples, draw_worked_examples, run_prompt,
+from mlx_grpo.data.examples import Example, load_examples, load_file, make_arith
+from mlx_grpo.data.prompts import (RunPrompt, WorkedExamples, draw_worked_examples, run_prompt,
                               select_worked_examples)
-from mlx_grpo.solutions import Style, reference_completion
+from mlx_grpo.data.solutions import Style, reference_completion
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -137,7 +137,7 @@ def test_worked_examples_that_leave_less_than_a_batch_are_named(tiny_model_dir, 
     """worked_examples = 4 on a 4-row file: the line says all 4 became examples (train and sft, one line, exit 2,
     nothing written; the sampler's "the data set has 0 examples" would not say why). eval trains on nothing:
     it may show them all."""
-    from mlx_grpo.cli import main
+    from mlx_grpo.commands.cli import main
 
     data = tmp_path / "four.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i),

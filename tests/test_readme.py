@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.cli import DESCRIPTIONS, build_parser
+from mlx_grpo.commands.cli import DESCRIPTIONS, build_parser
 from mlx_grpo.config import DEFAULT_MODEL, build_config, command_default, fields_for, parse_set
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import reporting
-from mlx_grpo import run as run_mod
-from mlx_grpo.cli import main
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
-from mlx_grpo.reporting import Reporters
+from mlx_grpo.reporting.reporters import Reporters, scalars
 
 
 def make_cfg(model_dir, out, *items):
@@ -54,9 +53,9 @@ RECORDS = [{"update_step": u, "batch_step": u, "reward_mean": 0.25 * u, "reward/
 
 
 def test_scalars_keep_numbers_only():
-    assert reporting.scalars(RECORDS[0]) == {"reward_mean": 0.25, "reward/correctness": 0.5, "kl": 0.01,
+    assert scalars(RECORDS[0]) == {"reward_mean": 0.25, "reward/correctness": 0.5, "kl": 0.01,
                                              "skipped": 0.0, "lr": 1e-6, "epoch": 0.0}
-    assert reporting.scalars({"update_step": 2, "accuracy": 0.5, "trigger": "x", "ids": [1]}, "eval/") == \
+    assert scalars({"update_step": 2, "accuracy": 0.5, "trigger": "x", "ids": [1]}, "eval/") == \
         {"eval/accuracy": 0.5}
 
 
@@ -128,7 +127,7 @@ def test_wandb_offline_without_credentials(fake_wandb, tmp_path, capsys):
     assert fake_wandb.calls == [
         ("init", {"project": "mlx-grpo", "name": "my-run", "dir": str(run_dir), "config": {"learning_rate": 1e-6},
                   "mode": "offline"}),
-        ("log", reporting.scalars(RECORDS[0]), 1), ("log", {"eval/accuracy": 0.5}, 1), ("finish", 0)]
+        ("log", scalars(RECORDS[0]), 1), ("log", {"eval/accuracy": 0.5}, 1), ("finish", 0)]
     out = capsys.readouterr().out
     assert out.count("wandb: no API key or login found, logging offline") == 1 and "wandb sync" in out
 
@@ -191,7 +190,7 @@ def test_training_run_reports_every_update_and_eval(tiny_model_dir, tmp_path, fa
     assert kinds == ["init", "log", "log", "log", "finish"]
     assert fake_wandb.calls[0][1]["name"] == "grpo" and fake_wandb.calls[0][1]["config"]["report_to"] == \
         ["tensorboard", "wandb"]
-    # the update-2 eval is logged before update 2's record, which carries what the eval showed (health.py)
+    # the update-2 eval is logged before update 2's record, which carries what the eval showed (reporting/health.py)
     assert [c[2] for c in fake_wandb.calls[1:4]] == [1, 2, 2] and "eval/accuracy" in fake_wandb.calls[2][1]
     assert fake_wandb.calls[-1] == ("finish", 0)
 
@@ -218,7 +217,7 @@ def test_no_reporters_by_default(tiny_model_dir, tmp_path, fake_wandb):
 
 
 def test_a_failing_reporter_is_dropped_with_one_line_and_training_goes_on(tmp_path, capsys):
-    from mlx_grpo.reporting import Reporters
+    from mlx_grpo.reporting.reporters import Reporters
 
     class Broken:
         def log(self, values, step):

@@ -13,8 +13,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import write_tokenizer
-from mlx_grpo.errors import UserError
-from mlx_grpo.models.convert import run_convert
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.convert import run_convert
 from mlx_grpo.rewards.reward_model import RewardModelReward, load_reward_model, render
 
 
@@ -122,7 +122,7 @@ def test_not_a_sequence_classifier_is_refused(tiny_model_dir):
 
 
 def test_training_run_with_a_reward_model(rm_dir, tiny_model_dir, tmp_path):
-    from mlx_grpo import run as trainer
+    from mlx_grpo.commands import train as trainer
     from mlx_grpo.config import build_config, parse_set
 
     cfg = build_config("train", overrides=parse_set([

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.rewards.builtin import BUILTIN_REWARDS, SYSTEM_PROMPT, answers_match, correctness, extract_answer
+from mlx_grpo.rewards.reward_loading import load_reward_function
 from mlx_grpo.rewards.scoring import RewardSet
-from mlx_grpo.rewards.loading import load_reward_function
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOOD = "<reasoning>\n2 + 3 = 5\n</reasoning>\n<answer>\n5\n</answer>\n"
@@ -359,8 +359,8 @@ def test_reasoned_format_keeps_the_sign_of_a_negative_answer():
 def test_reasoned_format_grounds_the_answer_in_the_last_tool_result():
     """In a tool run the model's own text ends at its call; the calculator's answer came back as context, so
     an answer equal to it is grounded (full format credit), and one equal to neither is not."""
-    from mlx_grpo.tools.environments import Transcript
     from mlx_grpo.rewards.builtin import reasoned_format
+    from mlx_grpo.tools.environments import Transcript
 
     prompt = ["Emma has 17 pencils. A friend gives her 25 more. How many pencils does Emma have now?"]
     text = ("<reasoning>\nEmma starts with 17 pencils and a friend gives her 25 more: <calc>17+25</calc>\n"

@@ -12,10 +12,10 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlx_grpo.models.forward import completion_logprobs, pack
-from mlx_grpo.training.policy import logprob_pass
-from mlx_grpo.rollout.records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampling import finish_rollout
 from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampler import finish_rollout
+from mlx_grpo.training.policy import logprob_pass
 
 EOS = 2  # <|im_end|> in the conftest tokenizer
 PAD = 0  # <|endoftext|>
@@ -458,7 +458,7 @@ def test_attention_routing_is_restored_after_an_error(tiny):
 def test_stop_scanner_finds_what_stop_cut_finds(tiny, seed):
     """Rows scanned as their tokens arrive, in chunks of any size: the scanner's cut is stop_cut's on the
     whole row at every scan, wherever the stop string falls (across chunks included)."""
-    from mlx_grpo.rollout.sampling import StopScanner, stop_cut
+    from mlx_grpo.rollout.sampler import StopScanner, stop_cut
 
     _, tok = tiny
     rng = np.random.default_rng(seed)

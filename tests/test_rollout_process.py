@@ -18,13 +18,13 @@ import pytest
 from mlx.utils import tree_map
 
 from conftest import ctrl_c_while_scoring_hangs
-from mlx_grpo import errors
-from mlx_grpo.errors import UserError
+from mlx_grpo.base import errors
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout import process as process_mod
-from mlx_grpo.models.loading import load_model
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.records import SamplingParams
 from mlx_grpo.rollout.process import RolloutProcess, raise_worker_error
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
 
@@ -147,9 +147,9 @@ def test_an_out_of_memory_in_the_worker_is_the_run_s_out_of_memory_line():
 ORPHAN = """
 import os, sys, threading, time
 import mlx.core as mx
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.process import RolloutProcess
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 
 if __name__ == "__main__":  # spawn imports this file again in the worker
     model, tokenizer = load_model(sys.argv[1], "float32")
@@ -163,7 +163,7 @@ if __name__ == "__main__":  # spawn imports this file again in the worker
         threading.Thread(target=process.sample, args=(model.parameters(), job, 2, long, ""), daemon=True).start()
         time.sleep(5)  # the worker starts (MLX imported, the model unpickled) and decodes
     print(process.process.pid, process.path, flush=True)
-    os._exit(130)  # as Ctrl-C leaves (interrupt.py): no clean-up runs; the worker may still be starting
+    os._exit(130)  # as Ctrl-C leaves (base/interrupt.py): no clean-up runs; the worker may still be starting
 """
 
 

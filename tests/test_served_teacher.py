@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import run_metrics
-from mlx_grpo import run as run_mod
-from mlx_grpo.assembly import build_job, load_teacher
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.assembly import build_job, load_teacher
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.models.tiny import write_tiny_model
 from mlx_grpo.training.served_teacher import ServedTeacher
 

@@ -12,14 +12,14 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import interrupt_before_update, run_metrics
-from mlx_grpo.cli import main
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
 from mlx_grpo.models.forward import token_logprobs
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.multiturn import encode_prompts
-from mlx_grpo.sft import make_grad_fn, micro_batches, nll_sums, pack_rows, sft_gradients
-from mlx_grpo.sft_data import SFTRow, conversation_row, end_id, file_rows, target_ids
+from mlx_grpo.sft.rows import SFTRow, conversation_row, end_id, file_rows, target_ids
+from mlx_grpo.sft.steps import make_grad_fn, micro_batches, nll_sums, pack_rows, sft_gradients
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "completion": f"<reasoning>\n{i} + {i} = {2 * i}\n</reasoning>\n"
          f"<answer>\n{2 * i}\n</answer>"} for i in range(10)]
@@ -104,7 +104,7 @@ def test_rows_are_trains_prompts_plus_the_completion(tiny, tmp_path):
     cfg = sft_cfg("x", tmp_path)
     row = dict(ROWS[0], completion="<reasoning>\n" + "1 + 1 = 2\n</reasoning>\n<answer>\n2\n</answer>")
     (r,), cut = file_rows(write_jsonl(tmp_path / "d.jsonl", [row]), tok, cfg, None, cfg.data.system_prompt)
-    from mlx_grpo.data import Example
+    from mlx_grpo.data.examples import Example
 
     assert r.prompt_ids == encode_prompts(None, tok, [Example(row["prompt"], "")], cfg)[0][0] and cut == 0
     assert tok.decode(r.prompt_ids).endswith("<|im_start|>assistant\n<reasoning>\n")
@@ -134,9 +134,9 @@ def _weights(path: Path) -> dict:
 
 def test_checkpoint_loads_into_train_with_identical_weights(tiny_model_dir, tmp_path):
     """Mixed precision: train from an sft checkpoint gets its bfloat16 weights and its float32 masters."""
-    from mlx_grpo.assembly import build_job
-    from mlx_grpo.checkpoint import load_masters
-    from mlx_grpo.sft_run import run_sft
+    from mlx_grpo.commands.assembly import build_job
+    from mlx_grpo.commands.sft import run_sft
+    from mlx_grpo.storage.checkpoint import load_masters
 
     run_dir = run_sft(sft_cfg(tiny_model_dir, tmp_path, "model_dtype=bfloat16", "num_epochs=1"))
     ckpt = run_dir / "checkpoint-3"
@@ -159,8 +159,8 @@ def test_checkpoint_loads_into_train_with_identical_weights(tiny_model_dir, tmp_
 
 
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
-    from mlx_grpo import sft as sft_mod
-    from mlx_grpo.sft_run import run_sft
+    from mlx_grpo.commands.sft import run_sft
+    from mlx_grpo.sft import steps as sft_mod
 
     # 12 rows, 4 epochs of 3 batches of 4, two batches per update: 6 updates, checkpoints every 2
     whole = run_sft(sft_cfg(tiny_model_dir, tmp_path, "run_name=whole", "num_epochs=4", "gradient_accumulation_steps=2",
@@ -184,9 +184,9 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_lora_checkpoint_fuses_into_a_model_train_starts_from(tiny_model_dir, tmp_path):
-    from mlx_grpo.assembly import build_job
-    from mlx_grpo.models.fuse import run_fuse
-    from mlx_grpo.sft_run import run_sft
+    from mlx_grpo.commands.assembly import build_job
+    from mlx_grpo.commands.fuse import run_fuse
+    from mlx_grpo.commands.sft import run_sft
 
     run_dir = run_sft(sft_cfg(tiny_model_dir, tmp_path, "train_type=lora", "lora_rank=4", "num_epochs=1"))
     ckpt = run_dir / "checkpoint-3"
@@ -223,9 +223,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 def test_gsm8k_rows_are_the_worked_solutions_after_the_prefill(tiny, tmp_path):
     """GSM8K-form rows: the prompt as `train` encodes it, the target the solution in the run's format."""
-    from mlx_grpo.data import load_file
-    from mlx_grpo.sft_data import load_sft_data
-    from mlx_grpo.solutions import reference_completion
+    from mlx_grpo.data.examples import load_file
+    from mlx_grpo.data.solutions import reference_completion
+    from mlx_grpo.sft.rows import load_sft_data
 
     _, tok = tiny
     cfg = sft_cfg("x", tmp_path, data=FIXTURES / "gsm8k_solutions.jsonl")
@@ -245,7 +245,7 @@ def test_gsm8k_rows_are_the_worked_solutions_after_the_prefill(tiny, tmp_path):
 
 
 def test_arith_rows_and_max_train_samples(tiny, tmp_path):
-    from mlx_grpo.sft_data import load_sft_data
+    from mlx_grpo.sft.rows import load_sft_data
 
     _, tok = tiny
     cfg = build_config("sft", overrides=parse_set(["dataset=arith", "arith_max_steps=1", "max_train_samples=5",
@@ -260,7 +260,7 @@ def test_arith_rows_and_max_train_samples(tiny, tmp_path):
 def test_calculator_answers_are_context_not_targets(tiny, tmp_path):
     """With the calculator the solution's computations are calls; the tool's answers are fed in (mask 0)."""
     from mlx_grpo.rollout.multiturn import multiturn_for
-    from mlx_grpo.sft_data import load_sft_data
+    from mlx_grpo.sft.rows import load_sft_data
 
     _, tok = tiny
     cfg = sft_cfg("x", tmp_path, "tools=calculator", data=FIXTURES / "gsm8k_solutions.jsonl")
@@ -273,8 +273,8 @@ def test_calculator_answers_are_context_not_targets(tiny, tmp_path):
 
 
 def test_train_refuses_to_resume_an_sft_checkpoint(tiny_model_dir, tmp_path):
-    from mlx_grpo.run import train
-    from mlx_grpo.sft_run import run_sft
+    from mlx_grpo.commands.sft import run_sft
+    from mlx_grpo.commands.train import train
 
     run_dir = run_sft(sft_cfg(tiny_model_dir, tmp_path, "num_epochs=1", "run_name=warm"))
     cfg = build_config("train", overrides=parse_set([f"model_name={tiny_model_dir}", f"output_dir={tmp_path / 'runs'}",
@@ -287,8 +287,8 @@ def test_train_refuses_to_resume_an_sft_checkpoint(tiny_model_dir, tmp_path):
 def test_sft_refuses_to_resume_a_train_checkpoint_before_comparing_settings(tiny_model_dir, tmp_path):
     """A `train` checkpoint given to `sft --resume` is named as such, not as a list of GRPO-only settings that
     "changed" (train says the same of an sft checkpoint)."""
-    from mlx_grpo.run import train
-    from mlx_grpo.sft_run import run_sft
+    from mlx_grpo.commands.sft import run_sft
+    from mlx_grpo.commands.train import train
 
     run_dir = train(build_config("train", overrides=parse_set([
         f"model_name={tiny_model_dir}", f"output_dir={tmp_path / 'runs'}", "run_name=grpo", "batch_size=2",
@@ -304,8 +304,8 @@ def test_sft_refuses_to_resume_a_train_checkpoint_before_comparing_settings(tiny
 def test_worked_examples_prompt_is_trains(tiny_model_dir, tmp_path):
     """With worked examples the rows carry the system prompt `train` builds for the same settings (the same
     drawn examples, left out of the rows as train leaves them out of its data)."""
-    from mlx_grpo.assembly import build_job
-    from mlx_grpo.sft_data import load_sft_data
+    from mlx_grpo.commands.assembly import build_job
+    from mlx_grpo.sft.rows import load_sft_data
 
     keys = [f"model_name={tiny_model_dir}", "dataset=arith", "arith_max_steps=1", "worked_examples=2",
             "max_train_samples=6", "prefill=<reasoning>\n", "eval_every_updates=3", "eval_subset_size=4",
@@ -325,7 +325,7 @@ def test_a_warm_start_checkpoint_that_cannot_be_written_is_one_line(tiny_model_d
     checkpoint stays."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     real_save, real_write, saves = ckpt.save_checkpoint, ckpt.mx.save_safetensors, []
 
@@ -356,7 +356,7 @@ def test_a_failed_save_after_a_resume_elsewhere_names_the_resumed_checkpoint(tin
     only one this run has, not "a rerun starts over"."""
     import errno
 
-    from mlx_grpo import checkpoint as ckpt
+    from mlx_grpo.storage import checkpoint as ckpt
 
     data = write_jsonl(tmp_path / "data.jsonl", ROWS)
     common = ["sft", "--model", str(tiny_model_dir), "--dataset-path", str(data), "--output-dir",

@@ -1,4 +1,4 @@
-"""Reference solutions (solutions.py): real GSM8K worked solutions and arith's own, written as completions
+"""Reference solutions (data/solutions.py): real GSM8K worked solutions and arith's own, written as completions
 that the format and reasoned rewards score in full."""
 
 import dataclasses
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from mlx_grpo.config import Config
-from mlx_grpo.rewards import builtin as R
-from mlx_grpo.data import Example, load_file, make_arith
-from mlx_grpo.solutions import (Segment, Style, after_prefill, reference_completion, reference_segments,
+from mlx_grpo.data.examples import Example, load_file, make_arith
+from mlx_grpo.data.solutions import (Segment, Style, after_prefill, reference_completion, reference_segments,
                                 style_for)
-from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
+from mlx_grpo.rewards import builtin as R
 from mlx_grpo.tools.calculator import calculate
+from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Eight rows of GSM8K's train split (train_line: where), chosen for: calculator annotations with "$" and

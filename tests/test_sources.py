@@ -1,5 +1,5 @@
 """`--dataset` as a file, a directory or a hub id, with the prompt/answer columns detected or named
-(sources.py); starting `train` from a model and a data set alone, without a config."""
+(data/sources.py); starting `train` from a model and a data set alone, without a config."""
 
 import json
 import sys
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.cli import main
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.data import Example
-from mlx_grpo.errors import UserError
-from mlx_grpo.sources import dataset_kind, detect_columns, final_answer, load_examples
+from mlx_grpo.data.examples import Example
+from mlx_grpo.data.sources import dataset_kind, detect_columns, final_answer, load_examples
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -88,7 +88,7 @@ def test_a_file_with_other_columns_loads_and_keeps_the_rest(tmp_path):
 
 
 def test_the_old_file_forms_load_as_before():
-    from mlx_grpo.data import load_file
+    from mlx_grpo.data.examples import load_file
 
     for name in ("gsm8k_tiny.jsonl", "generic_tiny.jsonl"):
         assert load_examples(str(FIXTURES / name), "train", None, 0) == load_file(FIXTURES / name)

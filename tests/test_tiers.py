@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SOURCE = textwrap.dedent('''
     import subprocess
-    from mlx_grpo import run as run_mod
-    from mlx_grpo.cli import main
+    from mlx_grpo.commands import train as run_mod
+    from mlx_grpo.commands.cli import main
     from conftest import started
     from test_other import launch
 
@@ -35,7 +35,7 @@ SOURCE = textwrap.dedent('''
         run_mod.train(cfg)
 
     def test_sft_function():
-        from mlx_grpo.sft_run import run_sft as go
+        from mlx_grpo.commands.sft import run_sft as go
         go(None)
 
     def test_through_a_helper():
@@ -66,7 +66,7 @@ SOURCE = textwrap.dedent('''
         return Workdir()
 ''')
 HELPERS = textwrap.dedent('''
-    from mlx_grpo.run import train
+    from mlx_grpo.commands.train import train
 
     def started():
         return 1

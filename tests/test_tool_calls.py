@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import write_tokenizer
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.nanochat_tokenizer import CHAT_TEMPLATE as NANOCHAT_TEMPLATE
 from mlx_grpo.tools.calls import (HermesFormat, NanochatFormat, ParsedCall, PlainFormat, call_output, render_prompt,
                                  tool_format_for)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.tools.calculator import calculate, format_number
 from mlx_grpo.tools.registry import Tool, resolve_tool, resolve_tools, run_tool, tool_from_function
 from mlx_grpo.tools.sandbox import _unshare_works, run_python
-from mlx_grpo.tools.calculator import calculate, format_number
 
 LINUX = sys.platform == "linux"
 

@@ -10,21 +10,21 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_grpo import assembly as assembly_mod
-from mlx_grpo import run as run_mod
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands import assembly as assembly_mod
+from mlx_grpo.commands import train as run_mod
+from mlx_grpo.commands.cli import main
+from mlx_grpo.config import build_config, parse_set
+from mlx_grpo.rewards.scoring import RewardScores
+from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.training import trainer as trainer_mod
+from mlx_grpo.training.draws import varied_groups
+from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.training.records import StepData
 from mlx_grpo.training.records import UpdateSteps
 from mlx_grpo.training.step_sources import FreshSteps
-from mlx_grpo.cli import main
-from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.errors import UserError
-from mlx_grpo.training.draws import varied_groups
-from mlx_grpo.rewards.scoring import RewardScores
-from mlx_grpo.training.records import StepData
-from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
-from mlx_grpo.rollout.records import Rollout, SamplingParams
-from mlx_grpo.rollout.decode import generate_rollout
 
 from conftest import interrupt_before_update, run_metrics
 from mlx_grpo.loss import group_advantages
@@ -175,7 +175,7 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
                                    ["dynamic_sampling=true", "max_train_samples=16",
                                     f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"],
                                    ["model_dtype=bfloat16", "learning_rate=1e-4"],
-                                   # health.py's state: the plateau warning (update 2) is not given again
+                                   # reporting/health.py's state: the plateau warning (update 2) is not given again
                                    ["plateau_updates=2", "reward_funcs="
                                     f"{FIXTURES / 'toy_rewards.py'}:share_of_even_ids,correctness"],
                                    # the rollout engine's sampling copy, refreshed after updates and on resume

@@ -14,10 +14,10 @@ from mlx.utils import tree_flatten
 
 from caller_model import CALLER, write_caller_model
 from mlx_grpo.models import decoder
-from mlx_grpo.models.loading import load_model
+from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
-from mlx_grpo.rollout.records import SamplingParams
+from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.rollout.turns import prefill_resumed
 from mlx_grpo.tools.calls import NanochatFormat
 from mlx_grpo.tools.environments import ToolEnvironment

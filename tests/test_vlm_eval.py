@@ -1,4 +1,4 @@
-"""`mlx-grpo eval` on image data sets (vlm/evaluate.py): it answers as the in-run evaluation does, its output
+"""`mlx-grpo eval` on image data sets (vlm/vision_eval.py): it answers as the in-run evaluation does, its output
 records name the images, a trained checkpoint (lora or full) evaluates, and a text model given image_column
 or a VLM without it is one line, exit 2."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 
 pytest.importorskip("mlx_vlm")
 
@@ -28,9 +28,9 @@ def _rows(path):
 
 
 def test_eval_answers_as_the_in_run_evaluation_and_names_the_images(tiny_vlm_dir, tmp_path, capsys):
-    from mlx_grpo.assembly import build_job
-    from mlx_grpo.data import subset
-    from mlx_grpo.sources import run_examples
+    from mlx_grpo.commands.assembly import build_job
+    from mlx_grpo.data.examples import subset
+    from mlx_grpo.data.sources import run_examples
 
     out = tmp_path / "e.jsonl"
     assert main(["eval", "--model", str(tiny_vlm_dir), "--set", "dataset=shapes", "--set", "image_column=image",
@@ -53,7 +53,7 @@ def test_eval_answers_as_the_in_run_evaluation_and_names_the_images(tiny_vlm_dir
 def test_eval_of_a_trained_checkpoint_on_a_data_file(tiny_vlm_dir, tmp_path, monkeypatch, capsys, train_type):
     from PIL import Image
 
-    from mlx_grpo.run import train
+    from mlx_grpo.commands.train import train
 
     monkeypatch.chdir(tmp_path)
     run_dir = train(_train_cfg(tiny_vlm_dir, tmp_path, train_type=train_type, run_name=train_type))

@@ -59,7 +59,7 @@ def _blobs(mask: np.ndarray) -> int:
 
 @pytest.fixture(scope="module")
 def job(tiny_vlm_dir, tmp_path_factory):
-    from mlx_grpo.assembly import build_job
+    from mlx_grpo.commands.assembly import build_job
 
     return build_job(vlm_cfg(tiny_vlm_dir, tmp_path_factory.mktemp("t")))
 
@@ -68,7 +68,7 @@ def test_logprobs_equal_a_naive_forward_with_the_image(job, tiny_vlm_dir):
     from mlx_vlm import load
 
     from mlx_grpo.training.policy import logprob_pass
-    from mlx_grpo.vlm.rollout import encode_vision_prompt
+    from mlx_grpo.vlm.image_rollout import encode_vision_prompt
 
     examples = job.sampling.next_examples()
     step = [job.sampling.batch_step(examples)][0]
@@ -104,7 +104,7 @@ def test_images_are_encoded_once_per_prompt_and_gradients_reach_only_adapters(jo
 
 
 def test_encodings_are_counted_per_prompt(tiny_vlm_dir, tmp_path):
-    from mlx_grpo.assembly import build_job
+    from mlx_grpo.commands.assembly import build_job
 
     t = build_job(vlm_cfg(tiny_vlm_dir, tmp_path))
     [t.sampling.batch_step(t.sampling.next_examples())]
@@ -112,7 +112,7 @@ def test_encodings_are_counted_per_prompt(tiny_vlm_dir, tmp_path):
 
 
 def test_train_vision_gives_the_tower_gradients(tiny_vlm_dir, tmp_path):
-    from mlx_grpo.assembly import build_job
+    from mlx_grpo.commands.assembly import build_job
 
     t = build_job(vlm_cfg(tiny_vlm_dir, tmp_path, train_type="full", train_vision="true"))
     steps = [t.trainer.score(b) for b in [t.sampling.batch_step(t.sampling.next_examples())]]
@@ -131,7 +131,7 @@ def image_reward(prompts, completions, completion_ids, image=None, colour=None, 
 
 
 def test_resume_is_exact_and_completions_name_the_images(tiny_vlm_dir, tmp_path, monkeypatch):
-    from mlx_grpo.run import train
+    from mlx_grpo.commands.train import train
 
     (tmp_path / "reward.py").write_text(REWARD)
     monkeypatch.chdir(tmp_path)
@@ -150,7 +150,7 @@ def test_resume_is_exact_and_completions_name_the_images(tiny_vlm_dir, tmp_path,
 
 
 def test_unsupported_settings_are_refused(tiny_vlm_dir, tmp_path):
-    from mlx_grpo.errors import UserError
+    from mlx_grpo.base.errors import UserError
 
     with pytest.raises(UserError, match="update_every"):
         vlm_cfg(tiny_vlm_dir, tmp_path, update_every=2)

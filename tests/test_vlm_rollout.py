@@ -1,4 +1,4 @@
-"""Image rollouts (vlm/rollout.py): all prompts' samples decode together, their caches left-padded to the
+"""Image rollouts (vlm/image_rollout.py): all prompts' samples decode together, their caches left-padded to the
 longest prompt, and each row samples what its prompt decoded alone samples with the same keys."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ pytest.importorskip("mlx_vlm")
 
 
 def test_batched_rollout_samples_what_each_prompt_alone_does(tiny_vlm_dir, tmp_path):
-    from mlx_grpo.assembly import build_job
-    from mlx_grpo.rollout.records import SamplingParams
-    from mlx_grpo.vlm.rollout import encode_vision_prompt, vision_rollout
+    from mlx_grpo.commands.assembly import build_job
+    from mlx_grpo.rollout.rollout_records import SamplingParams
+    from mlx_grpo.vlm.image_rollout import encode_vision_prompt, vision_rollout
 
     items = {"model_name": str(tiny_vlm_dir), "dataset": "shapes", "image_column": "image", "batch_size": 3,
              "num_generations": 2, "max_new_tokens": 6, "max_train_samples": 3, "output_dir": str(tmp_path / "runs"),

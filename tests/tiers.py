@@ -6,9 +6,9 @@ another file of tests/ (conftest.py, test_distributed.py's helpers, ...), those 
 it requests that its file or conftest.py defines. A test marked by hand (`@pytest.mark.run`,
 or a module's `pytestmark`) keeps its mark; otherwise it is
   bench  when that code names a script under bench/ (a "bench" path part);
-  run    when it starts a whole run or another process: mlx_grpo.run.train, mlx_grpo.sft_run.run_sft, the CLI's
-         main(["train" | "sft", ...]), the rollout worker (RolloutProcess) or anything from subprocess /
-         multiprocessing;
+  run    when it starts a whole run or another process: mlx_grpo.commands.train.train,
+         mlx_grpo.commands.sft.run_sft, the CLI's main(["train" | "sft", ...]), the rollout worker
+         (RolloutProcess) or anything from subprocess / multiprocessing;
   fast   otherwise: pure functions and tiny models in this process.
 `gpu` is only ever marked by hand (tests that need a CUDA device)."""
 
@@ -19,9 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 
 TIERS = ("fast", "run", "bench", "gpu")
-RUN_CALLS = {"mlx_grpo.run.train", "mlx_grpo.sft_run.run_sft", "mlx_grpo.rollout.process.RolloutProcess"}
+RUN_CALLS = {"mlx_grpo.commands.train.train", "mlx_grpo.commands.sft.run_sft",
+             "mlx_grpo.rollout.process.RolloutProcess"}
 RUN_COMMANDS = {"train", "sft"}
-CLI_MAIN = "mlx_grpo.cli.main"
+CLI_MAIN = "mlx_grpo.commands.cli.main"
 PROCESS_MODULES = {"subprocess", "multiprocessing"}
 
 
@@ -48,7 +49,7 @@ class ModuleCode:
                 self.aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
 
     def dotted(self, node: ast.AST) -> str | None:
-        """`run_mod.train` -> "mlx_grpo.run.train" through the file's imports; None for anything else."""
+        """`run_mod.train` -> "mlx_grpo.commands.train.train" through the file's imports; None for anything else."""
         parts = []
         while isinstance(node, ast.Attribute):
             parts.append(node.attr)

@@ -1,3 +1,3 @@
-from mlx_grpo.cli import main
+from mlx_grpo.commands.cli import main
 
 raise SystemExit(main())

@@ -218,7 +218,7 @@ def token_terms(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, a
     type's policy term (LOSSES[obj.loss_type].term: clipped_surrogate, cispo_term, sapo_term);
     kl = k3: exp(ref - logp) - (ref - logp) - 1, k1: logp - ref; loss_t = -(w * pg - kl_coeff * kl), with w
     the rollout-correction weight (sampler_weights; 1 when off), applied to the policy term as TRL does.
-    sampled [N] (None: every row): 1 for sampled rows, 0 for demonstrations (demonstrations.py), whose tokens
+    sampled [N] (None: every row): 1 for sampled rows, 0 for demonstrations (data/demonstrations.py), whose tokens
     no sampler drew: their w is 1, and their old log-probs are the rollout policy's, teacher-forced, so rho
     and the clip are the same PPO ratio as for sampled rows (docs/algorithms-demonstrations.md).
     logp/old_logp/ref_logp/sampler_logp/mask [N, T], advantages [N] (per row) or [N, T] (per token:

@@ -23,7 +23,7 @@ from typing import Any
 
 from mlx_grpo.config.root import COMMAND_DEFAULTS, FIELD_GROUP, FIELDS, GROUPS, Config
 from mlx_grpo.config.validation import check
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 # Keys of older versions and the field that replaced them (an alias that only had to equal its field).
 RENAMED = {"max_completion_length": "max_new_tokens"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_grpo.config.fields import DATA, EVAL, SAMPLING, TRAIN, TUNE, setting
-from mlx_grpo.reporting import REPORTERS
+from mlx_grpo.reporting.reporters import REPORTERS
 
 
 @dataclass(frozen=True)

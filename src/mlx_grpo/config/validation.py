@@ -10,7 +10,7 @@ from mlx_grpo.config.data import dataset_kind, unknown_dataset
 from mlx_grpo.config.fields import DATA, choices_of, in_range, range_words
 from mlx_grpo.config.objective import loss_own_fields
 from mlx_grpo.config.root import FIELD_GROUP, FIELDS, Config, command_default, fields_for
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 
 def _require(ok: bool, message: str) -> None:

@@ -25,7 +25,7 @@ from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import QUANT_GROUP_SIZES
 
 ADAPTER_WEIGHTS = "adapters.safetensors"

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.gguf_tokenizer import build_tokenizer, write_tokenizer_files
 from mlx_grpo.models.writing import (
     check_quantization,

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 # llama.cpp token types (llama_token_type / gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4

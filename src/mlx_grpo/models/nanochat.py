@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.nanochat_tokenizer import (
     BOS,
     TiktokenState,

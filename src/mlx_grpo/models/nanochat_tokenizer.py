@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 SPECIAL_TOKENS = (
     "<|bos|>",

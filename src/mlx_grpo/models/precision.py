@@ -75,7 +75,7 @@ def rounding_share(params: dict[str, mx.array], learning_rate: float, dtype: mx.
 def check_rounding(params: dict[str, mx.array], learning_rate: float, dtype: mx.Dtype, hint: str) -> str | None:
     """Without master weights: None when the step survives, a warning text when a small share of the
     update rounds away; raises UserError when most of it would."""
-    from mlx_grpo.errors import UserError
+    from mlx_grpo.base.errors import UserError
 
     share = rounding_share(params, learning_rate, dtype)
     if share < WARN_SHARE:

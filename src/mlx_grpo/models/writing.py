@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 RECORD_FILE = "mlx_grpo_convert.json"  # the options a directory was converted with

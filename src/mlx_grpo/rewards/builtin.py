@@ -14,8 +14,8 @@ from decimal import Decimal
 from typing import Any
 
 
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import SYSTEM_PROMPT  # noqa: F401  (re-exported: the prompt the format rewards expect)
-from mlx_grpo.errors import UserError
 
 RewardFn = Callable[..., Sequence[float | None]]
 

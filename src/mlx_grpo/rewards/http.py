@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 
 LOOPBACK_NAMES = frozenset({"localhost"})
 # Seconds before the first retry; each further retry waits twice as long.

@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_grpo.errors import UserError
-from mlx_grpo.rewards.builtin import completion_text, extract_answer
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import mlx_dtype, staged_output, write_record
+from mlx_grpo.rewards.builtin import completion_text, extract_answer
 
 SCORE_HEAD = "score"
 # Supported model types -> the mlx-lm module whose Model builds their backbone as `model` (inputs [n, L] -> final

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.base.user_files import one_line
 from mlx_grpo.rewards.builtin import RESERVED_ARGS, RewardFn
-from mlx_grpo.rewards.loading import resolve_reward
-from mlx_grpo.user_files import one_line
+from mlx_grpo.rewards.reward_loading import resolve_reward
 
 
 @dataclass

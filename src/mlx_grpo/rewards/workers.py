@@ -14,7 +14,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from pathlib import Path
 from typing import Any
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.rewards.scoring import RewardScores, RewardSet
 
 EXECUTORS = ("thread", "process")

@@ -29,11 +29,11 @@ import numpy as np
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache,
                                   RotatingKVCache)
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.decode_attention import kernel_serves, left_padded_attention, route_attention
 from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout.records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampling import StopScanner, end_ids, finish_rollout, make_sampler
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampler import StopScanner, end_ids, finish_rollout, make_sampler
 
 
 def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, prefill: str,

@@ -29,8 +29,8 @@ import numpy as np
 from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout.records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampling import StopScanner, end_ids, finish_rollout, make_sampler, sample
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampler import StopScanner, end_ids, finish_rollout, make_sampler, sample
 from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
 from mlx_grpo.rollout.turns import TurnRows, prefill_resumed
 

@@ -35,12 +35,12 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.tools.environments import (Environment, Episode, StepResult, ToolEnvironment, observation_text,
                                          prompt_messages)
-from mlx_grpo.user_files import import_file
-from mlx_grpo.rollout.records import Rollout, SamplingParams, select_groups
-from mlx_grpo.rollout.sampling import completion_end, end_ids
+from mlx_grpo.base.user_files import import_file
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams, select_groups
+from mlx_grpo.rollout.sampler import completion_end, end_ids
 from mlx_grpo.rollout.decode import encode_chat_prompt
 from mlx_grpo.tools.calls import ToolFormat, tool_format_for
 

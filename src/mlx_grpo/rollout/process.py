@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_grpo.errors import UserError
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.base.errors import UserError
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.rollout.worker import dtype_name, limit_cache, weight_layout
 from mlx_grpo.rollout.worker_entry import start_worker
 

@@ -1,6 +1,6 @@
 """Starting the rollout process (process.py; worker.py runs in it) and what it does before anything
 else: this module imports no MLX, so the worker can ignore Ctrl-C, map (and remove) the weights file,
-watch the training process and load the BLAS the training process runs on (blas.py) before MLX loads, so
+watch the training process and load the BLAS the training process runs on (base/blas.py) before MLX loads, so
 both compute the same."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import signal
 import threading
 from multiprocessing.connection import wait
 
-from mlx_grpo.blas import blas_threads, load_first, loaded_blas, set_threads
+from mlx_grpo.base.blas import blas_threads, load_first, loaded_blas, set_threads
 
 
 def start_worker(path: str):

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.tools.registry import MAX_OUTPUT_CHARS, Tool, run_tool, truncate
 
 # Marker strings rendered through a chat template to read off what it puts around a turn.

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.tools.calls import ToolFormat, call_output
 from mlx_grpo.tools.registry import MAX_OUTPUT_CHARS, Tool, resolve_tools
 

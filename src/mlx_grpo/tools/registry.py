@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.tools.calculator import calculate
 from mlx_grpo.tools.sandbox import PYTHON_MEMORY_MB, PYTHON_TIMEOUT_S, run_python
 

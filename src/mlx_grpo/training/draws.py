@@ -10,11 +10,11 @@ from concurrent.futures import BrokenExecutor
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.data import Example, reward_columns
-from mlx_grpo.errors import UserError
+from mlx_grpo.data.examples import Example, reward_columns
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.rewards.scoring import RewardScores, overlong_penalty
 from mlx_grpo.rollout.multiturn import model_texts, tool_use
-from mlx_grpo.rollout.records import Rollout, select_groups
+from mlx_grpo.rollout.rollout_records import Rollout, select_groups
 from mlx_grpo.training.records import BatchStats, Draw
 
 

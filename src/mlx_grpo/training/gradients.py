@@ -10,10 +10,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import Config
-from mlx_grpo.distributed import World
 from mlx_grpo.loss import LossSums, Objective, combine_sums, objective_sums, row_scales
 from mlx_grpo.models.forward import PackedBatch, completion_logprobs
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
+from mlx_grpo.training.distributed import World
 from mlx_grpo.training.microbatch import chunk_batch, row_chunks
 from mlx_grpo.training.records import StepData
 

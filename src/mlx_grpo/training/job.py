@@ -1,6 +1,6 @@
-"""One `mlx-grpo train` run's parts, wired together (assembly.py and vlm/assembly.py call `make_job`): the
+"""One `mlx-grpo train` run's parts, wired together (commands/assembly.py and vlm/vision_job.py call `make_job`): the
 sampling stage and the step source over it, the Trainer that updates, the run's health checks, the
-evaluation set and prompt; and the checkpoint state of them all (state, restore, save). run.py's loop is
+evaluation set and prompt; and the checkpoint state of them all (state, restore, save). commands/train.py's loop is
 `while (steps := job.source.next()): job.trainer.update(steps)` with evaluation, logs and saving around it.
 """
 
@@ -14,20 +14,20 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_grpo import checkpoint as ckpt
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import Config
-from mlx_grpo.data import EpochSampler, Example
-from mlx_grpo.demonstrations import Demonstrator
-from mlx_grpo.distributed import World
-from mlx_grpo.errors import UserError
-from mlx_grpo.health import RunHealth
+from mlx_grpo.data.demonstrations import Demonstrator
+from mlx_grpo.data.examples import EpochSampler, Example
+from mlx_grpo.data.prompts import RunPrompt, WorkedExamples, build_run_prompts
 from mlx_grpo.models.adapters import adapter_parameters
 from mlx_grpo.models.precision import MasterWeights
-from mlx_grpo.prompts import RunPrompt, WorkedExamples, build_run_prompts
+from mlx_grpo.reporting.health import RunHealth
 from mlx_grpo.rewards.scoring import RewardSet
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import multiturn_for
-from mlx_grpo.rollout.sampling import pad_token_id
+from mlx_grpo.rollout.sampler import pad_token_id
+from mlx_grpo.storage import checkpoint as ckpt
+from mlx_grpo.training.distributed import World
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.prefetch import PrefetchSteps
 from mlx_grpo.training.records import Counters
@@ -160,7 +160,7 @@ def make_job(cfg: Config, world: World, tokenizer, policies: Policies, rewards: 
     r = cfg.rollout
     source = PrefetchSteps(sampling, total_updates) if r.async_rollouts else \
         DynamicSteps(sampling) if r.dynamic_sampling else FreshSteps(sampling)
-    # Silent-reward, plateau and gaming checks (health.py); their state is part of the checkpoint's.
+    # Silent-reward, plateau and gaming checks (reporting/health.py); their state is part of the checkpoint's.
     # a teacher gives every sampled token a signal of its own: flat rewards are no reason to stop
     silent = 0 if cfg.objective.distill_coeff > 0 else cfg.health.max_updates_without_signal
     health = RunHealth(rewards.names, silent, cfg.health.plateau_updates, cfg.health.gaming_evals)

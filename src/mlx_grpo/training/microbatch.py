@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_grpo.models.forward import PackedBatch, bucket, pack, packed_width
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
 
 
 def _completion_width(rollout: Rollout, longest: int) -> int:

@@ -1,6 +1,6 @@
 """The optimizer of an update: AdamW built from the config, the learning-rate schedule, and the step that
 applies clipped gradients, on the float32 master weights when the model computes in a narrower dtype
-(models/precision.py keeps the masters; the step that moves them is here). sft.py takes the same step."""
+(models/precision.py keeps the masters; the step that moves them is here). sft/steps.py takes the same step."""
 
 from __future__ import annotations
 

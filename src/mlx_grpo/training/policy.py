@@ -18,7 +18,7 @@ from mlx_grpo.config import Config
 from mlx_grpo.models.adapters import adapters_disabled
 from mlx_grpo.models.forward import completion_logprobs
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
 from mlx_grpo.training.microbatch import chunk_batch, row_chunks
 from mlx_grpo.training.served_teacher import ServedTeacher
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_grpo.data import Example
+from mlx_grpo.data.examples import Example
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import rollouts
 from mlx_grpo.rollout.process import RolloutProcess

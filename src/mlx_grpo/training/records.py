@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.data import Example
+from mlx_grpo.data.examples import Example
 from mlx_grpo.loss import LossSums
 from mlx_grpo.rewards.scoring import RewardScores
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
 
 
 @dataclass

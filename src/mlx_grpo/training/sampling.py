@@ -15,12 +15,12 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.config import Config
-from mlx_grpo.data import EpochSampler, Example
-from mlx_grpo.distributed import World
+from mlx_grpo.data.examples import EpochSampler, Example
+from mlx_grpo.training.distributed import World
 from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, rollouts
-from mlx_grpo.rollout.records import Rollout, SamplingParams
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.training.draws import (RATE_WINDOW, batch_stats, draw_scores, informative_batch, reward_inputs,
                                      row_keys, varied_groups, wave_size)
 from mlx_grpo.training.policy import Policies

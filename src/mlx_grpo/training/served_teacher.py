@@ -32,9 +32,9 @@ from urllib.parse import urlsplit, urlunsplit
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.errors import UserError
+from mlx_grpo.base.errors import UserError
 from mlx_grpo.rewards.http import HttpRefused, check_reward_url, request_json
-from mlx_grpo.rollout.records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout
 
 SERVER = "teacher server"
 # Requests in flight at once: vLLM batches concurrent requests itself (and caches the group's shared prompt),

@@ -1,10 +1,10 @@
-"""The GRPO update (run.py's loop calls it once per optimizer update, on the batch steps a step source made):
+"""The GRPO update (commands/train.py's loop calls it once per optimizer update, on the batch steps a step source made):
 
     update(steps)  rewards collected -> advantages -> gradients -> clip -> optimizer step -> UpdateMetrics
 
 One optimizer update consumes `gradient_accumulation_steps` batch steps of B prompts x G completions,
 `num_iterations` times (each iteration is one `update` on the same steps, scored once). Data-parallel
-(distributed.py): every rank samples and scores its own B / ranks of a batch's prompts; the update sums
+(training/distributed.py): every rank samples and scores its own B / ranks of a batch's prompts; the update sums
 every rank's rows with the weights the whole batch gives them. Sampling is training/sampling.py's;
 checkpoint state is training/job.py's.
 """
@@ -18,11 +18,11 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.config import Config
-from mlx_grpo.distributed import World, zero_gradients
 from mlx_grpo.loss import LossSums, empty_sums, group_advantages
 from mlx_grpo.models.precision import MasterWeights
 from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.training.compiled_update import CompiledUpdate
+from mlx_grpo.training.distributed import World, zero_gradients
 from mlx_grpo.training.draws import add_rewards, draw_scores
 from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step

@@ -50,6 +50,6 @@ def image_name(source) -> str:
 
 
 def _error(where: str, message: str):
-    from mlx_grpo.errors import UserError
+    from mlx_grpo.base.errors import UserError
 
     return UserError(f"{where}: {message}")

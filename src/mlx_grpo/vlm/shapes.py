@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import random
 
-from mlx_grpo.data import Example
+from mlx_grpo.data.examples import Example
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (230, 200, 20),
            "purple": (140, 50, 170)}

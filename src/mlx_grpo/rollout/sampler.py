@@ -1,0 +1,127 @@
+"""Sampling one token per row with the row's own key (temperature, top-k / top-p / min-p), the compiled
+per-step sampler both decode loops use, where a row ends (end tokens, stop strings found as tokens
+arrive), and finish_rollout: the sampled ids [N, T] cut at each row's end into a Rollout."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from mlx_grpo.models.decode_attention import kernel_available
+from mlx_grpo.rollout.keyed_bits import categorical_from_bits, keyed_bits
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+
+
+def _entropy(logprobs: mx.array) -> mx.array:
+    """-sum p log p of each row. logprobs [N, V] -> [N]."""
+    return -(mx.exp(logprobs) * logprobs).sum(axis=-1)
+
+
+def sample(logits: mx.array, keys: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
+    """Draw one token per row with that row's key. logits [N, V], keys [N, 2] -> (tokens [N], logprobs [N]
+    under logits/temperature, entropy [N] of that distribution, before any top-k/top-p/min-p cut).
+    temperature 0 is greedy (argmax), with log-probs of the plain logits."""
+    if params.temperature == 0:
+        logprobs = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+        tokens = mx.argmax(logprobs, axis=-1)
+        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
+    logprobs = nn.log_softmax(logits.astype(mx.float32) / params.temperature, axis=-1)  # [N, V]
+    filtered = logprobs
+    if params.top_k > 0 and params.top_k < logprobs.shape[-1]:
+        filtered = apply_top_k(filtered, params.top_k)
+    if 0 < params.top_p < 1:
+        filtered = apply_top_p(filtered, params.top_p)
+    if params.min_p > 0:
+        filtered = apply_min_p(filtered, params.min_p)
+    if kernel_available():  # the same draws from bits written coalesced (rollout/keyed_bits.py)
+        tokens = categorical_from_bits(filtered, keyed_bits(keys, filtered.shape[-1]))
+    else:
+        tokens = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(filtered, keys)  # [N]
+    return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
+
+
+def pad_token_id(tokenizer) -> int:
+    """What pads rollout rows and batches: the pad token, or the lowest end token when the tokenizer has none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
+
+
+def end_ids(tokenizer, params: SamplingParams) -> tuple[list[int], int]:
+    """(the ids that end a row: none with ignore_eos, the pad id written after a row's end)."""
+    return ([] if params.ignore_eos else sorted(tokenizer.eos_token_ids)), pad_token_id(tokenizer)
+
+
+def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
+    """Number of tokens up to and including the one that completes the first stop string, if any."""
+    if not stops or not any(s in tokenizer.decode(ids) for s in stops):
+        return None
+    lo, hi = 1, len(ids)  # the shortest prefix whose text contains a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in tokenizer.decode(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+class StopScanner:
+    """Finds rows' first stop string as their tokens arrive, scan after scan: each scan decodes only the
+    tokens since the row's last scan plus a margin before them (wide enough for a stop string that started
+    there), and stop_cut runs on the whole row only when that tail holds a stop. One per decode loop."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, stops
+        # a stop string spans at most one token per character; leading-space and byte-fallback tokens
+        # can render differently at a window's start, hence the slack
+        self.margin = 2 * max((len(s) for s in stops), default=0) + 8
+        self._clean: dict[int, int] = {}  # row -> tokens scanned without a stop
+
+    def cut(self, row: int, ids: list[int]) -> int | None:
+        """stop_cut(ids): the tokens up to and including the one that completes the first stop string."""
+        start = max(0, self._clean.get(row, 0) - self.margin)
+        if not any(s in self.tokenizer.decode(ids[start:]) for s in self.stops):
+            self._clean[row] = len(ids)
+            return None
+        return stop_cut(self.tokenizer, ids, self.stops)
+
+
+def make_sampler(params: SamplingParams, eos: mx.array):
+    """(logits [N, V], keys [N, 2], ended [N]) -> (token [N], logprob [N], entropy [N], ended [N]), compiled: one
+    fused graph instead of ~10 separately dispatched ops per decode step. Built (and traced) once per rollout."""
+
+    def step(logits, keys, ended):
+        token, logprob, entropy = sample(logits, keys, params)
+        return token, logprob, entropy, ended | (token[:, None] == eos[None]).any(axis=1)
+
+    return mx.compile(step)
+
+
+def completion_end(tokenizer, ids: list[int], eos: set[int], stops: tuple[str, ...]) -> int | None:
+    """Tokens of a completion up to and including its first end token, or the token that completes its
+    first stop string before that; None when it has neither (it ran to its length)."""
+    end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
+    cut = stop_cut(tokenizer, ids[:end] if end else ids, stops)
+    return cut if cut is not None else end
+
+
+def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
+            params: SamplingParams, group_size: int, prefill_text: str) -> Rollout:
+    """Cut each row after its EOS (or stop string), build the mask and the texts."""
+    rows = ids.tolist()
+    eos_set = set(eos_ids)
+    T = len(rows[0])
+    lengths, texts, truncated = [], [], []
+    for row in rows:
+        end = completion_end(tokenizer, row, eos_set, params.stop)
+        truncated.append(end is None)
+        length = end if end is not None else T
+        lengths.append(length)
+        body = row[:length - 1] if length and row[length - 1] in eos_set else row[:length]
+        texts.append(prefill_text + tokenizer.decode(body))
+    mask = (mx.arange(T)[None, :] < mx.array(lengths)[:, None]).astype(mx.float32)  # [N, T]
+    completion_ids = mx.where(mask > 0, ids, pad_id).astype(mx.int32)
+    return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=completion_ids, mask=mask,
+                   sampler_logprobs=lps * mask, truncated=np.array(truncated), texts=texts,
+                   group_size=group_size, entropies=ents * mask)
