@@ -34,7 +34,7 @@ def make_cfg(model_dir, out, *items):
     base = [f"model_name={model_dir}", f"output_dir={out}", "batch_size=4", "num_generations=4",
             "max_new_tokens=8", "max_train_samples=64", "learning_rate=1e-2", "warmup_ratio=0",
             "log_completions_steps=0", "max_prompt_length=96", "system_prompt=", "dynamic_sampling=true",
-            "max_resample_batches=3", "save_steps=0"]
+            "max_resample_batches=3", "draws_per_pass=4", "save_steps=0"]
     return build_config("train", overrides=parse_set(base + list(items)))
 
 
@@ -164,6 +164,14 @@ def test_low_rate_runs_take_fewer_decode_passes_than_draws(tiny_model_dir, tmp_p
          "num_generations=4", "max_new_tokens=8", "max_train_samples=8", "system_prompt=", "save_steps=0",
          "log_completions_steps=0", quarter_reward(tmp_path)]))))
     assert "decode_passes" not in plain[0] and "rows_decoded_per_trained" not in plain[0]
+    calls.clear()  # draws_per_pass = 1 (the default): one draw a pass, whatever the rate says
+    one = make_cfg(tiny_model_dir, tmp_path, quarter_reward(tmp_path), "batch_size=2", "max_train_samples=48",
+                   "draws_per_pass=1", "run_name=one")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TextPrompts, "generate", counted)
+        rows = run_metrics(run_mod.train(one))
+    assert calls and set(calls) == {1}
+    assert all(r["decode_passes"] == r["draws"] for r in rows) and max(r["draws"] for r in rows) > 1
 
 
 def test_resume_equals_uninterrupted_with_the_wave_estimate(tiny_model_dir, tmp_path, monkeypatch):

@@ -41,6 +41,12 @@ class RolloutConfig:
                                      "data consumed) ends when the data does.", TRAIN)
     max_resample_batches: int = setting(3, "With dynamic_sampling: most extra draws of batch_size prompts per batch "
                                         "step; a step still short trains on the groups it has.", TRAIN, range=">= 0")
+    draws_per_pass: int = setting(1, "With dynamic_sampling: most draws decoded together in one pass (a wave sized "
+                                  "by the run's varied-group rate; the groups trained on are those of drawing one "
+                                  "at a time). 1 = one at a time. More rows per pass cost less per row where decode "
+                                  "is host-bound (plain rollouts on a GPU), but hold that many rows' KV cache at "
+                                  "once: tool-calling rollouts at 4 x 256 rows ran out of memory on an 80 GB H100.",
+                                  TRAIN, range=">= 1")
     dynamic_sampling_reward: str = setting("", "With dynamic_sampling: the reward function (as named in reward_funcs; a "
                                            "custom one by its function name) whose scores must differ within a group "
                                            "for the group to be kept, e.g. reasoned_correctness: DAPO keeps the groups "

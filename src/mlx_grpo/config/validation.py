@@ -185,6 +185,7 @@ def _validate_objective(c: Config) -> None:
              "so the sampler ratio would weight dropout noise; set lora_dropout = 0")
     _unused_unless(c, "overlong_buffer", w.overlong_penalty > 0, "overlong_penalty > 0")
     _unused_unless(c, "max_resample_batches", r.dynamic_sampling, "dynamic_sampling = true")
+    _unused_unless(c, "draws_per_pass", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "rollout_worker", r.async_rollouts > 0, "async_rollouts = 1")
     _unused_unless(c, "dynamic_sampling_reward", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "demo_reward", o.demonstrations != "off", "demonstrations on")

@@ -145,11 +145,11 @@ class Sampling:
 
         The rule is sequential: draw batch_size prompts, and while fewer than batch_size groups (all ranks) vary,
         draw again, at most max_resample_batches times more; informative_batch trains on the first batch_size
-        varied groups in draw order. A decode step costs about the same at 4x the rows (host-bound on a GPU), so
-        the draws are decoded in waves: each wave decodes together (engine refill; row keys from (seed, draw,
-        row): the tokens of one-by-one decoding) as many draws as the missing groups need at the varied-group
-        rate of the run's latest draws (draws.wave_size: one draw at a run's start), within the cap; another wave
-        follows while groups are still missing. The waves make at least the draws the sequential rule would, so
+        varied groups in draw order. Where a decode step costs about the same at more rows (host-bound plain
+        rollouts on a GPU), the draws are decoded in waves: each wave decodes together (engine refill; row keys
+        from (seed, draw, row): the tokens of one-by-one decoding) as many draws as the missing groups need at
+        the varied-group rate of the run's latest draws (draws.wave_size: one draw at a run's start), within
+        the cap and draws_per_pass (1, the default: one draw a pass); another wave follows while groups are still missing. The waves make at least the draws the sequential rule would, so
         the first batch_size varied groups, the groups trained on, are the same. Draws a wave decodes beyond
         those the rule needed (surplus) advance the data cursor and the draw counter like any draw: later batch
         steps get later prompts than one-by-one drawing would give them. Every rank takes the same decisions
@@ -160,7 +160,7 @@ class Sampling:
         varied = passes = 0
         batches = [examples]
         while True:
-            size = wave_size(c.varied_recent, B - varied, cap - len(draws))
+            size = wave_size(c.varied_recent, B - varied, min(cap - len(draws), cfg.rollout.draws_per_pass))
             while len(batches) < size and (more := self.next_examples()) is not None:
                 batches.append(more)
             wave = self.sample(batches)  # one decode pass
