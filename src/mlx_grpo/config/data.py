@@ -1,5 +1,5 @@
 """The `data` settings (cfg.data; TOML [data]): where examples come from and how each prompt is written
-(system prompt, worked examples, prefill). Read by sources.py, data.py, prompts.py, solutions.py."""
+(system prompt, worked examples, prefill). Read by data/ (sources.py, examples.py, prompts.py, solutions.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mlx_grpo.config.fields import ANSWER_COLUMNS, DATA, MODEL_CMDS, PROMPT_COLUMNS, SYSTEM_PROMPT, TUNE, setting
 
-# The built-in data sets (data.py generates arith, loads gsm8k; vlm/shapes.py draws shapes, the image task);
+# The built-in data sets (data/examples.py generates arith, loads gsm8k; vlm/shapes.py draws shapes, the image task);
 # with the forms below, what `dataset` accepts.
 BUILTIN_DATASETS = ("arith", "gsm8k", "shapes")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -75,11 +75,11 @@ class DataConfig:
                                  "empty means none.", MODEL_CMDS, per_command={"generate": "", "chat": ""})
     prefill: str = setting("", "Text appended after the generation prompt (e.g. '<reasoning>'); rewards see prefill + "
                            "completion.", DATA)
-    worked_examples: int = setting(0, "Worked examples shown after the system prompt (prompts.py): this many drawn "
-                                   "from the training split with worked_examples_seed, each its question and its "
-                                   "worked solution written in the run's format (GSM8K's own solution, arith's, or a "
-                                   "'solution'/'completion' column; solutions.py). Never an example whose question is "
-                                   "in the evaluation set; the drawn examples are left out of training (their answers "
+    worked_examples: int = setting(0, "Worked examples shown after the system prompt (data/prompts.py): this many "
+                                   "drawn from the training split with worked_examples_seed, each its question and "
+                                   "its worked solution written in the run's format (GSM8K's own solution, arith's, "
+                                   "or a 'solution'/'completion' column; data/solutions.py). Never an example whose "
+                                   "question is in the evaluation set; the drawn examples are left out of training (their answers "
                                    "are in every prompt). 0 = none.", DATA, range=">= 0", note="0 = none")
     worked_examples_seed: int = setting(0, "Seed of the draw of worked_examples: the same seed, the same prompt. Kept "
                                         "apart from `seed`: runs over several seeds show the same GSM8K or file "

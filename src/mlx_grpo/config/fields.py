@@ -54,7 +54,7 @@ def setting(default: Any, help: str, commands: frozenset[str], *, choices: Choic
     names one entry of a list setting with choices in its error ('reporter'). `per_command`: the default
     of the commands whose natural default differs from training's ({"generate": 0.0}). `resume_may_change`:
     a resumed run may set it differently from its checkpoint (it decides what is logged, evaluated, saved or
-    how long to wait, never the run's math or data); any other difference is refused (checkpoint.py)."""
+    how long to wait, never the run's math or data); any other difference is refused (storage/checkpoint.py)."""
     if range:
         parse_range(range)  # a typo in a declaration fails at import, not in a user's run
     if set(per_command or {}) - commands:

@@ -130,8 +130,8 @@ class ObjectiveConfig:
                                   "anything (reward > 0; of demo_reward when set), its last completion is replaced by "
                                   "the example's reference solution in the run's format (the data's 'completion' "
                                   "column verbatim, prefill included; else GSM8K's worked solution or the one arith "
-                                  "writes, converted: solutions.py), scored by the same rewards and trained with the "
-                                  "clipped PPO ratio against the rollout policy's teacher-forced log-probs, outside "
+                                  "writes, converted: data/solutions.py), scored by the same rewards and trained "
+                                  "with the clipped PPO ratio against the rollout policy's teacher-forced log-probs, outside "
                                   "the rollout correction (docs/algorithms-demonstrations.md). Logged as "
                                   "demo_fraction. off: never. Single-turn runs only.", TRAIN,
                                   choices=("off", "zero_groups"))

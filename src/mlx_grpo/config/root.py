@@ -90,7 +90,7 @@ for _name, _f in FIELDS.items():
         COMMAND_DEFAULTS.setdefault(_command, {})[_name] = _value
 del _name, _f, _command, _value
 
-# The fields a resumed run may change (declared with resume_may_change=True); checkpoint.py refuses others.
+# The fields a resumed run may change (declared with resume_may_change=True); storage/checkpoint.py refuses others.
 RESUME_MAY_CHANGE = frozenset(name for name, f in FIELDS.items() if f.metadata["resume_may_change"])
 
 

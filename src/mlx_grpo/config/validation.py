@@ -74,7 +74,7 @@ def _validate_data(c: Config) -> None:
 
 
 def _validate_images(c: Config) -> None:
-    """Settings the image rollouts (vlm/rollout.py) do not implement: refused, not ignored."""
+    """Settings the image rollouts (vlm/image_rollout.py) do not implement: refused, not ignored."""
     r, o = c.rollout, c.objective
     if c.data.image_column:
         bad = [name for flag, name in [(o.update_every > 1, "update_every > 1"), (r.quantize_for_rollouts,

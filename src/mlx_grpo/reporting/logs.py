@@ -305,7 +305,7 @@ def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: li
                   last_eval: dict | None, checkpoint: Path | None, records: list[dict] = ()) -> list[str]:
     """The end-of-run summary: updates and wall time (of this session, when it resumed a run), reward_mean
     at the start vs the end of `rewards` (each the mean over its first / last min(5, n // 2) updates, named;
-    run.py passes a resumed run's whole log), then per reward function of `records` (the same metrics
+    commands/train.py passes a resumed run's whole log), then per reward function of `records` (the same metrics
     records) what rose and what did not, the teacher's KL with distillation, the last eval and the final
     checkpoint."""
     resumed = session_updates != updates

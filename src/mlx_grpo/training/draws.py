@@ -50,7 +50,7 @@ def collect(draw: Draw, cfg, demonstrator) -> None:
             draw.rollout.extents, cfg.rollout.max_new_tokens, cfg.rewards.overlong_buffer,
             cfg.rewards.overlong_penalty))
     draw.scores = scores
-    if demonstrator is not None:  # groups that earned nothing get a demonstration (demonstrations.py)
+    if demonstrator is not None:  # groups that earned nothing get a demonstration (data/demonstrations.py)
         draw.sampled = (draw.rollout, scores)
         draw.rollout, draw.scores = demonstrator.inject(draw.examples, draw.rollout, scores)
     draw.t_reward += time.perf_counter() - t0  # time the loop waited: the whole scoring when inline

@@ -10,7 +10,7 @@ left the weights as they were); the loss weights that back with rollout_correcti
 sampling on exp(trainer log-prob - sampler log-prob), the sampler's log-probs recorded during decoding),
 which validation requires, as verl's one-step-off-policy and TRL's async GRPO correct it.
 
-One update (PrefetchSteps.next, called by run.py's loop; the step-source interface: step_sources.py):
+One update (PrefetchSteps.next, called by commands/train.py's loop; the step-source interface: step_sources.py):
     join this update's rollouts (or sample them now: the first update, the first after a resume)
     draw and encode the next update's prompts (main thread: the draw counter and data cursor move here only)
     start their decode and reward submission in the thread, from the current weights

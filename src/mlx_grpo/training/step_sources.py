@@ -1,4 +1,4 @@
-"""Step sources: where run.py's loop gets each update's batch steps. One interface, three implementations
+"""Step sources: where commands/train.py's loop gets each update's batch steps. One interface, three implementations
 chosen by the config (`step_source`), each over the same sampling stage (training/sampling.py):
 
     FreshSteps      the update's batch steps drawn together, their rollouts decoding together (engine refill)
