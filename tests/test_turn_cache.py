@@ -176,3 +176,22 @@ def test_rows_resumed_on_their_cache_match_each_row_alone(attending):
                                        atol=2e-5)
             checked += 1
     assert checked >= 4
+
+
+def test_kept_blocks_are_released_once_their_rows_are_in_the_batch(attending, monkeypatch):
+    """A kept block is a copy of its row's cache: once the refill has put it in the batch, the queue entry must
+    let it go, or every resumed turn's context stays in memory until the rollout ends."""
+    from mlx_grpo.rollout import turns as turns_mod
+
+    seen, original = [], turns_mod.TurnRows.take
+
+    def take(self, entries, *args, **kwargs):
+        seen.append(entries)
+        return original(self, entries, *args, **kwargs)
+
+    monkeypatch.setattr(turns_mod.TurnRows, "take", take)
+    (outs, engine) = _episodes(*attending, True)
+    assert max(_calls(outs)) >= 2 and seen
+    entries = seen[-1]
+    assert any(len(e) == 4 for e in entries)  # later turns were queued with a block slot
+    assert all(e[3] is None for e in entries if len(e) == 4)

@@ -297,6 +297,8 @@ class RolloutEngine:
                         keys, values, start, token, ended, kstep, new_rows = self._refill(
                             [entries[e] for e in admit], idx, T, pad_id, keys, values, start, token, ended, kstep,
                             new_rows, all_keys, sampler, join, s, segments)
+                        for e in admit:  # a kept block is in the batch now: its own copy goes
+                            entries[e] = (*entries[e][:3], None)
                         last = max(last, s - 1 + T)
                     rows, slot_rows = new_rows, None
             if slot_rows is None or len(slot_rows) != len(rows):  # after a rebuild: the slots' rows on the device

@@ -254,13 +254,16 @@ class _Turns:
         self.waiting: list[int] = []
 
     def ended(self, row: int, ids: list[int], logprobs: list[float], entropies: list[float]) -> int | None:
-        """-> how many of ids the episode kept (the turn's cut), or None when the episode has ended."""
+        """-> how many of ids the episode kept (the turn's cut), or None when no turn will follow (the episode has
+        ended, or will once its environment answers)."""
         episode = self.rows[self.episode[row]]
         before = len(episode.ids)
         self.multiturn._end_turn(episode, ids, logprobs, entropies, self.ends, self.pool)
         if episode.done:
             return None
         self.waiting.append(row)
+        if isinstance(self.multiturn.env, ToolEnvironment) and episode.ids[-1] in self.ends.eos:
+            return None  # a tool episode ends at its end token (ToolEnvironment.step): no turn will resume here
         return len(episode.ids) - before
 
     def pending(self) -> bool:

@@ -82,7 +82,7 @@ def wave_size(recent: list[int], deficit: int, room: int) -> int:
     (a run's first draw), all `room` (the draws left under max_resample_batches) when none of them varied.
     At most `room`, at least 1."""
     if not recent:
-        return min(1, room)
+        return 1
     if not sum(recent):
         return room
     return max(1, min(room, -(-deficit * len(recent) // sum(recent))))

@@ -149,8 +149,9 @@ class Sampling:
         rollouts on a GPU), the draws are decoded in waves: each wave decodes together (engine refill; row keys
         from (seed, draw, row): the tokens of one-by-one decoding) as many draws as the missing groups need at
         the varied-group rate of the run's latest draws (draws.wave_size: one draw at a run's start), within
-        the cap and draws_per_pass (1, the default: one draw a pass); another wave follows while groups are still missing. The waves make at least the draws the sequential rule would, so
-        the first batch_size varied groups, the groups trained on, are the same. Draws a wave decodes beyond
+        the cap and draws_per_pass (1, the default: one draw a pass); another wave follows while groups are
+        still missing. The waves make at least the draws the sequential rule would, so the first batch_size
+        varied groups, the groups trained on, are the same. Draws a wave decodes beyond
         those the rule needed (surplus) advance the data cursor and the draw counter like any draw: later batch
         steps get later prompts than one-by-one drawing would give them. Every rank takes the same decisions
         (the flags and the rate are over all ranks)."""
