@@ -195,3 +195,25 @@ def test_kept_blocks_are_released_once_their_rows_are_in_the_batch(attending, mo
     entries = seen[-1]
     assert any(len(e) == 4 for e in entries)  # later turns were queued with a block slot
     assert all(e[3] is None for e in entries if len(e) == 4)
+
+
+def test_rows_kept_between_syncs_equal_a_whole_assembly(attending, monkeypatch):
+    """columns.Written converts only the columns decoded since the last sync; at every sync of a tool-calling
+    decode (rows added by later turns, batches rebuilt by refill and compaction) its rows equal assembling
+    every segment again, and the rollouts equal the re-prefill path's."""
+    from mlx_grpo.rollout import columns
+
+    checked, update = [], columns.Written.update
+
+    def compared(self, segments, join, n_rows):
+        got = update(self, segments, join, n_rows)
+        want = columns.assemble(segments, join, n_rows, self.T, -1)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        checked.append(n_rows)
+        return got
+
+    monkeypatch.setattr(columns.Written, "update", compared)
+    outs, _ = _episodes(*attending, True, sync_every=2)
+    assert len(checked) > 10 and checked[-1] > checked[0]  # many syncs, rows added by later turns
+    assert max(_calls(outs)) >= 2

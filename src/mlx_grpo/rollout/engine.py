@@ -29,6 +29,7 @@ import numpy as np
 from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.models.decode_attention import kernel_available
 from mlx_grpo.models.forward import bucket
+from mlx_grpo.rollout.columns import Written, assemble
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.rollout.sampler import StopScanner, end_ids, finish_rollout, make_sampler, sample
 from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
@@ -85,7 +86,7 @@ class RolloutEngine:
         self._steps = {}
         self.row_steps = 0  # rows x decode steps the last fused rollout computed (what compaction saves)
         self.steps = 0  # decode steps it ran (what refill saves: a step costs about the same at any row count)
-        self.prefilled_tokens = 0  # context tokens it prefilled (what keeping turns' caches saves)
+        self.prefilled_tokens = 0  # context tokens the last fused rollout prefilled (what kept turn caches save)
 
     def refresh(self, model: nn.Module) -> "RolloutEngine":
         """Sample from `model`'s current weights from now on. The copy is rebuilt when next needed, so
@@ -242,6 +243,7 @@ class RolloutEngine:
                                                  mx.zeros((len(rows),), mx.bool_))
         kstep = mx.ones((len(rows),), dtype=mx.int32)  # each slot's next step key
         segments, columns, opened = [], ([token], [logprob], [entropy]), 0
+        rows_so_far = Written(T)  # the rows' tokens at each sync, for the stop strings and the turns
         self.row_steps, self.steps = len(rows), 0
         s, last = 1, T  # decode steps until every admitted row has T tokens
         slot_rows, slot, slot_at = None, None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
@@ -254,7 +256,7 @@ class RolloutEngine:
                                                                          limit, reported)
                 done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
                 # the tokens so far as rows (one host copy per sync, for the stop strings and the turns)
-                written = _assemble(segments + [(rows, opened, columns)], join, n_rows, T, -1) \
+                written = rows_so_far.update(segments + [(rows, opened, columns)], join, n_rows) \
                     if params.stop or turns is not None else None
                 if params.stop:
                     done |= self._stopped(written[0], rows, scanner, on_stop)
@@ -327,7 +329,7 @@ class RolloutEngine:
         if turns is not None:
             return None
         segments.append((rows, opened, columns))
-        ids, lps, ents, filled = _assemble(segments, join, n_rows, T, pad_id)
+        ids, lps, ents, filled = assemble(segments, join, n_rows, T, pad_id)
         out, row = [], 0
         for job, _ in jobs:
             n = len(job) * G
@@ -378,25 +380,3 @@ class RolloutEngine:
                 on_stop(int(r), row[:cut])
             out.append(r < 0 or cut is not None)
         return np.array(out)
-
-
-def _assemble(segments, join: np.ndarray, n_rows: int, T: int, pad_id: int):
-    """Scatter the segments' columns back to rollout rows (a slot's step goes to column step - join[row]):
-    -> ids, log-probs, entropies as numpy [rows, T] (pad_id / 0 where a row wrote nothing) and each row's
-    number of columns written."""
-    ids = np.full((n_rows, T), pad_id, dtype=np.int32)
-    lps = np.zeros((n_rows, T), dtype=np.float32)
-    ents = np.zeros((n_rows, T), dtype=np.float32)
-    filled = np.zeros(n_rows, dtype=np.int64)
-    for rows, first, (t, lp, ent) in segments:
-        if not t:
-            continue
-        real = np.flatnonzero(rows >= 0)
-        r = rows[real]
-        cols = first - join[r][:, None] + np.arange(len(t))[None, :]  # [slots, steps]
-        ok = (cols >= 0) & (cols < T)
-        rr = np.broadcast_to(r[:, None], cols.shape)
-        for out, part in ((ids, t), (lps, lp), (ents, ent)):
-            out[rr[ok], cols[ok]] = np.array(mx.stack(part, axis=1))[real][ok]
-        np.maximum.at(filled, rr[ok], cols[ok] + 1)
-    return ids, lps, ents, filled

@@ -34,7 +34,7 @@ class TurnRows:
     def report(self, written, rows: np.ndarray, done: np.ndarray, reported: np.ndarray, keys: mx.array,
                values: mx.array, start: mx.array) -> None:
         """Hand each row of the batch that is done and not yet reported to turns.ended, with the tokens,
-        log-probs and entropies it wrote (written: engine._assemble's); keep: copy the KV block of each one
+        log-probs and entropies it wrote (written: columns.Written.update's); keep: copy the KV block of each one
         that may go on out of its slot (keys, values [layers, slots, Hkv, S, Dh]; start [slots])."""
         ids, lps, ents, filled = written
         spans = []

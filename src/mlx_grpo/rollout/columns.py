@@ -1,0 +1,62 @@
+"""The fused decode loop's output as rows (engine.py): each decode step appends one column per batch slot (its
+token, log-prob and entropy), in segments between two rebuilds of the batch; a slot's step goes to its row's
+column step - join[row]. `assemble` scatters every segment back to rows once, for the rollout's records;
+`Written` keeps the rows between the loop's syncs and converts only the columns decoded since the last one,
+where assembling again at every sync cost time that grew with the rollout's length (session 26's profile of a
+tool-calling rollout: 0.76 s of 5.6 s).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+def _scatter(out: tuple, first: int, rows: np.ndarray, join: np.ndarray, parts: tuple, offset: int, T: int) -> None:
+    """Write columns offset, offset + 1, ... of one segment (parts: token, log-prob, entropy columns, each a
+    list of [slots] arrays) into out = (ids, log-probs, entropies, filled)."""
+    ids, lps, ents, filled = out
+    real = np.flatnonzero(rows >= 0)
+    r = rows[real]
+    cols = first + offset - join[r][:, None] + np.arange(len(parts[0]))[None, :]  # [slots, steps]
+    ok = (cols >= 0) & (cols < T)
+    rr = np.broadcast_to(r[:, None], cols.shape)
+    for target, part in zip((ids, lps, ents), parts):
+        target[rr[ok], cols[ok]] = np.array(mx.stack(part, axis=1))[real][ok]
+    np.maximum.at(filled, rr[ok], cols[ok] + 1)
+
+
+def assemble(segments, join: np.ndarray, n_rows: int, T: int, pad_id: int):
+    """Scatter the segments [(slot rows, first step, (tokens, log-probs, entropies))] back to rollout rows:
+    -> ids, log-probs, entropies as numpy [rows, T] (pad_id / 0 where a row wrote nothing) and each row's
+    number of columns written."""
+    out = (np.full((n_rows, T), pad_id, dtype=np.int32), np.zeros((n_rows, T), dtype=np.float32),
+           np.zeros((n_rows, T), dtype=np.float32), np.zeros(n_rows, dtype=np.int64))
+    for rows, first, parts in segments:
+        if parts[0]:
+            _scatter(out, first, rows, join, parts, 0, T)
+    return out
+
+
+class Written:
+    """`assemble(segments, join, n_rows, T, -1)` kept up to date across one decode loop's syncs. A segment's
+    column lists only grow (the open one) or stop growing (closed ones), and a row's join is fixed once it
+    has written anything, so the columns already scattered never change."""
+
+    def __init__(self, T: int):
+        self.T = T
+        self.out = assemble([], np.zeros(0, np.int64), 0, T, -1)
+        self.seen: dict[int, int] = {}  # id of a segment's token list -> columns scattered (the lists stay alive)
+
+    def update(self, segments, join: np.ndarray, n_rows: int):
+        """-> assemble(segments, join, n_rows, T, -1): the rows as numpy arrays, owned by this object."""
+        grow = n_rows - len(self.out[3])
+        if grow > 0:  # rows the turns added since the last sync
+            self.out = tuple(np.concatenate([a, np.full((grow,) + a.shape[1:], -1 if i == 0 else 0, a.dtype)])
+                             for i, a in enumerate(self.out))
+        for rows, first, parts in segments:
+            done = self.seen.get(id(parts[0]), 0)
+            if done < len(parts[0]):
+                _scatter(self.out, first, rows, join, tuple(p[done:] for p in parts), done, self.T)
+                self.seen[id(parts[0])] = len(parts[0])
+        return self.out
