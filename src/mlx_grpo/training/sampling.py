@@ -151,10 +151,10 @@ class Sampling:
         the varied-group rate of the run's latest draws (draws.wave_size: one draw at a run's start), within
         the cap and draws_per_pass (1, the default: one draw a pass); another wave follows while groups are
         still missing. The waves make at least the draws the sequential rule would, so the first batch_size
-        varied groups, the groups trained on, are the same. Draws a wave decodes beyond
-        those the rule needed (surplus) advance the data cursor and the draw counter like any draw: later batch
-        steps get later prompts than one-by-one drawing would give them. Every rank takes the same decisions
-        (the flags and the rate are over all ranks)."""
+        varied groups, the groups trained on, are the same. Draws a wave decodes beyond those the rule needed
+        (surplus) advance the data cursor and the draw counter like any draw: later batch steps get later
+        prompts than one-by-one drawing would give them. Every rank takes the same decisions (the flags and
+        the rate are over all ranks)."""
         cfg, c = self.cfg, self.counters
         B, cap = cfg.training.batch_size, 1 + cfg.rollout.max_resample_batches
         draws: list[Draw] = []
@@ -164,6 +164,8 @@ class Sampling:
             size = wave_size(c.varied_recent, B - varied, min(cap - len(draws), cfg.rollout.draws_per_pass))
             while len(batches) < size and (more := self.next_examples()) is not None:
                 batches.append(more)
+            if not batches:  # the data is exhausted: train on what there is
+                return draws, passes
             wave = self.sample(batches)  # one decode pass
             passes += 1
             counts = [int(self.flags(d).sum()) for d in wave]
@@ -172,10 +174,7 @@ class Sampling:
             varied += sum(counts)
             if varied >= B or len(draws) >= cap or len(batches) < size:  # enough, the cap, or the data ran out
                 return draws, passes
-            more = self.next_examples()
-            if more is None:  # the data is exhausted: train on what there is
-                return draws, passes
-            batches = [more]
+            batches = []
 
     # ------------------------------------------------------------------ old / reference log-probs
     def logprob_passes(self, draws: list[Draw]) -> Batch:
