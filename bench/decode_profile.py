@@ -5,11 +5,11 @@ A step builder (STEP_BUILDERS; --builders picks) prefills the rows and hands bac
 `step()` builds one decode step's lazy graph (the model on the KV cache, then the sampler) and returns
 the arrays to evaluate. "trainer" is mlx_grpo.rollout.decode.generate_rollout (the loop before the rollout
 engine; what models without a sampling copy still use): each prompt prefilled once and its cache repeated
-G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention kernel (route_attention)
-where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the compiled sampler. "engine" is
-mlx_grpo.rollout.engine.RolloutEngine's step, what the trainer now samples with: the fused sampling copy, one
-compiled graph per step (model + sampler; it reads the cache), the token's keys/values written into the
-cache outside it. "graph" is the engine's step under decode_graph (models/compiled_decode.py), "graph_split"
+G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention kernel (through
+models/kernel_forward.decode_step) where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the
+compiled sampler. "engine" is mlx_grpo.rollout.engine.RolloutEngine's step, what the trainer now samples
+with: the fused sampling copy, one compiled graph per step (model + sampler; it reads the cache), the token's
+keys/values written into the cache outside it. "graph" is the engine's step under decode_graph (models/compiled_decode.py), "graph_split"
 the same without its fused RoPE + attention launch (the same as "graph" where the CUDA kernel does not serve).
 All run with no EOS (every row decodes). Another decode step plugs in as another entry of STEP_BUILDERS.
 
@@ -60,7 +60,8 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
-from contextlib import contextmanager, nullcontext  # noqa: E402
+from functools import partial  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -102,24 +103,24 @@ def trainer_step(model, prompts: list[list[int]], group: int, max_new_tokens: in
     plain = R.supports_static_cache(model)
     kernel = plain and R.kernel_serves(model, caches[0].keys.shape[-1])
     static = plain and kernel  # generate_rollout's default (static_cache=None)
-    with R.route_attention(model, R.StaticBatchCache) if static else nullcontext(False) as routed:
-        if static:
-            caches = R._static_caches(caches, group, caches[0]._idx + max_new_tokens, bool(routed))
-        else:
-            R._repeat_caches(caches, group)
-        keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys)  # [N, T, 2]
-        sampler = make_sampler(params, eos)
-        state = list(sampler(logits, keys[:, 0], mx.zeros((n,), dtype=mx.bool_)))
-        mx.eval(state, keys)
+    if static:
+        caches = R._static_caches(caches, group, caches[0]._idx + max_new_tokens, True)
+    else:
+        R._repeat_caches(caches, group)
+    forward = partial(R.decode_step, model) if static else model
+    keys = mx.vmap(lambda k: mx.random.split(k, max_new_tokens))(row_keys)  # [N, T, 2]
+    sampler = make_sampler(params, eos)
+    state = list(sampler(logits, keys[:, 0], mx.zeros((n,), dtype=mx.bool_)))
+    mx.eval(state, keys)
 
-        def step(index: int) -> list[mx.array]:
-            token, ended = state[0], state[3]
-            out = model(token[:, None], cache=caches)[:, -1, :]
-            state[:] = sampler(out, keys[:, index], ended)  # token, logprob, entropy, ended
-            return list(state)
+    def step(index: int) -> list[mx.array]:
+        token, ended = state[0], state[3]
+        out = forward(token[:, None], cache=caches)[:, -1, :]
+        state[:] = sampler(out, keys[:, index], ended)  # token, logprob, entropy, ended
+        return list(state)
 
-        yield Decoder(step, sync_every=8, info={"cache": "StaticBatchCache" if static else "BatchKVCache",
-                                                "attention_kernel": bool(static and routed)})
+    yield Decoder(step, sync_every=8, info={"cache": "StaticBatchCache" if static else "BatchKVCache",
+                                            "attention_kernel": static})
 
 
 def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: bool):

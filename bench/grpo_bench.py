@@ -65,6 +65,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_grpo import kernels
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.data.examples import load_examples
@@ -452,8 +453,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
           f"model {w['model']}, {w['train_type']}: {w['trainable_parameters']:,} of {w['parameters']:,} parameters "
           "trained", flush=True)
     if "rollout" in sections:
-        result["attention_kernel"] = rollout_bench.check_attention_kernel()
-        result["sampler_kernel"] = rollout_bench.check_sampler_kernel()
+        result["cuda_kernels"] = kernels.available()  # checked against their references by tests/test_cuda_kernels.py
         result["rollout_paths"] = paths = rollout_paths(model)
         if paths["variants"]:
             print("rollout: " + "; ".join(paths["variants"].values()), flush=True)

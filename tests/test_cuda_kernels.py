@@ -1,49 +1,139 @@
-"""The GPU tier: the CUDA decode-attention kernels and the keyed sampler (mx.fast.cuda_kernel) against MLX's own
-ops, on a CUDA device; skipped without one (tests/conftest.py). The checks are the ones grpo_bench's rollout
-section runs before it times anything (bench/rollout_bench.py); here a failed check fails a test.
-On a GPU machine: `.venv/bin/python -m pytest -q -m gpu`."""
+"""The CUDA kernels (src/mlx_grpo/kernels/) against their plain-MLX references. The tests marked gpu run on a CUDA
+device and are skipped without one (tests/conftest.py): on a GPU machine, `.venv/bin/python -m pytest -q -m gpu`.
+The references themselves, and the coverage of the kernels' layouts, are checked here on any machine against
+numpy written from the formulas."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import mlx.core as mx
+import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from mlx_grpo import kernels
+from mlx_grpo.kernels.attention import (HEAD_DIMS, left_padded_attention, left_padded_attention_lse,
+                                        left_padded_attention_lse_reference, left_padded_attention_reference)
+from mlx_grpo.kernels.fused_attention import fused_decode_attention, fused_decode_attention_reference, fused_split
+from mlx_grpo.kernels.keyed_sampler import (categorical, categorical_reference, gumbel_from_bits, gumbel_reference,
+                                            keyed_bits)
+
+from test_keyed_bits import layout_bits
+
+# 64 rows run the fused kernel with one warp per (row, head), 256 with its split (fused_split); 63 and 255 leave
+# the last block part idle (warps past the rows must write nothing)
+ROWS = (64, 256, 63, 255)
+HEADS, KV_HEADS, SLOTS, STOP = 9, 3, 300, 211
+# bf16 values ~N(0, 1): rounding errors of ~2^-8 relative; anything larger is a bug
+TOLERANCE = 2e-2
 
 
-def rollout_bench():
-    """bench/rollout_bench.py as a module (it imports bench_util from its own folder)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("rollout_bench", BENCH / "rollout_bench.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+def attention_case(D: int, N: int, dtype=mx.bfloat16) -> dict:
+    """Random left-padded rows over a stacked two-layer cache [2, N, Hkv, S, D]; row 0 of the fused case starts at
+    `stop` (no cached slot: its own slot only)."""
+    mx.random.seed(D + N)
+    start = mx.random.randint(0, 150, (N,)).astype(mx.int32)
+    return {"q": mx.random.normal((N, HEADS, 1, D)).astype(dtype),
+            "k": mx.random.normal((2, N, KV_HEADS, SLOTS, D)).astype(dtype),
+            "v": mx.random.normal((2, N, KV_HEADS, SLOTS, D)).astype(dtype),
+            "start": start, "stop": mx.array([STOP], dtype=mx.int32), "scale": D ** -0.5,
+            "qkv": mx.random.normal((N, (HEADS + 2 * KV_HEADS) * D)).astype(dtype),
+            "positions": mx.random.randint(150, 400, (N,)).astype(mx.int32),
+            "theta": (10000.0 ** (-mx.arange(0, D, 2) / D)).astype(mx.float32),
+            "fused_start": mx.concatenate([mx.array([STOP], dtype=mx.int32), start[1:]])}
 
 
+def fused_args(c: dict) -> tuple:
+    return (c["qkv"], c["k"], c["v"], c["fused_start"], c["stop"], c["positions"], c["theta"], c["scale"], HEADS, 1)
+
+
+def max_error(got: mx.array, want: mx.array) -> float:
+    return mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+
+
+def test_the_cases_run_both_fused_layouts():
+    assert {fused_split(N, HEADS, D)[0] for D in HEAD_DIMS for N in ROWS} == {1, 4}
+
+
+def test_the_attention_references_are_the_formulas():
+    """Each reference against a per-row numpy loop of softmax(q k^T * scale) v over the row's slots (float32
+    inputs, where the references' rounding to the input dtype changes nothing)."""
+    D, N = 64, 5
+    c = attention_case(D, N, mx.float32)
+    q, k, v = (np.array(c[x], dtype=np.float64) for x in "qkv")
+    start, scale, group = np.array(c["start"]), c["scale"], HEADS // KV_HEADS
+
+    def attend(query, keys, values):  # [D], [S, D], [S, D] -> (out [D], lse)
+        scores = keys @ query * scale
+        top = scores.max()
+        weights = np.exp(scores - top)
+        return weights @ values / weights.sum(), top + np.log(weights.sum())
+
+    plain = np.array(left_padded_attention_reference(c["q"], c["k"][1], c["v"][1], scale, c["start"], c["stop"]))
+    out, lse = (np.array(x) for x in left_padded_attention_lse_reference(c["q"], c["k"], c["v"], scale, c["start"],
+                                                                         c["stop"], 1))
+    qkv = np.array(c["qkv"], dtype=np.float64).reshape(N, HEADS + 2 * KV_HEADS, D)
+    angle = np.array(c["positions"])[:, None] * np.array(c["theta"])[None]  # [N, D / 2]
+
+    def rope(x, r):  # rotate-half
+        a, b = x[:D // 2], x[D // 2:]
+        cos, sin = np.cos(angle[r]), np.sin(angle[r])
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin])
+
+    fused, new_k, new_v = (np.array(x) for x in fused_decode_attention_reference(*fused_args(c)))
+    fused_start = np.array(c["fused_start"])
+    for r in range(N):
+        for h in range(HEADS):
+            kv = h // group
+            want, want_lse = attend(q[r, h, 0], k[1, r, kv, start[r]:STOP], v[1, r, kv, start[r]:STOP])
+            np.testing.assert_allclose(plain[r, h, 0], want, atol=1e-5)
+            np.testing.assert_allclose(out[r, h, 0], want, atol=1e-5)
+            np.testing.assert_allclose(lse[r, h, 0], want_lse, atol=1e-5)
+            own_k, own_v = rope(qkv[r, HEADS + kv], r), qkv[r, HEADS + KV_HEADS + kv]
+            keys = np.concatenate([k[1, r, kv, fused_start[r]:STOP], own_k[None]])
+            values = np.concatenate([v[1, r, kv, fused_start[r]:STOP], own_v[None]])
+            np.testing.assert_allclose(fused[r, h, 0], attend(rope(qkv[r, h], r), keys, values)[0], atol=1e-5)
+            np.testing.assert_allclose(new_k[r, kv, 0], own_k, atol=1e-5)
+            np.testing.assert_allclose(new_v[r, kv, 0], own_v, atol=1e-6)
+    # a row with no slot in [start, stop): out 0, lse -inf (the kernel's contract with its caller's merge)
+    empty = mx.array([STOP] * N, dtype=mx.int32)
+    out, lse = left_padded_attention_lse_reference(c["q"], c["k"], c["v"], scale, empty, c["stop"], 1)
+    assert (np.array(out) == 0).all() and np.isneginf(np.array(lse)).all()
+
+
+@pytest.mark.gpu
 def test_the_kernels_serve_on_this_device():
-    from mlx_grpo.models.decode_attention import kernel_available
-
-    assert kernel_available(), "a CUDA device without the kernels: MLX's default device is not the GPU"
+    assert kernels.available(), "a CUDA device without the kernels: MLX's default device is not the GPU"
 
 
-def test_decode_attention_kernels_match_masked_attention():
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,N", [(D, N) for D in HEAD_DIMS for N in ROWS])
+def test_decode_attention_kernels_match_their_references(D, N):
     """The plain, log-sum-exp and fused (RoPE + the token's own slot) kernels, both fused layouts (split and
-    not), every head dim they serve: within bf16 rounding of MLX's masked attention in float32."""
-    result = rollout_bench().check_attention_kernel()
-    assert result["kernel"] and result["max_abs_error"]
-    for case, errors in result["max_abs_error"].items():
-        assert all(e < 2e-2 for e in errors.values()), (case, errors)
+    not), every head dim they serve: within bf16 rounding of their float32 references."""
+    c = attention_case(D, N)
+    plain = left_padded_attention(c["q"], c["k"][1], c["v"][1], c["scale"], c["start"], c["stop"])
+    want = left_padded_attention_reference(c["q"], c["k"][1], c["v"][1], c["scale"], c["start"], c["stop"])
+    out, lse = left_padded_attention_lse(c["q"], c["k"], c["v"], c["scale"], c["start"], c["stop"], 1)
+    want_out, want_lse = left_padded_attention_lse_reference(c["q"], c["k"], c["v"], c["scale"], c["start"],
+                                                             c["stop"], 1)
+    fused, new_k, new_v = fused_decode_attention(*fused_args(c))
+    want_fused, want_k, want_v = fused_decode_attention_reference(*fused_args(c))
+    errors = {"plain": max_error(plain, want), "lse_out": max_error(out, want_out), "lse": max_error(lse, want_lse),
+              "fused": max_error(fused, want_fused),
+              "fused_key": (mx.abs(new_k.astype(mx.float32) - want_k.astype(mx.float32))  # relative: keys reach ~5
+                            / mx.maximum(mx.abs(want_k.astype(mx.float32)), 1)).max().item(),
+              "fused_value": max_error(new_v, want_v)}
+    assert all(e < TOLERANCE for e in errors.values()), errors  # a NaN fails too
 
 
-def test_keyed_sampler_draws_mlx_noise_and_tokens():
-    """The keyed bits give mx.random.gumbel's noise bit for bit and the vmapped categorical's tokens."""
-    result = rollout_bench().check_sampler_kernel()
-    assert result["kernel"] and all(result["noise_equal"].values()), result
-    assert min(result["equal_tokens"].values()) == 1, result
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,vocab", [(256, 49152), (64, 151936), (300, 1001)])
+def test_keyed_sampler_draws_mlx_bits_noise_and_tokens(rows, vocab):
+    """The keyed bits are the threefry counters' words (tests/test_keyed_bits.layout_bits) bit for bit, their
+    noise mx.random.gumbel's, and `categorical` (the sampler's call, the kernel here) draws the vmapped
+    mx.random.categorical's tokens, over the vocabularies it meets (odd and even)."""
+    logits = mx.random.normal((rows, vocab), key=mx.random.key(vocab)) * 3
+    keys = mx.random.split(mx.random.key(rows), rows)
+    bits = keyed_bits(keys, vocab)
+    assert mx.array_equal(bits, layout_bits(keys, vocab)).item()
+    assert mx.array_equal(gumbel_from_bits(bits), gumbel_reference(keys, vocab)).item()
+    assert categorical(logits, keys).tolist() == categorical_reference(logits, keys).tolist()

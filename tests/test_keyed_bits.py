@@ -1,7 +1,7 @@
-"""The CUDA sampler's draws (rollout/keyed_bits.py), checked on the CPU: a numpy threefry2x32 written from
+"""The CUDA sampler's draws (kernels/keyed_sampler.py), checked on the CPU: a numpy threefry2x32 written from
 the Threefry paper with the counter layout the kernel uses reproduces MLX's own uniform draws per key, and
 categorical_from_bits on those bits picks MLX's categorical token for every row. The kernel itself runs only
-on CUDA; bench/rollout_bench.check_sampler_kernel compares it with MLX there."""
+on CUDA; tests/test_cuda_kernels.py (the gpu tier) compares it with MLX there."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_grpo.kernels import keyed_sampler
+from mlx_grpo.kernels.keyed_sampler import categorical_from_bits, gumbel_from_bits
 from mlx_grpo.rollout import sampler
-from mlx_grpo.rollout.keyed_bits import categorical_from_bits, gumbel_from_bits
 from mlx_grpo.rollout.rollout_records import SamplingParams
 
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's, Salmon et al. 2011, table 4
@@ -81,8 +82,8 @@ def test_sample_through_the_keyed_path_draws_the_same_tokens(monkeypatch):
     logits = mx.random.normal((48, 300), key=mx.random.key(5)) * 2
     keys = mx.random.split(mx.random.key(9), 48)
     want = sampler.sample(logits, keys, params)
-    monkeypatch.setattr(sampler, "kernel_available", lambda: True)
-    monkeypatch.setattr(sampler, "keyed_bits", layout_bits)
+    monkeypatch.setattr(keyed_sampler, "available", lambda: True)
+    monkeypatch.setattr(keyed_sampler, "keyed_bits", layout_bits)
     got = sampler.sample(logits, keys, params)
     for a, b in zip(want, got):
         assert a.tolist() == b.tolist()

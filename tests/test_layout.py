@@ -23,8 +23,9 @@ LAYER_OF = {
     # base: errors, platform set-up, pure math and I/O adapters, importing nothing of the project above them
     "": "base", "base": "base", "loss": "base", "reporting.reporters": "base",
     "config": "config",
-    # models: loading, converting and running the networks (vlm/: the vision-language ones)
-    "models": "models", "vlm": "models",
+    # models: loading, converting and running the networks (vlm/: the vision-language ones; kernels/: the CUDA
+    # kernels and their MLX references, which the networks' decode steps and the sampler call)
+    "models": "models", "vlm": "models", "kernels": "models",
     # stages: what an update's stages need, and the data they read: rollouts, tools, rewards, examples, storage
     "tools": "stages", "rewards": "stages", "rollout": "stages", "data": "stages", "storage": "stages",
     "vlm.image_rollout": "stages", "vlm.shapes": "stages",

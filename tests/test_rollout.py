@@ -406,52 +406,63 @@ def test_static_cache_falls_back_for_sliding_window_models(tiny):
     assert not supports_static_cache(Windowed())
 
 
-def _masked_reference(queries, keys, values, scale, start, stop, sizes=None):
-    """What the CUDA kernel computes, in plain MLX: attention over slots [start[r], stop[0]) of row r."""
-    positions = mx.arange(keys.shape[2])
-    mask = ((positions[None] >= start[:, None]) & (positions[None] < stop[0]))[:, None, None, :]
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-
-def test_kernel_routing_decodes_like_the_growing_cache(tiny, monkeypatch):
-    """The CUDA path minus the CUDA source: with the kernel stood in for by its masked reference, the
-    routed decode (maskless static cache, per-step start/stop arrays, swapped attention call) samples
-    what mlx-lm's BatchKVCache decode samples, and mlx-lm's attention function is restored after."""
+def test_kernel_path_decodes_like_the_growing_cache(tiny, monkeypatch):
+    """The CUDA path minus the CUDA source: with the kernel stood in for by its reference
+    (kernels.attention.left_padded_attention_reference), the kernel path (maskless static cache, per-step
+    start/stop arrays, models/kernel_forward.decode_step) samples what mlx-lm's BatchKVCache decode samples,
+    and mlx-lm's attention function is never swapped (nothing of mlx-lm is patched while it decodes)."""
+    import mlx_lm.models.base as base_module
     import mlx_lm.models.llama as llama_module
 
+    from mlx_grpo.kernels.attention import left_padded_attention_reference
     from mlx_grpo.rollout import decode as rollout_mod
 
     model, tok = tiny
-    original = llama_module.scaled_dot_product_attention
     calls = []
 
-    def reference(*args, **kwargs):
-        calls.append(1)
-        return _masked_reference(*args, **kwargs)
+    def reference(queries, *args, **kwargs):
+        calls.append(llama_module.scaled_dot_product_attention is base_module.scaled_dot_product_attention)
+        return left_padded_attention_reference(queries, *args, **kwargs).astype(queries.dtype)
 
     monkeypatch.setattr(rollout_mod, "left_padded_attention", reference)
     monkeypatch.setattr(rollout_mod, "kernel_serves", lambda m, head_dim: True)
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
     routed = generate_rollout(model, tok, _prompts(), 3, params, mx.random.key(9))
-    assert calls and llama_module.scaled_dot_product_attention is original
+    assert calls and all(calls)
     plain = generate_rollout(model, tok, _prompts(), 3, params, mx.random.key(9), static_cache=False)
     assert routed.completion_ids.tolist() == plain.completion_ids.tolist()
     np.testing.assert_allclose(_np(routed.sampler_logprobs), _np(plain.sampler_logprobs), atol=1e-5)
 
 
-def test_attention_routing_is_restored_after_an_error(tiny):
-    import mlx_lm.models.llama as llama_module
+@pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_kernel_forward_decode_step_is_the_models_own_call(family, tied):
+    """models/kernel_forward.decode_step computes what mlx-lm's forward computes, bit for bit: the same
+    logits as model(tokens, cache=...) at every step, on two copies of one prefilled static cache (without
+    the kernel: attention through the cache's masked fallback), tied and untied heads, qwen2's biases,
+    qwen3's q/k norms. A family whose forward it does not compute is refused."""
+    import importlib
 
-    from mlx_grpo.models.decode_attention import route_attention
-    from mlx_grpo.rollout.decode import StaticBatchCache
+    from mlx_grpo.models.kernel_forward import decode_step, forward_matches
+    from mlx_grpo.models.tiny import FAMILY_CONFIGS
+    from mlx_grpo.rollout.decode import _prefill, _static_caches
 
-    model, _ = tiny
-    original = llama_module.scaled_dot_product_attention
-    with pytest.raises(RuntimeError):
-        with route_attention(model, StaticBatchCache) as routed:
-            assert routed and llama_module.scaled_dot_product_attention is not original
-            raise RuntimeError("decode failed")
-    assert llama_module.scaled_dot_product_attention is original
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    config = {**FAMILY_CONFIGS[family], "model_type": family, "vocab_size": 300, "tie_word_embeddings": tied}
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    assert forward_matches(model)
+    logits, prefilled = _prefill(model, _prompts(), pad_id=0)
+    own = _static_caches(prefilled, 2, prefilled[0]._idx + 6, use_kernel=False)
+    ours = _static_caches(prefilled, 2, prefilled[0]._idx + 6, use_kernel=False)
+    token = mx.argmax(mx.repeat(logits, 2, axis=0), axis=-1)[:, None]  # [N, 1]
+    for _ in range(6):
+        want, got = model(token, cache=own), decode_step(model, token, ours)
+        assert mx.array_equal(want, got).item()
+        token = mx.argmax(want[:, -1], axis=-1)[:, None]
+
+    phi3 = importlib.import_module("mlx_lm.models.phi3")
+    other = phi3.Model(phi3.ModelArgs.from_dict({**FAMILY_CONFIGS["phi3"], "model_type": "phi3", "vocab_size": 300}))
+    assert not forward_matches(other)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_grpo.models.decode_attention import fused_decode_attention
+from mlx_grpo.kernels.fused_attention import fused_decode_attention
 from mlx_grpo.models.decoder import Spec, cache_attention, merge_own_slot
 
 MATRICES = ("qkv", "o", "gate_up", "down")

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_grpo.models.decode_attention import (HEAD_DIMS, fused_decode_attention, kernel_available,
-                                              left_padded_attention_lse)
+from mlx_grpo.kernels import available
+from mlx_grpo.kernels.attention import HEAD_DIMS, left_padded_attention_lse
+from mlx_grpo.kernels.fused_attention import fused_decode_attention
 
 FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -292,4 +293,4 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx
 
 def kernel_serves(spec: Spec) -> bool:
     """Whether the CUDA cache-attention kernels serve this shape (else the reference attention runs)."""
-    return kernel_available() and spec.head_dim in HEAD_DIMS
+    return available() and spec.head_dim in HEAD_DIMS

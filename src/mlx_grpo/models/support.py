@@ -1,6 +1,6 @@
 """Which model families take which path, as one table (docs/models.md's "Model families"), generated from
 the tables the code reads: the sampling copy's families (models/decoder.FAMILIES), the CUDA decode kernel's
-(models/decode_attention.KERNEL_MODEL_TYPES), the hidden-state output head's (models/forward.LOGIT_SPLITS),
+(models/kernel_forward.KERNEL_MODEL_TYPES), the hidden-state output head's (models/forward.LOGIT_SPLITS),
 and the family matrix the tests train (models/tiny.FAMILY_CONFIGS, whose caches are read off mlx-lm's own
 make_cache). tests/test_families.py compares the page with `markdown()`; regenerate the table with
 
@@ -13,7 +13,7 @@ import importlib
 from pathlib import Path
 
 from mlx_grpo.models import decoder
-from mlx_grpo.models.decode_attention import KERNEL_MODEL_TYPES
+from mlx_grpo.models.kernel_forward import KERNEL_MODEL_TYPES
 from mlx_grpo.models.forward import LOGIT_SPLITS
 from mlx_grpo.models.tiny import FAMILY_CONFIGS
 

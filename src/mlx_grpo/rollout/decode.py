@@ -9,9 +9,12 @@ the same rollout, and ranks of a data-parallel run sampling their shares of a ba
 process would sample for the whole batch. The record keeps the exact sampled ids: the loss never
 re-encodes text.
 
-Where decode_attention.py's CUDA kernel serves the model, decoding runs on a fixed-capacity KV cache
-(StaticBatchCache) written in place, and the kernel skips each row's left padding itself: MLX's fused
-CUDA decode kernel takes no mask, and the masked fallback costs ~6 extra ops per layer per step.
+Where the CUDA decode-attention kernel (kernels/attention.py) serves the model, decoding runs on a
+fixed-capacity KV cache (StaticBatchCache) written in place, and the kernel skips each row's left padding
+itself: MLX's fused CUDA decode kernel takes no mask, and the masked fallback costs ~6 extra ops per layer per
+step. The model's decode step is then models/kernel_forward.decode_step (the model's forward on its own
+modules, attention through StaticBatchCache.attend): mlx-lm's attention cannot be pointed at the kernel
+without swapping its module's global, which that module's docstring explains.
 Elsewhere (other backends and model families) rows decode on the batch versions of the caches the model
 asks for (`model.make_cache()`, batch_caches): growing BatchKVCache for full attention, window-sized
 BatchRotatingKVCache for sliding-window layers, ArraysCache for recurrent layers (gated delta, short
@@ -22,7 +25,8 @@ pad token never enters an attention score or a recurrent state.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -30,7 +34,8 @@ from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache
                                   RotatingKVCache)
 
 from mlx_grpo.base.errors import UserError
-from mlx_grpo.models.decode_attention import kernel_serves, left_padded_attention, route_attention
+from mlx_grpo.kernels.attention import left_padded_attention
+from mlx_grpo.models.kernel_forward import decode_step, serves as kernel_serves
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.rollout.sampler import StopScanner, end_ids, finish_rollout, make_sampler
@@ -147,11 +152,11 @@ class StaticBatchCache:
 
     Row r holds `left_padding[r]` pad slots, then its prompt, then its completion; slots before
     left_padding[r] and from idx on are never attended. Implements the cache interface of mlx-lm's
-    attention layers, plus `attend` for decode_attention.route_attention.
+    attention layers, plus `attend`: the attention models/kernel_forward.decode_step runs.
     """
 
-    # use_kernel must only be set while decode_attention.route_attention is active: make_mask then
-    # returns None and only `attend` knows which slots to skip.
+    # use_kernel must only be set when the decode step is kernel_forward.decode_step: make_mask then returns
+    # None and only `attend` knows which slots to skip (mlx-lm's own attention would attend to the padding).
     def __init__(self, keys: mx.array, values: mx.array, step: StepArrays, idx: int, use_kernel: bool):
         self.keys, self.values = keys, values  # [N, H, S, D]
         self.step = step  # shared by all layers
@@ -232,20 +237,20 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     kernel = plain_caches and attention_kernel and kernel_serves(model, caches[0].keys.shape[-1])
     static = plain_caches and (kernel if static_cache is None else static_cache)
     use_kernel = static and kernel
-    with route_attention(model, StaticBatchCache) if use_kernel else nullcontext(False) as routed:
-        if static:
-            caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, bool(routed))
-        else:
-            _repeat_caches(caches, group_size)
-        ids, lps, ents = _decode(model, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop,
-                                 limits, on_done)
+    if static:
+        caches = _static_caches(caches, group_size, caches[0]._idx + params.max_new_tokens, use_kernel)
+    else:
+        _repeat_caches(caches, group_size)
+    forward = partial(decode_step, model) if use_kernel else model
+    ids, lps, ents = _decode(forward, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop,
+                             limits, on_done)
     return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
-def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
+def _decode(forward, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
             on_stop=None, limits: np.ndarray | None = None, on_done=None):
-    """The sampling loop from the prefill logits [N, V] with row keys [N, 2]. -> (ids, log-probs,
-    entropies), each [N, T]."""
+    """The sampling loop from the prefill logits [N, V] with row keys [N, 2]; forward(tokens, cache=caches) is
+    the model's step. -> (ids, log-probs, entropies), each [N, T]."""
     keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
     sampler = make_sampler(params, eos)
     scanner = StopScanner(tokenizer, params.stop)
@@ -259,7 +264,7 @@ def _decode(model, caches, logits, row_keys, params: SamplingParams, eos: mx.arr
                 on_done(done)
             if done.all() or (params.stop and _all_stopped(scanner, tokens, done, on_stop)):
                 break
-        logits = model(token[:, None], cache=caches)[:, -1, :]
+        logits = forward(token[:, None], cache=caches)[:, -1, :]
         token, logprob, entropy, ended = sampler(logits, keys[:, step], ended)
         tokens.append(token)
         logprobs.append(logprob)

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_grpo.models import compiled_decode, decoder
-from mlx_grpo.models.decode_attention import kernel_available
+from mlx_grpo.kernels import available as kernel_available
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.columns import Written, assemble
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams

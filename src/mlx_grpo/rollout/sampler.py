@@ -9,8 +9,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_grpo.models.decode_attention import kernel_available
-from mlx_grpo.rollout.keyed_bits import categorical_from_bits, keyed_bits
+from mlx_grpo.kernels.keyed_sampler import categorical
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 
 
@@ -35,10 +34,7 @@ def sample(logits: mx.array, keys: mx.array, params: SamplingParams) -> tuple[mx
         filtered = apply_top_p(filtered, params.top_p)
     if params.min_p > 0:
         filtered = apply_min_p(filtered, params.min_p)
-    if kernel_available():  # the same draws from bits written coalesced (rollout/keyed_bits.py)
-        tokens = categorical_from_bits(filtered, keyed_bits(keys, filtered.shape[-1]))
-    else:
-        tokens = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(filtered, keys)  # [N]
+    tokens = categorical(filtered, keys)  # [N]: MLX's per-row draws (kernels/keyed_sampler.py on CUDA)
     return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1), _entropy(logprobs)
 
 

@@ -1,5 +1,7 @@
 """The sampler's per-row draws on NVIDIA GPUs: each row's Gumbel noise from its own key, bit for bit what
-`mx.vmap(mx.random.categorical)` draws, from a kernel that writes the random bits coalesced.
+`mx.vmap(mx.random.categorical)` draws, from a kernel that writes the random bits coalesced; beside it MLX's
+own vmapped draws (gumbel_reference, categorical_reference) and `categorical`, the sampler's one call: the
+kernel where kernels.available(), MLX's own draws elsewhere.
 
 MLX 0.32's CUDA random-bits kernel, vmapped over one key per row, has consecutive threads write single bytes
 of rows a vocabulary apart (0.88 ms per decode step at 256 rows x 49,152 under ncu). This kernel runs the
@@ -14,6 +16,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_grpo.kernels import available
 
 _SOURCE = """
     const size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -73,3 +77,22 @@ def categorical_from_bits(logits: mx.array, bits: mx.array) -> mx.array:
     """mx.random.categorical(logits[r], key=keys[r]) per row, given bits [N, V] = each row's random bits: argmax
     of the logits plus their Gumbel noise, added in MLX's order."""
     return mx.argmax(gumbel_from_bits(bits) + logits, axis=-1)
+
+
+def gumbel_reference(keys: mx.array, vocab: int) -> mx.array:
+    """MLX's own Gumbel noise [N, vocab] for key keys[r] of each row: what gumbel_from_bits(keyed_bits(keys,
+    vocab)) equals bit for bit."""
+    return mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)
+
+
+def categorical_reference(logits: mx.array, keys: mx.array) -> mx.array:
+    """MLX's own draw mx.random.categorical(logits[r], key=keys[r]) per row. logits [N, V], keys [N, 2] -> [N]."""
+    return mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(logits, keys)
+
+
+def categorical(logits: mx.array, keys: mx.array) -> mx.array:
+    """One token per row drawn with the row's key, [N]: the keyed kernel's bits where the kernels run (the same
+    tokens, written coalesced), MLX's own vmapped draw elsewhere."""
+    if available():
+        return categorical_from_bits(logits, keyed_bits(keys, logits.shape[-1]))
+    return categorical_reference(logits, keys)
