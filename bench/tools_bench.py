@@ -7,6 +7,12 @@ tool and the mean completion length. Nothing is trained: the tool-call rate is t
 
 usage: python bench/tools_bench.py [--plain configs/arith.toml] [--tools configs/arith_tools.toml]
                                    [--batches 3] [--out result.json]
+
+--host profiles the host side of one tools batch on the sampling copy instead (cProfile): the seconds in the
+decode loop's refills, stop-string checks, rows kept between syncs and turns handed over, per sync and per
+refill. On a CPU with a tiny model that calls a tool (--caller writes one: the tests' bigram caller,
+tests/caller_model.py, writing longer turns; its steps cost little) this is the host work a GPU rollout pays at every sync:
+  python bench/tools_bench.py --host --caller --set batch_size=32 --set num_generations=8 --set max_tool_turns=6
 """
 
 from __future__ import annotations
@@ -99,6 +105,60 @@ def stop_scan_cost(tokenizer, rows: int, T: int, sync_every: int, stops: tuple[s
             "ratio": whole / tails}
 
 
+# The decode loop's host parts (--host): label -> the functions (file, name) whose cumulative seconds add up to it
+# (the names before and after issue 47's changes, so one command times both)
+HOST_PARTS = {"refills": [("rollout/engine.py", "_refill")],
+              "stop checks": [("rollout/engine.py", "_stopped"), ("rollout/columns.py", "stopped")],
+              "rows at syncs": [("rollout/columns.py", "update")],
+              "turns handed over": [("rollout/turns.py", "report"), ("rollout/turns.py", "take")]}
+
+
+def host_profile(cfg, model, tokenizer, repeats: int) -> dict:
+    """One tools batch on the sampling copy: wall seconds (median of `repeats` after a warm-up), then the same
+    batch under cProfile: seconds in each of HOST_PARTS, their calls, and the loop's syncs (Written.update calls)."""
+    import cProfile
+    import pstats
+
+    engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
+    multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
+    G, examples = cfg.rollout.num_generations, batches(cfg, 1)[0]
+    key = mx.random.split(mx.random.key(cfg.run.seed), len(examples) * G)
+    prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, examples, cfg)]
+    seconds, rollout = timed(lambda: rollouts(engine, multiturn, [(prompts, key, examples)], G, params,
+                                              cfg.data.prefill)[0], repeats)
+    prof = cProfile.Profile()
+    prof.runcall(rollouts, engine, multiturn, [(prompts, key, examples)], G, params, cfg.data.prefill)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+
+    def part(functions) -> tuple[float, int]:
+        hits = [v for (f, _, name), v in stats.items() for suffix, want in functions
+                if f.endswith(suffix) and name == want]
+        return sum(v[3] for v in hits), sum(v[1] for v in hits)
+
+    total = part([("rollout/multiturn.py", "generate_many")])[0]
+    parts = {label: part(fns) for label, fns in HOST_PARTS.items()}
+    syncs, refills = parts["rows at syncs"][1], parts["refills"][1]
+    calls = tool_use(rollout.transcripts)[0]
+    return {"rows": len(rollout.texts), "tool_calls": int(calls.sum()), "tool_calls_max": int(calls.max()),
+            "decode_steps": engine.steps, "seconds": seconds, "profiled_seconds": total, "syncs": syncs,
+            "refills": refills, "parts_s": {k: v[0] for k, v in parts.items()},
+            "host_per_sync_ms": 1e3 * sum(v[0] for v in parts.values()) / max(syncs, 1),
+            "refill_ms": 1e3 * parts["refills"][0] / max(refills, 1)}
+
+
+def write_caller(path: Path) -> Path:
+    """The tests' tiny bigram llama (tests/caller_model.py) made to write like a reasoning model: runs of "x"
+    (~30 tokens a turn) between calculator calls in nanochat's syntax, ~2 calls and ~100 tokens an episode."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from caller_model import END, write_caller_model
+
+    return write_caller_model(path, {
+        "\n": {"x": 1.0}, "x": {"x": 0.97, "<|python_start|>": 0.02, "5": 0.01}, "<|python_start|>": {"2": 1.0},
+        "2": {"+": 1.0}, "+": {"3": 1.0}, "3": {"<|python_end|>": 0.7, "+": 0.3}, "<|output_end|>": {"x": 1.0},
+        "5": {END: 1.0}})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plain", default="configs/arith.toml")
@@ -109,9 +169,23 @@ def main(argv=None) -> None:
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
     ap.add_argument("--stop-scan", action="store_true", help="only time the stop-string checks (host work)")
     ap.add_argument("--profile", action="store_true", help="then profile one tools batch (cProfile)")
+    ap.add_argument("--host", action="store_true", help="only profile one tools batch's host work on the copy")
+    ap.add_argument("--caller", action="store_true", help="the model: the tests' tiny tool caller (for --host)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
+    if args.caller:
+        import tempfile
+
+        args.items.append(f"model_name={write_caller(Path(tempfile.mkdtemp()) / 'caller')}")
+    if args.host:
+        cfg = build_config("train", args.tools, parse_set(args.items))
+        model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
+        result["host"] = host_profile(cfg, model, tokenizer, args.repeats)
+        print(json.dumps(result["host"], indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     if args.stop_scan:
         cfg = build_config("train", args.tools, parse_set(args.items))
         _, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)

@@ -372,3 +372,18 @@ def test_tools_bench_times_rollouts_with_and_without_tools(tmp_path):
     # the caller model writes calls in nanochat's syntax, which its tokenizer's special tokens make "auto"
     assert result["runs"]["tools/copy"]["batches"][0]["tool_call_rate"] > 0
     assert result["runs"]["plain/copy"]["batches"][0]["tool_call_rate"] == 0
+
+
+def test_tools_bench_profiles_the_host_work_of_a_tool_calling_rollout(tmp_path):
+    """--host --caller: one tools batch of the tiny caller on the sampling copy under cProfile, its seconds split
+    into the decode loop's refills, stop checks, rows at syncs and turns handed over."""
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--host", "--caller",
+                           "--set", "batch_size=4", "--set", "num_generations=4", "--set", "max_new_tokens=96",
+                           "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    host = json.loads(out.read_text())["host"]
+    assert host["rows"] == 16 and host["tool_calls"] > 0 and host["syncs"] > 2 and host["refills"] > 0
+    assert set(host["parts_s"]) == {"refills", "stop checks", "rows at syncs", "turns handed over"}
+    assert all(v > 0 for v in host["parts_s"].values())
+    assert 0 < sum(host["parts_s"].values()) < host["profiled_seconds"]

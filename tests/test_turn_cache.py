@@ -18,7 +18,7 @@ from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
-from mlx_grpo.rollout.turns import prefill_resumed
+from mlx_grpo.rollout.turns import Kept, prefill_resumed
 from mlx_grpo.tools.calls import NanochatFormat
 from mlx_grpo.tools.environments import ToolEnvironment
 
@@ -119,7 +119,7 @@ def test_prefill_after_a_prefix_is_the_whole_prefill(tiny_model_dir):
     kept = [(np.array(mx.stack(past_k)[:, r, :, 14 - len(p):]), np.array(mx.stack(past_v)[:, r, :, 14 - len(p):]))
             for r, p in enumerate(prefixes)]
     got_k, got_v, got_start, got_logits, prefilled = prefill_resumed(
-        spec, w, [(f, (mx.array(k), mx.array(v))) for f, (k, v) in zip(full, kept)], at, capacity, 0)
+        spec, w, [(f, Kept.of(mx.array(k), mx.array(v))) for f, (k, v) in zip(full, kept)], at, capacity, 0)
     assert prefilled == sum(len(c) for c in chunks) and got_start.tolist() == whole_start.tolist()
     np.testing.assert_allclose(np.array(got_logits), np.array(whole_logits), atol=1e-5)
     for r, f in enumerate(full):  # the slots a row attends (a whole prefill leaves its pads' keys before them)

@@ -29,9 +29,9 @@ import numpy as np
 from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.kernels import available as kernel_available
 from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout.columns import Written, assemble
+from mlx_grpo.rollout.columns import StopRows, Written, assemble
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampler import StopScanner, end_ids, finish_rollout, make_sampler, sample
+from mlx_grpo.rollout.sampler import end_ids, finish_rollout, make_sampler, sample
 from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
 from mlx_grpo.rollout.turns import TurnRows, prefill_resumed
 
@@ -218,7 +218,7 @@ class RolloutEngine:
         T = params.max_new_tokens
         sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
         step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
-        scanner = StopScanner(tokenizer, params.stop)
+        stops = StopRows(tokenizer, params.stop)
         # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
         # next turn. Rollout row r (numbered over all entries) writes its step s's token to column s - join[r].
         entries = [(p, g * G, G, None) for g, p in enumerate(p for job, _ in jobs for p in job)]
@@ -259,7 +259,7 @@ class RolloutEngine:
                 written = rows_so_far.update(segments + [(rows, opened, columns)], join, n_rows) \
                     if params.stop or turns is not None else None
                 if params.stop:
-                    done |= self._stopped(written[0], rows, scanner, on_stop)
+                    done |= stops.stopped(written[0], written[3], rows, on_stop)
                 if on_done is not None:
                     finished[rows[done & (rows >= 0)]] = True
                     on_done(0, finished)
@@ -367,16 +367,3 @@ class RolloutEngine:
         return (keys, values, mx.concatenate([start, new_start]), mx.concatenate([token, first_token]),
                 mx.concatenate([ended, first_ended]), mx.concatenate([kstep, mx.ones((len(added),), mx.int32)]),
                 np.concatenate([rows, added]))
-
-    @staticmethod
-    def _stopped(ids: np.ndarray, rows, scanner: StopScanner, on_stop=None) -> np.ndarray:
-        """Which of the batch's current slots have generated a stop string so far (fillers: True), from the
-        rows' tokens so far (ids [rows, T], -1 where unwritten); on_stop hears of each stopped row."""
-        out = []
-        for r in rows:
-            row = [] if r < 0 else [t for t in ids[r].tolist() if t >= 0]
-            cut = None if r < 0 else scanner.cut(int(r), row)
-            if cut is not None and on_stop is not None:
-                on_stop(int(r), row[:cut])
-            out.append(r < 0 or cut is not None)
-        return np.array(out)

@@ -15,11 +15,29 @@ again in the refill's one concatenation, so keeping it adds no copy of the whole
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.models import decoder
 from mlx_grpo.models.forward import bucket
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A row's kept cache: slots offset, ..., offset + length - 1 of keys and values [slots, layers, Hkv, Dh],
+    which may hold the blocks of other rows reported at the same sync (one gather for all of them)."""
+
+    keys: mx.array
+    values: mx.array
+    offset: int
+    length: int
+
+    @staticmethod
+    def of(keys: mx.array, values: mx.array) -> "Kept":
+        """One row's block from its keys and values [layers, Hkv, P, Dh]."""
+        return Kept(keys.transpose(2, 0, 1, 3), values.transpose(2, 0, 1, 3), 0, keys.shape[2])
 
 
 class TurnRows:
@@ -29,13 +47,14 @@ class TurnRows:
     def __init__(self, turns, keep: bool, prompts: list[int], G: int):
         self.turns, self.keep = turns, keep
         self.context_len = [n for n in prompts for _ in range(G)]  # engine row -> its context's length
-        self.blocks: dict[int, tuple[mx.array, mx.array]] = {}  # engine row -> its kept keys, values
+        self.blocks: dict[int, Kept] = {}  # engine row -> its kept keys and values
 
     def report(self, written, rows: np.ndarray, done: np.ndarray, reported: np.ndarray, keys: mx.array,
                values: mx.array, start: mx.array) -> None:
         """Hand each row of the batch that is done and not yet reported to turns.ended, with the tokens,
         log-probs and entropies it wrote (written: columns.Written.update's); keep: copy the KV block of each one
-        that may go on out of its slot (keys, values [layers, slots, Hkv, S, Dh]; start [slots])."""
+        that may go on out of its slot (keys, values [layers, slots, Hkv, S, Dh]; start [slots]), all of this
+        sync's blocks in one gather."""
         ids, lps, ents, filled = written
         spans = []
         for slot, r in ((i, int(r)) for i, (r, d) in enumerate(zip(rows, done)) if d and r >= 0 and not reported[r]):
@@ -46,11 +65,16 @@ class TurnRows:
                 spans.append((slot, r, self.context_len[r] + accepted - 1))
         if spans:
             first = np.array(start)
-            for slot, r, kept in spans:
-                at = mx.arange(int(first[slot]), int(first[slot]) + kept)
-                # a gather: a block of its own, so the cache's buffer stays free to be written in place
-                self.blocks[r] = (mx.take(keys[:, slot], at, axis=2), mx.take(values[:, slot], at, axis=2))
-            mx.eval(self.blocks)
+            slots = np.array([slot for slot, _, _ in spans])
+            kept = np.array([n for _, _, n in spans])
+            at = np.concatenate([first[slot] + np.arange(n) for slot, _, n in spans])
+            # a gather: a block of its own, so the cache's buffer stays free to be written in place
+            pick = (mx.array(np.repeat(slots, kept)), mx.array(at))
+            block_k, block_v = keys[:, pick[0], :, pick[1]], values[:, pick[0], :, pick[1]]  # [sum kept, layers, Hkv, Dh]
+            mx.eval(block_k, block_v)
+            offsets = np.concatenate([[0], np.cumsum(kept)[:-1]])
+            for (_, r, n), offset in zip(spans, offsets):
+                self.blocks[r] = Kept(block_k, block_v, int(offset), int(n))
 
     def take(self, entries: list, queue: list, n_rows: int, T: int, all_keys, join, limit, reported):
         """Queue the next turns turns.take() hands back (waiting for their environment steps), ahead of the
@@ -60,7 +84,7 @@ class TurnRows:
         added = []
         for context, key, budget, prior in self.turns.take(n_rows):
             kept = self.blocks.pop(prior, None)
-            if kept is not None and kept[0].shape[2] >= len(context):
+            if kept is not None and kept.length >= len(context):
                 raise RuntimeError(f"row {prior}'s kept cache covers its whole next context")
             entries.append((context, n_rows + len(added), 1, kept))
             self.context_len.append(len(context))
@@ -77,18 +101,28 @@ class TurnRows:
 
 
 def prefill_resumed(spec, weights: dict, admitted: list, at: int, capacity: int, pad_id: int):
-    """The next turns of rows that kept their cache, admitted = [(context, (keys, values) of context[:P],
-    [layers, Hkv, P, Dh] each)]: their contexts' cache ending at slot `at` of a [layers, rows, Hkv, capacity,
-    Dh] cache, only context[P:] prefilled. -> (keys, values, start [rows], last logits [rows, V], tokens
-    prefilled)."""
+    """The next turns of rows that kept their cache, admitted = [(context, Kept of context[:P])]: their contexts'
+    cache ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache, only context[P:] prefilled. ->
+    (keys, values, start [rows], last logits [rows, V], tokens prefilled)."""
     lengths = [len(c) for c, _ in admitted]
     width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as engine._prefill's
-    chunks = [c[k.shape[2]:] for c, (k, _) in admitted]
+    chunks = [c[kept.length:] for c, kept in admitted]
     C = min(bucket(max(len(c) for c in chunks)), width)
-    # each past right before its chunk, the chunks ending at the timeline's last slot
-    place = [[(0, 0), (0, 0), (width - n, n - k.shape[2]), (0, 0)] for n, (_, (k, _)) in zip(lengths, admitted)]
-    past_k = mx.stack([mx.pad(k, p) for p, (_, (k, _)) in zip(place, admitted)], axis=1)
-    past_v = mx.stack([mx.pad(v, p) for p, (_, (_, v)) in zip(place, admitted)], axis=1)
+    # each past right before its chunk, the chunks ending at the timeline's last slot, zeros elsewhere: one
+    # gather from the blocks (and a zero slot after them) for all rows
+    sources, base = {}, []
+    for _, kept in admitted:
+        if id(kept.keys) not in sources:
+            sources[id(kept.keys)] = (kept, sum(s.keys.shape[0] for s, _ in sources.values()))
+        base.append(sources[id(kept.keys)][1] + kept.offset)
+    zero = sum(s.keys.shape[0] for s, _ in sources.values())
+    index = np.full((len(admitted), width), zero, dtype=np.int64)
+    for i, (n, b, (_, kept)) in enumerate(zip(lengths, base, admitted)):
+        index[i, width - n:width - n + kept.length] = b + np.arange(kept.length)
+    index, blocks = mx.array(index), [kept for kept, _ in sources.values()]
+    zeros = mx.zeros((1, *blocks[0].keys.shape[1:]), blocks[0].keys.dtype)
+    past_k, past_v = (mx.concatenate([getattr(b, name) for b in blocks] + [zeros])[index].transpose(2, 0, 3, 1, 4)
+                      for name in ("keys", "values"))  # [layers, rows, Hkv, width, Dh]
     tokens = mx.array([[pad_id] * (C - len(c)) + list(c) for c in chunks], dtype=mx.int32)
     padding = mx.array([C - len(c) for c in chunks], dtype=mx.int32)
     start = mx.array([width - n for n in lengths], dtype=mx.int32)

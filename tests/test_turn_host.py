@@ -1,0 +1,223 @@
+"""The decode loop's host work per sync and per tool turn (issue 47) against the code it replaced, written here
+as naive references: columns.StopRows against the whole-row scan it replaced (StopScanner.cut on every row at
+every sync) and against the plain whole-text test; turns.TurnRows.report's one gather for a sync's kept blocks
+and turns.prefill_resumed's one gather of the pasts against a gather per row and a pad per row. Equal bit for
+bit: the same tokens and log-probs come out of the decode."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_grpo.models import decoder
+from mlx_grpo.models.forward import bucket
+from mlx_grpo.models.model_loading import load_model
+from mlx_grpo.rollout.columns import StopRows
+from mlx_grpo.rollout.sampler import StopScanner, stop_cut
+from mlx_grpo.rollout.turns import Kept, TurnRows, prefill_resumed
+
+PIECES = ["a", "b", "c", "<", "/", "calc>", "</calc", ">", " ", "é", "<|im_end|>", "x", "12", "\n"]
+STOP_SETS = [("</calc>",), ("</calc>", "<|im_end|>x", "ab"), ("b",), ("\n\n", "é>"), ()]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """The tests' tiny llama and its byte-level tokenizer (ChatML specials)."""
+    return load_model(str(tiny_model_dir), "float32")
+
+
+# ----------------------------------------------------------------------------- naive references
+
+def naive_whole_text(tok, ids: np.ndarray, rows: np.ndarray, stops) -> np.ndarray:
+    """Each slot: a filler (-1), or its row's whole text holds a stop string."""
+    return np.array([r < 0 or any(s in tok.decode([t for t in ids[r].tolist() if t >= 0]) for s in stops)
+                     for r in rows])
+
+
+def scanned_before(ids: np.ndarray, rows, scanner: StopScanner, on_stop=None) -> np.ndarray:
+    """engine._stopped before issue 47: every slot's whole row as a list, StopScanner.cut on it."""
+    out = []
+    for r in rows:
+        row = [] if r < 0 else [t for t in ids[r].tolist() if t >= 0]
+        cut = None if r < 0 else scanner.cut(int(r), row)
+        if cut is not None and on_stop is not None:
+            on_stop(int(r), row[:cut])
+        out.append(r < 0 or cut is not None)
+    return np.array(out)
+
+
+def per_row_blocks(keys: mx.array, values: mx.array, spans, start: np.ndarray) -> dict:
+    """TurnRows.report before issue 47: one gather per kept row, [layers, Hkv, kept, Dh] each."""
+    out = {}
+    for slot, r, kept in spans:
+        at = mx.arange(int(start[slot]), int(start[slot]) + kept)
+        out[r] = (mx.take(keys[:, slot], at, axis=2), mx.take(values[:, slot], at, axis=2))
+    return out
+
+
+def padded_pasts(admitted, width: int) -> tuple[mx.array, mx.array]:
+    """prefill_resumed's pasts before issue 47: each row's block padded into place, then stacked."""
+    place = [[(0, 0), (0, 0), (width - len(c), len(c) - k.shape[2]), (0, 0)] for c, (k, _) in admitted]
+    return (mx.stack([mx.pad(k, p) for p, (_, (k, _)) in zip(place, admitted)], axis=1),
+            mx.stack([mx.pad(v, p) for p, (_, (_, v)) in zip(place, admitted)], axis=1))
+
+
+# ----------------------------------------------------------------------------- stop strings
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stop_rows_equal_the_whole_row_scan_and_the_whole_text(tiny, seed):
+    """Rows growing by random pieces between syncs, random stop sets, fillers and rows leaving the batch: at every
+    sync StopRows says what the whole-row scan said (and on_stop hears the same rows and cuts), which is what
+    the whole text says."""
+    _, tok = tiny
+    rng = np.random.default_rng(seed)
+    stops = STOP_SETS[seed % len(STOP_SETS)]
+    n_rows, T = 12, 160
+    ids, filled = np.full((n_rows, T), -1, np.int64), np.zeros(n_rows, np.int64)
+    fast, scanner = StopRows(tok, stops), StopScanner(tok, stops)
+    heard_fast, heard_before, seen = [], [], 0
+    for _ in range(14):
+        for r in range(n_rows):
+            for _ in range(int(rng.integers(0, 4))):  # a row may write nothing between two syncs
+                piece = tok.encode(PIECES[int(rng.integers(len(PIECES)))], add_special_tokens=False)[:T - filled[r]]
+                ids[r, filled[r]:filled[r] + len(piece)] = piece
+                filled[r] += len(piece)
+        rows = rng.permutation(np.concatenate([np.arange(n_rows), [-1, -1]]))[:int(rng.integers(6, n_rows + 2))]
+        got = fast.stopped(ids, filled, rows, lambda r, row: heard_fast.append((r, row)))
+        want = scanned_before(ids, rows, scanner, lambda r, row: heard_before.append((r, row)))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, naive_whole_text(tok, ids, rows, stops))
+        seen += int((got & (rows >= 0)).sum())
+    assert heard_fast == heard_before
+    assert all(stop_cut(tok, row, stops) == len(row) for _, row in heard_fast)  # each cut right after its stop
+    if stops and stops != ("\n\n", "é>"):
+        assert seen > 0  # rows stopped, and were asked about again
+
+
+class _Counting:
+    """A tokenizer that records the length of every decode."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, []
+
+    def decode(self, ids):
+        self.decoded.append(len(ids))
+        return self.tok.decode(ids)
+
+    def encode(self, text, **kwargs):
+        return self.tok.encode(text, **kwargs)
+
+
+def test_stop_rows_decode_only_new_tails(tiny):
+    """A row with no new token is not decoded again, a stopped row not at all, and a clean row's decode is its
+    tail: what a sync costs no longer grows with the rows' lengths."""
+    tok = _Counting(tiny[1])
+    decoded = tok.decoded
+    rows_ = StopRows(tok, ("</calc>",))
+    ids, filled = np.full((2, 400), -1, np.int64), np.zeros(2, np.int64)
+    x = tok.encode("x", add_special_tokens=False)[0]
+    for sync in range(40):
+        ids[0, filled[0]:filled[0] + 8] = x
+        filled[0] += 8
+        if sync == 3:
+            end = tok.encode("</calc>", add_special_tokens=False)
+            ids[1, :len(end)] = end
+            filled[1] = len(end)
+        rows_.stopped(ids, filled, np.array([0, 1]))
+    assert max(decoded) <= rows_.margin + 8 + len(end)  # row 0's tails; row 1's whole row once
+    assert len(decoded) == 40 + 2
+
+
+# ----------------------------------------------------------------------------- kept blocks and refills
+
+class _Turns:
+    """turns hooks that accept every reported row's turn: (row -> tokens accepted)."""
+
+    def __init__(self, accepted: dict):
+        self.accepted = accepted
+
+    def ended(self, row, ids, logprobs, entropies):
+        return self.accepted[row]
+
+
+def test_one_gather_per_sync_keeps_what_a_gather_per_row_kept():
+    """TurnRows.report's blocks, one gather for all rows reported at a sync, equal a gather per row bit for bit."""
+    rng = np.random.default_rng(0)
+    layers, slots, Hkv, S, Dh = 3, 6, 2, 40, 4
+    keys = mx.array(rng.normal(size=(layers, slots, Hkv, S, Dh)).astype(np.float32)).astype(mx.bfloat16)
+    values = mx.array(rng.normal(size=(layers, slots, Hkv, S, Dh)).astype(np.float32)).astype(mx.bfloat16)
+    start = np.array([3, 0, 10, 7, 1, 2])
+    rows = np.array([4, 0, -1, 2, 5, 1])
+    done = np.array([True, True, True, False, True, True])
+    prompts = [5, 9, 4, 6, 8, 3]
+    state = TurnRows(_Turns({0: 12, 1: 3, 4: 20, 5: None}), True, prompts, 1)
+    written = (np.zeros((6, 30), np.int64), np.zeros((6, 30)), np.zeros((6, 30)), np.full(6, 30))
+    state.report(written, rows, done, np.zeros(6, bool), keys, values, mx.array(start))
+    want = per_row_blocks(keys, values, [(1, 0, prompts[0] + 11), (5, 1, prompts[1] + 2), (0, 4, prompts[4] + 19)],
+                          start)
+    assert sorted(state.blocks) == sorted(want) == [0, 1, 4]
+    for r, (k, v) in want.items():
+        kept = state.blocks[r]
+        assert kept.length == k.shape[2]
+        for got, expected in ((kept.keys, k), (kept.values, v)):
+            block = got[kept.offset:kept.offset + kept.length].transpose(1, 2, 0, 3)
+            assert block.dtype == expected.dtype
+            np.testing.assert_array_equal(np.array(block.astype(mx.float32)), np.array(expected.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_resumed_prefill_of_gathered_blocks_equals_padded_rows(tiny_model_dir, shared):
+    """prefill_resumed with its rows' blocks gathered into one timeline equals the per-row pad and stack it
+    replaced, bit for bit: the pasts, and so the prefilled keys, values, starts and last logits; blocks from one
+    sync's shared gather (and rows of two syncs) or each row's own."""
+    model, _ = load_model(str(tiny_model_dir), "float32")
+    spec, w = decoder.build(model, mx.float32)
+    rng = np.random.default_rng(1)
+    contexts = [[int(t) for t in rng.integers(3, 200, n)] for n in (14, 30, 9, 21, 17)]
+    pasts = [5, 29, 1, 12, 16]
+    layers = len(w["layers"])
+    blocks = [(mx.array(rng.normal(size=(layers, spec.kv_heads, p, spec.head_dim)).astype(np.float32)),
+               mx.array(rng.normal(size=(layers, spec.kv_heads, p, spec.head_dim)).astype(np.float32))) for p in pasts]
+    if shared:  # rows 0-2 reported at one sync, 3-4 at another, each sync's blocks in one array
+        kept = []
+        for group in ((0, 1, 2), (3, 4)):
+            k = mx.concatenate([blocks[i][0].transpose(2, 0, 1, 3) for i in group])
+            v = mx.concatenate([blocks[i][1].transpose(2, 0, 1, 3) for i in group])
+            offsets = np.concatenate([[0], np.cumsum([pasts[i] for i in group])[:-1]])
+            kept += [Kept(k, v, int(o), pasts[i]) for i, o in zip(group, offsets)]
+    else:
+        kept = [Kept.of(k, v) for k, v in blocks]
+    order = [3, 0, 4, 2, 1]  # admitted out of report order
+    at, capacity = 48, 96
+    got = prefill_resumed(spec, w, [(contexts[i], kept[i]) for i in order], at, capacity, 0)
+    admitted = [(contexts[i], blocks[i]) for i in order]
+    width = max(max(len(c) for c, _ in admitted), min(bucket(max(len(c) for c, _ in admitted)), at))
+    want_k, want_v = padded_pasts(admitted, width)
+    seen = []
+    original = decoder.prefill_after
+
+    def spy(spec_, w_, tokens, padding, past_k, past_v, start):
+        seen.append((past_k, past_v))
+        return original(spec_, w_, tokens, padding, past_k, past_v, start)
+
+    decoder.prefill_after = spy
+    try:
+        again = prefill_resumed(spec, w, [(contexts[i], kept[i]) for i in order], at, capacity, 0)
+    finally:
+        decoder.prefill_after = original
+    np.testing.assert_array_equal(np.array(seen[0][0]), np.array(want_k))
+    np.testing.assert_array_equal(np.array(seen[0][1]), np.array(want_v))
+    for a, b in zip(got[:4], again[:4]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    # and the prefill on those pasts: what the per-row pads gave
+    chunks = [c[k.shape[2]:] for c, (k, _) in admitted]
+    C = min(bucket(max(len(c) for c in chunks)), width)
+    tokens = mx.array([[0] * (C - len(c)) + c for c in chunks], dtype=mx.int32)
+    start = mx.array([width - len(c) for c, _ in admitted], dtype=mx.int32)
+    logits, keys, values = original(spec, w, tokens, mx.array([C - len(c) for c in chunks], dtype=mx.int32),
+                                    want_k, want_v, start)
+    np.testing.assert_array_equal(np.array(got[3]), np.array(logits))
+    np.testing.assert_array_equal(np.array(got[0][..., at - width:at, :]), np.array(keys))
+    np.testing.assert_array_equal(np.array(got[1][..., at - width:at, :]), np.array(values))
+    assert got[2].tolist() == (start + at - width).tolist() and got[4] == sum(len(c) for c in chunks)
