@@ -221,3 +221,21 @@ def test_resumed_prefill_of_gathered_blocks_equals_padded_rows(tiny_model_dir, s
     np.testing.assert_array_equal(np.array(got[0][..., at - width:at, :]), np.array(keys))
     np.testing.assert_array_equal(np.array(got[1][..., at - width:at, :]), np.array(values))
     assert got[2].tolist() == (start + at - width).tolist() and got[4] == sum(len(c) for c in chunks)
+
+
+@pytest.mark.parametrize("stop", ["\U0001f642" * 5, "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3067\u3059"])
+@pytest.mark.parametrize("per_sync", [1, 3, 5])
+def test_stop_rows_find_stop_strings_of_multibyte_characters(tiny, stop, per_sync):
+    """A stop string of 4-byte (or 3-byte) characters, which the byte-level tokenizer writes one token per byte,
+    growing a few tokens per sync: found at the first sync whose whole text holds it (the scan margin counts
+    bytes, not characters), by StopRows and by generate_rollout's StopScanner."""
+    _, tok = tiny
+    ids = tok.encode("hello " + stop + " and a tail after it", add_special_tokens=False)
+    assert len(tok.encode(stop, add_special_tokens=False)) > 2 * len(stop) + 8  # more tokens than chars allow
+    rows, scanner = StopRows(tok, (stop,)), StopScanner(tok, (stop,))
+    arr, filled = np.full((1, len(ids)), -1, np.int64), np.zeros(1, np.int64)
+    for n in list(range(per_sync, len(ids), per_sync)) + [len(ids)]:
+        arr[0, :n], filled[0] = ids[:n], n
+        want = stop in tok.decode(ids[:n])
+        assert rows.stopped(arr, filled, np.array([0]))[0] == want, n
+        assert (scanner.cut(0, ids[:n]) is not None) == want, n

@@ -69,9 +69,10 @@ class StopScanner:
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
-        # a stop string spans at most one token per character; leading-space and byte-fallback tokens
-        # can render differently at a window's start, hence the slack
-        self.margin = 2 * max((len(s) for s in stops), default=0) + 8
+        # a stop string spans at most one token per UTF-8 byte (a byte-level or byte-fallback tokenizer writes a
+        # 4-byte character as up to 4 tokens; counting characters missed a stop of five emoji); leading-space
+        # and byte-fallback tokens can render differently at a window's start, hence the slack
+        self.margin = 2 * max((len(s.encode("utf-8")) for s in stops), default=0) + 8
         self._clean: dict[int, int] = {}  # row -> tokens scanned without a stop
 
     def cut(self, row: int, ids: list[int]) -> int | None:
