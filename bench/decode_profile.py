@@ -20,7 +20,7 @@ Per row count, after --warmup steps, over --steps steps each (milliseconds per s
   eval      dispatch + wait: from async_eval to completion
   serial    build + eval: one step with nothing overlapped
   steady    the trainer's loop: step i+1 built while step i runs (async_eval, a sync every 8 steps as
-            rollout._decode does), total wall time / steps
+            rollout.decode_loop does), total wall time / steps
   host %    (build + dispatch) / serial: the share of a serial step the host spends
 and the primitives (graph nodes) of one step: mx.export_to_dot of its outputs, unique primitive nodes
 (weights and the cache are evaluated inputs, not nodes), with a count per primitive type in the JSON.

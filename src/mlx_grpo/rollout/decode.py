@@ -1,6 +1,7 @@
 """The decode loop on the model: B prompts x G sampled completions in one batched KV-cache decode
 (generate_rollout), prompt encoding, and the memory a rollout needs. The engine (engine.py) samples on a
-fused sampling copy of the model (models/decoder.py) where it can, and with this loop elsewhere.
+fused sampling copy of the model (models/decoder.py) where it can, and with this loop elsewhere; image
+rollouts (vlm/image_rollout.py) prefill their own way, then decode through this loop too (decode_loop).
 
 Each prompt is prefilled once; its cache is then repeated for its G samples. Sampling draws from
 softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with one random key per row,
@@ -242,15 +243,17 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     else:
         _repeat_caches(caches, group_size)
     forward = partial(decode_step, model) if use_kernel else model
-    ids, lps, ents = _decode(forward, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop,
-                             limits, on_done)
+    ids, lps, ents = decode_loop(forward, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop,
+                                 limits, on_done)
     return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
 
 
-def _decode(forward, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
-            on_stop=None, limits: np.ndarray | None = None, on_done=None):
-    """The sampling loop from the prefill logits [N, V] with row keys [N, 2]; forward(tokens, cache=caches) is
-    the model's step. -> (ids, log-probs, entropies), each [N, T]."""
+def decode_loop(forward, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
+                on_stop=None, limits: np.ndarray | None = None, on_done=None):
+    """The sampling loop from the prefill logits [N, V] with row keys [N, 2]; forward(tokens [N, 1], cache=caches)
+    -> logits [N, 1, V] is the model's step (generate_rollout's, or vlm/image_rollout.py's with its positions and
+    padding mask). Every sync_every steps it stops once every row has ended (end token, stop string, limits).
+    -> (ids, log-probs, entropies), each [N, T'] with T' <= max_new_tokens: finish_rollout cuts them into a Rollout."""
     keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
     sampler = make_sampler(params, eos)
     scanner = StopScanner(tokenizer, params.stop)

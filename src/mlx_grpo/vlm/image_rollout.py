@@ -1,9 +1,10 @@
 """Image + text prompts and their rollouts: each prompt built with the model's processor and chat template,
 its images encoded once (VisionPolicy.register), prefilled once, and its KV cache repeated for its G samples;
-all prompts' samples then decode together (left-padded caches, the padding masked). Sampling is
-rollout/sampler.sample with one key per row and step, so a row's tokens depend on its key only (same keys, same
-rollout; a resumed run samples what the uninterrupted one did; a prompt decoded alone samples what it does in a
-batch)."""
+all prompts' samples then decode together (left-padded caches, the padding masked) through the text rollouts'
+loop (rollout/decode.decode_loop: the compiled per-row sampler, one key per row and step, end tokens) and are
+cut into a Rollout by rollout/sampler.finish_rollout, as text rollouts are. A row's tokens depend on its key only
+(same keys, same rollout; a resumed run samples what the uninterrupted one did; a prompt decoded alone samples
+what it does in a batch)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import numpy as np
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.data.examples import Example
+from mlx_grpo.rollout.decode import decode_loop
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampler import sample
+from mlx_grpo.rollout.sampler import finish_rollout
 from mlx_grpo.vlm.images import image_name, load_image
 from mlx_grpo.vlm.policy_model import VisionPolicy
 
@@ -84,26 +86,15 @@ def vision_rollout(model: VisionPolicy, prompts: list[list[int]], keys: mx.array
     mask = mx.array(np.arange(width + T)[None] >= pad[:, None])[:, None, None, :]  # [R, 1, 1, width + T]
     start = mx.array(np.repeat(starts, G), dtype=mx.int32)[None, :, None]  # [1, R, 1]
     logits = mx.repeat(mx.concatenate(first), G, axis=0)  # [R, V]
-    step_keys = mx.stack([mx.random.split(k, T) for k in keys])  # [R, T, 2]
-    alive = np.ones(R, bool)
-    toks, lps, ents, masks = [], [], [], []
-    for t in range(T):
-        tok, lp, ent = sample(logits, step_keys[:, t], params)
-        mx.eval(tok, lp, ent)
-        tok_np = np.array(tok)
-        masks.append(alive.copy())
-        toks.append(np.where(alive, tok_np, pad_id))
-        lps.append(np.where(alive, np.array(lp), 0.0))
-        ents.append(np.where(alive, np.array(ent), 0.0))
-        alive &= ~np.isin(tok_np, list(eos_ids))
-        if not alive.any() or t == T - 1:
-            break
-        pos = mx.broadcast_to(start + t, (3, R, 1))
-        logits = model.head(model.hidden(tok[:, None].astype(mx.int32), pos, cache, mask)[:, -1])
-    completion, mask_np = np.stack(toks, 1), np.stack(masks, 1)
-    lengths = mask_np.sum(1)
-    ended = np.array([bool(mask_np[r].any()) and int(completion[r, lengths[r] - 1]) in eos_ids for r in range(R)])
-    texts = [tokenizer.decode([int(x) for x in completion[r, :lengths[r] - int(ended[r])]]) for r in range(R)]
-    return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=mx.array(completion, dtype=mx.int32),
-                   mask=mx.array(mask_np.astype(np.float32)), sampler_logprobs=mx.array(np.stack(lps, 1), dtype=mx.float32),
-                   truncated=~ended, texts=texts, group_size=G, entropies=mx.array(np.stack(ents, 1), dtype=mx.float32))
+
+    def forward(tokens: mx.array, cache: list) -> mx.array:
+        """[R, 1] tokens -> [R, 1, V] logits; the token sampled at step t sits at text position start + t."""
+        pos = mx.broadcast_to(start + (cache[0].offset - width), (3, R, 1))
+        return model.head(model.hidden(tokens.astype(mx.int32), pos, cache, mask)[:, -1])[:, None]
+
+    ends = sorted(eos_ids)
+    # a sync every step: the loop stops at the step where the last row ends, as this rollout's own loop did
+    # before it was folded into decode_loop (tests/test_vision_loop.py), so its columns stay as many
+    ids, lps, ents = decode_loop(forward, cache, logits, keys, params, mx.array(ends or [-1], dtype=mx.int32),
+                                 tokenizer, sync_every=1)
+    return finish_rollout(tokenizer, prompts, ids, lps, ents, ends, pad_id, params, G, "")
