@@ -125,7 +125,7 @@ def test_stop_rows_decode_only_new_tails(tiny):
             ids[1, :len(end)] = end
             filled[1] = len(end)
         rows_.stopped(ids, filled, np.array([0, 1]))
-    assert max(decoded) <= rows_.margin + 8 + len(end)  # row 0's tails; row 1's whole row once
+    assert max(decoded) <= rows_.scanner.margin + 8 + len(end)  # row 0's tails; row 1's whole row once
     assert len(decoded) == 40 + 2
 
 

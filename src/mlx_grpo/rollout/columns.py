@@ -3,9 +3,9 @@ token, log-prob and entropy), in segments between two rebuilds of the batch; a s
 column step - join[row]. `assemble` scatters every segment back to rows once, for the rollout's records;
 `Written` keeps the rows between the loop's syncs and converts only the columns decoded since the last one,
 where assembling again at every sync cost time that grew with the rollout's length (session 26's profile of a
-tool-calling rollout: 0.76 s of 5.6 s). `StopRows` finds the rows that wrote a stop string from those rows, at each
-sync reading only what a row wrote since the last one (the same profile: 0.51 s in stop checks, mostly whole
-rows decoded again to find where a stop string that was already known to be there ends).
+tool-calling rollout: 0.76 s of 5.6 s). `StopRows` finds the rows that wrote a stop string from those rows with
+sampler.StopScanner, each row's cut looked for only when a caller needs it (the same profile: 0.51 s in stop
+checks, mostly whole rows decoded again to find where a stop string that was already known to be there ends).
 """
 
 from __future__ import annotations
@@ -68,18 +68,13 @@ class Written:
 
 class StopRows:
     """Which rows have written a stop string, sync after sync of one decode loop (engine.py): StopScanner's test
-    (a row's text since its last clean scan, with its margin, then the whole row where that tail holds a stop)
-    on Written's rows, converting only each row's tail; a row with no new token is not decoded again, and a row
-    seen stopped stays stopped (its text only grows). The cut (stop_cut) is looked for only for on_stop."""
+    on Written's rows (a row with no new token is not decoded again), and a row seen stopped stays stopped (its
+    text only grows). The cut (stop_cut) is looked for only for on_stop."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
-        self.margin = StopScanner(tokenizer, stops).margin
-        self.clean: dict[int, int] = {}  # row -> tokens scanned without a stop
+        self.scanner = StopScanner(tokenizer, stops)
         self.found: set[int] = set()
-
-    def _has_stop(self, ids) -> bool:
-        return any(s in self.tokenizer.decode(ids) for s in self.stops)
 
     def stopped(self, ids: np.ndarray, filled: np.ndarray, rows: np.ndarray, on_stop=None) -> np.ndarray:
         """Which batch slots' rows (rows [slots], -1: a filler, which counts as stopped) have generated a stop
@@ -92,20 +87,12 @@ class StopRows:
             row = ids[r, :filled[r]]
             if row.size and row.min() < 0:  # a gap (never seen): the row's written tokens, as a whole scan takes them
                 row = row[row >= 0]
+            whole = row.tolist()
             if r not in self.found:
-                n, clean = len(row), self.clean.get(r, 0)
-                if n == clean:  # nothing new since a clean scan
-                    out[slot] = False
-                    continue
-                if not self._has_stop(row[max(0, clean - self.margin):].tolist()):
-                    self.clean[r] = n
-                    out[slot] = False
-                    continue
-                if not self._has_stop(row.tolist()):
+                if not self.scanner.stopped(r, whole):
                     out[slot] = False
                     continue
                 self.found.add(r)
             if on_stop is not None:
-                whole = row.tolist()
                 on_stop(r, whole[:stop_cut(self.tokenizer, whole, self.stops)])
         return out

@@ -52,6 +52,11 @@ def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
     """Number of tokens up to and including the one that completes the first stop string, if any."""
     if not stops or not any(s in tokenizer.decode(ids) for s in stops):
         return None
+    return _first_stop(tokenizer, ids, stops)
+
+
+def _first_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int:
+    """stop_cut of ids whose text is known to hold a stop string."""
     lo, hi = 1, len(ids)  # the shortest prefix whose text contains a stop string
     while lo < hi:
         mid = (lo + hi) // 2
@@ -65,7 +70,8 @@ def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
 class StopScanner:
     """Finds rows' first stop string as their tokens arrive, scan after scan: each scan decodes only the
     tokens since the row's last scan plus a margin before them (wide enough for a stop string that started
-    there), and stop_cut runs on the whole row only when that tail holds a stop. One per decode loop."""
+    there), and the whole row is decoded only when that tail holds a stop; a row with no token since its last
+    clean scan is not decoded again. One per decode loop."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
@@ -75,13 +81,22 @@ class StopScanner:
         self.margin = 2 * max((len(s.encode("utf-8")) for s in stops), default=0) + 8
         self._clean: dict[int, int] = {}  # row -> tokens scanned without a stop
 
+    def _has_stop(self, ids: list[int]) -> bool:
+        return any(s in self.tokenizer.decode(ids) for s in self.stops)
+
+    def stopped(self, row: int, ids: list[int]) -> bool:
+        """Whether row's text (ids, its tokens so far) holds a stop string."""
+        clean = self._clean.get(row, 0)
+        if len(ids) == clean:  # nothing new since a clean scan
+            return False
+        if not self._has_stop(ids[max(0, clean - self.margin):]):
+            self._clean[row] = len(ids)
+            return False
+        return self._has_stop(ids)
+
     def cut(self, row: int, ids: list[int]) -> int | None:
         """stop_cut(ids): the tokens up to and including the one that completes the first stop string."""
-        start = max(0, self._clean.get(row, 0) - self.margin)
-        if not any(s in self.tokenizer.decode(ids[start:]) for s in self.stops):
-            self._clean[row] = len(ids)
-            return None
-        return stop_cut(self.tokenizer, ids, self.stops)
+        return _first_stop(self.tokenizer, ids, self.stops) if self.stopped(row, ids) else None
 
 
 def make_sampler(params: SamplingParams, eos: mx.array):
