@@ -10,6 +10,8 @@
 #   gsm8k_tools:SEED  gsm8k with the calculator: configs/gsm8k_tools_sft.toml, then configs/prod_tools.toml
 #   tools_nosft:SEED / control_nosft:SEED  arith_tools.toml / arith_tools_control.toml from the base model
 # usage: bash bench/learning_run.sh OUT_DIR GSM8K_DIR RECIPE...   (GSM8K_DIR holds train.jsonl and test.jsonl)
+# On a machine of several GPUs, one invocation per GPU, each with CUDA_VISIBLE_DEVICES and its own
+# MLX_GRPO_CACHE (its own kernel cache: processes writing one cache at once crashed).
 # Each stage's wall time goes to OUT_DIR/<recipe>-s<seed>.<stage>.seconds.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); D=$(cd "$2" && pwd); shift 2
@@ -37,10 +39,12 @@ gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its e
   [ "${BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
   timed "$tag.sft" $M sft --config "$sft" "${data[@]}" --set output_dir="$runs" || return
   local warm; warm=$(latest "$runs/$(run_name "$sft")")
-  timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl"
+  # the warm start's evaluation runs beside the GRPO stage, off the chain's critical path (~1.5 GPU minutes)
+  timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl" &
   timed "$tag.train" $M train --config "$grpo" "${data[@]}" --set model_name="$warm" --set output_dir="$runs" || return
   timed "$tag.eval" $M eval --config "$grpo" "${data[@]}" --model "$(latest "$runs/$(run_name "$grpo")")" \
     --samples 1319 -o "$OUT/$tag-trained.jsonl"
+  wait
 }
 warm() {  # warm SFT_PRESET GRPO_PRESET TAG SEED: base eval, warm start, its eval, GRPO from it, trained eval (arith)
   local tag=$3-s$4 runs=$OUT/runs/$3-s$4 sft=configs/$1.toml grpo=configs/$2.toml
