@@ -2,11 +2,13 @@
 trained model with 95% Wilson intervals, and the collapse figures at the end of training (mean completion
 length, share of completions with empty reasoning, entropy).
 
-usage: python bench/learning_report.py OUT_DIR    (OUT_DIR as given to learning_run.sh)
+usage: python bench/learning_report.py OUT_DIR    (OUT_DIR as given to learning_run.sh, or a bench/records folder,
+whose per-question evaluations are kept as .csv: one row per question, no completions)
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import sys
@@ -26,8 +28,17 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def eval_rows(path: Path) -> list[dict]:
+    """An evaluation's per-question rows: `mlx-grpo eval`'s .jsonl, or a record's .csv (0/1 flags, call counts)."""
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            return [{k: (int(v) if k in ("correct", "lenient", "formatted", "tool_calls") else v)
+                     for k, v in row.items()} for row in csv.DictReader(f)]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def accuracy_row(name: str, path: Path) -> str:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = eval_rows(path)
     n = len(rows)
     cells = []
     for key in ("correct", "lenient", "formatted"):
@@ -70,12 +81,13 @@ def collapse_row(name: str, run: Path) -> str:
 
 
 def main(out: Path) -> None:
-    """One accuracy row per evaluation bench/learning_run.sh wrote (<recipe>-s<seed>-<stage>.jsonl)."""
+    """One accuracy row per evaluation bench/learning_run.sh wrote (<recipe>-s<seed>-<stage>.jsonl, or .csv)."""
     print("| recipe, seed | model | exact match (<answer>) [95% CI] | lenient (last number) | formatted | "
           "called a tool |")
     print("|---|---|---|---|---|---|")
     stages = ("base", "sft", "trained")
-    for path in sorted(out.glob("*-s*-*.jsonl"), key=lambda p: (p.name.rsplit("-", 1)[0], stages.index(
+    found = [*out.glob("*-s*-*.jsonl"), *out.glob("*-s*-*.csv")]
+    for path in sorted(found, key=lambda p: (p.name.rsplit("-", 1)[0], stages.index(
             p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1] in stages else 9)):
         tag, stage = path.stem.rsplit("-", 1)
         if stage in stages:
