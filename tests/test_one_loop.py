@@ -22,7 +22,7 @@ from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.models.tiny import write_tiny_family
 from mlx_grpo.rollout import decode
 from mlx_grpo.rollout.columns import StopRows, Written, assemble
-from mlx_grpo.rollout.engine import MIN_ROWS, RolloutEngine
+from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.rollout.sampler import StopScanner, end_ids, finish_rollout, make_sampler
@@ -33,6 +33,9 @@ from mlx_grpo.tools.environments import ToolEnvironment
 
 # ---------------------------------------------------------------- the two loops before issue 46 made them one
 # (frozen: do not edit)
+MIN_ROWS = 8
+
+
 def frozen_generate_many(engine, jobs, group_size, params, prefill_text="", on_stop=None, limits=None, turns=None,
                          on_done=None):
     if not engine.uses_copy:

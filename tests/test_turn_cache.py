@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from caller_model import CALLER, write_caller_model
 from mlx_grpo.models import decoder
 from mlx_grpo.models.model_loading import load_model
+from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
@@ -115,7 +116,8 @@ def test_prefill_after_a_prefix_is_the_whole_prefill(tiny_model_dir):
     # and the engine's placement: the contexts' cache ends at slot `at`, as a whole prefill lays it out
     engine = RolloutEngine(None, mode="copy").refresh(model)
     at, capacity = 40, 72
-    whole_k, whole_v, whole_start, whole_logits = engine._prefill(full, [1] * 4, at, capacity, 0)
+    copy = CopyDecoder(engine.spec, engine.weights, None, False, 0)
+    whole_k, whole_v, whole_start, whole_logits = copy.prefill(full, [1] * 4, at, capacity)
     kept = [(np.array(mx.stack(past_k)[:, r, :, 14 - len(p):]), np.array(mx.stack(past_v)[:, r, :, 14 - len(p):]))
             for r, p in enumerate(prefixes)]
     got_k, got_v, got_start, got_logits, prefilled = prefill_resumed(

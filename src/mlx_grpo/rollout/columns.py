@@ -1,4 +1,4 @@
-"""The fused decode loop's output as rows (engine.py): each decode step appends one column per batch slot (its
+"""The decode loop's output as rows (loop.py): each decode step appends one column per batch slot (its
 token, log-prob and entropy), in segments between two rebuilds of the batch; a slot's step goes to its row's
 column step - join[row]. `assemble` scatters every segment back to rows once, for the rollout's records;
 `Written` keeps the rows between the loop's syncs and converts only the columns decoded since the last one,
@@ -67,7 +67,7 @@ class Written:
 
 
 class StopRows:
-    """Which rows have written a stop string, sync after sync of one decode loop (engine.py): StopScanner's test
+    """Which rows have written a stop string, sync after sync of one decode loop (loop.py): StopScanner's test
     on Written's rows (a row with no new token is not decoded again), and a row seen stopped stays stopped (its
     text only grows). The cut (stop_cut) is looked for only for on_stop."""
 
