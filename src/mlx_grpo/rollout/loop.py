@@ -73,6 +73,9 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     T, N = params.max_new_tokens, logits.shape[0]
     if (compact or turns is not None or any(e[1] >= N for e in entries)) and not decoder.refills:
         raise ValueError(f"{type(decoder).__name__} cannot compact, refill or take turns")
+    rows_wanted = max((e[1] + e[2] for e in entries), default=N)
+    if len(row_keys) != rows_wanted:  # a gather past the keys would read garbage, not fail
+        raise ValueError(f"{len(row_keys)} row keys for {rows_wanted} rows: one key per row")
     sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
     stops = StopRows(tokenizer, params.stop)
     n_rows = len(row_keys)
