@@ -199,6 +199,36 @@ def test_kept_blocks_are_released_once_their_rows_are_in_the_batch(attending, mo
     assert all(e[3] is None for e in entries if len(e) == 4)
 
 
+def test_no_kept_block_outlives_its_admission(attending, monkeypatch):
+    """Nothing else holds a kept block once its row is in the batch either (the loop's own reference to the
+    entries it admitted once did, till the next refill: a block holds every row reported at its sync)."""
+    import gc
+    import weakref
+
+    from mlx_grpo.rollout import turns as turns_mod
+
+    taken, queued, worst = [], [None], [0]
+    take, report = turns_mod.TurnRows.take, turns_mod.TurnRows.report
+
+    def taking(self, entries, *args, **kwargs):
+        queued[0], before = entries, len(entries)
+        out = take(self, entries, *args, **kwargs)
+        taken.extend(weakref.ref(e[3]) for e in entries[before:] if e[3] is not None)
+        return out
+
+    def reporting(self, *args, **kwargs):
+        gc.collect()
+        waiting = {id(e[3]) for e in queued[0] or [] if e[3] is not None}
+        worst[0] = max(worst[0], sum(r() is not None and id(r()) not in waiting for r in taken))
+        return report(self, *args, **kwargs)
+
+    monkeypatch.setattr(turns_mod.TurnRows, "take", taking)
+    monkeypatch.setattr(turns_mod.TurnRows, "report", reporting)
+    (outs, engine) = _episodes(*attending, True)
+    assert max(_calls(outs)) >= 2 and len(taken) >= 4
+    assert worst[0] == 0
+
+
 def test_rows_kept_between_syncs_equal_a_whole_assembly(attending, monkeypatch):
     """columns.Written converts only the columns decoded since the last sync; at every sync of a tool-calling
     decode (rows added by later turns, batches rebuilt by refill and compaction) its rows equal assembling

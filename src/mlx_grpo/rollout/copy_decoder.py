@@ -1,7 +1,7 @@
 """The engine's decoder for the one decode loop (loop.decode_rows): the sampling copy of the policy
 (models/decoder.py) on its own static KV cache, [layers, slots, Hkv, capacity, Dh] keys and values written in
-place one slot a step. Each step is one compiled graph (the copy's step plus sampling, engine.RolloutEngine's
-_step_fn), the new keys and values written outside it. Between steps the cache can be reshaped (refills): some
+place one slot a step. Each step is one compiled graph (the copy's step plus sampling, compiled by
+engine.RolloutEngine), the new keys and values written outside it. Between steps the cache can be reshaped (refills): some
 slots kept (compaction), new rows' contexts prefilled into it (refill), a row's next turn prefilled on its kept
 KV block (rollout/turns.py), and the cache's blocks handed to the turns.
 """

@@ -66,7 +66,8 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     are every row's key, rows N.. waiting as `entries`. entries: (context, first row, rows, kept turn block or
     None) per context, in row order, those past the first N admitted in freed slots (refill). compact: drop
     ended rows once at most half the batch is live. limits [rows]: tokens each row may write. on_stop(row, ids):
-    called at syncs with each row seen stopped by a stop string and its ids up to the stop. on_done(finished):
+    called once per row, at the first sync that sees it stopped by a stop string (rows ended by an end
+    token or their limit are not scanned), with its ids up to the stop. on_done(finished):
     called at syncs with [rows] bool, the rows ended so far. turns: a turns.TurnRows, rows going on in later
     turns inside this decode (their rows appended to entries and row_keys)."""
     entries = [] if entries is None else entries
@@ -89,6 +90,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     rows = np.arange(N)  # the rollout row of each batch slot (-1: a filler slot)
     target = N  # refills fill the batch back up to its first size
     token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0], mx.zeros((N,), mx.bool_))
+    del logits  # the prefill's [N, V]: not held through the decode
     kstep = mx.ones((N,), dtype=mx.int32)  # each slot's next step key
     segments, columns, opened = [], ([token], [logprob], [entropy]), 0
     rows_so_far = Written(T)  # the rows' tokens at each sync, for the stop strings and the turns
@@ -107,7 +109,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
             written = rows_so_far.update(segments + [(rows, opened, columns)], join, n_rows) \
                 if params.stop or turns is not None else None
             if params.stop:
-                done |= stops.stopped(written[0], written[3], rows, on_stop)
+                done |= stops.stopped(written[0], written[3], rows, on_stop, ended=done)
             if on_done is not None:
                 finished[rows[done & (rows >= 0)]] = True
                 on_done(finished)
@@ -147,6 +149,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                     added = np.concatenate([first + np.arange(n) for _, first, n, _ in admitted])
                     first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
                                                                          mx.zeros((len(added),), mx.bool_))
+                    del logits, admitted  # its entries hold kept turn blocks: none is held past this refill
                     join[added] = s - 1  # their first token sits in the column before this step's
                     segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
                     token, ended = mx.concatenate([token, first_token]), mx.concatenate([ended, first_ended])
