@@ -20,7 +20,7 @@ Per row count, after --warmup steps, over --steps steps each (milliseconds per s
   eval      dispatch + wait: from async_eval to completion
   serial    build + eval: one step with nothing overlapped
   steady    the trainer's loop: step i+1 built while step i runs (async_eval, a sync every 8 steps as
-            rollout.decode_loop does), total wall time / steps
+            rollout/loop.decode_rows does), total wall time / steps
   host %    (build + dispatch) / serial: the share of a serial step the host spends
 and the primitives (graph nodes) of one step: mx.export_to_dot of its outputs, unique primitive nodes
 (weights and the cache are evaluated inputs, not nodes), with a count per primitive type in the JSON.
@@ -162,7 +162,7 @@ def _sampling_start(engine, params, logits, padding, group: int, max_new_tokens:
 @contextmanager
 def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
     """The decode step of mlx_grpo.rollout.engine.RolloutEngine (its defaults, ignore_eos, temperature 1), from the
-    engine's own pieces as RolloutEngine._generate_fused puts them together: the sampling copy's prefill
+    engine's own pieces as rollout/copy_decoder.CopyDecoder puts them together: the sampling copy's prefill
     (decoder.prefill, each prompt once, its cache repeated G times into buffers with room for every token,
     laid out as the step reads them), then per step the engine's compiled step (model step + sampler) and
     the new keys/values written into the cache outside it. No row ends, so compaction never drops one; yields a Decoder over N rows."""

@@ -63,7 +63,7 @@ def test_worker_samples_what_this_process_samples_from_the_weights_sent(worker):
 
 def test_an_error_in_the_worker_is_raised_here_and_the_worker_goes_on(worker):
     model, _, process = worker
-    with pytest.raises(RuntimeError, match=r"^\[vmap\] Inconsistent axis sizes: 2 and 1.\n\nthe rollout process "
+    with pytest.raises(RuntimeError, match=r"^1 row keys for 2 rows: one key per row\n\nthe rollout process "
                                            r"\(rollout_worker = process\) failed with ValueError; its traceback:\n"):
         process.sample(model.parameters(), [([[1, 5]], mx.zeros((1, 2), mx.uint32))], 2, PARAMS, "")  # 1 key, 2 rows
     (out,), _ = process.sample(model.parameters(), jobs(), 2, PARAMS, "")

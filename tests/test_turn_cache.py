@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from caller_model import CALLER, write_caller_model
 from mlx_grpo.models import decoder
 from mlx_grpo.models.model_loading import load_model
+from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
@@ -115,7 +116,8 @@ def test_prefill_after_a_prefix_is_the_whole_prefill(tiny_model_dir):
     # and the engine's placement: the contexts' cache ends at slot `at`, as a whole prefill lays it out
     engine = RolloutEngine(None, mode="copy").refresh(model)
     at, capacity = 40, 72
-    whole_k, whole_v, whole_start, whole_logits = engine._prefill(full, [1] * 4, at, capacity, 0)
+    copy = CopyDecoder(engine.spec, engine.weights, None, False, 0)
+    whole_k, whole_v, whole_start, whole_logits = copy.prefill(full, [1] * 4, at, capacity)
     kept = [(np.array(mx.stack(past_k)[:, r, :, 14 - len(p):]), np.array(mx.stack(past_v)[:, r, :, 14 - len(p):]))
             for r, p in enumerate(prefixes)]
     got_k, got_v, got_start, got_logits, prefilled = prefill_resumed(
@@ -195,6 +197,36 @@ def test_kept_blocks_are_released_once_their_rows_are_in_the_batch(attending, mo
     entries = seen[-1]
     assert any(len(e) == 4 for e in entries)  # later turns were queued with a block slot
     assert all(e[3] is None for e in entries if len(e) == 4)
+
+
+def test_no_kept_block_outlives_its_admission(attending, monkeypatch):
+    """Nothing else holds a kept block once its row is in the batch either (the loop's own reference to the
+    entries it admitted once did, till the next refill: a block holds every row reported at its sync)."""
+    import gc
+    import weakref
+
+    from mlx_grpo.rollout import turns as turns_mod
+
+    taken, queued, worst = [], [None], [0]
+    take, report = turns_mod.TurnRows.take, turns_mod.TurnRows.report
+
+    def taking(self, entries, *args, **kwargs):
+        queued[0], before = entries, len(entries)
+        out = take(self, entries, *args, **kwargs)
+        taken.extend(weakref.ref(e[3]) for e in entries[before:] if e[3] is not None)
+        return out
+
+    def reporting(self, *args, **kwargs):
+        gc.collect()
+        waiting = {id(e[3]) for e in queued[0] or [] if e[3] is not None}
+        worst[0] = max(worst[0], sum(r() is not None and id(r()) not in waiting for r in taken))
+        return report(self, *args, **kwargs)
+
+    monkeypatch.setattr(turns_mod.TurnRows, "take", taking)
+    monkeypatch.setattr(turns_mod.TurnRows, "report", reporting)
+    (outs, engine) = _episodes(*attending, True)
+    assert max(_calls(outs)) >= 2 and len(taken) >= 4
+    assert worst[0] == 0
 
 
 def test_rows_kept_between_syncs_equal_a_whole_assembly(attending, monkeypatch):

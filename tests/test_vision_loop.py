@@ -1,4 +1,4 @@
-"""Image rollouts decode through the one decode loop (rollout/decode.decode_loop, issue 46) and sample exactly what
+"""Image rollouts decode through the one decode loop (rollout/loop.decode_rows, issue 46) and sample exactly what
 their own per-step loop sampled before it was folded in: `reference_vision_rollout` below is a frozen copy of that
 loop (vlm/image_rollout.vision_rollout as of 1878fb0: uncompiled sample(), an eval every step, its own masks,
 texts and truncation flags), the naive reference. Ids, masks, sampler log-probs, entropies, truncation flags and
@@ -19,7 +19,7 @@ pytest.importorskip("mlx_vlm")
 
 
 def reference_vision_rollout(model, prompts, keys, G, params, eos_ids, pad_id, tokenizer):
-    """The image rollout's own loop before issue 46 folded it into decode_loop (frozen: do not edit)."""
+    """The image rollout's own loop before issue 46 folded it into the one loop (frozen: do not edit)."""
     from mlx_vlm.models.cache import KVCache
 
     from mlx_grpo.rollout.rollout_records import Rollout

@@ -1,4 +1,4 @@
-"""The fused decode loop's output as rows (engine.py): each decode step appends one column per batch slot (its
+"""The decode loop's output as rows (loop.py): each decode step appends one column per batch slot (its
 token, log-prob and entropy), in segments between two rebuilds of the batch; a slot's step goes to its row's
 column step - join[row]. `assemble` scatters every segment back to rows once, for the rollout's records;
 `Written` keeps the rows between the loop's syncs and converts only the columns decoded since the last one,
@@ -67,32 +67,34 @@ class Written:
 
 
 class StopRows:
-    """Which rows have written a stop string, sync after sync of one decode loop (engine.py): StopScanner's test
-    on Written's rows (a row with no new token is not decoded again), and a row seen stopped stays stopped (its
-    text only grows). The cut (stop_cut) is looked for only for on_stop."""
+    """Which rows have written a stop string, sync after sync of one decode loop (loop.py): StopScanner's test
+    on Written's rows (a row with no new token is not decoded again, a row already ended is not decoded at all),
+    and a row seen stopped stays stopped (its text only grows). The cut (stop_cut) is looked for only for
+    on_stop, once per row: the first stop string of a row that only grows does not move."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
         self.scanner = StopScanner(tokenizer, stops)
         self.found: set[int] = set()
 
-    def stopped(self, ids: np.ndarray, filled: np.ndarray, rows: np.ndarray, on_stop=None) -> np.ndarray:
+    def stopped(self, ids: np.ndarray, filled: np.ndarray, rows: np.ndarray, on_stop=None,
+                ended: np.ndarray | None = None) -> np.ndarray:
         """Which batch slots' rows (rows [slots], -1: a filler, which counts as stopped) have generated a stop
-        string so far, from Written's ids [rows, T] (-1 where unwritten) and filled [rows]; on_stop(row, its ids
-        up to the stop) hears of each stopped row, at every call."""
+        string so far, from Written's ids [rows, T] (-1 where unwritten) and filled [rows]; slots ended [slots]
+        (an end token, a limit) count as stopped and are not scanned. on_stop(row, its ids up to the stop)
+        hears of each row at the first call that sees its stop string."""
         out = np.ones(len(rows), dtype=bool)
         for slot, r in enumerate(rows.tolist()):
-            if r < 0:
+            if r < 0 or r in self.found or (ended is not None and ended[slot]):
                 continue
             row = ids[r, :filled[r]]
             if row.size and row.min() < 0:  # a gap (never seen): the row's written tokens, as a whole scan takes them
                 row = row[row >= 0]
             whole = row.tolist()
-            if r not in self.found:
-                if not self.scanner.stopped(r, whole):
-                    out[slot] = False
-                    continue
-                self.found.add(r)
+            if not self.scanner.stopped(r, whole):
+                out[slot] = False
+                continue
+            self.found.add(r)
             if on_stop is not None:
                 on_stop(r, whole[:stop_cut(self.tokenizer, whole, self.stops)])
         return out

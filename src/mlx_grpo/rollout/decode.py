@@ -1,7 +1,7 @@
-"""The decode loop on the model: B prompts x G sampled completions in one batched KV-cache decode
-(generate_rollout), prompt encoding, and the memory a rollout needs. The engine (engine.py) samples on a
-fused sampling copy of the model (models/decoder.py) where it can, and with this loop elsewhere; image
-rollouts (vlm/image_rollout.py) prefill their own way, then decode through this loop too (decode_loop).
+"""Decoding on the model itself: B prompts x G sampled completions in one batched KV-cache decode
+(generate_rollout: the prefill and caches here, then the one decode loop, loop.decode_rows, over a
+loop.ModelDecoder), prompt encoding, and the memory a rollout needs. The engine (engine.py) samples on a
+fused sampling copy of the model (models/decoder.py) where it can, and with generate_rollout elsewhere.
 
 Each prompt is prefilled once; its cache is then repeated for its G samples. Sampling draws from
 softmax(logits / temperature) (optionally cut by top-k / top-p / min-p) with one random key per row,
@@ -38,8 +38,9 @@ from mlx_grpo.base.errors import UserError
 from mlx_grpo.kernels.attention import left_padded_attention
 from mlx_grpo.models.kernel_forward import decode_step, serves as kernel_serves
 from mlx_grpo.models.forward import bucket
+from mlx_grpo.rollout.loop import ModelDecoder, decode_rows, finish_rows
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampler import StopScanner, end_ids, finish_rollout, make_sampler
+from mlx_grpo.rollout.sampler import end_ids
 
 
 def encode_chat_prompt(tokenizer, prompt: str | list[dict], system_prompt: str, prefill: str,
@@ -230,7 +231,6 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     that many tokens (the loop ends sooner; the caller cuts the row there). on_done(done): called at the
     loop's syncs with [N] bool, the rows ended so far (evaluation's progress bar)."""
     eos_ids, pad_id = end_ids(tokenizer, params)
-    eos = mx.array(eos_ids or [-1], dtype=mx.int32)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
     row_keys = key if key.ndim == 2 else mx.random.split(key, logits.shape[0])  # [N, 2]
@@ -243,54 +243,9 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     else:
         _repeat_caches(caches, group_size)
     forward = partial(decode_step, model) if use_kernel else model
-    ids, lps, ents = decode_loop(forward, caches, logits, row_keys, params, eos, tokenizer, sync_every, on_stop,
-                                 limits, on_done)
-    return finish_rollout(tokenizer, prompts, ids, lps, ents, eos_ids, pad_id, params, group_size, prefill_text)
-
-
-def decode_loop(forward, caches, logits, row_keys, params: SamplingParams, eos: mx.array, tokenizer, sync_every: int,
-                on_stop=None, limits: np.ndarray | None = None, on_done=None):
-    """The sampling loop from the prefill logits [N, V] with row keys [N, 2]; forward(tokens [N, 1], cache=caches)
-    -> logits [N, 1, V] is the model's step (generate_rollout's, or vlm/image_rollout.py's with its positions and
-    padding mask). Every sync_every steps it stops once every row has ended (end token, stop string, limits).
-    -> (ids, log-probs, entropies), each [N, T'] with T' <= max_new_tokens: finish_rollout cuts them into a Rollout."""
-    keys = mx.vmap(lambda k: mx.random.split(k, params.max_new_tokens))(row_keys)  # [N, T, 2]
-    sampler = make_sampler(params, eos)
-    scanner = StopScanner(tokenizer, params.stop)
-    token, logprob, entropy, ended = sampler(logits, keys[:, 0], mx.zeros((logits.shape[0],), dtype=mx.bool_))
-    tokens, logprobs, entropies = [token], [logprob], [entropy]
-    for step in range(1, params.max_new_tokens):
-        if step % sync_every == 0:
-            mx.eval(ended)
-            done = np.array(ended) if limits is None else np.array(ended) | (step >= np.asarray(limits))
-            if on_done is not None:
-                on_done(done)
-            if done.all() or (params.stop and _all_stopped(scanner, tokens, done, on_stop)):
-                break
-        logits = forward(token[:, None], cache=caches)[:, -1, :]
-        token, logprob, entropy, ended = sampler(logits, keys[:, step], ended)
-        tokens.append(token)
-        logprobs.append(logprob)
-        entropies.append(entropy)
-        mx.async_eval(token, logprob, entropy, ended)
-    ids = mx.stack(tokens, axis=1)  # [N, T]
-    lps = mx.stack(logprobs, axis=1)  # [N, T]
-    ents = mx.stack(entropies, axis=1)  # [N, T]
-    mx.eval(ids, lps, ents)
-    return ids, lps, ents
-
-
-def _all_stopped(scanner: StopScanner, tokens: list[mx.array], ended: np.ndarray, on_stop=None) -> bool:
-    ids = mx.stack(tokens, axis=1).tolist()
-    if on_stop is None:
-        return all(done or scanner.cut(r, row) is not None for r, (row, done) in enumerate(zip(ids, ended.tolist())))
-    stopped = True
-    for r, (row, done) in enumerate(zip(ids, ended.tolist())):
-        cut = None if done else scanner.cut(r, row)
-        if cut is not None:
-            on_stop(r, row[:cut])
-        stopped = stopped and (done or cut is not None)
-    return stopped
+    decoded = decode_rows(ModelDecoder(forward, caches), logits, row_keys, params, tokenizer, eos_ids, pad_id,
+                          sync_every, limits=limits, on_stop=on_stop, on_done=on_done)
+    return finish_rows(tokenizer, [prompts], group_size, decoded, eos_ids, pad_id, params, prefill_text)[0]
 
 
 def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:

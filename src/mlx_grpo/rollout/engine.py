@@ -1,17 +1,19 @@
 """The rollout engine: the one place that turns prompts into sampled completions (Rollout records).
 
 It owns the sampling copy of the policy (models/decoder.py: fused projections, adapters merged, the
-compute dtype), refreshed by the trainer after every optimizer update, and the decode loop over it:
-each step is one compiled graph (the model's step plus sampling), the KV cache is written outside it,
-and rows that have ended are dropped from the batch once at most half of it is still live (the batch
-shrinks to the next power of two, so few shapes are ever compiled). generate_many decodes an update's
-batch steps together: the later steps' prompts are prefilled into the slots ended rows free (refill), so
-one long row no longer holds a batch step. A row's tokens depend on its own key and context, so which
+compute dtype), refreshed by the trainer after every optimizer update, and its compiled decode steps. Rows
+decode through the one decode loop (loop.decode_rows) over the copy (copy_decoder.CopyDecoder): each step is
+one compiled graph (the model's step plus sampling), the KV cache is written outside it, and rows that have
+ended are dropped from the batch once at most half of it is still live (the batch shrinks to the next power of
+two, so few shapes are ever compiled). generate_many decodes an update's batch steps together: the later
+steps' prompts are prefilled into the slots ended rows free (refill), so one long row no longer holds a batch
+step. A row's tokens depend on its own key and context, so which
 rows share its batch leaves them unchanged (exactly so on a CPU in float32; see below for a GPU).
 
 Models the copy does not cover (other families, quantized weights: QLoRA bases and
 quantize_for_rollouts, whose memory saving the copy would undo), and every model under rollout_engine =
-model (the default off CUDA), decode through decode.py's generate_rollout on the model itself.
+model (the default off CUDA), decode through decode.py's generate_rollout on the model itself (the same loop
+over a loop.ModelDecoder, one batch step at a time).
 Compaction and refill change the matmuls' row count, which on a GPU in bfloat16 can move a logit's last
 bits: a row's tokens then depend on its key, its context and, at a near-tie, on the batch around it (on the
 H100, 89% of rows kept their text when 4 batch steps were refilled rather than decoded one by one); a
@@ -28,15 +30,12 @@ import numpy as np
 
 from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.kernels import available as kernel_available
-from mlx_grpo.models.forward import bucket
-from mlx_grpo.rollout.columns import StopRows, Written, assemble
-from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampler import end_ids, finish_rollout, make_sampler, sample
+from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
-from mlx_grpo.rollout.turns import TurnRows, prefill_resumed
-
-# A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.
-MIN_ROWS = 8
+from mlx_grpo.rollout.loop import decode_rows, finish_rows
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampler import end_ids, sample
+from mlx_grpo.rollout.turns import TurnRows
 
 
 def _quantized(model: nn.Module) -> bool:
@@ -162,7 +161,7 @@ class RolloutEngine:
             return out
         return self._generate_fused(jobs, group_size, params, prefill_text, on_stop, turns, limits, on_done)
 
-    # ------------------------------------------------------------------ the fused decode loop
+    # ------------------------------------------------------------------ the sampling copy's decode
     def _step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
         """The compiled decode step for these sampling settings (traced once per batch shape)."""
         spec = self.spec
@@ -190,180 +189,22 @@ class RolloutEngine:
     def _traced(self) -> None:
         self.traces += 1
 
-    def _prefill_weights(self) -> dict:
-        return compiled_decode.model_layout(self.weights) if self.graph else self.weights
-
-    def _prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int, pad_id: int):
-        """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
-        ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows],
-        last logits [rows, V])."""
-        spec, weights = self.spec, self._prefill_weights()
-        self.prefilled_tokens += sum(len(c) for c in contexts)
-        longest = max(len(c) for c in contexts)
-        width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
-        padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
-        tokens = mx.array([[pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
-        logits, keys, values = decoder.prefill(spec, weights, tokens, padding)  # [b, V], [b, Hkv, width, Dh] each
-        slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
-        repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
-        keys = mx.pad(mx.stack(keys), slots)[:, repeat]
-        values = mx.pad(mx.stack(values), slots)[:, repeat]
-        mx.eval(keys, values)
-        return keys, values, (padding + (at - width))[repeat], logits[repeat]
-
     def _generate_fused(self, jobs, G: int, params: SamplingParams, prefill_text: str, on_stop=None,
                         turns=None, limits: np.ndarray | None = None, on_done=None) -> list[Rollout] | None:
-        tokenizer, (spec, weights) = self.tokenizer, self._current()
-        eos_ids, pad_id = end_ids(tokenizer, params)
-        T = params.max_new_tokens
-        sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
+        """generate_many on the sampling copy: the one decode loop (loop.decode_rows) over a CopyDecoder."""
+        spec, weights = self._current()
+        eos_ids, pad_id = end_ids(self.tokenizer, params)
         step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
-        stops = StopRows(tokenizer, params.stop)
+        copy = CopyDecoder(spec, weights, step, self.graph, pad_id)
         # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
-        # next turn. Rollout row r (numbered over all entries) writes its step s's token to column s - join[r].
+        # next turn; the first job's prompts fill the batch, the others wait for freed slots.
         entries = [(p, g * G, G, None) for g, p in enumerate(p for job, _ in jobs for p in job)]
-        n_rows = len(entries) * G
         state = None if turns is None else TurnRows(turns, self.keep_turn_cache, [len(e[0]) for e in entries], G)
-        # every row's T step keys, as generate_rollout splits them: [rows, T, 2]
-        all_keys = mx.concatenate([mx.vmap(lambda k: mx.random.split(k, T))(keys) for _, keys in jobs])
-        join = np.zeros(n_rows, dtype=np.int64)
-        # tokens a row may write (turns: what its budget leaves)
-        limit = np.full(n_rows, T, dtype=np.int64) if limits is None else np.minimum(np.asarray(limits), T)
-        reported = np.zeros(n_rows, dtype=bool)  # turns: rows already handed to turns.ended
-        finished = np.zeros(n_rows, dtype=bool)  # on_done: rows ended so far (compaction drops only ended ones)
-        queue = list(range(len(jobs[0][0]), len(entries)))  # entries waiting for free slots
-        first = list(range(len(jobs[0][0])))
-        idx = bucket(max(len(entries[e][0]) for e in first))  # the slot the next fed token is written to
-        self.prefilled_tokens = 0
-        keys, values, start, logits = self._prefill([entries[e][0] for e in first], [G] * len(first), idx,
-                                                    idx + T, pad_id)
-        rows = np.arange(len(first) * G)  # the rollout row of each batch slot (-1: a filler slot)
-        target = len(rows)  # refills fill the batch back up to its first size
-        token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0],
-                                                 mx.zeros((len(rows),), mx.bool_))
-        kstep = mx.ones((len(rows),), dtype=mx.int32)  # each slot's next step key
-        segments, columns, opened = [], ([token], [logprob], [entropy]), 0
-        rows_so_far = Written(T)  # the rows' tokens at each sync, for the stop strings and the turns
-        self.row_steps, self.steps = len(rows), 0
-        s, last = 1, T  # decode steps until every admitted row has T tokens
-        slot_rows, slot, slot_at = None, None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
-        # with turns, the loop also goes on to the sync that hands the last rows to turns.ended
-        while s < last or queue or (turns is not None and (turns.pending() or not reported.all())):
-            if s % self.sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
-                mx.eval(ended)
-                if turns is not None:  # next turns of the rows that ended at an earlier sync
-                    n_rows, all_keys, join, limit, reported = state.take(entries, queue, n_rows, T, all_keys, join,
-                                                                         limit, reported)
-                done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
-                # the tokens so far as rows (one host copy per sync, for the stop strings and the turns)
-                written = rows_so_far.update(segments + [(rows, opened, columns)], join, n_rows) \
-                    if params.stop or turns is not None else None
-                if params.stop:
-                    done |= stops.stopped(written[0], written[3], rows, on_stop)
-                if on_done is not None:
-                    finished[rows[done & (rows >= 0)]] = True
-                    on_done(0, finished)
-                if turns is not None:
-                    state.report(written, rows, done, reported, keys, values, start)
-                    if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
-                        n_rows, all_keys, join, limit, reported = state.take(entries, queue, n_rows, T, all_keys,
-                                                                             join, limit, reported)
-                if done.all() and not queue:
-                    break
-                live = np.flatnonzero(~done)
-                admit = []  # refill once enough of the batch is free (each refill copies the cache once)
-                if queue and not len(live) and len(entries[queue[0]][0]) > idx:
-                    idx = bucket(len(entries[queue[0]][0]))  # nothing live: skip ahead to slots its context fits in
-                # a prompt's group waits for a quarter of the batch; a row's next turn for an eighth
-                wanted = max(G, target // 4) if queue and entries[queue[0]][2] > 1 else max(1, target // 8)
-                if queue and (target - len(live) >= wanted or not len(live)):
-                    free = target - len(live)
-                    while queue and entries[queue[0]][2] <= free and len(entries[queue[0]][0]) <= idx:
-                        free -= entries[queue[0]][2]
-                        admit.append(queue.pop(0))
-                if admit or (self.compact and len(rows) > MIN_ROWS and len(live) <= len(rows) // 2):
-                    segments.append((rows, opened, columns))
-                    opened, columns = s, ([], [], [])
-                    size = len(live) + sum(entries[e][2] for e in admit)
-                    fill = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(size, 1))))) - size
-                    spare = np.flatnonzero(done)
-                    keep = np.concatenate([live, spare[:fill], np.zeros(max(0, fill - len(spare)), np.int64)])
-                    new_rows = np.concatenate([rows[live], np.full(len(keep) - len(live), -1)])
-                    pick = mx.array(keep)
-                    keys = keys[:, pick]
-                    mx.eval(keys)  # the old keys go before the values are gathered: at most 1.25x the cache
-                    values = values[:, pick]
-                    start, token, kstep = start[pick], token[pick], kstep[pick]
-                    ended = mx.where(mx.array(new_rows >= 0), ended[pick], True)
-                    if admit:
-                        keys, values, start, token, ended, kstep, new_rows = self._refill(
-                            [entries[e] for e in admit], idx, T, pad_id, keys, values, start, token, ended, kstep,
-                            new_rows, all_keys, sampler, join, s, segments)
-                        for e in admit:  # a kept block is in the batch now: its own copy goes
-                            entries[e] = (*entries[e][:3], None)
-                        last = max(last, s - 1 + T)
-                    rows, slot_rows = new_rows, None
-            if slot_rows is None or len(slot_rows) != len(rows):  # after a rebuild: the slots' rows on the device
-                slot_rows = mx.array(np.maximum(rows, 0))
-            row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
-            if self.graph:  # the slot stays on the device; the graph advances it
-                if slot_at != idx:
-                    slot = mx.array([idx], dtype=mx.int32)
-                token, logprob, entropy, ended, new_k, new_v, next_slot, kstep = step(
-                    weights, token, keys, values, slot, start, kstep, row_keys, ended)
-                slot, slot_at = next_slot, idx + 1
-            else:
-                token, logprob, entropy, ended, new_k, new_v = step(weights, token, keys, values, idx - start, start,
-                                                                    mx.array([idx], dtype=mx.int32), row_keys, ended)
-                kstep = kstep + 1
-            # Both steps: a static slice, outside the compiled graph, is written in place; an array offset
-            # (or a write inside the graph) copied the whole cache on CUDA (compiled_decode.py).
-            keys[..., idx:idx + 1, :] = new_k
-            values[..., idx:idx + 1, :] = new_v
-            idx, s = idx + 1, s + 1
-            self.row_steps += len(rows)
-            self.steps += 1
-            for column, value in zip(columns, (token, logprob, entropy)):
-                column.append(value)
-            mx.async_eval(token, logprob, entropy, ended)
+        logits = copy.begin(jobs[0][0], [G] * len(jobs[0][0]), params.max_new_tokens)
+        out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,
+                          pad_id, self.sync_every, entries=entries, compact=self.compact, limits=limits,
+                          on_stop=on_stop, on_done=None if on_done is None else partial(on_done, 0), turns=state)
+        self.row_steps, self.steps, self.prefilled_tokens = out.row_steps, out.steps, copy.prefilled_tokens
         if turns is not None:
             return None
-        segments.append((rows, opened, columns))
-        ids, lps, ents, filled = assemble(segments, join, n_rows, T, pad_id)
-        out, row = [], 0
-        for job, _ in jobs:
-            n = len(job) * G
-            width = max(1, int(filled[row:row + n].max()))
-            out.append(finish_rollout(tokenizer, job, mx.array(ids[row:row + n, :width]),
-                                      mx.array(lps[row:row + n, :width]), mx.array(ents[row:row + n, :width]),
-                                      eos_ids, pad_id, params, G, prefill_text))
-            row += n
-        return out
-
-    def _refill(self, admit, idx, T, pad_id, keys, values, start, token, ended, kstep, rows,
-                all_keys, sampler, join, s, segments):
-        """Append the rows of the `admit` entries to the batch: their contexts' cache ends at slot idx (the
-        cache grows when idx + T passes its end) and their first token is sampled from the prefill."""
-        capacity = max(keys.shape[3], bucket(idx + T))
-        if capacity > keys.shape[3]:
-            grow = [(0, 0), (0, 0), (0, 0), (0, capacity - keys.shape[3]), (0, 0)]
-            keys, values = mx.pad(keys, grow), mx.pad(values, grow)
-        fresh, resumed = [e for e in admit if e[3] is None], [e for e in admit if e[3] is not None]
-        parts = [self._prefill([e[0] for e in fresh], [e[2] for e in fresh], idx, capacity, pad_id)] if fresh else []
-        if resumed:  # next turns on their kept caches (rollout/turns.py)
-            *part, n = prefill_resumed(self.spec, self._prefill_weights(), [(e[0], e[3]) for e in resumed], idx,
-                                       capacity, pad_id)
-            parts.append(part)
-            self.prefilled_tokens += n
-        new_start, logits = (mx.concatenate([p[i] for p in parts]) for i in (2, 3))
-        added = np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
-        first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
-                                                             mx.zeros((len(added),), mx.bool_))
-        join[added] = s - 1  # their first token sits in the column before this step's
-        segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
-        keys = mx.concatenate([keys] + [p[0] for p in parts], axis=1)  # the refill's one copy of the cache
-        values = mx.concatenate([values] + [p[1] for p in parts], axis=1)
-        mx.eval(keys, values)
-        return (keys, values, mx.concatenate([start, new_start]), mx.concatenate([token, first_token]),
-                mx.concatenate([ended, first_ended]), mx.concatenate([kstep, mx.ones((len(added),), mx.int32)]),
-                np.concatenate([rows, added]))
+        return finish_rows(self.tokenizer, [job for job, _ in jobs], G, out, eos_ids, pad_id, params, prefill_text)

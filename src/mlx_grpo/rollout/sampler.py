@@ -1,5 +1,5 @@
 """Sampling one token per row with the row's own key (temperature, top-k / top-p / min-p), the compiled
-per-step sampler both decode loops use, where a row ends (end tokens, stop strings found as tokens
+per-step sampler of the decode loop (loop.py), where a row ends (end tokens, stop strings found as tokens
 arrive), and finish_rollout: the sampled ids [N, T] cut at each row's end into a Rollout."""
 
 from __future__ import annotations

@@ -49,6 +49,10 @@ class TurnRows:
         self.context_len = [n for n in prompts for _ in range(G)]  # engine row -> its context's length
         self.blocks: dict[int, Kept] = {}  # engine row -> its kept keys and values
 
+    def pending(self) -> bool:
+        """Whether any row handed to turns.ended may still go on (its next turn not yet taken)."""
+        return self.turns.pending()
+
     def report(self, written, rows: np.ndarray, done: np.ndarray, reported: np.ndarray, keys: mx.array,
                values: mx.array, start: mx.array) -> None:
         """Hand each row of the batch that is done and not yet reported to turns.ended, with the tokens,
@@ -105,7 +109,7 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, capacity: int,
     cache ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache, only context[P:] prefilled. ->
     (keys, values, start [rows], last logits [rows, V], tokens prefilled)."""
     lengths = [len(c) for c, _ in admitted]
-    width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as engine._prefill's
+    width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as copy_decoder.CopyDecoder.prefill's
     chunks = [c[kept.length:] for c, kept in admitted]
     C = min(bucket(max(len(c) for c in chunks)), width)
     # each past right before its chunk, the chunks ending at the timeline's last slot, zeros elsewhere: one

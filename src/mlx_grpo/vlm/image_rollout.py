@@ -1,8 +1,8 @@
 """Image + text prompts and their rollouts: each prompt built with the model's processor and chat template,
 its images encoded once (VisionPolicy.register), prefilled once, and its KV cache repeated for its G samples;
 all prompts' samples then decode together (left-padded caches, the padding masked) through the text rollouts'
-loop (rollout/decode.decode_loop: the compiled per-row sampler, one key per row and step, end tokens) and are
-cut into a Rollout by rollout/sampler.finish_rollout, as text rollouts are. A row's tokens depend on its key only
+loop (rollout/loop.decode_rows over a ModelDecoder: the compiled per-row sampler, one key per row and step, end
+tokens) and are cut into a Rollout by rollout/loop.finish_rows, as text rollouts are. A row's tokens depend on its key only
 (same keys, same rollout; a resumed run samples what the uninterrupted one did; a prompt decoded alone samples
 what it does in a batch)."""
 
@@ -16,9 +16,8 @@ import numpy as np
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.data.examples import Example
-from mlx_grpo.rollout.decode import decode_loop
+from mlx_grpo.rollout.loop import ModelDecoder, decode_rows, finish_rows
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampler import finish_rollout
 from mlx_grpo.vlm.images import image_name, load_image
 from mlx_grpo.vlm.policy_model import VisionPolicy
 
@@ -94,7 +93,6 @@ def vision_rollout(model: VisionPolicy, prompts: list[list[int]], keys: mx.array
 
     ends = sorted(eos_ids)
     # a sync every step: the loop stops at the step where the last row ends, as this rollout's own loop did
-    # before it was folded into decode_loop (tests/test_vision_loop.py), so its columns stay as many
-    ids, lps, ents = decode_loop(forward, cache, logits, keys, params, mx.array(ends or [-1], dtype=mx.int32),
-                                 tokenizer, sync_every=1)
-    return finish_rollout(tokenizer, prompts, ids, lps, ents, ends, pad_id, params, G, "")
+    # before it was folded into the one loop (tests/test_vision_loop.py), so its columns stay as many
+    decoded = decode_rows(ModelDecoder(forward, cache), logits, keys, params, tokenizer, ends, pad_id, sync_every=1)
+    return finish_rows(tokenizer, [prompts], G, decoded, ends, pad_id, params, "")[0]

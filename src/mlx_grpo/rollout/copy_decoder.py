@@ -1,0 +1,118 @@
+"""The engine's decoder for the one decode loop (loop.decode_rows): the sampling copy of the policy
+(models/decoder.py) on its own static KV cache, [layers, slots, Hkv, capacity, Dh] keys and values written in
+place one slot a step. Each step is one compiled graph (the copy's step plus sampling, compiled by
+engine.RolloutEngine), the new keys and values written outside it. Between steps the cache can be reshaped (refills): some
+slots kept (compaction), new rows' contexts prefilled into it (refill), a row's next turn prefilled on its kept
+KV block (rollout/turns.py), and the cache's blocks handed to the turns.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.models import compiled_decode, decoder
+from mlx_grpo.models.forward import bucket
+from mlx_grpo.rollout.turns import prefill_resumed
+
+
+class CopyDecoder:
+    """spec, weights: the sampling copy (weights as the step reads them: decode_graph's layout when graph).
+    step_fn: the compiled step for this rollout's sampling settings. idx: the slot the next fed token is
+    written to; start [slots]: each slot's first attended slot."""
+
+    refills = True
+
+    def __init__(self, spec, weights: dict, step_fn, graph: bool, pad_id: int):
+        self.spec, self.weights, self.step_fn, self.graph, self.pad_id = spec, weights, step_fn, graph, pad_id
+        # prefills read the model's layout of the weights (decode_graph stores matrices transposed)
+        self.prefill_weights = compiled_decode.model_layout(weights) if graph else weights
+        self.prefilled_tokens = 0  # context tokens prefilled (what kept turn caches save)
+        self.keys = self.values = self.start = None
+        self.idx = 0
+        self.slot, self.slot_at = None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
+
+    def prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int):
+        """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
+        ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows],
+        last logits [rows, V])."""
+        self.prefilled_tokens += sum(len(c) for c in contexts)
+        longest = max(len(c) for c in contexts)
+        width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
+        padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
+        tokens = mx.array([[self.pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
+        logits, keys, values = decoder.prefill(self.spec, self.prefill_weights, tokens, padding)  # [b, V], [b, ...]
+        slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
+        repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
+        keys = mx.pad(mx.stack(keys), slots)[:, repeat]
+        values = mx.pad(mx.stack(values), slots)[:, repeat]
+        mx.eval(keys, values)
+        return keys, values, (padding + (at - width))[repeat], logits[repeat]
+
+    def begin(self, contexts: list[list[int]], counts: list[int], T: int) -> mx.array:
+        """The batch's first rows: their contexts prefilled with room for T tokens each. -> logits [rows, V]."""
+        self.idx = bucket(max(len(c) for c in contexts))
+        self.keys, self.values, self.start, logits = self.prefill(contexts, counts, self.idx, self.idx + T)
+        return logits
+
+    def step(self, token, row_keys, kstep, ended, sampler):
+        """The loop's step (the compiled graph samples itself; `sampler` is the first tokens')."""
+        if self.graph:  # the slot stays on the device; the graph advances it
+            if self.slot_at != self.idx:
+                self.slot = mx.array([self.idx], dtype=mx.int32)
+            token, logprob, entropy, ended, new_k, new_v, self.slot, kstep = self.step_fn(
+                self.weights, token, self.keys, self.values, self.slot, self.start, kstep, row_keys, ended)
+            self.slot_at = self.idx + 1
+        else:
+            token, logprob, entropy, ended, new_k, new_v = self.step_fn(
+                self.weights, token, self.keys, self.values, self.idx - self.start, self.start,
+                mx.array([self.idx], dtype=mx.int32), row_keys, ended)
+            kstep = kstep + 1
+        # Both steps: a static slice, outside the compiled graph, is written in place; an array offset
+        # (or a write inside the graph) copied the whole cache on CUDA (compiled_decode.py).
+        self.keys[..., self.idx:self.idx + 1, :] = new_k
+        self.values[..., self.idx:self.idx + 1, :] = new_v
+        self.idx += 1
+        return token, logprob, entropy, ended, kstep
+
+    @property
+    def cache(self) -> tuple[mx.array, mx.array, mx.array]:
+        """(keys, values [layers, slots, Hkv, S, Dh], start [slots]): what turns.TurnRows.report copies blocks from."""
+        return self.keys, self.values, self.start
+
+    def fits(self, length: int) -> bool:
+        """Whether a context of `length` tokens ends before the next slot."""
+        return length <= self.idx
+
+    def make_room(self, length: int) -> None:
+        """With no row live: move the next slot on to where a context of `length` tokens fits."""
+        if length > self.idx:
+            self.idx = bucket(length)
+
+    def select(self, pick: mx.array) -> None:
+        """Keep the slots `pick` (in that order)."""
+        self.keys = self.keys[:, pick]
+        mx.eval(self.keys)  # the old keys go before the values are gathered: at most 1.25x the cache
+        self.values = self.values[:, pick]
+        self.start = self.start[pick]
+
+    def admit(self, entries: list, T: int) -> tuple[mx.array, list]:
+        """Append the rows of `entries` (context, first row, rows, kept block or None) to the batch: their
+        contexts' cache ends at slot idx (the cache grows when idx + T passes its end). -> (their logits
+        [rows, V], the entries in the order of those rows: fresh contexts, then next turns on kept blocks)."""
+        capacity = max(self.keys.shape[3], bucket(self.idx + T))
+        if capacity > self.keys.shape[3]:
+            grow = [(0, 0), (0, 0), (0, 0), (0, capacity - self.keys.shape[3]), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, grow), mx.pad(self.values, grow)
+        fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
+        parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx, capacity)] if fresh else []
+        if resumed:  # next turns on their kept caches (rollout/turns.py)
+            *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,
+                                       capacity, self.pad_id)
+            parts.append(part)
+            self.prefilled_tokens += n
+        self.keys = mx.concatenate([self.keys] + [p[0] for p in parts], axis=1)  # the refill's one copy of the cache
+        self.values = mx.concatenate([self.values] + [p[1] for p in parts], axis=1)
+        self.start = mx.concatenate([self.start] + [p[2] for p in parts])
+        mx.eval(self.keys, self.values)
+        return mx.concatenate([p[3] for p in parts]), fresh + resumed

@@ -1,0 +1,190 @@
+"""The one decode loop of text rollouts (issue 46): from the prefill's logits, step the batch, sample each row with its
+own key per step, sync every few steps (rows ended by an end token, a stop string or their limit; the callers'
+progress and stop hooks; multi-turn hand-offs), and assemble the columns back to rows (columns.assemble).
+
+What decodes is a decoder object, composed in, not subclassed: `step(token, row_keys, kstep, ended, sampler)` ->
+(token, logprob, entropy, ended, kstep) feeds one token per batch slot through the model and samples the next.
+`ModelDecoder` below is a model's forward on caches it keeps itself (decode.generate_rollout on mlx-lm's caches
+or the static cache; vlm/image_rollout.py with its positions and mask): a batch fixed from prefill to end.
+copy_decoder.CopyDecoder is the engine's sampling copy on its own static KV cache, whose `refills` says it can
+also reshape the batch between steps: `select(pick)` keeps some slots (compaction), `admit(entries)` prefills
+new rows into the batch (refill, next turns on their kept blocks), `fits` / `make_room` place a context in the
+cache, and `cache` hands the turns their KV blocks. Compaction, refill and turns need a decoder that refills.
+
+A row's step-t key is its row key split T ways, entry t, whichever slot it decodes in and whatever rows share
+its batch; a row that joins later writes its step s's token to column s - join[row].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.rollout.columns import StopRows, Written, assemble
+from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+from mlx_grpo.rollout.sampler import finish_rollout, make_sampler
+
+# A batch is compacted only down to this many rows: below it a decode step costs the same whatever the rows.
+MIN_ROWS = 8
+
+
+class ModelDecoder:
+    """forward(tokens [N, 1], cache=caches) -> logits [N, 1, V]: a model's step on caches it writes itself. Its
+    batch stays as the prefill made it (no compaction, refill or turns)."""
+
+    refills = False
+
+    def __init__(self, forward, caches):
+        self.forward, self.caches = forward, caches
+
+    def step(self, token, row_keys, kstep, ended, sampler):
+        logits = self.forward(token[:, None], cache=self.caches)[:, -1, :]
+        token, logprob, entropy, ended = sampler(logits, row_keys, ended)
+        return token, logprob, entropy, ended, kstep + 1
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """decode_rows' result: ids, log-probs, entropies [rows, T] (pad / 0 where a row wrote nothing; None when
+    turns hold the results), columns each row wrote [rows], rows x decode steps and decode steps computed."""
+
+    ids: np.ndarray | None
+    logprobs: np.ndarray | None
+    entropies: np.ndarray | None
+    filled: np.ndarray | None
+    row_steps: int
+    steps: int
+
+
+def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingParams, tokenizer,
+                eos_ids: list[int], pad_id: int, sync_every: int, *, entries: list | None = None,
+                compact: bool = False, limits: np.ndarray | None = None, on_stop=None, on_done=None,
+                turns=None) -> Decoded:
+    """Decode rows 0..N-1 from their prefill logits [N, V] (a batch's first rows) to their end; row_keys [rows, 2]
+    are every row's key, rows N.. waiting as `entries`. entries: (context, first row, rows, kept turn block or
+    None) per context, in row order, those past the first N admitted in freed slots (refill). compact: drop
+    ended rows once at most half the batch is live. limits [rows]: tokens each row may write. on_stop(row, ids):
+    called once per row, at the first sync that sees it stopped by a stop string (rows ended by an end
+    token or their limit are not scanned), with its ids up to the stop. on_done(finished):
+    called at syncs with [rows] bool, the rows ended so far. turns: a turns.TurnRows, rows going on in later
+    turns inside this decode (their rows appended to entries and row_keys)."""
+    entries = [] if entries is None else entries
+    T, N = params.max_new_tokens, logits.shape[0]
+    if (compact or turns is not None or any(e[1] >= N for e in entries)) and not decoder.refills:
+        raise ValueError(f"{type(decoder).__name__} cannot compact, refill or take turns")
+    rows_wanted = max((e[1] + e[2] for e in entries), default=N)
+    if len(row_keys) != rows_wanted:  # a gather past the keys would read garbage, not fail
+        raise ValueError(f"{len(row_keys)} row keys for {rows_wanted} rows: one key per row")
+    sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
+    stops = StopRows(tokenizer, params.stop)
+    n_rows = len(row_keys)
+    all_keys = mx.vmap(lambda k: mx.random.split(k, T))(row_keys)  # every row's T step keys: [rows, T, 2]
+    join = np.zeros(n_rows, dtype=np.int64)
+    # tokens a row may write (turns: what its budget leaves)
+    limit = np.full(n_rows, T, dtype=np.int64) if limits is None else np.minimum(np.asarray(limits), T)
+    reported = np.zeros(n_rows, dtype=bool)  # turns: rows already handed to turns.ended
+    finished = np.zeros(n_rows, dtype=bool)  # on_done: rows ended so far (compaction drops only ended ones)
+    queue = [e for e, entry in enumerate(entries) if entry[1] >= N]  # entries waiting for free slots
+    rows = np.arange(N)  # the rollout row of each batch slot (-1: a filler slot)
+    target = N  # refills fill the batch back up to its first size
+    token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0], mx.zeros((N,), mx.bool_))
+    del logits  # the prefill's [N, V]: not held through the decode
+    kstep = mx.ones((N,), dtype=mx.int32)  # each slot's next step key
+    segments, columns, opened = [], ([token], [logprob], [entropy]), 0
+    rows_so_far = Written(T)  # the rows' tokens at each sync, for the stop strings and the turns
+    row_steps, steps = N, 0
+    s, last = 1, T  # decode steps until every admitted row has T tokens
+    slot_rows = None
+    # with turns, the loop also goes on to the sync that hands the last rows to turns.ended
+    while s < last or queue or (turns is not None and (turns.pending() or not reported.all())):
+        if s % sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
+            mx.eval(ended)
+            if turns is not None:  # next turns of the rows that ended at an earlier sync
+                n_rows, all_keys, join, limit, reported = turns.take(entries, queue, n_rows, T, all_keys, join,
+                                                                     limit, reported)
+            done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
+            # the tokens so far as rows (one host copy per sync, for the stop strings and the turns)
+            written = rows_so_far.update(segments + [(rows, opened, columns)], join, n_rows) \
+                if params.stop or turns is not None else None
+            if params.stop:
+                done |= stops.stopped(written[0], written[3], rows, on_stop, ended=done)
+            if on_done is not None:
+                finished[rows[done & (rows >= 0)]] = True
+                on_done(finished)
+            if turns is not None:
+                turns.report(written, rows, done, reported, *decoder.cache)
+                if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
+                    n_rows, all_keys, join, limit, reported = turns.take(entries, queue, n_rows, T, all_keys, join,
+                                                                         limit, reported)
+            if done.all() and not queue:
+                break
+            live = np.flatnonzero(~done)
+            admit = []  # refill once enough of the batch is free (each refill copies the cache once)
+            if queue and not len(live):
+                decoder.make_room(len(entries[queue[0]][0]))  # nothing live: skip ahead to where it fits
+            # a prompt's group waits for a quarter of the batch; a row's next turn for an eighth
+            wanted = max(entries[queue[0]][2], target // 4) if queue and entries[queue[0]][2] > 1 \
+                else max(1, target // 8)
+            if queue and (target - len(live) >= wanted or not len(live)):
+                free = target - len(live)
+                while queue and entries[queue[0]][2] <= free and decoder.fits(len(entries[queue[0]][0])):
+                    free -= entries[queue[0]][2]
+                    admit.append(queue.pop(0))
+            if admit or (compact and len(rows) > MIN_ROWS and len(live) <= len(rows) // 2):
+                segments.append((rows, opened, columns))
+                opened, columns = s, ([], [], [])
+                size = len(live) + sum(entries[e][2] for e in admit)
+                fill = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(size, 1))))) - size
+                spare = np.flatnonzero(done)
+                keep = np.concatenate([live, spare[:fill], np.zeros(max(0, fill - len(spare)), np.int64)])
+                rows = np.concatenate([rows[live], np.full(len(keep) - len(live), -1)])
+                pick = mx.array(keep)
+                decoder.select(pick)
+                token, kstep = token[pick], kstep[pick]
+                ended = mx.where(mx.array(rows >= 0), ended[pick], True)
+                if admit:
+                    logits, admitted = decoder.admit([entries[e] for e in admit], T)
+                    added = np.concatenate([first + np.arange(n) for _, first, n, _ in admitted])
+                    first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
+                                                                         mx.zeros((len(added),), mx.bool_))
+                    del logits, admitted  # its entries hold kept turn blocks: none is held past this refill
+                    join[added] = s - 1  # their first token sits in the column before this step's
+                    segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
+                    token, ended = mx.concatenate([token, first_token]), mx.concatenate([ended, first_ended])
+                    kstep = mx.concatenate([kstep, mx.ones((len(added),), mx.int32)])
+                    rows = np.concatenate([rows, added])
+                    for e in admit:  # a kept block is in the batch now: its own copy goes
+                        entries[e] = (*entries[e][:3], None)
+                    last = max(last, s - 1 + T)
+                slot_rows = None
+        if slot_rows is None or len(slot_rows) != len(rows):  # after a rebuild: the slots' rows on the device
+            slot_rows = mx.array(np.maximum(rows, 0))
+        row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
+        token, logprob, entropy, ended, kstep = decoder.step(token, row_keys, kstep, ended, sampler)
+        s += 1
+        row_steps += len(rows)
+        steps += 1
+        for column, value in zip(columns, (token, logprob, entropy)):
+            column.append(value)
+        mx.async_eval(token, logprob, entropy, ended)
+    if turns is not None:
+        return Decoded(None, None, None, None, row_steps, steps)
+    segments.append((rows, opened, columns))
+    return Decoded(*assemble(segments, join, n_rows, T, pad_id), row_steps, steps)
+
+
+def finish_rows(tokenizer, prompt_sets: list[list[list[int]]], group_size: int, decoded: Decoded,
+                eos_ids: list[int], pad_id: int, params: SamplingParams, prefill_text: str) -> list[Rollout]:
+    """One Rollout per set of prompts (a batch step's), from their rows of decoded in order: each cut to the
+    columns its rows wrote, then at each row's end (sampler.finish_rollout)."""
+    out, row = [], 0
+    for prompts in prompt_sets:
+        n = len(prompts) * group_size
+        width = max(1, int(decoded.filled[row:row + n].max()))
+        out.append(finish_rollout(tokenizer, prompts, *(mx.array(a[row:row + n, :width]) for a in
+                                                        (decoded.ids, decoded.logprobs, decoded.entropies)),
+                                  eos_ids, pad_id, params, group_size, prefill_text))
+        row += n
+    return out
