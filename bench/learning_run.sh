@@ -1,7 +1,9 @@
 #!/bin/bash
 # The docs/learning.md experiments on one GPU, each recipe as shipped: the base model's greedy accuracy, the
 # training stage(s), and the trained model's greedy accuracy, all into OUT_DIR (bench/learning_report.py
-# turns it into the tables). Recipes run side by side; at most three fit an 80 GB H100 at once.
+# turns it into the tables). Recipes run side by side; at most three processes fit an 80 GB H100 at once, and a
+# GSM8K chain is two while its warm start's evaluation runs beside its GRPO stage: one GSM8K chain per GPU (two
+# chains with their evaluations ran out of device memory in session 28).
 #   arith:SEED    configs/arith.toml, 500 held-out problems
 #   gsm8k:SEED    configs/gsm8k_sft.toml (supervised warm start), then configs/prod.toml from its checkpoint;
 #                 the full GSM8K test (1,319) for the base, warm-start and trained models
