@@ -68,7 +68,8 @@ class Objective:
                    clip_high=o.clip_eps_high or o.clip_eps, delta=o.delta,
                    sequence_level=o.importance_sampling_level == "sequence", kl_coeff=o.kl_coeff,
                    kl_estimator=o.kl_estimator, rollout_correction=o.rollout_correction,
-                   rollout_cap=o.rollout_correction_cap, distill_coeff=o.distill_coeff)
+                   rollout_cap=o.rollout_correction_cap, distill_coeff=o.distill_coeff,
+                   topk_coeff=o.distill_topk_coeff if o.distill_topk > 0 else 0.0)
 
 
 @dataclass

@@ -193,6 +193,9 @@ def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
         raise UserError(f"teacher_model {name!r} has a vocabulary of {sizes[0]} tokens, the student "
                         f"{cfg.model.model_name!r} {sizes[1]}: on-policy distillation needs the same tokenizer "
                         "(a teacher of the student's family)")
+    if sizes[1] is not None and cfg.objective.distill_topk > sizes[1]:
+        raise UserError(f"distill_topk = {cfg.objective.distill_topk} is more than the vocabulary's {sizes[1]} "
+                        "tokens: set distill_topk <= the vocabulary size")
     for text in TOKENIZER_PROBES:
         check_same_encoding(f"teacher_model {name!r}", cfg, text, theirs.encode(text), tokenizer.encode(text))
     if set(theirs.eos_token_ids) != set(tokenizer.eos_token_ids):  # a base and its instruct model: same ids
