@@ -180,8 +180,6 @@ def test_distill_topk_more_than_the_vocabulary_is_one_line(tiny_model_dir, teach
 
 @pytest.mark.parametrize("items, message", [
     (["distill_topk=4"], "distill_topk > 0 adds to on-policy distillation"),
-    (["teacher_url=http://127.0.0.1:9/v1/completions", "distill_coeff=1", "distill_topk=4"],
-     "distill_topk needs teacher_model"),
     (["teacher_model=x", "distill_coeff=1", "distill_topk_coeff=0.5"],
      "distill_topk_coeff only applies with distill_topk > 0"),
     (["teacher_model=x", "distill_coeff=1", "distill_topk=-1"], "distill_topk must be"),

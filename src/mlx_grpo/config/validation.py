@@ -132,8 +132,6 @@ def _validate_train(c: Config) -> None:
                  "are no reason to stop, so it is off: drop it")
     _require(o.distill_topk == 0 or o.distill_coeff > 0, "distill_topk > 0 adds to on-policy distillation, whose "
              "teacher distill_coeff > 0 switches on: set distill_coeff > 0 and teacher_model")
-    _require(o.distill_topk == 0 or not o.teacher_url, "distill_topk needs teacher_model: teacher_url's server is "
-             "asked only for the sampled tokens' log-probs, not its top k; set distill_topk = 0 or use teacher_model")
     _unused_unless(c, "distill_topk_coeff", o.distill_topk > 0, "distill_topk > 0")
     for name in ("teacher_url_timeout", "teacher_url_retries", "teacher_url_allowed_hosts"):
         _unused_unless(c, name, bool(o.teacher_url), "teacher_url set")

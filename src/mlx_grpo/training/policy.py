@@ -103,11 +103,14 @@ class Policies:
         return self.logprobs(self.teacher, rollout, pad_id)
 
     def teacher_scores(self, rollout: Rollout, pad_id: int) -> tuple[mx.array | None, TeacherTopK | None]:
-        """teacher_logprobs and, with distill_topk > 0 (a local teacher: validation.py), the teacher's top-k at
-        each position, both from one pass over the teacher."""
+        """teacher_logprobs and, with distill_topk > 0, the teacher's top-k at each position, both from one pass
+        over the teacher (a served one: one request per row)."""
         k = self.cfg.objective.distill_topk
         if self.teacher is None or k == 0:
             return self.teacher_logprobs(rollout, pad_id), None
+        if isinstance(self.teacher, ServedTeacher):
+            lp, ids, top = self.teacher.scores(rollout, k)
+            return lp, TeacherTopK(ids, top)
         t = self.cfg.training
         return topk_pass(self.teacher, rollout, self.cfg.rollout.temperature, t.micro_batch_size, pad_id, k,
                          t.micro_batch_tokens)

@@ -168,7 +168,7 @@ class UpdateMetrics:
     time_step_s: float = 0.0
     rollout_staleness: int | None = None  # async_rollouts: updates between the sampling and the trained weights
     teacher_kl: float | None = None  # on-policy distillation: mean log p_student - log p_teacher per token
-    forward_kl: float | None = None  # distill_topk: mean top-k forward KL to the teacher per token (loss.topk_forward_kl)
+    forward_kl: float | None = None  # distill_topk: mean loss.topk_forward_kl per token
 
     @classmethod
     def from_sums(cls, lr: float, sums: LossSums, norm: mx.array, teacher: bool = False,
