@@ -188,3 +188,17 @@ def test_distill_topk_more_than_the_vocabulary_is_one_line(tiny_model_dir, teach
 def test_distill_topk_settings_that_cannot_act_are_refused(tiny_model_dir, tmp_path, items, message):
     with pytest.raises(UserError, match=message):
         distill_cfg(tiny_model_dir, None, tmp_path, *items)
+
+
+def test_topk_runs_compiled_and_with_layer_checkpointing_equal_the_plain_run(tiny_model_dir, teacher_dir, tmp_path):
+    """The student's top-k log-probs through mx.compile and through recomputed layers: the same losses and
+    forward_kl as the plain run."""
+    def run(name, *items):
+        cfg = distill_cfg(tiny_model_dir, teacher_dir, tmp_path, "max_train_samples=4", "distill_topk=8",
+                          f"run_name={name}", *items)
+        return [(r["loss"], r["forward_kl"]) for r in rows(run_mod.train(cfg))]
+
+    plain = run("plain")
+    assert len(plain) == 2
+    for name, item in (("compiled", "use_compile=true"), ("checkpointed", "grad_checkpoint=true")):
+        np.testing.assert_allclose(run(name, item), plain, rtol=1e-5, err_msg=name)

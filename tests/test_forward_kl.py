@@ -278,3 +278,54 @@ def test_completion_topk_matches_naive_topk_of_full_logits(tiny, monkeypatch, sp
     assert ids.dtype == mx.int32 and ids.shape == (3, 6, k)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np_(top), want_lp, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- through the gradient pass
+
+@pytest.mark.parametrize("micro,max_tokens,loss_type,compiled", [(1, 0, "grpo", False), (3, 40, "grpo", False),
+                                                                 (3, 0, "dapo", False), (3, 40, "dr_grpo", True),
+                                                                 (64, 0, "grpo", True)])
+def test_topk_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_tokens, loss_type, compiled):
+    """With the teacher's top-k in the records: one batch step of 8 prompts == 8 accumulated steps of 1, every
+    micro-batching, compiled or not; the term moves the gradient (not a vacuous comparison)."""
+    from mlx.utils import tree_flatten
+
+    from mlx_grpo.config import build_config, parse_set
+    from mlx_grpo.loss import group_advantages
+    from mlx_grpo.models.tiny import write_tiny_model
+    from mlx_grpo.rollout.decode import generate_rollout
+    from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
+    from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+    from mlx_grpo.training.policy import topk_pass
+    from mlx_grpo.training.records import StepData, TeacherTopK
+
+    model, tok = load(str(tiny_model_dir))
+    teacher = load(str(write_tiny_model(tmp_path / "teacher", seed=5)))[0]
+    base = [f"model_name={tiny_model_dir}", f"output_dir={tmp_path}", "batch_size=2", "num_generations=4",
+            "max_new_tokens=8", "max_prompt_length=96", "system_prompt=", "kl_coeff=0", f"loss_type={loss_type}",
+            "teacher_model=x", "distill_coeff=0.5", "distill_topk=6", "distill_topk_coeff=0.7",
+            f"use_compile={str(compiled).lower()}"]
+    cfg = build_config("train", overrides=parse_set(base))
+    prompts = [tok.encode(f"question {i}" + "?" * i) for i in range(8)]
+    big = generate_rollout(model, tok, prompts, 4, SamplingParams(8, 1.0), mx.random.key(0))
+    adv = group_advantages(mx.array(np.random.default_rng(0).normal(size=32).astype(np.float32)), 4)
+    lp, top = topk_pass(teacher, big, 1.0, 5, 0, 6)
+
+    def part(p):
+        rows = slice(p * 4, (p + 1) * 4)
+        r = Rollout([big.prompt_ids[p]], big.completion_ids[rows], big.mask[rows], big.sampler_logprobs[rows],
+                    big.truncated[rows], big.texts[rows], 4)
+        return StepData(r, adv[rows], None, None, lp[rows], TeacherTopK(top.ids[rows], top.logprobs[rows]))
+
+    one, eight = [StepData(big, adv, None, None, lp, top)], [part(p) for p in range(8)]
+    without = [StepData(big, adv, None, None, lp, None)]
+    step = make_grad_fn(cfg, model)
+    g1, sums1 = accumulate_gradients(step, one, loss_weights(cfg, one), micro, 0, max_tokens)
+    g8, sums8 = accumulate_gradients(step, eight, loss_weights(cfg, eight), micro, 0, max_tokens)
+    g0, _ = accumulate_gradients(step, without, loss_weights(cfg, without), micro, 0, max_tokens)
+    for name, a, b in zip(sums1._fields, sums1, sums8):
+        assert a.item() == pytest.approx(b.item(), rel=1e-5, abs=1e-7), name
+    assert sums1.forward_kl.item() > 0
+    for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g8)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-7, err_msg=k)
+    assert max(float(mx.abs(a - b).max()) for (_, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g0))) > 1e-4
