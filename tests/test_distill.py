@@ -124,7 +124,7 @@ def test_distillation_settings_that_cannot_act_are_refused(tiny_model_dir, tmp_p
 
 # ----------------------------------------------------------------------------- distill_topk: the top-k forward KL
 
-def test_topk_forward_kl_trains_and_is_logged(tiny_model_dir, teacher_dir, tmp_path):
+def test_topk_forward_kl_trains_and_is_logged(tiny_model_dir, teacher_dir, tmp_path, capsys):
     """distill_topk > 0: the teacher's top-k reaches the loss through the records, every update logs forward_kl,
     the update differs from the same run without it, and the student's forward KL to the teacher, measured on
     a fixed set of its samples before and after, falls."""
@@ -159,6 +159,7 @@ def test_topk_forward_kl_trains_and_is_logged(tiny_model_dir, teacher_dir, tmp_p
     assert all(np.isfinite(r["forward_kl"]) and r["forward_kl"] > 0 and np.isfinite(r["loss"]) for r in records)
     before, after = forward_kl(tiny_model_dir), forward_kl(run / "checkpoint-4")
     assert after < before - 0.05, (before, after)
+    assert "[mlx-grpo]   forward_kl: " in capsys.readouterr().out  # the summary's first -> last updates
     plain = run_mod.train(distill_cfg(tiny_model_dir, teacher_dir, tmp_path, "reward_funcs=[]", "run_name=plain"))
     assert "forward_kl" not in rows(plain)[0] and rows(plain)[0]["loss"] != records[0]["loss"]
 

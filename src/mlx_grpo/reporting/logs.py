@@ -320,6 +320,10 @@ def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: li
     if len(distilled) > 1:  # on-policy distillation: how far the student's samples are from the teacher's
         lines.append(f"[mlx-grpo]   teacher_kl: {np.mean([r['teacher_kl'] for r in distilled[:k]]):.3f} (first "
                      f"updates) -> {np.mean([r['teacher_kl'] for r in distilled[-k:]]):.3f} (last updates)")
+    forward = [r for r in records if r.get("forward_kl") is not None]
+    if len(forward) > 1:  # distill_topk: the top-k forward KL to the teacher at the student's positions
+        lines.append(f"[mlx-grpo]   forward_kl: {np.mean([r['forward_kl'] for r in forward[:k]]):.3f} (first "
+                     f"updates) -> {np.mean([r['forward_kl'] for r in forward[-k:]]):.3f} (last updates)")
     scored = not records or any(key.startswith("reward/") for key in records[0])  # pure distillation: no reward
     if rewards and scored:
 
