@@ -280,6 +280,34 @@ def test_completion_topk_matches_naive_topk_of_full_logits(tiny, monkeypatch, sp
     np.testing.assert_allclose(np_(top), want_lp, rtol=1e-4, atol=1e-4)
 
 
+def test_completion_topk_stays_below_the_tokenizers_ids(tiny):
+    """A teacher whose head has rows past the tokenizer's ids (padded heads: Qwen2.5-7B's 152,064 rows against
+    the 0.5B's 151,936) picks its top k among the tokenizer's ids only: the student's gather has no row past them."""
+    model, _ = tiny
+    V, k = model.args.vocab_size, 6
+    batch = tiny_batch(V, np.random.default_rng(4))
+    _, top, ids = completion_topk(model, batch, 1.0, k, chunk_tokens=5)
+    limit = int(np.asarray(ids).max())  # a limit the unrestricted top k crosses
+    _, top_in, ids_in = completion_topk(model, batch, 1.0, k, chunk_tokens=5, tokens=limit)
+    assert int(np.asarray(ids_in).max()) < limit
+    want_ids, want_lp = naive_topk((full_logits(model, batch))[..., :limit], k)  # log-probs over every row
+    np.testing.assert_array_equal(np.asarray(ids_in), want_ids)
+    z = full_logits(model, batch)
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) + z.max(-1, keepdims=True)
+    np.testing.assert_allclose(np_(top_in), np.take_along_axis(z - lse, want_ids, axis=-1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_token_the_teacher_gives_no_mass_adds_nothing():
+    """log q = -inf (a served teacher's, or a masked logit) adds 0 to the term and its gradient, not NaN."""
+    teacher = mx.array([[[-0.1, -2.5, -mx.inf]]])
+    student = mx.array([[[-0.3, -1.0, -4.0]]])
+    value, grad = mx.value_and_grad(lambda s: topk_forward_kl(s, teacher).sum())(student)
+    finite = topk_forward_kl(student[..., :2], teacher[..., :2])
+    assert np.isfinite(np_(value)).all() and np.isfinite(np_(grad)).all()
+    np.testing.assert_allclose(np_(value), np_(finite.sum()), rtol=1e-6)
+    assert float(grad[0, 0, 2]) == 0.0
+
+
 # ----------------------------------------------------------------------------- through the gradient pass
 
 @pytest.mark.parametrize("micro,max_tokens,loss_type,compiled", [(1, 0, "grpo", False), (3, 40, "grpo", False),

@@ -319,3 +319,21 @@ def test_a_teacher_host_that_is_not_loopback_is_refused(tiny_model_dir, tmp_path
     with pytest.raises(UserError, match="teacher_url host 'teacher.example.com' is not loopback: .* add it to "
                                         "teacher_url_allowed_hosts"):
         load_teacher(cfg, load_model(str(tiny_model_dir))[1])
+
+
+def test_served_top_k_past_the_tokenizer_or_not_finite_is_one_line():
+    """A served top-k id past the student tokenizer's ids (a padded head's row: the student's gather would read
+    garbage) or a log-prob that is not finite (-inf: 0 * -inf = NaN in the loss) stops the run in one line."""
+    from mlx_grpo.training.served_teacher import read_topk
+
+    def answer(entry):
+        return {"choices": [{"prompt_logprobs": [None, entry]}]}
+
+    ids, lps = read_topk(answer({"5": {"logprob": -0.1}, "3": {"logprob": -1.0}}), [1, 5], 2, "http://t", 6)
+    assert ids.tolist() == [[5, 3]] and np.allclose(lps, [[-0.1, -1.0]])
+    with pytest.raises(UserError, match="token id 7, past the student tokenizer's 6 tokens"):
+        read_topk(answer({"5": {"logprob": -0.1}, "7": {"logprob": -1.0}}), [1, 5], 2, "http://t", 6)
+    with pytest.raises(UserError, match="not a token id and its log-prob"):
+        read_topk(answer({"5": {"logprob": -0.1}, "3": {"logprob": float("-inf")}}), [1, 5], 2, "http://t", 6)
+    with pytest.raises(UserError, match="not a token id"):
+        read_topk(answer({"5": {"logprob": -0.1}, "²": {"logprob": -1.0}}), [1, 5], 2, "http://t", 6)

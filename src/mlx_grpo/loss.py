@@ -218,7 +218,8 @@ def topk_forward_kl(student_topk: mx.array, teacher_topk: mx.array) -> mx.array:
     At k = vocabulary size both are the full forward KL. student_topk/teacher_topk [n, T, k] log-probs at the
     teacher's top-k ids (the student's with gradient) -> [n, T]."""
     log_q = teacher_topk - mx.logsumexp(teacher_topk, axis=-1, keepdims=True)  # [n, T, k]
-    return (mx.exp(log_q) * (log_q - student_topk)).sum(axis=-1)  # [n, T]
+    # a token the teacher gives no mass (log q = -inf) adds 0, not 0 * -inf = NaN
+    return mx.where(log_q > -mx.inf, mx.exp(log_q) * (log_q - student_topk), 0.0).sum(axis=-1)  # [n, T]
 
 
 def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:

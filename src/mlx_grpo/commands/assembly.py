@@ -161,7 +161,8 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
     policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None, teacher=teacher,
-                        teacher_source=teacher_source)
+                        teacher_source=teacher_source,
+                        tokens=len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None)
     if not (cfg.eval.eval_every_updates or cfg.eval.eval_steps):
         evals = None  # loaded only to keep its questions out of the worked examples
     return make_job(cfg, world or World(), tokenizer, policies, rewards, train, evals, worked, source_dir,

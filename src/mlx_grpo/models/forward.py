@@ -334,11 +334,12 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float
 
 
 def completion_topk(model: nn.Module, batch: PackedBatch, temperature: float, k: int,
-                    chunk_tokens: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                    chunk_tokens: int | None = None, tokens: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """A teacher's side of distill_topk, without gradients: log-probs [n, T] of the completion tokens and, at each
     completion position, its k most likely tokens' log-probs [n, T, k] (descending) and ids [n, T, k] (int32),
     under logits / temperature. The output head runs chunk by chunk, each chunk evaluated before the next, so at
-    most one chunk of [chunk, V] logits exists, as in completion_logprobs."""
+    most one chunk of [chunk, V] logits exists, as in completion_logprobs. tokens: the top k is chosen among ids
+    below it (the tokenizer's: a teacher's head padded past its vocabulary has rows the student's may lack)."""
     with bounded_scan(model):
         split = logit_split(model)
         if split is not None:
@@ -361,7 +362,7 @@ def completion_topk(model: nn.Module, batch: PackedBatch, temperature: float, k:
             hi = min(n * T, lo + chunk)
             z = mx.stop_gradient(logits(lo, hi)).astype(mx.float32) / scale  # [C, V]
             lse = mx.logsumexp(z, axis=-1, keepdims=True)  # [C, 1]
-            top = mx.argpartition(-z, kth=k - 1, axis=-1)[:, :k]  # [C, k], in no order
+            top = mx.argpartition(-z[:, :tokens], kth=k - 1, axis=-1)[:, :k]  # [C, k], in no order
             values = mx.take_along_axis(z, top, axis=-1) - lse  # [C, k]
             order = mx.argsort(-values, axis=-1)  # descending: the same order whatever argpartition left
             lps.append(mx.take_along_axis(z, flat_t[lo:hi, None], axis=-1).squeeze(-1) - lse.squeeze(-1))

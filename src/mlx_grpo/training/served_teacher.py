@@ -103,27 +103,29 @@ class ServedTeacher:
                               "the request")
         return read_logprobs(answer, ids, self.url)
 
-    def score_topk(self, ids: list[int], k: int) -> tuple[list[float], np.ndarray, np.ndarray]:
+    def score_topk(self, ids: list[int], k: int,
+                   tokens: int | None = None) -> tuple[list[float], np.ndarray, np.ndarray]:
         """score's log-probs, and for i >= 1 the k most likely tokens at position i: ids [n - 1, k] and their
         log-probs [n - 1, k], descending (read_topk)."""
         body = {"prompt": ids, "echo": True, "max_tokens": 1, "logprobs": k, "prompt_logprobs": k,
                 "return_tokens_as_token_ids": True, "temperature": 1.0, **({"model": self.model} if self.model else {})}
         answer = request_json(self.url, json.dumps(body).encode(), self.timeout_s, self.retries, SERVER,
                               "the request")
-        return (read_logprobs(answer, ids, self.url), *read_topk(answer, ids, k, self.url))
+        return (read_logprobs(answer, ids, self.url), *read_topk(answer, ids, k, self.url, tokens))
 
     def logprobs(self, rollout: Rollout) -> mx.array:
         """Log-probs [N, T] (float32) of each row's sampled completion tokens, 0 where the mask is 0."""
         return self.scores(rollout, 0)[0]
 
-    def scores(self, rollout: Rollout, k: int) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    def scores(self, rollout: Rollout, k: int,
+               tokens: int | None = None) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """logprobs, and with k > 0 each completion position's top-k ids [N, T, k] (int32) and log-probs
         [N, T, k] (float32, descending), 0 where the mask is 0 (as policy.topk_pass's); None, None with k = 0."""
         N, T = rollout.completion_ids.shape
         prompts, ids, mask = rollout.row_prompts, rollout.completion_ids.tolist(), np.array(rollout.mask)
         extents = [int(e) for e in rollout.extents]
         rows = [r for r in range(N) if extents[r] > 0]
-        score = (lambda x: (self.score(x), None, None)) if k == 0 else (lambda x: self.score_topk(x, k))
+        score = (lambda x: (self.score(x), None, None)) if k == 0 else (lambda x: self.score_topk(x, k, tokens))
         pool = ThreadPoolExecutor(min(MAX_IN_FLIGHT, max(1, len(rows))))
         try:
             scored = list(pool.map(lambda r: score(prompts[r] + ids[r][:extents[r]]), rows))
@@ -142,7 +144,7 @@ class ServedTeacher:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_logprobs(answer: Any, ids: list[int], url: str) -> list[float]:
@@ -180,7 +182,8 @@ def read_logprobs(answer: Any, ids: list[int], url: str) -> list[float]:
     return [float(v) for v in values]
 
 
-def read_topk(answer: Any, ids: list[int], k: int, url: str) -> tuple[np.ndarray, np.ndarray]:
+def read_topk(answer: Any, ids: list[int], k: int, url: str,
+              tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The k most likely tokens at each position i >= 1 of ids (each given the tokens before it) from a
     completions answer: ids [n - 1, k] and log-probs [n - 1, k], descending (ties by id); from vLLM's
     prompt_logprobs dicts, else the classic top_logprobs dicts keyed "token_id:<id>". A malformed answer, or one
@@ -204,8 +207,10 @@ def read_topk(answer: Any, ids: list[int], k: int, url: str) -> tuple[np.ndarray
         for key, value in entry.items():
             token = key[len("token_id:"):] if key.startswith("token_id:") else key
             lp = value.get("logprob") if isinstance(value, dict) else value
-            if not token.isdigit() or not _number(lp):
+            if not token.isdecimal() or not _number(lp):
                 raise bad(f"entry {i} holds {key!r}: {json.dumps(value)[:60]}, not a token id and its log-prob")
+            if int(token) >= (tokens or 2 ** 31 - 1):  # a gather past the student's head reads garbage, not fails
+                raise bad(f"entry {i} holds token id {token}, past the student tokenizer's {tokens} tokens")
             pairs.append((-float(lp), int(token)))
         if len(pairs) < k:
             raise bad(f"entry {i} holds {len(pairs)} tokens")
