@@ -15,6 +15,7 @@ from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands import train as run_mod
 from mlx_grpo.commands.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
+from mlx_grpo.models.forward import completion_logprobs
 from mlx_grpo.models.tiny import write_tiny_model
 from mlx_grpo.training.policy import logprob_pass
 
@@ -119,3 +120,86 @@ def test_a_resume_keeps_the_teacher_a_run_directory_stood_for(tiny_model_dir, tm
 def test_distillation_settings_that_cannot_act_are_refused(tiny_model_dir, tmp_path, items, message):
     with pytest.raises(UserError, match=message):
         distill_cfg(tiny_model_dir, None, tmp_path, *items)
+
+
+# ----------------------------------------------------------------------------- distill_topk: the top-k forward KL
+
+def test_topk_forward_kl_trains_and_is_logged(tiny_model_dir, teacher_dir, tmp_path, capsys):
+    """distill_topk > 0: the teacher's top-k reaches the loss through the records, every update logs forward_kl,
+    the update differs from the same run without it, and the student's forward KL to the teacher, measured on
+    a fixed set of its samples before and after, falls."""
+    cfg = distill_cfg(tiny_model_dir, teacher_dir, tmp_path, "reward_funcs=[]", "distill_topk=8", "run_name=topk")
+    job = build_job(cfg)
+    steps = job.source.next()
+    batch = steps.batches[0]
+    rollout, topk = batch.rollout, batch.teacher_topk
+    teacher = job.trainer.policies.teacher
+    job.close()
+    assert topk.ids.shape == (*rollout.completion_ids.shape, 8) and topk.ids.dtype == mx.int32
+    # the same pass gives the teacher's log-probs of the sampled tokens as the plain teacher pass
+    np.testing.assert_allclose(np.array(batch.teacher_logprobs), np.array(logprob_pass(teacher, rollout, 1.0, 8,
+                               job.trainer.pad_id)), rtol=1e-5, atol=1e-5)
+
+    def forward_kl(student_dir):
+        from mlx_lm import load
+
+        from mlx_grpo.loss import topk_forward_kl
+        from mlx_grpo.training.microbatch import chunk_batch
+
+        student = load(str(student_dir))[0]
+        rows = mx.arange(len(rollout.texts))
+        packed, width = chunk_batch(rollout, rows, job.trainer.pad_id)
+        _, s = completion_logprobs(student, packed, 1.0, extra=topk.ids[:, :width])
+        fkl = topk_forward_kl(s, topk.logprobs[:, :width])
+        return ((fkl * packed.mask).sum() / packed.mask.sum()).item()
+
+    run = run_mod.train(cfg)
+    records = rows(run)
+    assert len(records) == 4
+    assert all(np.isfinite(r["forward_kl"]) and r["forward_kl"] > 0 and np.isfinite(r["loss"]) for r in records)
+    before, after = forward_kl(tiny_model_dir), forward_kl(run / "checkpoint-4")
+    assert after < before - 0.05, (before, after)
+    assert "[mlx-grpo]   forward_kl: " in capsys.readouterr().out  # the summary's first -> last updates
+    plain = run_mod.train(distill_cfg(tiny_model_dir, teacher_dir, tmp_path, "reward_funcs=[]", "run_name=plain"))
+    assert "forward_kl" not in rows(plain)[0] and rows(plain)[0]["loss"] != records[0]["loss"]
+
+
+def test_a_teacher_that_is_the_student_at_k_vocab_gives_zero_forward_kl(tiny_model_dir, tmp_path):
+    """k = the vocabulary size: the top-k forward KL is the full forward KL, 0 for a teacher that is the student
+    (up to float32 rounding of the teacher's pass and the training pass)."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    run = run_mod.train(distill_cfg(tiny_model_dir, tiny_model_dir, tmp_path, "max_train_samples=2",
+                                    f"distill_topk={vocab}"))
+    (record,) = rows(run)
+    assert abs(record["forward_kl"]) < 1e-5 and abs(record["teacher_kl"]) < 1e-5
+
+
+def test_distill_topk_more_than_the_vocabulary_is_one_line(tiny_model_dir, teacher_dir, tmp_path):
+    with pytest.raises(UserError, match=r"distill_topk = 100000 is more than the vocabulary's \d+ tokens"):
+        build_job(distill_cfg(tiny_model_dir, teacher_dir, tmp_path, "distill_topk=100000"))
+
+
+@pytest.mark.parametrize("items, message", [
+    (["distill_topk=4"], "distill_topk > 0 adds to on-policy distillation"),
+    (["teacher_model=x", "distill_coeff=1", "distill_topk_coeff=0.5"],
+     "distill_topk_coeff only applies with distill_topk > 0"),
+    (["teacher_model=x", "distill_coeff=1", "distill_topk=-1"], "distill_topk must be"),
+    (["teacher_model=x", "distill_coeff=1", "distill_topk=4", "distill_topk_coeff=0"], "distill_topk_coeff must be"),
+])
+def test_distill_topk_settings_that_cannot_act_are_refused(tiny_model_dir, tmp_path, items, message):
+    with pytest.raises(UserError, match=message):
+        distill_cfg(tiny_model_dir, None, tmp_path, *items)
+
+
+def test_topk_runs_compiled_and_with_layer_checkpointing_equal_the_plain_run(tiny_model_dir, teacher_dir, tmp_path):
+    """The student's top-k log-probs through mx.compile and through recomputed layers: the same losses and
+    forward_kl as the plain run."""
+    def run(name, *items):
+        cfg = distill_cfg(tiny_model_dir, teacher_dir, tmp_path, "max_train_samples=4", "distill_topk=8",
+                          f"run_name={name}", *items)
+        return [(r["loss"], r["forward_kl"]) for r in rows(run_mod.train(cfg))]
+
+    plain = run("plain")
+    assert len(plain) == 2
+    for name, item in (("compiled", "use_compile=true"), ("checkpointed", "grad_checkpoint=true")):
+        np.testing.assert_allclose(run(name, item), plain, rtol=1e-5, err_msg=name)

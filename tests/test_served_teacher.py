@@ -38,6 +38,7 @@ class TeacherServer:
         self.model, self.tokenizer = load(str(model_dir))
         self.shape, self.has_tokenize, self.reply, self.token_offset = "classic", True, None, 0
         self.requests, self.lock = [], threading.Lock()
+        self.max_logprobs = None  # vLLM's --max-logprobs: fewer top tokens than asked for (None: as asked)
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,7 +57,8 @@ class TeacherServer:
                 owner.requests.append(body)
                 if owner.reply is not None:
                     return self.answer(200, owner.reply)
-                self.answer(200, owner.complete(body["prompt"]))
+                k = body.get("prompt_logprobs") or body["logprobs"]
+                self.answer(200, owner.complete(body["prompt"], min(k, owner.max_logprobs or k)))
 
             def answer(self, status, reply):
                 data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
@@ -73,26 +75,30 @@ class TeacherServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/completions"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
-    def complete(self, ids: list[int]) -> dict:
-        """The echoed prompt's log-probs, then one greedy token (max_tokens = 1), in the OpenAI format."""
+    def complete(self, ids: list[int], k: int = 1) -> dict:
+        """The echoed prompt's log-probs with each position's k most likely tokens (the request's logprobs or
+        prompt_logprobs), then one greedy token (max_tokens = 1), in the OpenAI format."""
         with self.lock:
             logits = self.model(mx.array(ids)[None])[0].astype(mx.float32)  # [L, V]
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             picked = mx.take_along_axis(lp[:-1], mx.array(ids[1:])[:, None], axis=-1)[:, 0].tolist()
-            best = mx.argmax(lp, axis=-1).tolist()  # each position's top token: vLLM's top-1 entries
-            best_lp = mx.max(lp, axis=-1).tolist()
-        generated = best[-1]
-        if self.shape == "prompt_logprobs":  # the top token's entry first, then the prompt token's (vLLM)
-            entries = [None] + [{str(best[i]): {"logprob": best_lp[i], "rank": 1, "decoded_token": "?"},
-                                 str(t): {"logprob": v, "rank": 1 + (t != best[i]), "decoded_token": "?"}}
-                                for i, (t, v) in enumerate(zip(ids[1:], picked))]
+            order = mx.argsort(-lp, axis=-1)[:, :k]  # each position's top k tokens: vLLM's top entries
+            best, best_lp = order.tolist(), mx.take_along_axis(lp, order, axis=-1).tolist()
+        generated = best[-1][0]
+        if self.shape == "prompt_logprobs":  # the top tokens' entries first, then the prompt token's (vLLM)
+            entries = [None]
+            for i, (t, v) in enumerate(zip(ids[1:], picked)):
+                entry = {str(b): {"logprob": x, "rank": j + 1, "decoded_token": "?"}
+                         for j, (b, x) in enumerate(zip(best[i], best_lp[i]))}
+                entry.setdefault(str(t), {"logprob": v, "rank": k + 1, "decoded_token": "?"})
+                entries.append(entry)
             return {"object": "text_completion", "model": SERVED_NAME,
                     "choices": [{"index": 0, "text": "?", "logprobs": None, "prompt_logprobs": entries}]}
         tokens = ids + [generated]
         return {"object": "text_completion", "model": SERVED_NAME, "choices": [{"index": 0, "text": "?", "logprobs": {
-            "tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [None] + picked + [best_lp[-1]],
-            "top_logprobs": [None] + [{f"token_id:{b}": v} for b, v in zip(best[:-1], best_lp[:-1])]
-            + [{f"token_id:{generated}": best_lp[-1]}], "text_offset": list(range(len(tokens)))}}]}
+            "tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [None] + picked + [best_lp[-1][0]],
+            "top_logprobs": [None] + [{f"token_id:{b}": x for b, x in zip(bs, xs)} for bs, xs in zip(best, best_lp)],
+            "text_offset": list(range(len(tokens)))}}]}
 
     def close(self):
         self.httpd.shutdown()
@@ -125,6 +131,7 @@ def stub(server):
     """The module's server, reset to answering in the classic shape with /tokenize."""
     server.shape, server.has_tokenize, server.reply, server.token_offset = "classic", True, None, 0
     server.requests.clear()
+    server.max_logprobs = None
     return server
 
 
@@ -169,6 +176,54 @@ def test_served_log_probs_equal_the_local_teachers(stub, rollouts, tiny_model_di
     body = stub.requests[-1]
     assert body["echo"] is True and body["max_tokens"] == 1 and body["logprobs"] == 1
     assert body["model"] == SERVED_NAME and all(isinstance(t, int) for t in body["prompt"])
+
+
+TOPK = 5
+
+
+@pytest.fixture(scope="module")
+def local_topk(tiny_model_dir, teacher_dir, rollouts, tmp_path_factory):
+    """The local teacher's top-k (policy.topk_pass) of both rollouts: [(log-probs, TeacherTopK)]."""
+    cfg = teacher_cfg(tiny_model_dir, tmp_path_factory.mktemp("local_topk"), f"teacher_model={teacher_dir}",
+                      f"distill_topk={TOPK}")
+    job = build_job(cfg)
+    try:
+        pairs, pad = rollouts
+        return [job.trainer.policies.teacher_scores(r, pad) for r, _ in pairs]
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("shape", ["classic", "prompt_logprobs"])
+def test_served_top_k_equals_the_local_teachers(stub, rollouts, local_topk, tiny_model_dir, tmp_path, shape):
+    """distill_topk through the server: the same top-k ids and log-probs as the local teacher's pass, in both
+    answer shapes, multi-turn context columns (mask 0) left 0."""
+    stub.shape = shape
+    job = build_job(teacher_cfg(tiny_model_dir, tmp_path, f"teacher_url={stub.url}", f"distill_topk={TOPK}"))
+    try:
+        pairs, pad = rollouts
+        for (rollout, _), (local_lp, local) in zip(pairs, local_topk):
+            lp, served = job.trainer.policies.teacher_scores(rollout, pad)
+            assert served.ids.shape == local.ids.shape == (*rollout.completion_ids.shape, TOPK)
+            assert served.ids.dtype == mx.int32 and served.logprobs.dtype == mx.float32
+            np.testing.assert_array_equal(np.array(served.ids), np.array(local.ids))
+            np.testing.assert_allclose(np.array(served.logprobs), np.array(local.logprobs), rtol=0, atol=1e-5)
+            np.testing.assert_allclose(np.array(lp), np.array(local_lp), rtol=0, atol=1e-5)
+            off = np.array(rollout.mask) == 0
+            assert off.any() or rollout is pairs[0][0]
+            assert (np.array(served.ids)[off] == 0).all() and (np.array(served.logprobs)[off] == 0).all()
+    finally:
+        job.close()
+    body = stub.requests[-1]
+    assert body["prompt_logprobs"] == TOPK and body["logprobs"] == TOPK and body["return_tokens_as_token_ids"]
+
+
+def test_a_server_without_the_top_k_is_one_line_at_start(stub, tiny_model_dir, tmp_path):
+    """A server answering one log-prob per token (no top k) stops distill_topk at the start's probe."""
+    stub.max_logprobs, stub.shape = 1, "prompt_logprobs"
+    cfg = teacher_cfg(tiny_model_dir, tmp_path, f"teacher_url={stub.url}", f"distill_topk={TOPK}")
+    with pytest.raises(UserError, match=rf"without the prompt's top {TOPK} log-probs \(entry 1 holds [12] tokens\)"):
+        load_teacher(cfg, load_model(str(tiny_model_dir))[1])
 
 
 def test_a_distillation_run_through_the_server_completes_two_updates(stub, tiny_model_dir, tmp_path):
@@ -264,3 +319,21 @@ def test_a_teacher_host_that_is_not_loopback_is_refused(tiny_model_dir, tmp_path
     with pytest.raises(UserError, match="teacher_url host 'teacher.example.com' is not loopback: .* add it to "
                                         "teacher_url_allowed_hosts"):
         load_teacher(cfg, load_model(str(tiny_model_dir))[1])
+
+
+def test_served_top_k_past_the_tokenizer_or_not_finite_is_one_line():
+    """A served top-k id past the student tokenizer's ids (a padded head's row: the student's gather would read
+    garbage) or a log-prob that is not finite (-inf: 0 * -inf = NaN in the loss) stops the run in one line."""
+    from mlx_grpo.training.served_teacher import read_topk
+
+    def answer(entry):
+        return {"choices": [{"prompt_logprobs": [None, entry]}]}
+
+    ids, lps = read_topk(answer({"5": {"logprob": -0.1}, "3": {"logprob": -1.0}}), [1, 5], 2, "http://t", 6)
+    assert ids.tolist() == [[5, 3]] and np.allclose(lps, [[-0.1, -1.0]])
+    with pytest.raises(UserError, match="token id 7, past the student tokenizer's 6 tokens"):
+        read_topk(answer({"5": {"logprob": -0.1}, "7": {"logprob": -1.0}}), [1, 5], 2, "http://t", 6)
+    with pytest.raises(UserError, match="not a token id and its log-prob"):
+        read_topk(answer({"5": {"logprob": -0.1}, "3": {"logprob": float("-inf")}}), [1, 5], 2, "http://t", 6)
+    with pytest.raises(UserError, match="not a token id"):
+        read_topk(answer({"5": {"logprob": -0.1}, "²": {"logprob": -1.0}}), [1, 5], 2, "http://t", 6)

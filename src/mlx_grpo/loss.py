@@ -58,6 +58,7 @@ class Objective:
     sapo_temperature_pos: float = 1.0  # SAPO: gate temperature for A > 0
     sapo_temperature_neg: float = 1.05  # ... and for A <= 0
     distill_coeff: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal (distill_advantages)
+    topk_coeff: float = 0.0  # distill_topk: weight of the top-k forward KL to the teacher (topk_forward_kl)
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
@@ -67,7 +68,8 @@ class Objective:
                    clip_high=o.clip_eps_high or o.clip_eps, delta=o.delta,
                    sequence_level=o.importance_sampling_level == "sequence", kl_coeff=o.kl_coeff,
                    kl_estimator=o.kl_estimator, rollout_correction=o.rollout_correction,
-                   rollout_cap=o.rollout_correction_cap, distill_coeff=o.distill_coeff)
+                   rollout_cap=o.rollout_correction_cap, distill_coeff=o.distill_coeff,
+                   topk_coeff=o.distill_topk_coeff if o.distill_topk > 0 else 0.0)
 
 
 @dataclass
@@ -206,6 +208,20 @@ def distill_advantages(advantages: mx.array, old_logp: mx.array, teacher_logp: m
     return advantages[:, None] + coeff * mx.stop_gradient(teacher_logp - old_logp)
 
 
+def topk_forward_kl(student_topk: mx.array, teacher_topk: mx.array) -> mx.array:
+    """distill_topk's per-token forward KL (GKD, Agarwal et al. 2024, restricted to the teacher's top k):
+    sum_i q_i (log q_i - log p_student(i)) over the teacher's k most likely tokens i, with q the teacher's
+    distribution renormalised over them, q_i = p_teacher(i) / sum_j p_teacher(j). Renormalised, the value is a
+    divergence: >= 0 (it is KL(q || p_student restricted and renormalised) - log of the student's mass on the k
+    tokens), 0 exactly when the student's distribution is q; unrenormalised it is a partial sum that can go
+    negative, with the same minimiser and each position's gradient scaled by the teacher's mass on its top k.
+    At k = vocabulary size both are the full forward KL. student_topk/teacher_topk [n, T, k] log-probs at the
+    teacher's top-k ids (the student's with gradient) -> [n, T]."""
+    log_q = teacher_topk - mx.logsumexp(teacher_topk, axis=-1, keepdims=True)  # [n, T, k]
+    # a token the teacher gives no mass (log q = -inf) adds 0, not 0 * -inf = NaN
+    return mx.where(log_q > -mx.inf, mx.exp(log_q) * (log_q - student_topk), 0.0).sum(axis=-1)  # [n, T]
+
+
 def masked_sequence_mean(values: mx.array, mask: mx.array) -> mx.array:
     """Each sequence's mean over its masked tokens. values, mask [N, T] -> [N]."""
     return (values * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
@@ -288,6 +304,7 @@ class LossSums(NamedTuple):
     is_capped: mx.array
     sampled_tokens: mx.array
     teacher_kl: mx.array  # on-policy distillation: sum over kept tokens of log pi_old - log pi_teacher
+    forward_kl: mx.array  # distill_topk: sum over kept tokens of topk_forward_kl
 
 
 # How LossSums fields combine across micro-batches and ranks; every other field is a sum.
@@ -308,13 +325,15 @@ def empty_sums() -> LossSums:
 
 
 def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Objective,
-                   sampler_logp=None, sampled=None, teacher_logp=None) -> LossSums:
+                   sampler_logp=None, sampled=None, teacher_logp=None, topk=None) -> LossSums:
     """sum_i weights_i * sum_t mask_it * loss_it for one micro-batch, plus logging sums.
     logp/old_logp/ref_logp/sampler_logp/teacher_logp/mask [n, T], advantages/weights/sampled [n] (row_scales).
     sampler_logp: the rollout engine's log-probs of the sampled tokens (None: the mismatch is not measured);
     sampled: 0 marks demonstration rows, left out of the sampler mismatch and its correction (None: every row
     sampled); teacher_logp: a teacher's log-probs of the same tokens (on-policy distillation, obj.distill_coeff;
-    None: rewards alone)."""
+    None: rewards alone); topk: (the student's log-probs [n, T, k] at the teacher's top-k ids, with gradient, and
+    the teacher's [n, T, k]) adds obj.topk_coeff * topk_forward_kl per token, weighted as the policy term (None:
+    no such term)."""
     # Zero the padded positions before the exponentials: exp(garbage) there could overflow to inf,
     # and inf * 0 = NaN would poison the loss and every gradient.
     valid = mask > 0
@@ -328,6 +347,13 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
     terms = token_terms(logp, old_logp, ref_logp, advantages, mask, obj, sampler_logp, sampled)
     loss = ((terms.loss * mask).sum(axis=1) * weights).sum()
     kept = mask * (weights > 0)[:, None]  # [n, T]
+    # not teacher_kl's (0.0 * kept).sum(): mx.compile fails on two outputs that are one node
+    forward_kl = (0.0 * mask).sum()
+    if topk is not None:  # the same token mask and row weights as the policy term: padding/accumulation invariant
+        on = valid[..., None]  # [n, T, 1]
+        fkl = topk_forward_kl(mx.where(on, topk[0], 0.0), mx.where(on, topk[1], 0.0))  # [n, T]
+        loss = loss + obj.topk_coeff * ((fkl * mask).sum(axis=1) * weights).sum()
+        forward_kl = (mx.stop_gradient(fkl) * kept).sum()
     present = kept > 0
     # [n, T] kept tokens a sampler drew; a product even without demonstrations: mx.compile fails on two
     # outputs that are one node, which sampled_tokens and tokens would then be
@@ -348,4 +374,4 @@ def objective_sums(logp, old_logp, ref_logp, advantages, mask, weights, obj: Obj
                     sampler_diff_max=diff_max, is_weight=(terms.is_weight * drawn).sum(),
                     is_capped=(terms.is_capped * drawn).sum(), sampled_tokens=drawn.sum(),
                     teacher_kl=(0.0 * kept).sum() if teacher_logp is None
-                    else (mx.stop_gradient(old_logp - teacher_logp) * kept).sum())
+                    else (mx.stop_gradient(old_logp - teacher_logp) * kept).sum(), forward_kl=forward_kl)

@@ -161,7 +161,8 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
     policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None, teacher=teacher,
-                        teacher_source=teacher_source)
+                        teacher_source=teacher_source,
+                        tokens=len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None)
     if not (cfg.eval.eval_every_updates or cfg.eval.eval_steps):
         evals = None  # loaded only to keep its questions out of the worked examples
     return make_job(cfg, world or World(), tokenizer, policies, rewards, train, evals, worked, source_dir,
@@ -179,6 +180,10 @@ def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
     resolved to, or the URL), which checkpoints record so that a resume keeps the same teacher. Its log-probs
     are of token ids: a teacher whose tokenizer encodes text differently from the student's would score other
     tokens, so it is refused in one line saying what differs."""
+    vocab = len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None
+    if vocab is not None and cfg.objective.distill_topk > vocab:
+        raise UserError(f"distill_topk = {cfg.objective.distill_topk} is more than the vocabulary's {vocab} "
+                        "tokens: set distill_topk <= the vocabulary size")
     if cfg.objective.teacher_url:
         return load_served_teacher(cfg, tokenizer, say), cfg.objective.teacher_url
     name = cfg.objective.teacher_model
@@ -203,12 +208,14 @@ def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
 
 
 def load_served_teacher(cfg: Config, tokenizer, say=print) -> ServedTeacher:
-    """teacher_url's client, checked before any update: the server scores a probe (down or answering in
-    another shape: one line now, not after the first rollout), and encodes TOKENIZER_PROBES as the student
-    does where it has vLLM's /tokenize; without one, a warning says the tokenizer was not checked."""
+    """teacher_url's client, checked before any update: the server scores a probe (down, answering in another
+    shape or without distill_topk's top k: one line now, not after the first rollout), and encodes
+    TOKENIZER_PROBES as the student does where it has vLLM's /tokenize; without one, a warning says the
+    tokenizer was not checked."""
     o = cfg.objective
     teacher = ServedTeacher(o.teacher_url, o.teacher_url_timeout, o.teacher_url_retries, o.teacher_url_allowed_hosts)
-    teacher.score(tokenizer.encode(TOKENIZER_PROBES[1]))
+    probe = tokenizer.encode(TOKENIZER_PROBES[1])
+    teacher.score_topk(probe, o.distill_topk) if o.distill_topk else teacher.score(probe)  # what training asks
     for text in TOKENIZER_PROBES:
         theirs, ours = teacher.tokenize(text), tokenizer.encode(text)
         if theirs is None:

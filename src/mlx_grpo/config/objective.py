@@ -103,6 +103,18 @@ class ObjectiveConfig:
                                    "(Thinking Machines 2025; TRL's DistillationTrainer). 0 = GRPO alone; with "
                                    "reward_funcs = [] the teacher is the only signal (pure distillation). Needs "
                                    "teacher_model or teacher_url.", TRAIN, range=">= 0")
+    distill_topk: int = setting(0, "On-policy distillation's top-k forward KL (GKD, Agarwal et al. 2024): at every "
+                                "sampled completion token the teacher's k most likely next tokens, and the loss "
+                                "adds distill_topk_coeff * sum_i q_i (log q_i - log p_student(i)) over them, q the "
+                                "teacher's probabilities renormalised over its top k; it teaches tokens the student "
+                                "rarely samples (a tool call), which the sampled-token reverse KL of distill_coeff "
+                                "cannot. Costs 8 bytes per token per k for the teacher's top k of a batch step "
+                                "(docs/distillation.md). 0 = off. Needs distill_coeff > 0; teacher_url's server must "
+                                "return k log-probs per token (vLLM: --max-logprobs >= k).", TRAIN,
+                                range=">= 0", note="0 = off")
+    distill_topk_coeff: float = setting(1.0, "Weight of distill_topk's forward-KL term in the loss, averaged over "
+                                        "tokens as the policy term is (loss_type's normalisation).", TRAIN,
+                                        range="> 0")
     mask_truncated_completions: bool = setting(False, "Leave completions cut by max_new_tokens out of the loss (DAPO's "
                                                "overlong filtering): an unfinished answer is not evidence against its "
                                                "reasoning. Their rewards still enter the group's advantages.", TRAIN)

@@ -130,6 +130,9 @@ def _validate_train(c: Config) -> None:
         _require(c.health.max_updates_without_signal in (0, command_default("train", "max_updates_without_signal")),
                  "max_updates_without_signal watches the rewards, and with a teacher (distill_coeff > 0) flat rewards "
                  "are no reason to stop, so it is off: drop it")
+    _require(o.distill_topk == 0 or o.distill_coeff > 0, "distill_topk > 0 adds to on-policy distillation, whose "
+             "teacher distill_coeff > 0 switches on: set distill_coeff > 0 and teacher_model or teacher_url")
+    _unused_unless(c, "distill_topk_coeff", o.distill_topk > 0, "distill_topk > 0")
     for name in ("teacher_url_timeout", "teacher_url_retries", "teacher_url_allowed_hosts"):
         _unused_unless(c, name, bool(o.teacher_url), "teacher_url set")
     _require(not o.teacher_url or r.temperature == 1.0, f"teacher_url's server gives log-probs of the untempered "

@@ -20,11 +20,19 @@ import mlx.nn as nn
 from mlx_grpo.models.gated_delta import bounded_scan
 
 
-def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx.array:
-    """log softmax(logits / temperature)[token], in float32. logits [..., V], tokens [...] -> [...]."""
+def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float, several: bool = False) -> mx.array:
+    """log softmax(logits / temperature)[token], in float32. logits [..., V], tokens [...] -> [...]; with
+    `several`, K tokens per position: tokens [..., K] -> [..., K]."""
     scaled = logits.astype(mx.float32) / temperature  # [..., V]
-    picked = mx.take_along_axis(scaled, tokens[..., None], axis=-1).squeeze(-1)  # [...]
-    return picked - mx.logsumexp(scaled, axis=-1)  # [...]
+    return picked_logprobs(scaled, tokens, several)
+
+
+def picked_logprobs(z: mx.array, tokens: mx.array, several: bool = False) -> mx.array:
+    """log softmax(z)[tokens]: z [..., V], tokens [...] -> [...], or tokens [..., K] -> [..., K] (`several`)."""
+    if several:
+        return mx.take_along_axis(z, tokens, axis=-1) - mx.logsumexp(z, axis=-1, keepdims=True)  # [..., K]
+    picked = mx.take_along_axis(z, tokens[..., None], axis=-1).squeeze(-1)  # [...]
+    return picked - mx.logsumexp(z, axis=-1)  # [...]
 
 
 @dataclass
@@ -32,7 +40,8 @@ class PackedBatch:
     """Prompt + completion rows, right-padded, with where each completion token's logit sits.
 
     inputs [n, L] token ids; positions [n, T] index of the logit that predicts completion token t;
-    targets [n, T] the sampled completion ids; mask [n, T] 1 for real completion tokens.
+    targets [n, T] the sampled completion ids ([n, T, K] inside completion_logprobs with `extra` ids);
+    mask [n, T] 1 for real completion tokens.
     """
 
     inputs: mx.array
@@ -90,7 +99,7 @@ def pack(prompts: list[list[int]], completions: mx.array, mask: mx.array, pad_id
 class LogitSplit(NamedTuple):
     """How a model family computes its logits: u = head(inner(inputs)) on the module `outer`, then
     logits = cap * tanh(u / cap) with a soft cap, and / divide with a divisor. The head is the untied
-    lm_head, else the tied embedding (_head)."""
+    lm_head, else the tied embedding (output_head)."""
 
     outer: str  # attribute of the model holding head and inner ("" = the model itself)
     inner: str  # attribute of outer holding the inner model: inputs [n, L] -> final hidden states [n, L, D]
@@ -150,7 +159,7 @@ def _tied(model: nn.Module) -> bool:
     return bool(flag)
 
 
-def _head(model: nn.Module) -> tuple[nn.Module, callable]:
+def output_head(model: nn.Module) -> tuple[nn.Module, callable]:
     """The output head as (module owning its weights, function hidden [..., D] -> logits [..., V])."""
     if hasattr(model, "lm_head") and not _tied(model):
         return model.lm_head, model.lm_head
@@ -169,13 +178,14 @@ def linear_head_logprobs(hidden: mx.array, weight: mx.array, targets: mx.array, 
                          chunk: int, softcap: float | None = None) -> mx.array:
     """log softmax(z)[targets] with z = u / temperature, u = hidden @ weight.T, or z = cap * tanh(u / cap)
     / temperature with a soft cap; chunk by chunk, with a hand-written backward pass.
-    hidden [M, D], weight [V, D], targets [M] -> [M].
+    hidden [M, D], weight [V, D], targets [M] -> [M], or targets [M, K] -> [M, K] (K tokens per position:
+    the sampled one and a teacher's top-k, read off the same chunk of logits).
 
     Each chunk's logits are recomputed in the backward pass and fully consumed (both gradients) before
     the next chunk starts (mx.depends orders them), so at most one chunk of [chunk, V] logits exists,
     forward or backward. Autograd over separate chunks would keep every chunk's probabilities alive
     until the hidden-state gradient is assembled."""
-    M = hidden.shape[0]
+    M, several = hidden.shape[0], targets.ndim == 2
     bounds = [(i, min(M, i + chunk)) for i in range(0, M, chunk)]
 
     def chunk_logits(h, w):
@@ -192,8 +202,7 @@ def linear_head_logprobs(hidden: mx.array, weight: mx.array, targets: mx.array, 
         for lo, hi in bounds:
             h_i = h[lo:hi] if previous is None else mx.depends(h[lo:hi], previous)
             z, _ = chunk_logits(h_i, w)
-            picked = mx.take_along_axis(z, targets[lo:hi, None], axis=-1).squeeze(-1)
-            previous = picked - mx.logsumexp(z, axis=-1)  # [C]
+            previous = picked_logprobs(z, targets[lo:hi], several)  # [C] or [C, K]
             parts.append(previous)
         return mx.concatenate(parts)
 
@@ -206,8 +215,13 @@ def linear_head_logprobs(hidden: mx.array, weight: mx.array, targets: mx.array, 
             z, t = chunk_logits(h_i, w)
             # d lp / d u = (onehot(target) - softmax(z)) / T, scaled by the cotangent of lp
             probs = mx.softmax(z, axis=-1)  # [C, V]
-            onehot = mx.arange(z.shape[-1])[None, :] == targets[lo:hi, None]
-            g = (onehot.astype(mx.float32) - probs) * (cotangent[lo:hi, None] / temperature)  # [C, V]
+            if several:  # sum_k c_k (onehot(target_k) - softmax(z)) / T; a token listed twice adds twice
+                c = cotangent[lo:hi].astype(mx.float32)  # [C, K]
+                hits = mx.zeros_like(z).at[mx.arange(hi - lo)[:, None], targets[lo:hi]].add(c)  # [C, V]
+                g = (hits - probs * c.sum(axis=-1, keepdims=True)) / temperature  # [C, V]
+            else:
+                onehot = mx.arange(z.shape[-1])[None, :] == targets[lo:hi, None]
+                g = (onehot.astype(mx.float32) - probs) * (cotangent[lo:hi, None] / temperature)  # [C, V]
             if t is not None:  # chain rule through the cap: d(cap * tanh(u / cap)) / du = 1 - tanh^2
                 g = g * (1 - t * t)
             g = g.astype(w.dtype)
@@ -222,20 +236,21 @@ def linear_head_logprobs(hidden: mx.array, weight: mx.array, targets: mx.array, 
 def head_logprobs(model: nn.Module, hidden: mx.array, targets: mx.array, temperature: float,
                   chunk_tokens: int | None = None, softcap: float | None = None) -> mx.array:
     """Log-probs of targets under the model's output head applied to hidden (then the soft cap, if
-    any), in token chunks. hidden [n, T, D], targets [n, T] -> [n, T]."""
+    any), in token chunks. hidden [n, T, D], targets [n, T] -> [n, T], or [n, T, K] -> [n, T, K]."""
     n, T, D = hidden.shape
-    module, project = _head(model)
+    module, project = output_head(model)
     vocab = module.weight.shape[0]
     chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    flat_h, flat_t = hidden.reshape(n * T, D), targets.reshape(n * T)  # [n*T, D], [n*T]
+    several, per = targets.ndim == 3, targets.shape[2:]  # K targets per position (per = (K,)), or one
+    flat_h, flat_t = hidden.reshape(n * T, D), targets.reshape(n * T, *per)  # [n*T, D], [n*T(, K)]
     if n * T <= chunk:
-        return token_logprobs(soft_capped(project(flat_h), softcap), flat_t, temperature).reshape(n, T)
+        return token_logprobs(soft_capped(project(flat_h), softcap), flat_t, temperature, several).reshape(n, T, *per)
     if isinstance(module, (nn.Linear, nn.Embedding)) and "bias" not in module:
-        return linear_head_logprobs(flat_h, module.weight, flat_t, temperature, chunk, softcap).reshape(n, T)
+        return linear_head_logprobs(flat_h, module.weight, flat_t, temperature, chunk, softcap).reshape(n, T, *per)
     # Other heads (quantized: rollout copies, QLoRA bases; frozen) are projected chunk by chunk by autograd.
     parts = [token_logprobs(soft_capped(project(flat_h[i:i + chunk]), softcap), flat_t[i:i + chunk],
-                            temperature) for i in range(0, n * T, chunk)]
-    return mx.concatenate(parts).reshape(n, T)
+                            temperature, several) for i in range(0, n * T, chunk)]
+    return mx.concatenate(parts).reshape(n, T, *per)
 
 
 class _Checkpointed(nn.Module):
@@ -292,10 +307,18 @@ def hidden_states(inner: nn.Module, inputs: mx.array, checkpoint_layers: bool = 
 
 
 def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float,
-                        chunk_tokens: int | None = None, checkpoint_layers: bool = False) -> mx.array:
+                        chunk_tokens: int | None = None, checkpoint_layers: bool = False,
+                        extra: mx.array | None = None):
     """Log-probs [n, T] of the completion tokens. For the families in LOGIT_SPLITS only the T completion
     positions go through the output head, in chunks, so [n, L, V] logits never exist. Gated-delta layers
-    (Qwen3.5, Qwen3-Next) run models/gated_delta.py's chunked form, whose backward keeps O(L) values, not L states."""
+    (Qwen3.5, Qwen3-Next) run models/gated_delta.py's chunked form, whose backward keeps O(L) values, not L states.
+    extra [n, T, k] token ids (distill_topk: a teacher's top-k at each position): -> (log-probs [n, T], log-probs
+    [n, T, k] of the extra ids), read off the same chunk of logits as the sampled token's, nothing more kept."""
+    if extra is not None:
+        several = mx.concatenate([batch.targets[..., None], extra.astype(mx.int32)], axis=-1)  # [n, T, 1 + k]
+        lp = completion_logprobs(model, PackedBatch(batch.inputs, batch.positions, several, batch.mask),
+                                 temperature, chunk_tokens, checkpoint_layers)
+        return lp[..., 0], lp[..., 1:]
     with bounded_scan(model):
         split = logit_split(model)
         if split is not None:
@@ -307,4 +330,44 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float
             return head_logprobs(split.outer, picked, batch.targets, scale, chunk_tokens, split.softcap)  # [n, T]
         full = model(batch.inputs)  # [n, L, V]
         logits = mx.take_along_axis(full, batch.positions[..., None], axis=1)
-        return token_logprobs(logits, batch.targets, temperature)  # [n, T]
+        return token_logprobs(logits, batch.targets, temperature, batch.targets.ndim == 3)  # [n, T(, K)]
+
+
+def completion_topk(model: nn.Module, batch: PackedBatch, temperature: float, k: int,
+                    chunk_tokens: int | None = None, tokens: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """A teacher's side of distill_topk, without gradients: log-probs [n, T] of the completion tokens and, at each
+    completion position, its k most likely tokens' log-probs [n, T, k] (descending) and ids [n, T, k] (int32),
+    under logits / temperature. The output head runs chunk by chunk, each chunk evaluated before the next, so at
+    most one chunk of [chunk, V] logits exists, as in completion_logprobs. tokens: the top k is chosen among ids
+    below it (the tokenizer's: a teacher's head padded past its vocabulary has rows the student's may lack)."""
+    with bounded_scan(model):
+        split = logit_split(model)
+        if split is not None:
+            hidden = hidden_states(split.inner, batch.inputs)  # [n, L, D]
+            idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
+            picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
+            module, project = output_head(split.outer)
+            rows, scale = picked.reshape(-1, picked.shape[-1]), temperature * (split.divide or 1.0)
+            vocab = module.weight.shape[0]
+            logits = lambda lo, hi: soft_capped(project(rows[lo:hi]), split.softcap)  # noqa: E731
+        else:
+            full = model(batch.inputs)  # [n, L, V]
+            rows = mx.take_along_axis(full, batch.positions[..., None], axis=1).reshape(-1, full.shape[-1])
+            scale, logits, vocab = temperature, lambda lo, hi: rows[lo:hi], full.shape[-1]  # noqa: E731
+        n, T = batch.targets.shape
+        flat_t = batch.targets.reshape(-1)
+        chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+        lps, tops, ids = [], [], []
+        for lo in range(0, n * T, chunk):
+            hi = min(n * T, lo + chunk)
+            z = mx.stop_gradient(logits(lo, hi)).astype(mx.float32) / scale  # [C, V]
+            lse = mx.logsumexp(z, axis=-1, keepdims=True)  # [C, 1]
+            top = mx.argpartition(-z[:, :tokens], kth=k - 1, axis=-1)[:, :k]  # [C, k], in no order
+            values = mx.take_along_axis(z, top, axis=-1) - lse  # [C, k]
+            order = mx.argsort(-values, axis=-1)  # descending: the same order whatever argpartition left
+            lps.append(mx.take_along_axis(z, flat_t[lo:hi, None], axis=-1).squeeze(-1) - lse.squeeze(-1))
+            tops.append(mx.take_along_axis(values, order, axis=-1))
+            ids.append(mx.take_along_axis(top, order, axis=-1).astype(mx.int32))
+            mx.eval(lps[-1], tops[-1], ids[-1])  # one chunk's logits at a time
+        return (mx.concatenate(lps).reshape(n, T), mx.concatenate(tops).reshape(n, T, k),
+                mx.concatenate(ids).reshape(n, T, k))

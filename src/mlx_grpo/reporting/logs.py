@@ -126,6 +126,8 @@ def update_record(cfg: Config, c: Counters, position: DataPosition, stats: list[
         record["tool_error_fraction"] = float(errors.sum() / calls.sum()) if calls.sum() else 0.0
     if result.teacher_kl is not None:  # on-policy distillation: how far the student's samples are from the teacher
         record["teacher_kl"] = result.teacher_kl
+    if result.forward_kl is not None:  # distill_topk: the top-k forward KL to the teacher at the sampled positions
+        record["forward_kl"] = result.forward_kl
     if result.rollout_staleness is not None:  # async_rollouts: updates applied since the batch was sampled
         record["rollout_staleness"] = result.rollout_staleness
     if stats[0].demo is not None:  # demonstrations: the share of trained groups that got one (one row each)
@@ -295,6 +297,7 @@ class RunLogger:
         line = (f"[mlx-grpo] update {record['update_step']}: reward {record['reward_mean']:.3f} "
                 f"loss {fmt(record['loss'], '.4f')} kl {fmt(record['kl'], '.4f')} "
                 + (f"teacher_kl {fmt(record['teacher_kl'], '.4f')} " if "teacher_kl" in record else "")
+                + (f"forward_kl {fmt(record['forward_kl'], '.4f')} " if "forward_kl" in record else "")
                 + f"len {record['completion_length_mean']:.0f} lr {record['lr']:.2e}"
                 + (f" draws {record['draws']} in {record['decode_passes']} pass{'es' * (record['decode_passes'] != 1)}"
                    if "decode_passes" in record else ""))
@@ -317,6 +320,10 @@ def summary_lines(updates: int, session_updates: int, wall_s: float, rewards: li
     if len(distilled) > 1:  # on-policy distillation: how far the student's samples are from the teacher's
         lines.append(f"[mlx-grpo]   teacher_kl: {np.mean([r['teacher_kl'] for r in distilled[:k]]):.3f} (first "
                      f"updates) -> {np.mean([r['teacher_kl'] for r in distilled[-k:]]):.3f} (last updates)")
+    forward = [r for r in records if r.get("forward_kl") is not None]
+    if len(forward) > 1:  # distill_topk: the top-k forward KL to the teacher at the student's positions
+        lines.append(f"[mlx-grpo]   forward_kl: {np.mean([r['forward_kl'] for r in forward[:k]]):.3f} (first "
+                     f"updates) -> {np.mean([r['forward_kl'] for r in forward[-k:]]):.3f} (last updates)")
     scored = not records or any(key.startswith("reward/") for key in records[0])  # pure distillation: no reward
     if rewards and scored:
 

@@ -23,18 +23,25 @@ def make_grad_fn(cfg: Config, model: nn.Module):
     when use_compile is set."""
     objective = Objective.from_config(cfg)
 
-    def loss_fn(_model, batch_arrays, old, ref, adv, weights, sampler, sampled, teacher):
-        lp = completion_logprobs(model, PackedBatch(*batch_arrays), cfg.rollout.temperature,
-                                 checkpoint_layers=cfg.training.grad_checkpoint)
+    def loss_fn(_model, batch_arrays, old, ref, adv, weights, sampler, sampled, teacher, topk):
+        packed, student_topk = PackedBatch(*batch_arrays), None
+        if topk is None:
+            lp = completion_logprobs(model, packed, cfg.rollout.temperature,
+                                     checkpoint_layers=cfg.training.grad_checkpoint)
+        else:  # distill_topk: the student's log-probs at the teacher's top-k ids, from the same head pass
+            lp, student_topk = completion_logprobs(model, packed, cfg.rollout.temperature,
+                                                   checkpoint_layers=cfg.training.grad_checkpoint, extra=topk[0])
         # on-policy the old policy is the model itself: its log-probs, teacher-forced on a demonstration too
         old_lp = mx.stop_gradient(lp) if old is None else old
-        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective, sampler, sampled, teacher)
+        sums = objective_sums(lp, old_lp, ref, adv, batch_arrays[3], weights, objective, sampler, sampled, teacher,
+                              None if topk is None else (student_topk, topk[1]))
         return sums.loss, tuple(sums[1:])
 
     grad_fn = nn.value_and_grad(model, loss_fn)
 
-    def step(batch_arrays, old, ref, adv, weights, sampler, sampled=None, teacher=None):
-        return grad_fn(model, batch_arrays, old, ref, adv, weights, sampler, sampled, teacher)
+    def step(batch_arrays, old, ref, adv, weights, sampler, sampled=None, teacher=None, topk=None):
+        """topk: distill_topk's (teacher top-k ids [n, T, k], teacher log-probs [n, T, k]), or None."""
+        return grad_fn(model, batch_arrays, old, ref, adv, weights, sampler, sampled, teacher, topk)
 
     if cfg.training.use_compile:
         # nn.value_and_grad swaps traced arrays into the model while tracing: declare the state as output
@@ -81,11 +88,13 @@ def accumulate_gradients(step_fn, steps: list[StepData], weights: list[mx.array]
             old = None if s.old_logprobs is None else s.old_logprobs[chunk, :width]
             ref = None if s.ref_logprobs is None else s.ref_logprobs[chunk, :width]
             teacher = None if s.teacher_logprobs is None else s.teacher_logprobs[chunk, :width]
+            top = s.teacher_topk
+            topk = None if top is None else (top.ids[chunk, :width], top.logprobs[chunk, :width])
             sampler = s.rollout.sampler_logprobs[chunk, :width]
             # demonstrations (rollout.demo) are no sampler's draws: 0 leaves them out of the rollout correction
             sampled = None if s.rollout.demo is None else mx.array(~s.rollout.demo, dtype=mx.float32)[chunk]
             arrays = (batch.inputs, batch.positions, batch.targets, batch.mask)
-            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk], sampler, sampled, teacher)
+            (loss, aux), g = step_fn(arrays, old, ref, s.advantages[chunk], w[chunk], sampler, sampled, teacher, topk)
             sums = LossSums(loss, *aux)
             g = tree_map(lambda x: x.astype(mx.float32), g)
             if grads is None:

@@ -16,10 +16,11 @@ import mlx.nn as nn
 
 from mlx_grpo.config import Config
 from mlx_grpo.models.adapters import adapters_disabled
-from mlx_grpo.models.forward import completion_logprobs
+from mlx_grpo.models.forward import completion_logprobs, completion_topk
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.rollout_records import Rollout
 from mlx_grpo.training.microbatch import chunk_batch, row_chunks
+from mlx_grpo.training.records import TeacherTopK
 from mlx_grpo.training.served_teacher import ServedTeacher
 
 ROLLOUT_QUANT_BITS = 4
@@ -33,8 +34,9 @@ class Policies:
 
     def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None, engine: RolloutEngine,
                  adapters: bool = False, teacher: nn.Module | ServedTeacher | None = None,
-                 teacher_source: str | None = None):
+                 teacher_source: str | None = None, tokens: int | None = None):
         self.cfg = cfg
+        self.tokens = tokens  # the tokenizer's vocabulary: distill_topk's teacher ids stay below it
         # on-policy distillation: scores the sampled tokens, never trained; a model here, or teacher_url's server
         self.teacher = teacher
         self.teacher_source = teacher_source  # the checkpoint or URL it came from: a resume must keep it
@@ -101,6 +103,19 @@ class Policies:
             return self.teacher.logprobs(rollout)
         return self.logprobs(self.teacher, rollout, pad_id)
 
+    def teacher_scores(self, rollout: Rollout, pad_id: int) -> tuple[mx.array | None, TeacherTopK | None]:
+        """teacher_logprobs and, with distill_topk > 0, the teacher's top-k at each position, both from one pass
+        over the teacher (a served one: one request per row)."""
+        k = self.cfg.objective.distill_topk
+        if self.teacher is None or k == 0:
+            return self.teacher_logprobs(rollout, pad_id), None
+        if isinstance(self.teacher, ServedTeacher):
+            lp, ids, top = self.teacher.scores(rollout, k, self.tokens)
+            return lp, TeacherTopK(ids, top)
+        t = self.cfg.training
+        return topk_pass(self.teacher, rollout, self.cfg.rollout.temperature, t.micro_batch_size, pad_id, k,
+                         t.micro_batch_tokens, self.tokens)
+
     @property
     def needs_old_pass(self) -> bool:
         """Old log-probs must be computed (not taken as stop_gradient of the current ones)."""
@@ -120,3 +135,18 @@ def logprob_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_b
     return out
 
 
+def topk_pass(model: nn.Module, rollout: Rollout, temperature: float, micro_batch: int, pad_id: int, k: int,
+              max_tokens: int = 0, tokens: int | None = None) -> tuple[mx.array, TeacherTopK]:
+    """logprob_pass's log-probs [N, T] and, at each completion position, the k most likely tokens under `model`
+    (distill_topk's teacher), micro-batched as logprob_pass; 0 (ids and log-probs) where the mask is 0."""
+    N, T = rollout.completion_ids.shape
+    out = mx.zeros((N, T), dtype=mx.float32)
+    top, ids = mx.zeros((N, T, k), dtype=mx.float32), mx.zeros((N, T, k), dtype=mx.int32)
+    for rows in row_chunks(rollout, micro_batch, max_tokens):
+        batch, width = chunk_batch(rollout, rows, pad_id)
+        lp, top_lp, top_ids = completion_topk(model, batch, temperature, k, tokens=tokens)
+        out[rows, :width] = lp * batch.mask
+        top[rows, :width] = top_lp * batch.mask[..., None]
+        ids[rows, :width] = top_ids * batch.mask[..., None].astype(mx.int32)
+        mx.eval(out, top, ids)
+    return out, TeacherTopK(ids, top)

@@ -4,6 +4,7 @@
     Batch        one batch step: the rows trained on, their old/reference log-probs, rewards still pending
     UpdateSteps  an update's batch steps as a step source hands them to Trainer.update, with where the data stood
     StepData     what the loss needs of a batch step once scored: rollout, advantages, old/ref log-probs
+    TeacherTopK  distill_topk: the teacher's k most likely tokens at each completion position
     BatchStats   what the logs need of a batch step (sampling figures, then its rewards once scored)
     UpdateMetrics  one optimizer update's figures (None where no row entered the loss)
     Counters     the run's position: the whole of its random state (sampling keys and dynamic sampling's waves
@@ -53,6 +54,15 @@ class Draw:
 
 
 @dataclass
+class TeacherTopK:
+    """distill_topk: at each completion position of a batch step's rows, the teacher's k most likely next tokens
+    and their log-probs under logits / temperature (models/forward.completion_topk), 0 where the mask is 0."""
+
+    ids: mx.array  # [N, T, k] int32
+    logprobs: mx.array  # [N, T, k] float32, descending along k
+
+
+@dataclass
 class StepData:
     """One batch step's rows with everything the loss needs."""
 
@@ -61,6 +71,7 @@ class StepData:
     old_logprobs: mx.array | None  # [N, T]; None: the sampler is the current model (ratio 1 at start)
     ref_logprobs: mx.array | None  # [N, T]; None when kl_coeff = 0
     teacher_logprobs: mx.array | None = None  # [N, T]; on-policy distillation's teacher (None: no teacher)
+    teacher_topk: TeacherTopK | None = None  # distill_topk's teacher top-k (None: distill_topk = 0)
 
 
 @dataclass
@@ -125,6 +136,7 @@ class Batch:
     selected: RewardScores | None  # dynamic sampling: the scores of the groups trained on
     stats: BatchStats
     teacher_logprobs: mx.array | None = None  # on-policy distillation: the teacher's log-probs [N, T]
+    teacher_topk: TeacherTopK | None = None  # distill_topk: the teacher's top-k at each position
     scored: StepData | None = None
 
 
@@ -156,9 +168,11 @@ class UpdateMetrics:
     time_step_s: float = 0.0
     rollout_staleness: int | None = None  # async_rollouts: updates between the sampling and the trained weights
     teacher_kl: float | None = None  # on-policy distillation: mean log p_student - log p_teacher per token
+    forward_kl: float | None = None  # distill_topk: mean loss.topk_forward_kl per token
 
     @classmethod
-    def from_sums(cls, lr: float, sums: LossSums, norm: mx.array, teacher: bool = False) -> UpdateMetrics:
+    def from_sums(cls, lr: float, sums: LossSums, norm: mx.array, teacher: bool = False,
+                  topk: bool = False) -> UpdateMetrics:
         """An update's figures from its (every rank's) LossSums and gradient norm; skipped when either is
         not finite. Per-token figures are None when no token entered the loss; the sampler figures leave
         demonstrations out."""
@@ -174,4 +188,5 @@ class UpdateMetrics:
                    sampler_kl=per_drawn(sums.sampler_kl),
                    sampler_diff_max=sums.sampler_diff_max.item() if drawn else None,
                    is_weight_mean=per_drawn(sums.is_weight), is_capped_fraction=per_drawn(sums.is_capped),
-                   teacher_kl=per_token(sums.teacher_kl) if teacher else None)
+                   teacher_kl=per_token(sums.teacher_kl) if teacher else None,
+                   forward_kl=per_token(sums.forward_kl) if topk else None)

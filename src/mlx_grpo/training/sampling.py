@@ -191,16 +191,16 @@ class Sampling:
         else:
             examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
         t0 = time.perf_counter()
-        old = ref = teacher = None
+        old = ref = teacher = topk = None
         if len(rollout.texts):
             if self.policies.needs_old_pass:
                 old = self.policies.logprobs(self.policies.sampler, rollout, self.pad_id)
             ref = self.policies.reference_logprobs(rollout, self.pad_id)
-            teacher = self.policies.teacher_logprobs(rollout, self.pad_id)
+            teacher, topk = self.policies.teacher_scores(rollout, self.pad_id)
         t_logprob = time.perf_counter() - t0
         self.counters.batch_step += 1
         multiturn = self.prompts.multiturn
         stats = batch_stats(draws, examples, rollout, t_logprob, bool(multiturn and multiturn.stop_strings))
-        batch = Batch(rollout, old, ref, draws, selected, stats, teacher)
+        batch = Batch(rollout, old, ref, draws, selected, stats, teacher, topk)
         self.prompts.annotate(batch)
         return batch

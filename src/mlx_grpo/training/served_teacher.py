@@ -18,6 +18,12 @@ exactly the logit position models/forward.pack gives the local pass. Columns the
 (padding, tool and environment text inside a multi-turn completion) are 0, as logprob_pass's are.
 Served log-probs are of the untempered distribution: config validation allows teacher_url only at
 temperature = 1.
+
+With distill_topk = k the request also asks for each position's k most likely tokens ("logprobs": k,
+"prompt_logprobs": k, "return_tokens_as_token_ids": true), read from either shape: vLLM's prompt_logprobs dicts
+(the top k plus the prompt token, keyed by id), or the classic choices[0].logprobs.top_logprobs dicts keyed
+"token_id:<id>". The k highest log-probs of each entry, descending, are the same ids and log-probs
+forward.completion_topk gives a local teacher. The server must allow k (vLLM: --max-logprobs, default 20).
 """
 
 from __future__ import annotations
@@ -97,27 +103,48 @@ class ServedTeacher:
                               "the request")
         return read_logprobs(answer, ids, self.url)
 
+    def score_topk(self, ids: list[int], k: int,
+                   tokens: int | None = None) -> tuple[list[float], np.ndarray, np.ndarray]:
+        """score's log-probs, and for i >= 1 the k most likely tokens at position i: ids [n - 1, k] and their
+        log-probs [n - 1, k], descending (read_topk)."""
+        body = {"prompt": ids, "echo": True, "max_tokens": 1, "logprobs": k, "prompt_logprobs": k,
+                "return_tokens_as_token_ids": True, "temperature": 1.0, **({"model": self.model} if self.model else {})}
+        answer = request_json(self.url, json.dumps(body).encode(), self.timeout_s, self.retries, SERVER,
+                              "the request")
+        return (read_logprobs(answer, ids, self.url), *read_topk(answer, ids, k, self.url, tokens))
+
     def logprobs(self, rollout: Rollout) -> mx.array:
         """Log-probs [N, T] (float32) of each row's sampled completion tokens, 0 where the mask is 0."""
+        return self.scores(rollout, 0)[0]
+
+    def scores(self, rollout: Rollout, k: int,
+               tokens: int | None = None) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """logprobs, and with k > 0 each completion position's top-k ids [N, T, k] (int32) and log-probs
+        [N, T, k] (float32, descending), 0 where the mask is 0 (as policy.topk_pass's); None, None with k = 0."""
         N, T = rollout.completion_ids.shape
         prompts, ids, mask = rollout.row_prompts, rollout.completion_ids.tolist(), np.array(rollout.mask)
         extents = [int(e) for e in rollout.extents]
         rows = [r for r in range(N) if extents[r] > 0]
+        score = (lambda x: (self.score(x), None, None)) if k == 0 else (lambda x: self.score_topk(x, k, tokens))
         pool = ThreadPoolExecutor(min(MAX_IN_FLIGHT, max(1, len(rows))))
         try:
-            scored = list(pool.map(lambda r: self.score(prompts[r] + ids[r][:extents[r]]), rows))
+            scored = list(pool.map(lambda r: score(prompts[r] + ids[r][:extents[r]]), rows))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # one row's error: the rows not started never start
         out = np.zeros((N, T), dtype=np.float32)
-        for r, values in zip(rows, scored):
-            start = len(prompts[r]) - 1  # completion column t is token P + t, scored by entry P + t - 1
-            kept = mask[r, :extents[r]] > 0
-            out[r, :extents[r]][kept] = np.array(values[start:start + extents[r]], dtype=np.float32)[kept]
-        return mx.array(out)
+        top_ids, top_lps = np.zeros((N, T, max(k, 1)), np.int32), np.zeros((N, T, max(k, 1)), np.float32)
+        for r, (values, row_ids, row_lps) in zip(rows, scored):
+            start, end = len(prompts[r]) - 1, extents[r]  # column t is token P + t, scored by entry P + t - 1
+            kept = mask[r, :end] > 0
+            out[r, :end][kept] = np.array(values[start:start + end], dtype=np.float32)[kept]
+            if k:
+                top_ids[r, :end][kept] = row_ids[start:start + end][kept]
+                top_lps[r, :end][kept] = row_lps[start:start + end][kept]
+        return mx.array(out), *((mx.array(top_ids), mx.array(top_lps)) if k else (None, None))
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_logprobs(answer: Any, ids: list[int], url: str) -> list[float]:
@@ -153,3 +180,41 @@ def read_logprobs(answer: Any, ids: list[int], url: str) -> list[float]:
     if not all(_number(v) for v in values):
         raise bad("token_logprobs holds something other than numbers after the first")
     return [float(v) for v in values]
+
+
+def read_topk(answer: Any, ids: list[int], k: int, url: str,
+              tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens at each position i >= 1 of ids (each given the tokens before it) from a
+    completions answer: ids [n - 1, k] and log-probs [n - 1, k], descending (ties by id); from vLLM's
+    prompt_logprobs dicts, else the classic top_logprobs dicts keyed "token_id:<id>". A malformed answer, or one
+    with fewer than k tokens at a position, is one UserError line."""
+    def bad(why: str) -> UserError:
+        return UserError(f"{SERVER} {url} answered without the prompt's top {k} log-probs ({why}): distill_topk "
+                         f"needs a server that returns them by token id (vLLM's prompt_logprobs, or top_logprobs "
+                         f"with return_tokens_as_token_ids; vLLM's --max-logprobs >= {k})")
+
+    choice = answer["choices"][0]  # read_logprobs has checked the shape
+    n, entries = len(ids), choice.get("prompt_logprobs")
+    if not isinstance(entries, list):
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+        if not isinstance(entries, list) or len(entries) < n:
+            raise bad("neither choices[0].prompt_logprobs nor choices[0].logprobs.top_logprobs for every token")
+    out_ids, out_lps = np.zeros((n - 1, k), np.int32), np.zeros((n - 1, k), np.float32)
+    for i in range(1, n):
+        entry = entries[i] if isinstance(entries[i], dict) else {}
+        pairs = []
+        for key, value in entry.items():
+            token = key[len("token_id:"):] if key.startswith("token_id:") else key
+            lp = value.get("logprob") if isinstance(value, dict) else value
+            if not token.isdecimal() or not _number(lp):
+                raise bad(f"entry {i} holds {key!r}: {json.dumps(value)[:60]}, not a token id and its log-prob")
+            if int(token) >= (tokens or 2 ** 31 - 1):  # a gather past the student's head reads garbage, not fails
+                raise bad(f"entry {i} holds token id {token}, past the student tokenizer's {tokens} tokens")
+            pairs.append((-float(lp), int(token)))
+        if len(pairs) < k:
+            raise bad(f"entry {i} holds {len(pairs)} tokens")
+        best = sorted(pairs)[:k]
+        out_ids[i - 1] = [t for _, t in best]
+        out_lps[i - 1] = [-v for v, _ in best]
+    return out_ids, out_lps

@@ -64,7 +64,8 @@ class Trainer:
         else:
             grads, norm = clip_by_global_norm(grads, cfg.optimizer.max_grad_norm)  # clip
             mx.eval(grads, norm)
-            metrics = UpdateMetrics.from_sums(metrics.lr, sums, norm, teacher=self.policies.teacher is not None)
+            metrics = UpdateMetrics.from_sums(metrics.lr, sums, norm, teacher=self.policies.teacher is not None,
+                                              topk=cfg.objective.distill_topk > 0)
             if metrics.skipped:
                 self.skip(metrics)
             else:
@@ -91,7 +92,7 @@ class Trainer:
             add_rewards(batch.stats, scores, drawn, advantages, cfg.rollout.num_generations,
                         sum(d.t_reward for d in draws))
             batch.scored = StepData(batch.rollout, advantages, batch.old_logprobs, batch.ref_logprobs,
-                                    batch.teacher_logprobs)
+                                    batch.teacher_logprobs, batch.teacher_topk)
         return batch.scored
 
     def advantages(self, totals: np.ndarray) -> mx.array:
