@@ -7,7 +7,9 @@
 #   3. greedy strict accuracy on the full GSM8K test (1,319) for the base model, the warm start (supervised
 #      fine-tuning from the same start: the SFT comparison), the teacher, the student and GRPO from the base.
 # Evaluations run beside the training stages that do not need them. bench/learning_report.py reads the .jsonl.
-# usage: bash bench/distill_gsm8k.sh OUT_DIR GSM8K_DIR SEED [TEACHER_MINUTES=14] [STUDENT_MINUTES=10]
+# usage: [TOPK=k] bash bench/distill_gsm8k.sh OUT_DIR GSM8K_DIR SEED [TEACHER_MINUTES=14] [STUDENT_MINUTES=10]
+# TOPK=k adds a third student beside them with distill_topk = k (the top-k forward KL: docs/distillation.md);
+# four processes then share the GPU while the teacher is evaluated, so give it a GPU of its own where one is free.
 # Each stage's wall time goes to OUT_DIR/<stage>.seconds; OUT_DIR/done marks the end.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); D=$(cd "$2" && pwd); SEED=$3; TM=${4:-14}; SM=${5:-10}
@@ -38,8 +40,12 @@ timed student $M train --config configs/gsm8k_distill.toml "${DATA[@]}" --set te
   --set output_dir="$RUNS/student" --set max_minutes="$SM" &
 timed grpo-base $M train --config configs/prod_tools.toml "${DATA[@]}" --set output_dir="$RUNS/grpo-base" \
   --set max_minutes="$SM" &
+[ -n "${TOPK:-}" ] && timed student-topk $M train --config configs/gsm8k_distill.toml "${DATA[@]}" \
+  --set teacher_model="$TEACHER" --set distill_topk="$TOPK" --set output_dir="$RUNS/student-topk" \
+  --set max_minutes="$SM" &
 wait
 evaluate student "$(latest "$RUNS/student/gsm8k_distill")" &
 evaluate grpo-base "$(latest "$RUNS/grpo-base/prod_tools")" &
+[ -n "${TOPK:-}" ] && evaluate student-topk "$(latest "$RUNS/student-topk/gsm8k_distill")" &
 wait
 touch "$OUT/done"
