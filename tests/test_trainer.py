@@ -536,6 +536,7 @@ def test_refilled_batch_steps_train_as_one_by_one(tiny_model_dir, tmp_path, monk
     (refill) and the run logs exactly what drawing them one by one logs."""
     extra = ["rollout_engine=copy", "gradient_accumulation_steps=3", "max_train_samples=12", "max_new_tokens=24",
              "save_steps=0", "learning_rate=1e-2"]
+    together = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=together", *extra))
     calls = {"many": 0}
     original = RolloutEngine.generate_many
 
@@ -543,8 +544,8 @@ def test_refilled_batch_steps_train_as_one_by_one(tiny_model_dir, tmp_path, monk
         calls["many"] += len(jobs) > 1
         return original(self, jobs, *args, **kwargs)
 
-    monkeypatch.setattr(RolloutEngine, "generate_many", counted)  # counts, changes nothing: the run itself
-    together = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=together", *extra))
+    monkeypatch.setattr(RolloutEngine, "generate_many", counted)
+    run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=counted", *extra))
     assert calls["many"] == 2  # 12 samples / (2 x 3) = 2 updates, each decoded together
     monkeypatch.setattr(FreshSteps, "next", lambda self: UpdateSteps(
         [self.sampling.batch_step(self.sampling.next_examples()) for _ in range(3)], self.sampling.position()))
