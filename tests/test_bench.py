@@ -77,20 +77,27 @@ def test_trl_comparison_uses_our_rewards_and_data(tmp_path):
     assert proc.returncode == 0 and "--num-generations" in proc.stdout
 
 
-def test_grpo_bench_bad_input_is_one_line_error(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--data",
-                           str(tmp_path / "missing.jsonl"), "--set", "micro_batch_tokns=5"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "did you mean 'micro_batch_tokens'" in proc.stderr
+def test_grpo_bench_bad_input_is_one_line_error(tmp_path, capsys):
+    """The script's main() in this process (test_grpo_bench_runs_every_section_on_a_tiny_model runs it as a
+    process): exit status 2 and the one line on stderr, no exception escaping."""
+    bench = _load_bench_module("grpo_bench")
+
+    def exit_code(argv: list[str]) -> tuple[int, str]:
+        try:
+            code = bench.main(argv)
+        except SystemExit as exc:  # argparse's error(): usage and one line, exit 2
+            code = exc.code
+        return code, capsys.readouterr().err
+
+    code, err = exit_code(["--data", str(tmp_path / "missing.jsonl"), "--set", "micro_batch_tokns=5"])
+    assert code == 2 and "Traceback" not in err
+    assert "did you mean 'micro_batch_tokens'" in err
     for bad in (["--warmup", "-1"], ["--repeats", "0"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), *bad],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--warmup >= 0" in proc.stderr, bad
+        code, err = exit_code(bad)
+        assert code == 2 and "Traceback" not in err and "--warmup >= 0" in err, bad
     # --warmup 0 and --repeats 1 pass the check: the run goes on to the missing data file
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--warmup", "0", "--repeats", "1",
-                           "--data", str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--warmup" not in proc.stderr and "missing.jsonl" in proc.stderr
+    code, err = exit_code(["--warmup", "0", "--repeats", "1", "--data", str(tmp_path / "missing.jsonl")])
+    assert code == 2 and "--warmup" not in err and "missing.jsonl" in err
 
 
 def test_nanochat_bench_runs_a_preset_on_a_tiny_random_nanochat(tmp_path):
@@ -126,7 +133,7 @@ def test_nanochat_bench_rollout_precision_section(tmp_path):
     assert all(r["ms_per_step"] > 0 and r["rows"] == 16 for r in results)
 
 
-def test_adapter_bench_measures_each_variant_in_its_own_process(tiny_model_dir, tmp_path):
+def test_adapter_bench_measures_each_variant_in_its_own_process(tiny_model_dir, tmp_path, capsys):
     """Full, LoRA and QLoRA-8 on the tiny model (hidden 32: its down_proj, 64 wide, is the layer that
     quantizes at group 64): every figure present and finite, adapters train fewer parameters."""
     import math
@@ -156,12 +163,16 @@ def test_adapter_bench_measures_each_variant_in_its_own_process(tiny_model_dir, 
     assert {"qlora8_peak_over_lora", "lora_peak_over_full"} <= set(record["ratios"])
     assert "| qlora8 |" in proc.stdout and "lora peak / full" in proc.stdout
 
-    for bad, says in [(["--data", str(tmp_path / "missing.jsonl")], "data file not found"),  # caught up front
+    # bad input is caught up front, before any child starts: the script's main() in this process
+    bench = _load_bench_module("adapter_bench")
+    capsys.readouterr()
+    for bad, says in [(["--data", str(tmp_path / "missing.jsonl")], "data file not found"),
                       (["--set", "lora_rnk=4"], "did you mean 'lora_rank'"),
                       (["--variants", "lora", "--set", "lora_keys=self_attn.q_prj"], "lora: unknown LoRA key")]:
-        proc = subprocess.run([sys.executable, script, *workload, *bad], capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-3000:]
-        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("adapter_bench: error: ")
+        code = bench.main([*workload, *bad])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err, err[-3000:]
+        assert len(err.strip().splitlines()) == 1 and err.startswith("adapter_bench: error: ")
 
 
 def test_dp_bench_compares_two_ranks_with_one(tiny_model_dir, tmp_path):

@@ -137,16 +137,22 @@ def test_an_output_dir_that_is_a_file_is_one_line(tiny_model_dir, tmp_path):
 
 
 def test_sequences_longer_than_the_context_window_are_said_once(tiny_model_dir, tmp_path, capsys):
+    """The tiny model's copy with a context window of 128 positions (its config's max_position_embeddings, as
+    a real model's 2048): prompts of ~150 tokens exceed it, as ~3,000 would the 2048 (a run ~100x longer)."""
     import json
+    import shutil
 
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
     data = tmp_path / "long.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "x " * 1500 + str(i), "answer": "1"}) + "\n" for i in range(4)))
-    run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, f"dataset_path={data}", "max_prompt_length=4000",
+    data.write_text("".join(json.dumps({"prompt": "x " * 60 + str(i), "answer": "1"}) + "\n" for i in range(4)))
+    run_mod.train(_cfg(*_items(model, tmp_path, f"dataset_path={data}", "max_prompt_length=400",
                                "max_new_tokens=8", "max_train_samples=4")))
     out = capsys.readouterr().out
-    assert out.count("exceed") == 1 and "context window of 2048 tokens" in out
+    assert out.count("exceed") == 1 and "context window of 128 tokens" in out
     # the same prompts cut to fit: no word
-    run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, f"dataset_path={data}", "max_prompt_length=2000",
+    run_mod.train(_cfg(*_items(model, tmp_path, f"dataset_path={data}", "max_prompt_length=120",
                                "max_new_tokens=8", "max_train_samples=2", "run_name=fits")))
     assert "exceed" not in capsys.readouterr().out
 

@@ -30,7 +30,8 @@ from mlx_grpo.models import model_loading
 EXCLUDED = {
     "bash scripts/setup.sh": "installs the packages (network); the environment running this test is its result",
     "bash scripts/setup.sh test": "the same, with the test extras",
-    ".venv/bin/python -m pytest -q": "the test suite itself (.ci/run runs it; tests/test_readme.py checks they agree)",
+    ".venv/bin/python -m pytest -q -n auto --dist loadfile":
+        "the test suite itself (.ci/run runs it; tests/test_readme.py checks they agree)",
     ".venv/bin/mlx-grpo train --model Qwen/Qwen2.5-0.5B-Instruct --dataset AI-MO/NuminaMath-TIR --answer-column "
     "solution": "a hub data set (network; the `data` extra)",
     ".venv/bin/mlx.launch -n 2 --backend nccl -- .venv/bin/mlx-grpo train --config configs/prod.toml":
