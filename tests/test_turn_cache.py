@@ -34,8 +34,11 @@ def attending(tmp_path_factory):
     path = write_caller_model(tmp_path_factory.mktemp("attending") / "model", CALLER)
     config = json.loads((path / "config.json").read_text())
     config["num_hidden_layers"] = 2
-    mx.random.seed(5)
-    fresh = dict(tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters()))
+    shapes = dict(tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters()))
+    # layer 1's weights from keys of their own, not MLX's global generator: a thread an earlier test left running
+    # could draw from it in between (under xdist a worker's files come in any order)
+    fresh = {k: v if "norm" in k else mx.random.uniform(-1, 1, v.shape, key=mx.random.key(1000 + i)) / v.shape[-1] ** .5
+             for i, (k, v) in enumerate(sorted(shapes.items()))}
     params = {**fresh, **mx.load(str(path / "model.safetensors"))}  # embedding, head, layer 0: the caller's
     for i, k in enumerate(sorted(params)):
         if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
