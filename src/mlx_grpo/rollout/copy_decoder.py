@@ -96,10 +96,11 @@ class CopyDecoder:
         self.values = self.values[:, pick]
         self.start = self.start[pick]
 
-    def admit(self, entries: list, T: int) -> tuple[mx.array, list]:
+    def admit(self, entries: list, T: int) -> tuple[mx.array, np.ndarray]:
         """Append the rows of `entries` (context, first row, rows, kept block or None) to the batch: their
         contexts' cache ends at slot idx (the cache grows when idx + T passes its end). -> (their logits
-        [rows, V], the entries in the order of those rows: fresh contexts, then next turns on kept blocks)."""
+        [rows, V], their rollout rows in that order: fresh contexts', then next turns' on kept blocks). Only
+        rows go back: an entry holds its kept block, which holds every row reported at its sync."""
         capacity = max(self.keys.shape[3], bucket(self.idx + T))
         if capacity > self.keys.shape[3]:
             grow = [(0, 0), (0, 0), (0, 0), (0, capacity - self.keys.shape[3]), (0, 0)]
@@ -115,4 +116,5 @@ class CopyDecoder:
         self.values = mx.concatenate([self.values] + [p[1] for p in parts], axis=1)
         self.start = mx.concatenate([self.start] + [p[2] for p in parts])
         mx.eval(self.keys, self.values)
-        return mx.concatenate([p[3] for p in parts]), fresh + resumed
+        rows = np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
+        return mx.concatenate([p[3] for p in parts]), rows

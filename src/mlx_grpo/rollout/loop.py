@@ -145,11 +145,10 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                 token, kstep = token[pick], kstep[pick]
                 ended = mx.where(mx.array(rows >= 0), ended[pick], True)
                 if admit:
-                    logits, admitted = decoder.admit([entries[e] for e in admit], T)
-                    added = np.concatenate([first + np.arange(n) for _, first, n, _ in admitted])
+                    logits, added = decoder.admit([entries[e] for e in admit], T)
                     first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
                                                                          mx.zeros((len(added),), mx.bool_))
-                    del logits, admitted  # its entries hold kept turn blocks: none is held past this refill
+                    del logits  # [admitted rows, V]: not held till the next refill
                     join[added] = s - 1  # their first token sits in the column before this step's
                     segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
                     token, ended = mx.concatenate([token, first_token]), mx.concatenate([ended, first_ended])
