@@ -97,20 +97,19 @@ class ServedTeacher:
 
     def score(self, ids: list[int]) -> list[float]:
         """log p(ids[i] | ids[:i]) for i >= 1: entry i - 1 scores token i (nothing precedes the first)."""
-        body = {"prompt": ids, "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 1.0,
+        return read_logprobs(self._echo(ids, logprobs=1), ids, self.url)
+
+    def _echo(self, ids: list[int], **asked) -> Any:
+        """The server's answer to a completions request that echoes ids with the log-probs `asked` for."""
+        body = {"prompt": ids, "echo": True, "max_tokens": 1, **asked, "temperature": 1.0,
                 **({"model": self.model} if self.model else {})}
-        answer = request_json(self.url, json.dumps(body).encode(), self.timeout_s, self.retries, SERVER,
-                              "the request")
-        return read_logprobs(answer, ids, self.url)
+        return request_json(self.url, json.dumps(body).encode(), self.timeout_s, self.retries, SERVER, "the request")
 
     def score_topk(self, ids: list[int], k: int,
                    tokens: int | None = None) -> tuple[list[float], np.ndarray, np.ndarray]:
         """score's log-probs, and for i >= 1 the k most likely tokens at position i: ids [n - 1, k] and their
         log-probs [n - 1, k], descending (read_topk)."""
-        body = {"prompt": ids, "echo": True, "max_tokens": 1, "logprobs": k, "prompt_logprobs": k,
-                "return_tokens_as_token_ids": True, "temperature": 1.0, **({"model": self.model} if self.model else {})}
-        answer = request_json(self.url, json.dumps(body).encode(), self.timeout_s, self.retries, SERVER,
-                              "the request")
+        answer = self._echo(ids, logprobs=k, prompt_logprobs=k, return_tokens_as_token_ids=True)
         return (read_logprobs(answer, ids, self.url), *read_topk(answer, ids, k, self.url, tokens))
 
     def logprobs(self, rollout: Rollout) -> mx.array:
