@@ -1,4 +1,4 @@
-"""GRPO throughput and memory benchmark for mlx-grpo, each figure next to a plain baseline run in the
+r"""GRPO throughput and memory benchmark for mlx-grpo, each figure next to a plain baseline run in the
 same process on the same model, device and batch.
 
 Sections (all by default; pick with --sections):
@@ -21,8 +21,10 @@ Sections (all by default; pick with --sections):
            memory, number of micro-batches
   memory   peak memory of the log-prob and training passes on a large synthetic batch (default
            256 rows x 512 completion tokens), against model + optimizer + 4 GB
-  step     full GRPO steps of the trainer (medians of --repeats after --warmup untimed ones) with their
-           split and peak memory
+  step     full GRPO updates of the trainer, as its training loop runs them (medians of --repeats after
+           --warmup untimed ones): the config's step source draws the update's batch steps (dynamic
+           sampling: again until enough groups vary), then the update; with their split, draws, decode
+           passes, rows decoded per row trained, tool calls (tools runs) and peak memory
 
 Standard workload (the defaults): the embedded SmolLM2-135M-Instruct in bf16, GSM8K prompts with the
 XML system prompt, B=16, G=16, max_new_tokens=256, temperature 1.0:
@@ -42,6 +44,16 @@ section:
 
     python bench/grpo_bench.py --shape qwen2.5-0.5b --train-type lora --sections rollout,step \
         --data ../shared/data/gsm8k/train.jsonl --out bench-results
+
+A preset: --config PATH builds the bench's config on a TOML preset as `mlx-grpo train --config` does
+(build_config), e.g. configs/prod_tools.toml (tools, prefill, dynamic sampling), so the step section times
+the preset's own update. With --config the preset's values win for every option that sets a config field
+(--model, --train-type, --dtype, --dataset, --batch, --group, --max-new-tokens, --temperature) unless it is
+given on the command line; --data and --set apply on top. prod_tools' update from its warm start, in the
+same sitting as the standard step (the command above with --sections step) and TRL:
+
+    python bench/grpo_bench.py --config configs/prod_tools.toml --model WARM_START --data GSM8K_TRAIN \
+        --sections step --repeats 3
 
 Prints a markdown table, then the ratios against the baselines; writes the JSON record to --out.
 """
@@ -86,6 +98,12 @@ import train_split
 from bench_util import GB, device_name, nbytes, peak_during, timed, versions
 
 SECTIONS = ("rollout", "short", "refill", "overlap", "logprob", "train", "split", "chunking", "memory", "step")
+# The options that set a config field: option -> (field, the bench's default). Without --config an option not
+# given sets its default; with --config only the options given set their fields (the preset's values win).
+CONFIG_OPTIONS = {"model": ("model_name", "smollm2-135m-instruct"), "train_type": ("train_type", "full"),
+                  "dtype": ("model_dtype", "bfloat16"), "dataset": ("dataset", "gsm8k"), "batch": ("batch_size", 16),
+                  "group": ("num_generations", 16), "max_new_tokens": ("max_new_tokens", 256),
+                  "temperature": ("temperature", 1.0)}
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -246,29 +264,69 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
     return out
 
 
+def step_record(steps: UpdateSteps, results: list, total: float) -> dict:
+    """One timed update's figures, summed over its batch steps (as reporting/logs.py's update record): the
+    split, draws (dynamic sampling: more than one per batch step), decode passes, rows decoded per row
+    trained, and with tools the tool calls of the drawn rows."""
+    stats = [b.stats for b in steps.batches]
+    rewards = np.concatenate([s.rewards for s in stats])
+    drawn, trained = sum(len(s.lengths) for s in stats), sum(len(s.texts) for s in stats)
+    rec = {"total_s": total, "rollout_s": sum(s.t_rollout for s in stats), "reward_s": sum(s.t_reward for s in stats),
+           "logprob_s": sum(s.t_logprob for s in stats), "train_s": sum(r.t_train for r in results),
+           "tokens": sum(s.tokens for s in stats), "reward_mean": float(np.mean(rewards)) if len(rewards) else None,
+           "truncated": float(np.mean(np.concatenate([s.truncated for s in stats]))), "batch_steps": len(stats),
+           "draws": sum(s.draws for s in stats), "decode_passes": sum(s.decode_passes for s in stats),
+           "rows_decoded": drawn, "rows_trained": trained, "rows_decoded_per_trained": drawn / trained if trained else None}
+    if stats[0].tool_calls is not None:
+        calls = np.concatenate([s.tool_calls for s in stats])
+        rec["tool_calls"] = int(calls.sum())
+        rec["tool_call_rate"] = float(np.mean(calls > 0)) if len(calls) else 0.0
+    return rec
+
+
+def step_line(rec: dict) -> str:
+    """The figures of step_record past the split, for the step's printed line."""
+    per = rec["rows_decoded_per_trained"]
+    line = (f"{rec['draws']} draw{'s' * (rec['draws'] != 1)} in {rec['decode_passes']} decode "
+            f"pass{'es' * (rec['decode_passes'] != 1)}, {rec['rows_decoded']} rows decoded, {rec['rows_trained']} "
+            f"trained ({f'{per:.2f}' if per is not None else '-'} per row trained)")
+    if "tool_calls" in rec:
+        line += f"; {rec['tool_calls']} tool calls ({rec['tool_call_rate']:.0%} of rows)"
+    return line
+
+
+def median(values) -> float | None:
+    """The median of the values that are not None (None: no update trained a row)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
-    """Full GRPO steps through the trainer itself: rollout, rewards, old/ref log-probs, update; medians of
-    `repeats` steps after `warmup` untimed ones."""
+    """Full GRPO updates through the trainer itself, as commands/train.py's loop runs them: the config's step
+    source (training/step_sources.py) draws the update's batch steps (rollout, rewards submitted, old/ref
+    log-probs; dynamic sampling: more draws until enough groups vary), then num_iterations updates; medians
+    of `repeats` updates after `warmup` untimed ones."""
     from mlx_grpo.commands.assembly import build_job
 
     job = build_job(cfg)
     records = []
     mx.reset_peak_memory()
-    for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        batch = job.sampling.batch_step(job.sampling.next_examples())
-        result = job.trainer.update(UpdateSteps([batch], job.sampling.position()))
-        total = time.perf_counter() - t0
-        stats = batch.stats
-        rec = {"total_s": total, "rollout_s": stats.t_rollout, "reward_s": stats.t_reward,
-               "logprob_s": stats.t_logprob, "train_s": result.t_train, "tokens": stats.tokens,
-               "reward_mean": float(np.mean(stats.rewards)), "truncated": float(np.mean(stats.truncated))}
-        print(f"grpo step {i}{' (warm-up)' if i < warmup else ''}: {total:.2f} s = rollout {rec['rollout_s']:.2f} + "
-              f"reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train {rec['train_s']:.2f}; "
-              f"{rec['tokens']} tokens", flush=True)
-        records.append(rec)
+    try:
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            steps = job.source.next()
+            if steps is None:
+                raise UserError(f"step section: the training data ran out after {i} updates")
+            results = [job.trainer.update(steps) for _ in range(cfg.objective.num_iterations)]
+            rec = step_record(steps, results, time.perf_counter() - t0)
+            print(f"grpo step {i}{' (warm-up)' if i < warmup else ''}: {rec['total_s']:.2f} s = rollout "
+                  f"{rec['rollout_s']:.2f} + reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train "
+                  f"{rec['train_s']:.2f}; {rec['tokens']} tokens; {step_line(rec)}", flush=True)
+            records.append(rec)
+    finally:
+        job.close()
     measured = records[warmup:]  # main() refuses --repeats < 1, so never empty
-    summary = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+    summary = {k: median(r[k] for r in measured) for k in measured[0]}
     summary["warmup"] = warmup
     summary["peak_memory_gb"] = mx.get_peak_memory() / GB
     summary["trainable_parameters"] = sum(p.size for _, p in tree_flatten(job.model.trainable_parameters()))
@@ -305,8 +363,11 @@ def markdown(result: dict) -> str:
                      f"{r['train_peak_above_model_and_optimizer_gb']:.2f} GB | {r['budget_gb']:.0f} GB budget | |")
     if "step" in result:
         r = result["step"]
+        per = f"{r['rows_decoded_per_trained']:.2f}" if r["rows_decoded_per_trained"] is not None else "-"
+        tools = f", {r['tool_calls']:g} tool calls" if "tool_calls" in r else ""
         lines.append(f"| full GRPO step s: rollout {r['rollout_s']:.2f} + reward {r['reward_s']:.2f} + log-probs "
-                     f"{r['logprob_s']:.2f} + train {r['train_s']:.2f}; peak {r['peak_memory_gb']:.1f} GB "
+                     f"{r['logprob_s']:.2f} + train {r['train_s']:.2f}; {r['draws']:g} draws in {r['decode_passes']:g} "
+                     f"decode passes, {per} rows decoded per row trained{tools}; peak {r['peak_memory_gb']:.1f} GB "
                      f"| {r['total_s']:.2f} | | |")
     return "\n".join(lines)
 
@@ -330,23 +391,29 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or MLX directory")
+    ap.add_argument("--config", default="", metavar="PATH",
+                    help="a TOML preset (e.g. configs/prod_tools.toml) the config is built on, as `mlx-grpo train "
+                         "--config` builds it: its values win for the options marked [preset] unless they are given "
+                         "here; --data and --set apply on top")
+    ap.add_argument("--model", help="model name or MLX directory (default: smollm2-135m-instruct) [preset]")
     ap.add_argument("--shape", default="", choices=["", *shapes.SHAPES],
                     help="a random-weight model of this architecture instead of --model (bench/shapes.py)")
     ap.add_argument("--layers", type=int, default=0,
                     help="--shape with only its first N layers (quick checks on a CPU; default: all)")
     ap.add_argument("--tokenizer", default="",
                     help="model directory whose tokenizer --shape uses (default: the embedded default model's)")
-    ap.add_argument("--train-type", default="full", choices=["full", "lora", "dora"],
-                    help="train every weight, or adapters as the config's lora_* fields say (--set lora_rank=...)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--train-type", choices=["full", "lora", "dora"],
+                    help="train every weight (default), or adapters as the config's lora_* fields say "
+                         "(--set lora_rank=...) [preset]")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="model_dtype (default: bfloat16; --shape writes its weights in it) [preset]")
     ap.add_argument("--data", default="", help="GSM8K-style JSONL/Parquet file (default: --dataset)")
-    ap.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "arith"],
-                    help="used when --data is not given (gsm8k downloads from the hub)")
-    ap.add_argument("--batch", type=int, default=16, help="B prompts per step")
-    ap.add_argument("--group", type=int, default=16, help="G completions per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--dataset", choices=["gsm8k", "arith"],
+                    help="used when --data is not given (default: gsm8k, which downloads from the hub) [preset]")
+    ap.add_argument("--batch", type=int, help="B prompts per step (default: 16) [preset]")
+    ap.add_argument("--group", type=int, help="G completions per prompt (default: 16) [preset]")
+    ap.add_argument("--max-new-tokens", type=int, help="(default: 256) [preset]")
+    ap.add_argument("--temperature", type=float, help="(default: 1.0) [preset]")
     ap.add_argument("--sizes", default="4x16,16x16,32x16,64x16", help="rollout sizes BxG, comma-separated")
     ap.add_argument("--chunkings", default="16x8192,32x16384,64x32768,128x65536",
                     help="chunking section: micro-batch settings ROWSxTOKENS (micro_batch_size x micro_batch_tokens)")
@@ -387,15 +454,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, sections: list[str], argv: list[str] | None) -> int:
     if not args.shape:
-        return run_model(args, sections, argv, args.model)
+        return run_model(args, sections, argv, args.model)  # None with --config: the preset's model_name
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else shapes.default_tokenizer_dir()
-    dtype = mx.float32 if args.dtype == "float32" else mx.float16 if args.dtype == "float16" else mx.bfloat16
+    name = args.dtype if args.dtype in ("float32", "float16") else "bfloat16"
+    dtype = getattr(mx, name)
     with tempfile.TemporaryDirectory(prefix="grpo_bench-shape-") as tmp:
         model_dir = shapes.write_model_dir(args.shape, Path(tmp) / args.shape, tokenizer_dir, dtype, seed=0,
                                            layers=args.layers)
         depth = f" (first {args.layers} layers)" if args.layers else ""
-        print(f"model: shape {args.shape}{depth}, random weights in "
-              f"{args.dtype if args.dtype != 'auto' else 'bfloat16'}, tokenizer of {tokenizer_dir}", flush=True)
+        print(f"model: shape {args.shape}{depth}, random weights in {name}, tokenizer of {tokenizer_dir}", flush=True)
         return run_model(args, sections, argv, str(model_dir))
 
 
@@ -418,22 +485,29 @@ def adapt(model, cfg) -> dict | None:
     return adapters
 
 
-def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | None, model_name: str) -> int:
-    overrides = [f"model_name={model_name}", f"train_type={args.train_type}", f"model_dtype={args.dtype}",
-                 f"batch_size={args.batch}", f"num_generations={args.group}", f"max_new_tokens={args.max_new_tokens}",
-                 f"temperature={args.temperature}", "save_steps=0", "num_epochs=1000",
-                 "output_dir=" + str(Path(args.out) / "runs"),
-                 f"run_name=bench-{dt.datetime.now():%Y%m%d-%H%M%S}"] + args.set
+def config_overrides(args: argparse.Namespace, model_name: str | None) -> list[str]:
+    """The bench's overrides of the config (of --config's preset, else of the train defaults): the options of
+    CONFIG_OPTIONS given (without --config: all, at their defaults), --data (then --dataset is not used), the
+    bench's own run settings (no checkpoints, data that never runs out, run files under --out), then --set."""
+    given = {**{k: getattr(args, k) for k in CONFIG_OPTIONS}, "model": model_name}
     if args.data:
-        overrides.append(f"dataset_path={args.data}")
-    else:
-        overrides.append(f"dataset={args.dataset}")
-    cfg = build_config("train", overrides=parse_set(overrides))
+        del given["dataset"]
+    items = [f"{field}={default if given[k] is None else given[k]}" for k, (field, default) in CONFIG_OPTIONS.items()
+             if k in given and (given[k] is not None or not args.config)]
+    if args.data:
+        items.append(f"dataset_path={args.data}")
+    return items + ["save_steps=0", "num_epochs=1000", "output_dir=" + str(Path(args.out) / "runs"),
+                    f"run_name=bench-{dt.datetime.now():%Y%m%d-%H%M%S}"] + args.set
+
+
+def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | None, model_name: str | None) -> int:
+    cfg = build_config("train", args.config or None, parse_set(config_overrides(args, model_name)))
+    B, G = cfg.training.batch_size, cfg.rollout.num_generations
     model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
     adapters = adapt(model, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(tokenizer.eos_token_ids)[0]
     examples = load_examples(cfg.data.dataset, "train", cfg.data.dataset_path or None, cfg.run.seed)
-    n_prompts = max(b for b, _ in parse_sizes(args.sizes) + [(args.batch, 0), (int(args.short_pool.split("x")[0]), 0)])
+    n_prompts = max(b for b, _ in parse_sizes(args.sizes) + [(B, 0), (int(args.short_pool.split("x")[0]), 0)])
     prompts = encode_prompts(tokenizer, examples[:n_prompts], cfg)
 
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
@@ -443,11 +517,12 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
                            "train_type": cfg.model.train_type, "adapters": adapters,
                            "parameters": shapes.parameter_count(model),
                            "trainable_parameters": sum(p.size for _, p in tree_flatten(model.trainable_parameters())),
-                           "dtype": cfg.model.model_dtype, "B": args.batch, "G": args.group,
+                           "dtype": cfg.model.model_dtype, "B": B, "G": G,
                            "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
                            "micro_batch_size": cfg.training.micro_batch_size,
                            "micro_batch_tokens": cfg.training.micro_batch_tokens,
-                           "data": args.data or args.dataset}}
+                           "data": args.data or cfg.data.dataset, "config": args.config or None,
+                           "dynamic_sampling": cfg.rollout.dynamic_sampling, "tools": cfg.rollout.tools}}
     w = result["workload"]
     print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "
           f"model {w['model']}, {w['train_type']}: {w['trainable_parameters']:,} of {w['parameters']:,} parameters "
@@ -473,10 +548,10 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
         result["refill"] = rollout_bench.bench_refill(model, tokenizer, prompts, cfg, n_steps, b, g,
                                                       json.loads(args.refill_ends), args.repeats)
     if "overlap" in sections:
-        result["overlap"] = rollout_bench.bench_overlap(model, tokenizer, prompts, cfg, args.batch, args.group,
+        result["overlap"] = rollout_bench.bench_overlap(model, tokenizer, prompts, cfg, B, G,
                                                         args.repeats, pad_id)
     if {"logprob", "train", "split", "chunking"} & set(sections):
-        full = generate_rollout(model, tokenizer, prompts[:args.batch], args.group,
+        full = generate_rollout(model, tokenizer, prompts[:B], G,
                                 SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, ignore_eos=True),
                                 mx.random.key(cfg.run.seed))
         if "logprob" in sections:

@@ -227,6 +227,53 @@ def test_grpo_bench_swaps_in_a_random_weight_shape_with_lora(tiny_model_dir, tmp
     assert proc.stdout.count("(warm-up)") == 2
 
 
+def test_grpo_bench_times_a_presets_update_with_dynamic_sampling(tiny_model_dir, tmp_path, capsys):
+    """--config builds the bench's config on a preset (tools, prefill, dynamic sampling): its batch_size and
+    num_generations win over the bench's defaults, --max-new-tokens given on the command line wins over the
+    preset's, and the step section times the preset's update, recording its draws and decode passes; a
+    missing preset is one line and exit 2."""
+    data = tmp_path / "data.jsonl"  # half the answers even: flat_unless_even_answer varies in half the groups
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i + i % 2}?", "answer": f"#### {2 * i + i % 2}"})
+                            + "\n" for i in range(16)))
+    preset = tmp_path / "preset.toml"
+    reward = ROOT / "tests" / "fixtures" / "toy_rewards.py"
+    preset.write_text(f"""batch_size = 2
+num_generations = 4
+max_new_tokens = 32
+tools = ["calculator"]
+prefill = "<reasoning>\\n"
+reward_funcs = ["{reward}:flat_unless_even_answer"]
+dynamic_sampling = true
+max_resample_batches = 3
+draws_per_pass = 2
+dynamic_sampling_reward = "flat_unless_even_answer"
+""")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), "--config", str(preset),
+                           "--model", str(tiny_model_dir), "--dtype", "float32", "--data", str(data),
+                           "--max-new-tokens", "6", "--sections", "step", "--repeats", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
+    w = record["workload"]
+    assert (w["B"], w["G"], w["max_new_tokens"]) == (2, 4, 6)  # the preset's B and G (the bench's: 16), our 6
+    assert w["config"] == str(preset) and w["dynamic_sampling"] and w["tools"] == ["calculator"]
+    steps = record["step"]["steps"]
+    assert len(steps) == 4
+    for s in steps:
+        assert 1 <= s["decode_passes"] <= s["draws"] <= 1 + 3  # at most max_resample_batches more draws
+        assert s["rows_decoded"] == s["draws"] * 2 * 4 and 0 < s["rows_trained"] <= 2 * 4
+        assert s["rows_decoded_per_trained"] == s["rows_decoded"] / s["rows_trained"]
+        assert s["tool_calls"] >= 0 and 0 <= s["tool_call_rate"] <= 1  # a tools run counts them
+    assert any(s["draws"] > 1 for s in steps)  # some update drew again: half the groups vary
+    assert record["step"]["draws"] == sorted(s["draws"] for s in steps[1:])[1]  # the median of the timed ones
+    assert proc.stdout.count("decode pass") >= 4 and "tool calls" in proc.stdout
+    bench = _load_bench_module("grpo_bench")
+    assert bench.main(["--config", str(tmp_path / "missing.toml"), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo_bench: error: ") and "missing.toml" in err and len(err.strip().splitlines()) == 1
+
+
 def _load_bench_module(name: str):
     import importlib.util
 
