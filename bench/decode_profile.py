@@ -156,7 +156,7 @@ def _sampling_start(engine, params, logits, padding, group: int, max_new_tokens:
     eos = mx.array([-1], dtype=mx.int32)
     state = list(make_sampler(params, eos)(logits, step_keys[0], mx.zeros((n,), dtype=mx.bool_)))
     kernel = D.kernel_serves(engine.spec)
-    return start, step_keys, state, kernel, engine._step_fn(params, (), kernel)
+    return start, step_keys, state, kernel, engine.step_fn(params, (), kernel)
 
 
 @contextmanager

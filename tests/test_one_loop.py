@@ -138,7 +138,7 @@ def _frozen_fused(self, jobs, G, params, prefill_text, on_stop=None, turns=None,
     eos_ids, pad_id = end_ids(tokenizer, params)
     T = params.max_new_tokens
     sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
-    step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
+    step = self.step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
     stops = StopRows(tokenizer, params.stop)
     entries = [(p, g * G, G, None) for g, p in enumerate(p for job, _ in jobs for p in job)]
     n_rows = len(entries) * G

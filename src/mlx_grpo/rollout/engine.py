@@ -162,7 +162,7 @@ class RolloutEngine:
         return self._generate_fused(jobs, group_size, params, prefill_text, on_stop, turns, limits, on_done)
 
     # ------------------------------------------------------------------ the sampling copy's decode
-    def _step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
+    def step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
         """The compiled decode step for these sampling settings (traced once per batch shape)."""
         spec = self.spec
         shape = (spec.heads, spec.kv_heads, spec.head_dim, spec.scale, spec.eps, spec.qk_norm,
@@ -194,7 +194,7 @@ class RolloutEngine:
         """generate_many on the sampling copy: the one decode loop (loop.decode_rows) over a CopyDecoder."""
         spec, weights = self._current()
         eos_ids, pad_id = end_ids(self.tokenizer, params)
-        step = self._step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
+        step = self.step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
         copy = CopyDecoder(spec, weights, step, self.graph, pad_id)
         # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
         # next turn; the first job's prompts fill the batch, the others wait for freed slots.
