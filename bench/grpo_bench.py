@@ -49,8 +49,9 @@ A preset: --config PATH builds the bench's config on a TOML preset as `mlx-grpo 
 (build_config), e.g. configs/prod_tools.toml (tools, prefill, dynamic sampling), so the step section times
 the preset's own update. With --config the preset's values win for every option that sets a config field
 (--model, --train-type, --dtype, --dataset, --batch, --group, --max-new-tokens, --temperature) unless it is
-given on the command line; --data and --set apply on top. prod_tools' update from its warm start, in the
-same sitting as the standard step (the command above with --sections step) and TRL:
+given on the command line; --data, then --set (last: it beats every option) apply on top. prod_tools'
+update from its warm start, in the same sitting as the standard step (the command above with --sections step)
+and TRL:
 
     python bench/grpo_bench.py --config configs/prod_tools.toml --model WARM_START --data GSM8K_TRAIN \
         --sections step --repeats 3
@@ -264,7 +265,7 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
     return out
 
 
-def step_record(steps: UpdateSteps, results: list, total: float) -> dict:
+def step_record(steps: UpdateSteps, results: list, total: float, dynamic: bool) -> dict:
     """One timed update's figures, summed over its batch steps (as reporting/logs.py's update record): the
     split, draws (dynamic sampling: more than one per batch step), decode passes, rows decoded per row
     trained, and with tools the tool calls of the drawn rows."""
@@ -275,7 +276,9 @@ def step_record(steps: UpdateSteps, results: list, total: float) -> dict:
            "logprob_s": sum(s.t_logprob for s in stats), "train_s": sum(r.t_train for r in results),
            "tokens": sum(s.tokens for s in stats), "reward_mean": float(np.mean(rewards)) if len(rewards) else None,
            "truncated": float(np.mean(np.concatenate([s.truncated for s in stats]))), "batch_steps": len(stats),
-           "draws": sum(s.draws for s in stats), "decode_passes": sum(s.decode_passes for s in stats),
+           "draws": sum(s.draws for s in stats),
+           # without dynamic sampling an update's batch steps decode together, in one pass
+           "decode_passes": sum(s.decode_passes for s in stats) if dynamic else 1,
            "rows_decoded": drawn, "rows_trained": trained, "rows_decoded_per_trained": drawn / trained if trained else None}
     if stats[0].tool_calls is not None:
         calls = np.concatenate([s.tool_calls for s in stats])
@@ -318,7 +321,7 @@ def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
             if steps is None:
                 raise UserError(f"step section: the training data ran out after {i} updates")
             results = [job.trainer.update(steps) for _ in range(cfg.objective.num_iterations)]
-            rec = step_record(steps, results, time.perf_counter() - t0)
+            rec = step_record(steps, results, time.perf_counter() - t0, cfg.rollout.dynamic_sampling)
             print(f"grpo step {i}{' (warm-up)' if i < warmup else ''}: {rec['total_s']:.2f} s = rollout "
                   f"{rec['rollout_s']:.2f} + reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train "
                   f"{rec['train_s']:.2f}; {rec['tokens']} tokens; {step_line(rec)}", flush=True)
@@ -366,8 +369,8 @@ def markdown(result: dict) -> str:
         per = f"{r['rows_decoded_per_trained']:.2f}" if r["rows_decoded_per_trained"] is not None else "-"
         tools = f", {r['tool_calls']:g} tool calls" if "tool_calls" in r else ""
         lines.append(f"| full GRPO step s: rollout {r['rollout_s']:.2f} + reward {r['reward_s']:.2f} + log-probs "
-                     f"{r['logprob_s']:.2f} + train {r['train_s']:.2f}; {r['draws']:g} draws in {r['decode_passes']:g} "
-                     f"decode passes, {per} rows decoded per row trained{tools}; peak {r['peak_memory_gb']:.1f} GB "
+                     f"{r['logprob_s']:.2f} + train {r['train_s']:.2f}; {r['draws']:g} draw(s) in {r['decode_passes']:g} "
+                     f"decode pass(es), {per} rows decoded per row trained{tools}; peak {r['peak_memory_gb']:.1f} GB "
                      f"| {r['total_s']:.2f} | | |")
     return "\n".join(lines)
 
@@ -456,7 +459,9 @@ def run(args: argparse.Namespace, sections: list[str], argv: list[str] | None) -
     if not args.shape:
         return run_model(args, sections, argv, args.model)  # None with --config: the preset's model_name
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else shapes.default_tokenizer_dir()
-    name = args.dtype if args.dtype in ("float32", "float16") else "bfloat16"
+    # the weights are written in the dtype the run computes in: --dtype, else the preset's, else bfloat16
+    wanted = args.dtype or (build_config("train", args.config, []).model.model_dtype if args.config else "")
+    name = wanted if wanted in ("float32", "float16") else "bfloat16"
     dtype = getattr(mx, name)
     with tempfile.TemporaryDirectory(prefix="grpo_bench-shape-") as tmp:
         model_dir = shapes.write_model_dir(args.shape, Path(tmp) / args.shape, tokenizer_dir, dtype, seed=0,
@@ -521,7 +526,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
                            "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
                            "micro_batch_size": cfg.training.micro_batch_size,
                            "micro_batch_tokens": cfg.training.micro_batch_tokens,
-                           "data": args.data or cfg.data.dataset, "config": args.config or None,
+                           "data": args.data or cfg.data.dataset_path or cfg.data.dataset, "config": args.config or None,
                            "dynamic_sampling": cfg.rollout.dynamic_sampling, "tools": cfg.rollout.tools}}
     w = result["workload"]
     print(f"device: {result['device']}; mlx {result['versions']['mlx']}, mlx-lm {result['versions']['mlx_lm']}; "

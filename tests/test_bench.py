@@ -209,7 +209,7 @@ def test_grpo_bench_swaps_in_a_random_weight_shape_with_lora(tiny_model_dir, tmp
                            "--tokenizer", str(tiny_model_dir), "--train-type", "lora", "--dtype", "float32",
                            "--data", str(data), "--batch", "2", "--group", "2", "--max-new-tokens", "5",
                            "--sizes", "2x2", "--sections", "rollout,step", "--repeats", "1", "--warmup", "2",
-                           "--out", str(out)],
+                           "--set", "gradient_accumulation_steps=2", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
@@ -225,6 +225,8 @@ def test_grpo_bench_swaps_in_a_random_weight_shape_with_lora(tiny_model_dir, tmp
     step = record["step"]
     assert step["warmup"] == 2 and len(step["steps"]) == 3 and step["total_s"] == step["steps"][2]["total_s"]
     assert proc.stdout.count("(warm-up)") == 2
+    # without dynamic sampling an update's two batch steps are two draws decoded together, in one pass
+    assert all(s["draws"] == 2 and s["decode_passes"] == 1 and s["rows_decoded_per_trained"] == 1 for s in step["steps"])
 
 
 def test_grpo_bench_times_a_presets_update_with_dynamic_sampling(tiny_model_dir, tmp_path, capsys):
