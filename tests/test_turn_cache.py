@@ -252,3 +252,26 @@ def test_rows_kept_between_syncs_equal_a_whole_assembly(attending, monkeypatch):
     outs, _ = _episodes(*attending, True, sync_every=2)
     assert len(checked) > 10 and checked[-1] > checked[0]  # many syncs, rows added by later turns
     assert max(_calls(outs)) >= 2
+
+
+def test_a_refill_copies_the_cache_one_half_at_a_time(tiny_model_dir):
+    """CopyDecoder.admit appends rows with one copy of the cache, the keys' copy made (and the old keys let go)
+    before the values are copied: the refill's peak stays near 1.5x the cache, where copying both at once
+    held 2x (a large batch's refill is what ran out of device memory with tools)."""
+    model, _ = load_model(str(tiny_model_dir), "float32")
+    engine = RolloutEngine(None, mode="copy").refresh(model)
+    spec = engine.spec
+    copy = CopyDecoder(spec, engine.weights, None, False, 0)
+    copy.idx, slots, capacity = 8, 4096, 64  # a cache much larger than the row the refill adds
+    shape = (len(engine.weights["layers"]), slots, spec.kv_heads, capacity, spec.head_dim)
+    copy.keys, copy.values = mx.zeros(shape), mx.zeros(shape)
+    copy.start = mx.zeros((slots,), dtype=mx.int32)
+    mx.eval(copy.keys, copy.values, copy.start)
+    cache = 2 * copy.keys.nbytes
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    logits, rows = copy.admit([([1, 2, 3], 0, 1, None)], T=capacity - copy.idx)
+    peak = mx.get_peak_memory() - before
+    assert copy.keys.shape[1] == slots + 1 and rows.tolist() == [0] and logits.shape[0] == 1
+    assert peak < 0.6 * cache, f"the refill held {peak / cache:.2f}x the cache beside it"
