@@ -85,6 +85,7 @@ from mlx_grpo.data.examples import load_examples
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.forward import pack
 from mlx_grpo.models.model_loading import load_model
+from mlx_grpo.reporting.logs import update_record
 from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout, supports_static_cache
 from mlx_grpo.rollout.engine import uses_copy
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
@@ -265,25 +266,26 @@ def bench_memory(model, prompts, rows: int, length: int, cfg, pad_id, budgets: l
     return out
 
 
-def step_record(steps: UpdateSteps, results: list, total: float, dynamic: bool) -> dict:
-    """One timed update's figures, summed over its batch steps (as reporting/logs.py's update record): the
-    split, draws (dynamic sampling: more than one per batch step), decode passes, rows decoded per row
-    trained, and with tools the tool calls of the drawn rows."""
+def step_record(job, steps: UpdateSteps, results: list, total: float) -> dict:
+    """One timed update's figures: the split, rows decoded and trained, and the draws, decode passes, rows decoded
+    per row trained and tool-call rate as the run's own metrics record gives them (reporting/logs.update_record),
+    with the tool calls of the drawn rows."""
     stats = [b.stats for b in steps.batches]
+    logged = update_record(job.cfg, job.counters, steps.position, stats, results[-1])
     rewards = np.concatenate([s.rewards for s in stats])
-    drawn, trained = sum(len(s.lengths) for s in stats), sum(len(s.texts) for s in stats)
     rec = {"total_s": total, "rollout_s": sum(s.t_rollout for s in stats), "reward_s": sum(s.t_reward for s in stats),
            "logprob_s": sum(s.t_logprob for s in stats), "train_s": sum(r.t_train for r in results),
            "tokens": sum(s.tokens for s in stats), "reward_mean": float(np.mean(rewards)) if len(rewards) else None,
            "truncated": float(np.mean(np.concatenate([s.truncated for s in stats]))), "batch_steps": len(stats),
-           "draws": sum(s.draws for s in stats),
-           # without dynamic sampling an update's batch steps decode together, in one pass
-           "decode_passes": sum(s.decode_passes for s in stats) if dynamic else 1,
-           "rows_decoded": drawn, "rows_trained": trained, "rows_decoded_per_trained": drawn / trained if trained else None}
-    if stats[0].tool_calls is not None:
-        calls = np.concatenate([s.tool_calls for s in stats])
-        rec["tool_calls"] = int(calls.sum())
-        rec["tool_call_rate"] = float(np.mean(calls > 0)) if len(calls) else 0.0
+           "draws": logged["draws"], "rows_decoded": sum(len(s.lengths) for s in stats),
+           "rows_trained": sum(len(s.texts) for s in stats),
+           # the record has these with dynamic sampling only: otherwise an update's batch steps decode together,
+           # in one pass, and train every row drawn
+           "decode_passes": logged.get("decode_passes", 1),
+           "rows_decoded_per_trained": logged.get("rows_decoded_per_trained", 1.0)}
+    if "tool_call_rate" in logged:
+        rec["tool_calls"] = int(sum(s.tool_calls.sum() for s in stats))
+        rec["tool_call_rate"] = logged["tool_call_rate"]
     return rec
 
 
@@ -321,7 +323,7 @@ def bench_step(cfg, repeats: int, warmup: int = 1) -> dict:
             if steps is None:
                 raise UserError(f"step section: the training data ran out after {i} updates")
             results = [job.trainer.update(steps) for _ in range(cfg.objective.num_iterations)]
-            rec = step_record(steps, results, time.perf_counter() - t0, cfg.rollout.dynamic_sampling)
+            rec = step_record(job, steps, results, time.perf_counter() - t0)
             print(f"grpo step {i}{' (warm-up)' if i < warmup else ''}: {rec['total_s']:.2f} s = rollout "
                   f"{rec['rollout_s']:.2f} + reward {rec['reward_s']:.2f} + log-probs {rec['logprob_s']:.2f} + train "
                   f"{rec['train_s']:.2f}; {rec['tokens']} tokens; {step_line(rec)}", flush=True)
