@@ -306,6 +306,14 @@ def hidden_states(inner: nn.Module, inputs: mx.array, checkpoint_layers: bool = 
         setattr(inner, name, layers)
 
 
+def completion_hidden(split: ResolvedSplit, batch: PackedBatch, checkpoint_layers: bool = False) -> mx.array:
+    """The final hidden states [n, T, D] at the positions whose logits predict the completion tokens: what the
+    output head sees, for the families in LOGIT_SPLITS (the other [n, L - T] positions skip the head)."""
+    hidden = hidden_states(split.inner, batch.inputs, checkpoint_layers)  # [n, L, D]
+    idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
+    return mx.take_along_axis(hidden, idx, axis=1)
+
+
 def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float,
                         chunk_tokens: int | None = None, checkpoint_layers: bool = False,
                         extra: mx.array | None = None):
@@ -322,9 +330,7 @@ def completion_logprobs(model: nn.Module, batch: PackedBatch, temperature: float
     with bounded_scan(model):
         split = logit_split(model)
         if split is not None:
-            hidden = hidden_states(split.inner, batch.inputs, checkpoint_layers)  # [n, L, D]
-            idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
-            picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
+            picked = completion_hidden(split, batch, checkpoint_layers)  # [n, T, D]
             # dividing the (capped) logits by d then by the temperature is one division by d * temperature
             scale = temperature * (split.divide or 1.0)
             return head_logprobs(split.outer, picked, batch.targets, scale, chunk_tokens, split.softcap)  # [n, T]
@@ -343,9 +349,7 @@ def completion_topk(model: nn.Module, batch: PackedBatch, temperature: float, k:
     with bounded_scan(model):
         split = logit_split(model)
         if split is not None:
-            hidden = hidden_states(split.inner, batch.inputs)  # [n, L, D]
-            idx = mx.broadcast_to(batch.positions[..., None], (*batch.positions.shape, hidden.shape[-1]))
-            picked = mx.take_along_axis(hidden, idx, axis=1)  # [n, T, D]
+            picked = completion_hidden(split, batch)  # [n, T, D]
             module, project = output_head(split.outer)
             rows, scale = picked.reshape(-1, picked.shape[-1]), temperature * (split.divide or 1.0)
             vocab = module.weight.shape[0]
