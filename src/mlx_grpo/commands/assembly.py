@@ -162,7 +162,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
     policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None, teacher=teacher,
                         teacher_source=teacher_source,
-                        tokens=len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None)
+                        tokens=vocabulary_size(tokenizer))
     if not (cfg.eval.eval_every_updates or cfg.eval.eval_steps):
         evals = None  # loaded only to keep its questions out of the worked examples
     return make_job(cfg, world or World(), tokenizer, policies, rewards, train, evals, worked, source_dir,
@@ -174,13 +174,18 @@ TOKENIZER_PROBES = ("The answer is 42.", "What is 17 * 23 - 5? <answer>386</answ
                     "Café déjà vu, naïve façade.", "🙂 日本語 ∑ x_i")
 
 
+def vocabulary_size(tokenizer) -> int | None:
+    """The tokenizer's number of token ids (None for one that cannot list them)."""
+    return len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None
+
+
 def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
     """On-policy distillation's teacher, loaded in model_dtype (quantized weights stay quantized), or
     teacher_url's server (load_served_teacher); -> (teacher, what it is: the checkpoint a run directory
     resolved to, or the URL), which checkpoints record so that a resume keeps the same teacher. Its log-probs
     are of token ids: a teacher whose tokenizer encodes text differently from the student's would score other
     tokens, so it is refused in one line saying what differs."""
-    vocab = len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None
+    vocab = vocabulary_size(tokenizer)
     if vocab is not None and cfg.objective.distill_topk > vocab:
         raise UserError(f"distill_topk = {cfg.objective.distill_topk} is more than the vocabulary's {vocab} "
                         "tokens: set distill_topk <= the vocabulary size")
@@ -193,7 +198,7 @@ def load_teacher(cfg: Config, tokenizer, say=print) -> tuple[object, str]:
         name = str(found[-1])  # a run directory: its latest checkpoint
         say(f"[mlx-grpo] teacher_model: {name}, the latest checkpoint of {run}")
     teacher, theirs = load_model(name, cfg.model.model_dtype)
-    sizes = [len(t.get_vocab()) if hasattr(t, "get_vocab") else None for t in (theirs, tokenizer)]
+    sizes = [vocabulary_size(t) for t in (theirs, tokenizer)]
     if None not in sizes and sizes[0] != sizes[1]:
         raise UserError(f"teacher_model {name!r} has a vocabulary of {sizes[0]} tokens, the student "
                         f"{cfg.model.model_name!r} {sizes[1]}: on-policy distillation needs the same tokenizer "
