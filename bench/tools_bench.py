@@ -13,6 +13,9 @@ decode loop's refills, stop-string checks, rows kept between syncs and turns han
 refill. On a CPU with a tiny model that calls a tool (--caller writes one: the tests' bigram caller,
 tests/caller_model.py, writing longer turns; its steps cost little) this is the host work a GPU rollout pays at every sync:
   python bench/tools_bench.py --host --caller --set batch_size=32 --set num_generations=8 --set max_tool_turns=6
+
+--phases then runs one more batch of each preset on the copy with the loop's parts timed to the device's end
+(phase_times): where a GPU rollout's seconds go (refill copies, admissions, turns handed over, sync waits).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -43,7 +48,7 @@ def batches(cfg, n: int) -> list[list]:
     return [examples[i * size:(i + 1) * size] for i in range(n)]
 
 
-def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, profile: bool = False) -> dict:
+def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26)
     engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute").refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
@@ -65,17 +70,16 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, profile: bool = 
                     "tokens_per_s": float(rollout.lengths.sum()) / seconds,
                     "decode_steps": engine.steps, "row_steps": engine.row_steps,
                     "prefilled_tokens": getattr(engine, "prefilled_tokens", None)})
-    if profile:  # one more batch under cProfile: where a tool-calling draw's seconds go (host functions)
-        import cProfile
-        import io
-        import pstats
-
-        prof = cProfile.Profile()
-        prof.runcall(one, 0, batches(cfg, 1)[0])
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(35)
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        print(text.getvalue(), flush=True)
+    if phases:  # one more batch with each part of the loop timed to the device's end (phase_times)
+        with phase_times() as timer:
+            t0 = time.perf_counter()
+            one(0, batches(cfg, 1)[0])
+            timer["total_s"] = time.perf_counter() - t0
+        timer["decode_steps"], timer["row_steps"] = engine.steps, engine.row_steps
+        print(json.dumps(timer), flush=True)
+        return {"uses_copy": engine.uses_copy, "batches": out, "phases": timer,
+                "seconds_mean": float(np.mean([b["seconds"] for b in out])),
+                "tokens_per_s": float(np.mean([b["tokens_per_s"] for b in out]))}
     return {"uses_copy": engine.uses_copy, "batches": out,
             "seconds_mean": float(np.mean([b["seconds"] for b in out])),
             "tokens_per_s": float(np.mean([b["tokens_per_s"] for b in out]))}
@@ -103,6 +107,74 @@ def stop_scan_cost(tokenizer, rows: int, T: int, sync_every: int, stops: tuple[s
     tails = time.perf_counter() - t0
     return {"rows": rows, "tokens": T, "sync_every": sync_every, "whole_rows_s": whole, "tails_s": tails,
             "ratio": whole / tails}
+
+
+# The decode loop's parts --phases times to the device's end: label -> (module, class, method)
+PHASES = {"decode loop (all)": ("loop", None, "decode_rows"), "first prefill": ("copy_decoder", "CopyDecoder", "begin"),
+          "finish rows": ("loop", None, "finish_rows"), "refill: compact": ("copy_decoder", "CopyDecoder", "select"),
+          "refill: admit": ("copy_decoder", "CopyDecoder", "admit"),
+          "turns: report": ("turns", "TurnRows", "report"), "turns: take": ("turns", "TurnRows", "take"),
+          "rows at syncs": ("columns", "Written", "update"), "stop checks": ("columns", "StopRows", "stopped")}
+
+
+@contextmanager
+def phase_times():
+    """Within: each of PHASES timed from the device's idle to its end (mx.synchronize on both sides); the loop's
+    wait at a sync (its mx.eval: the device finishing the steps queued since the last sync), the decode step's
+    dispatch and its mx.async_eval timed on the host alone (on a GPU their device time lands in the next sync's
+    wait; on a CPU async_eval computes the step), and each refill's batch, admitted rows and cache capacity. Yields the record,
+    filled as the loop runs: {label: [seconds, calls]}, "admits": [(rows before, admitted, capacity)]."""
+    import importlib
+
+    import mlx_grpo.rollout.loop as loop
+
+    timer = {label: [0.0, 0] for label in [*PHASES, "sync wait", "step dispatch", "step async_eval"]}
+    timer["admits"] = []
+    undo = []
+
+    def timed_call(label, fn, synchronize=True):
+        def wrapper(*a, **k):
+            if synchronize:
+                mx.synchronize()
+            t0 = time.perf_counter()
+            result = fn(*a, **k)
+            if synchronize:
+                mx.synchronize()
+            timer[label][0] += time.perf_counter() - t0
+            timer[label][1] += 1
+            return result
+        return wrapper
+
+    for label, (module, cls, name) in PHASES.items():
+        owner = importlib.import_module(f"mlx_grpo.rollout.{module}")
+        owner = owner if cls is None else getattr(owner, cls)
+        if cls is None:  # a module function: patched where the engine imported it
+            import mlx_grpo.rollout.engine as owner
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, timed_call(label, getattr(owner, name)))
+    decoder_cls = importlib.import_module("mlx_grpo.rollout.copy_decoder").CopyDecoder
+    undo.append((decoder_cls, "step", decoder_cls.step))
+    decoder_cls.step = timed_call("step dispatch", decoder_cls.step, synchronize=False)
+    admit = decoder_cls.admit
+
+    def recorded_admit(self, entries, T):
+        timer["admits"].append((int(self.keys.shape[1]), sum(e[2] for e in entries), int(self.keys.shape[3])))
+        return admit(self, entries, T)
+    decoder_cls.admit = recorded_admit
+
+    class LoopMx:  # the loop's mx with its sync's eval timed (the device finishing the steps queued since the last)
+        eval = staticmethod(timed_call("sync wait", mx.eval, synchronize=False))
+        async_eval = staticmethod(timed_call("step async_eval", mx.async_eval, synchronize=False))
+
+        def __getattr__(self, name):
+            return getattr(mx, name)
+    undo.append((loop, "mx", loop.mx))
+    loop.mx = LoopMx()
+    try:
+        yield timer
+    finally:
+        for owner, name, fn in reversed(undo):
+            setattr(owner, name, fn)
 
 
 # The decode loop's host parts (--host): label -> the functions (file, name) whose cumulative seconds add up to it
@@ -168,7 +240,7 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="copy,model", help="copy, copy-recompute (later turns re-prefilled), model")
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
     ap.add_argument("--stop-scan", action="store_true", help="only time the stop-string checks (host work)")
-    ap.add_argument("--profile", action="store_true", help="then profile one tools batch (cProfile)")
+    ap.add_argument("--phases", action="store_true", help="then time the decode loop's parts over one more batch")
     ap.add_argument("--host", action="store_true", help="only profile one tools batch's host work on the copy")
     ap.add_argument("--caller", action="store_true", help="the model: the tests' tiny tool caller (for --host)")
     ap.add_argument("--out")
@@ -207,7 +279,7 @@ def main(argv=None) -> None:
             model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)  # the compute dtype, as training
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
-                                                   args.profile and name == "tools" and mode == args.modes.split(",")[0])
+                                                   args.phases and mode == "copy")
             r = result["runs"][f"{name}/{mode}"]
             print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
                   f"{r['tokens_per_s']:.0f} tok/s  "

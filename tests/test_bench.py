@@ -423,11 +423,17 @@ def test_tools_bench_times_rollouts_with_and_without_tools(tmp_path):
     out = tmp_path / "tools.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--set", f"model_name={model}",
                            "--set", "batch_size=2", "--set", "num_generations=2", "--set", "max_new_tokens=16",
-                           "--batches", "1", "--repeats", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--set", "max_tool_turns=4", "--batches", "1", "--repeats", "1", "--phases",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert set(result["runs"]) == {f"{v}/{m}" for v in ("plain", "prompt", "tools") for m in ("copy", "model")}
+    # --phases: the copy's loop timed by parts; a tool-calling batch admits next turns, a plain one does not
+    tools, plain = result["runs"]["tools/copy"]["phases"], result["runs"]["plain/copy"]["phases"]
+    assert "phases" not in result["runs"]["tools/model"]
+    assert tools["refill: admit"][1] == len(tools["admits"]) > 0 and plain["admits"] == []
+    assert tools["turns: report"][1] > 0 and tools["decode_steps"] > 0
+    assert 0 < tools["sync wait"][0] + tools["refill: admit"][0] < tools["decode loop (all)"][0] <= tools["total_s"]
     assert result["runs"]["tools/copy"]["uses_copy"] and not result["runs"]["tools/model"]["uses_copy"]
     # the caller model writes calls in nanochat's syntax, which its tokenizer's special tokens make "auto"
     assert result["runs"]["tools/copy"]["batches"][0]["tool_call_rate"] > 0
