@@ -50,7 +50,8 @@ def batches(cfg, n: int) -> list[list]:
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26)
-    engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute").refresh(model)
+    engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute",
+                           graph=cfg.rollout.decode_graph).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, out = cfg.rollout.num_generations, []
