@@ -142,7 +142,8 @@ def _prompt_batch(model, prompts: list[list[int]], max_new_tokens: int, graph: b
     return engine, params, width, padding, tokens
 
 
-def _sampling_start(engine, params, logits, padding, group: int, max_new_tokens: int, seed: int):
+def _sampling_start(engine, params, logits, padding, group: int, max_new_tokens: int, seed: int,
+                    write_cache: bool = False):
     """The rows' start offsets [N], per-step keys [T, N, 2], the sampler's first state (from the prefill's
     logits, each prompt's repeated G times) and the engine's compiled step."""
     from mlx_grpo.models import decoder as D
@@ -156,11 +157,12 @@ def _sampling_start(engine, params, logits, padding, group: int, max_new_tokens:
     eos = mx.array([-1], dtype=mx.int32)
     state = list(make_sampler(params, eos)(logits, step_keys[0], mx.zeros((n,), dtype=mx.bool_)))
     kernel = D.kernel_serves(engine.spec)
-    return start, step_keys, state, kernel, engine.step_fn(params, (), kernel)
+    return start, step_keys, state, kernel, engine.step_fn(params, (), kernel, write_cache)
 
 
 @contextmanager
-def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int,
+                in_place: bool = False):
     """The decode step of mlx_grpo.rollout.engine.RolloutEngine (its defaults, ignore_eos, temperature 1), from the
     engine's own pieces as rollout/copy_decoder.CopyDecoder puts them together: the sampling copy's prefill
     (decoder.prefill, each prompt once, its cache repeated G times into buffers with room for every token,
@@ -174,8 +176,9 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
     tail = [(0, 0), (0, 0), (0, max_new_tokens), (0, 0)]  # room for every generated token
     keys = [mx.repeat(mx.pad(k, tail), group, axis=0) for k in keys]  # lazy: [N, Hkv, width + T, Dh] per layer
     values = [mx.repeat(mx.pad(v, tail), group, axis=0) for v in values]
+    writes = in_place and D.fused_serves(engine.spec, D.kernel_serves(engine.spec))
     start, step_keys, state, kernel, compiled = _sampling_start(engine, params, logits, padding, group,
-                                                                max_new_tokens, seed)
+                                                                max_new_tokens, seed, writes)
     # The cache layout is the step's: one buffer for all layers [layers, N, Hkv, S, Dh] or one per layer.
     # Tracing the step on the stacked buffer (lazily: nothing is computed) tells which: a per-layer step
     # reads the stacked buffer's slices just as well, and hands back its new keys as a list.
@@ -194,11 +197,11 @@ def engine_step(model, prompts: list[list[int]], group: int, max_new_tokens: int
         token, logprob, entropy, ended, new_k, new_v = compiled(
             weights, token, keys, values, idx - start, start, mx.array([idx], dtype=mx.int32), step_keys[index],
             ended)
-        if per_layer:  # in place, outside the compiled graph
+        if per_layer and not writes:  # outside the compiled graph (writes: the fused kernel wrote them)
             for layer, (k, v) in enumerate(zip(new_k, new_v)):
                 keys[layer][..., idx:idx + 1, :] = k
                 values[layer][..., idx:idx + 1, :] = v
-        else:
+        elif not writes:
             keys[..., idx:idx + 1, :] = new_k
             values[..., idx:idx + 1, :] = new_v
         state[:] = [token, logprob, entropy, ended]
@@ -256,8 +259,14 @@ def graph_split_step(model, prompts: list[list[int]], group: int, max_new_tokens
     return graph_step(model, prompts, group, max_new_tokens, seed, fuse=False)
 
 
-STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step, "graph": graph_step,
-                 "graph_split": graph_split_step}  # name -> context manager yielding a Decoder
+def engine_in_place_step(model, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int):
+    """engine_step as the engine runs it where the fused kernel serves: the kernel writes each token's keys and
+    values into the cache in place (write_in_step), where engine_step writes them outside (a copy a step)."""
+    return engine_step(model, prompts, group, max_new_tokens, seed, in_place=True)
+
+
+STEP_BUILDERS = {"trainer": trainer_step, "engine": engine_step, "engine_inplace": engine_in_place_step,
+                 "graph": graph_step, "graph_split": graph_split_step}  # name -> context manager yielding a Decoder
 
 
 def count_primitives(outputs: list[mx.array]) -> dict:

@@ -137,3 +137,33 @@ def test_keyed_sampler_draws_mlx_bits_noise_and_tokens(rows, vocab):
     assert mx.array_equal(bits, layout_bits(keys, vocab)).item()
     assert mx.array_equal(gumbel_from_bits(bits), gumbel_reference(keys, vocab)).item()
     assert categorical(logits, keys).tolist() == categorical_reference(logits, keys).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_fused_step_writes_the_cache_as_the_loop_did(tmp_path, graph):
+    """write_in_step: the fused kernel writes each token's keys and values into the engine's cache in place, where
+    the loop wrote them outside the step (a copy of the cache each step). Over three batch steps decoded together
+    (compaction and refills between steps), every token and log-prob equals the loop's writes' to the bit: the
+    same values land in the same slots."""
+    from mlx_lm import load
+
+    from mlx_grpo.models import decoder
+    from mlx_grpo.models.tiny import write_tiny_model
+    from mlx_grpo.rollout.engine import RolloutEngine
+    from mlx_grpo.rollout.rollout_records import SamplingParams
+
+    model, tokenizer = load(str(write_tiny_model(tmp_path / "m", hidden=128, layers=3)))  # 2 heads of 64
+    model.set_dtype(mx.bfloat16)
+    prompts = [[[5 + (j * 7 + i) % 20] * (3 + i + j) for i in range(4)] for j in range(3)]
+    jobs = [(p, mx.random.split(mx.random.key(j), 16)) for j, p in enumerate(prompts)]
+    params = SamplingParams(48, 1.0)
+    out = {}
+    for writes in (True, False):
+        engine = RolloutEngine(tokenizer, mode="copy", graph=graph, write_in_step=writes).refresh(model)
+        assert decoder.fused_serves(engine.spec, decoder.kernel_serves(engine.spec))
+        out[writes] = engine.generate_many(jobs, 4, params)
+    for got, want in zip(out[True], out[False]):
+        assert (np.array(got.completion_ids) == np.array(want.completion_ids)).all()
+        assert (np.array(got.sampler_logprobs) == np.array(want.sampler_logprobs)).all()
+    assert len({int(x) for r in out[True] for x in np.array(r.mask).sum(axis=1)}) > 1  # rows ended apart

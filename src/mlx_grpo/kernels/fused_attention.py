@@ -101,6 +101,10 @@ _FUSED_SOURCE = LAYOUT + """
                 const size_t at = (size_t)(row * HKV + kv_head) * D + ELEMENT(i);
                 new_keys[at] = static_cast<T>(k_new[i]);
                 new_values[at] = static_cast<T>(v_new[i]);
+                if (WRITE && end < S) {  // write_cache: the token's slot of the cache, in place
+                    const_cast<T*>(kbase)[(size_t)end * D + ELEMENT(i)] = static_cast<T>(k_new[i]);
+                    const_cast<T*>(vbase)[(size_t)end * D + ELEMENT(i)] = static_cast<T>(v_new[i]);
+                }
             }
         }
     }
@@ -126,11 +130,17 @@ def fused_split(rows: int, heads: int, head_dim: int) -> tuple[int, int]:
 
 
 def fused_decode_attention(qkv: mx.array, keys: mx.array, values: mx.array, start: mx.array, stop: mx.array,
-                           positions: mx.array, theta: mx.array, scale: float, heads: int, layer: int):
+                           positions: mx.array, theta: mx.array, scale: float, heads: int, layer: int,
+                           write_cache: bool = False):
     """RoPE + attention of each row's new token over cache slots [start[r], stop[0]) of layer `layer` and
     itself. qkv [N, (Hq + 2 Hkv) D] the token's projections (pre-RoPE); keys, values [layers, N, Hkv, S, D];
     positions [N] int32 RoPE positions; theta [D / 2] float32 angles per position. -> (out [N, Hq, 1, D],
-    the token's RoPE'd key and its value, each [N, Hkv, 1, D])."""
+    the token's RoPE'd key and its value, each [N, Hkv, 1, D]).
+
+    write_cache: also write the token's key and value into slot stop[0] of keys, values, in place. MLX does not
+    see that write: only for a cache whose buffer no other array shares, read after the step has run (the
+    engine's sampling copy). It spares the step the write MLX would make outside: a slice update whose input
+    an earlier step still reads on the GPU cannot be donated, so it copied the whole cache every step."""
     N = qkv.shape[0]
     _, _, Hkv, S, D = keys.shape
     assert D in HEAD_DIMS and heads % Hkv == 0 and qkv.shape[1] == (heads + 2 * Hkv) * D
@@ -139,7 +149,8 @@ def fused_decode_attention(qkv: mx.array, keys: mx.array, values: mx.array, star
     return _fused_kernel()(
         inputs=[qkv, keys, values, start, stop, positions, theta, scale_array(float(scale)),
                 mx.array([N, S], dtype=mx.int32), mx.array([layer], dtype=mx.int32)],
-        template=[("T", qkv.dtype), ("D", D), ("HQ", heads), ("HKV", Hkv), ("SPLIT", split), ("NB", batches)],
+        template=[("T", qkv.dtype), ("D", D), ("HQ", heads), ("HKV", Hkv), ("SPLIT", split), ("NB", batches),
+                  ("WRITE", int(write_cache))],
         grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, heads, 1, D), (N, Hkv, 1, D), (N, Hkv, 1, D)],
         output_dtypes=[qkv.dtype] * 3)

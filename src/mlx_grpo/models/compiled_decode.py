@@ -14,11 +14,13 @@ layer, of which only ~7 compute. This step computes the same forward with:
   graph, so one trace serves every cache length (mlx #3964: Python scalars are frozen into a compiled graph,
   and changing ones grow its cache).
 
-The new keys/values are written into the cache *outside* the compiled graph, at a Python slice (the
-engine's loop index), as the default step writes them: measured on the H100 (docs/benchmarks-history.md, third sitting), a
-slice_update at an array offset (inside the graph or outside) made the step 2.3x slower at 256 rows and
-2.8x at 1,024, its time growing with the cache (the buffer copied, not written in place), while the static slice
-update is donated (written in place). The slot array still feeds the graph's RoPE positions and masks.
+The new keys/values are written into the cache as the default step writes them: by the fused kernel in place
+(write_cache), or else outside the compiled graph at a Python slice (the engine's loop index). A slice_update at
+an array offset (inside the graph or outside) made the step 2.3x slower at 256 rows on the H100
+(docs/benchmarks-history.md, third sitting). The static slice is not written in place either while a step still
+reading the cache runs on the GPU (MLX keeps a kernel's inputs alive until it ends, so the update cannot be
+donated): it copies the cache too, which write_cache avoids. The slot array still feeds the graph's RoPE positions
+and masks.
 
 The arithmetic is decoder.decode_step's, operation for operation; only the matmuls' operand layout differs
 (x @ W' with W' = W^T stored contiguous), which can change a float's last bits on some backends. Tests: the
@@ -31,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_grpo.kernels.fused_attention import fused_decode_attention
-from mlx_grpo.models.decoder import Spec, cache_attention, merge_own_slot
+from mlx_grpo.models.decoder import Spec, cache_attention, fused_serves, merge_own_slot
 
 MATRICES = ("qkv", "o", "gate_up", "down")
 
@@ -61,22 +63,23 @@ def _linear(x: mx.array, w: dict, name: str, residual: mx.array | None = None) -
 
 
 def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx.array, slot: mx.array,
-                start: mx.array, kernel: bool, fuse: bool = True):
+                start: mx.array, kernel: bool, fuse: bool = True, write_cache: bool = False):
     """One token per row, the fed token written at cache slot `slot` [1]: token [n] at RoPE position
     slot - start[r], attending cache slots [start[r], slot) plus itself; keys, values [layers, n, Hkv, S, Dh];
     w from graph_weights; fuse=False keeps RoPE and attention as the default engine runs them (the bench's
-    comparison). -> (logits [n, V], the token's keys and values [layers, n, Hkv, 1, Dh])."""
+    comparison). -> (logits [n, V], the token's keys and values [layers, n, Hkv, 1, Dh]); write_cache: the fused
+    kernel also writes them at `slot` in place (decoder.decode_step)."""
     n = token.shape[0]
     H, Hkv, Dh, eps = spec.heads, spec.kv_heads, spec.head_dim, spec.eps
     offset = slot - start  # [n]
     x = w["embed"][token]  # [n, D]
     new_keys, new_values = [], []
-    fused = fuse and kernel and spec.theta is not None and not spec.qk_norm
+    fused = fuse and fused_serves(spec, kernel)
     for layer, lw in enumerate(w["layers"]):
         qkv = _linear(mx.fast.rms_norm(x, lw["ln1"], eps), lw, "qkv")  # [n, (H + 2 Hkv) Dh]
         if fused:  # RoPE, attention and the own slot in one launch
             out, k, v = fused_decode_attention(qkv, keys, values, start, slot, offset, spec.theta, spec.scale, H,
-                                               layer)
+                                               layer, write_cache)
         else:
             q, k, v = mx.split(qkv, [H * Dh, (H + Hkv) * Dh], axis=-1)
             # one position: [n, heads * Dh] is [n, heads, 1, Dh] in memory, as decoder's transposes give it
@@ -99,7 +102,8 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx
     return logits, gather(new_keys), gather(new_values)
 
 
-def make_step(spec: Spec, sample, eos: mx.array, kernel: bool, on_trace=None, fuse: bool = True):
+def make_step(spec: Spec, sample, eos: mx.array, kernel: bool, on_trace=None, fuse: bool = True,
+              write_cache: bool = False):
     """The compiled step: (weights, token, keys, values, slot, start, kstep, row_keys, ended) -> (token,
     logprob, entropy, ended, new_keys, new_values, slot + 1, kstep + 1). sample(logits, row_keys) ->
     (token, logprob, entropy); eos [E] int32 ids that end a row. on_trace() is called each time MLX traces it
@@ -108,7 +112,8 @@ def make_step(spec: Spec, sample, eos: mx.array, kernel: bool, on_trace=None, fu
     def step(weights, token, keys, values, slot, start, kstep, row_keys, ended):
         if on_trace is not None:
             on_trace()
-        logits, new_k, new_v = decode_step(spec, weights, token, keys, values, slot, start, kernel, fuse)
+        logits, new_k, new_v = decode_step(spec, weights, token, keys, values, slot, start, kernel, fuse,
+                                           write_cache)
         token, logprob, entropy = sample(logits, row_keys)
         ended = ended | (token[:, None] == eos[None]).any(axis=1)
         return token, logprob, entropy, ended, new_k, new_v, slot + 1, kstep + 1

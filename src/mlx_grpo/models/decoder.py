@@ -9,10 +9,12 @@ forward's in float32 (tests: 2e-5) and differ within bfloat16's rounding in bflo
 ~0.004 nats per token on a tiny model), the level at which the sampler_kl metric and rollout_correction
 already see any two attention implementations differ.
 
-A decode step is one pure function of (weights, token, cache) that the engine compiles whole: it only
-*reads* the KV cache. The new token's own key/value enter attention through a log-sum-exp merge with
-the cached slots' attention, and come back as outputs, which the engine writes into the cache outside
-the compiled graph (inside one, MLX's slice_update copies the whole buffer every step).
+A decode step is one function of (weights, token, cache) that the engine compiles whole. The new token's own
+key/value enter attention through a log-sum-exp merge with the cached slots' attention, and come back as
+outputs, which the engine writes into the cache outside the compiled graph (inside one, MLX's slice_update
+copies the whole buffer every step; outside, it still copies while an earlier step reading the cache runs on
+the GPU). Where the fused CUDA kernel serves (fused_serves), it writes them into the cache itself, in place
+(write_cache): MLX sees a step that only reads the cache.
 """
 
 from __future__ import annotations
@@ -266,19 +268,27 @@ def merge_own_slot(q: mx.array, k: mx.array, v: mx.array, out: mx.array, lse: mx
     return (out.astype(mx.float32) * a[..., None] + v_rep * b[..., None]) / (a + b)[..., None]
 
 
+def fused_serves(spec: Spec, kernel: bool) -> bool:
+    """Whether a decode step runs each layer's attention as one fused launch (kernels/fused_attention.py: RoPE
+    by angles, no qk-norm), which can also write the token's key and value into the cache (write_cache)."""
+    return kernel and spec.theta is not None and not spec.qk_norm
+
+
 def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx.array, offset: mx.array,
-                start: mx.array, stop: mx.array, kernel: bool):
+                start: mx.array, stop: mx.array, kernel: bool, write_cache: bool = False):
     """One token per row: token [n] at RoPE position offset [n], attending cache slots [start, stop) plus
     itself; keys, values [layers, n, Hkv, S, Dh]. -> (logits [n, V], the token's keys and values
-    [layers, n, Hkv, 1, Dh]). Reads the cache only: the caller writes the returned keys/values at slot stop."""
+    [layers, n, Hkv, 1, Dh]). Reads the cache only (the caller writes the returned keys/values at slot stop),
+    unless write_cache and fused_serves: the fused kernel then writes them there in place."""
     H, scale = spec.heads, spec.scale
     x = w["embed"][token][:, None, :]  # [n, 1, D]
     new_keys, new_values = [], []
-    fused = kernel and spec.theta is not None and not spec.qk_norm
+    fused = fused_serves(spec, kernel)
     for layer, lw in enumerate(w["layers"]):
         if fused:  # RoPE, attention and the own slot in one launch
             qkv = _linear(mx.fast.rms_norm(x, lw["ln1"], spec.eps), lw, "qkv")[:, 0, :]  # [n, (H + 2 Hkv) Dh]
-            out, k, v = fused_decode_attention(qkv, keys, values, start, stop, offset, spec.theta, scale, H, layer)
+            out, k, v = fused_decode_attention(qkv, keys, values, start, stop, offset, spec.theta, scale, H, layer,
+                                               write_cache)
             x = _finish_layer(lw, x, out, spec.eps)
             new_keys.append(k)
             new_values.append(v)

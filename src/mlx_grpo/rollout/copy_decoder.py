@@ -18,13 +18,15 @@ from mlx_grpo.rollout.turns import prefill_resumed
 
 class CopyDecoder:
     """spec, weights: the sampling copy (weights as the step reads them: decode_graph's layout when graph).
-    step_fn: the compiled step for this rollout's sampling settings. idx: the slot the next fed token is
+    step_fn: the compiled step for this rollout's sampling settings; step_writes: it writes each token's keys
+    and values into the cache itself (the fused kernel's write_cache). idx: the slot the next fed token is
     written to; start [slots]: each slot's first attended slot."""
 
     refills = True
 
-    def __init__(self, spec, weights: dict, step_fn, graph: bool, pad_id: int):
+    def __init__(self, spec, weights: dict, step_fn, graph: bool, pad_id: int, step_writes: bool = False):
         self.spec, self.weights, self.step_fn, self.graph, self.pad_id = spec, weights, step_fn, graph, pad_id
+        self.step_writes = step_writes
         # prefills read the model's layout of the weights (decode_graph stores matrices transposed)
         self.prefill_weights = compiled_decode.model_layout(weights) if graph else weights
         self.prefilled_tokens = 0  # context tokens prefilled (what kept turn caches save)
@@ -68,10 +70,12 @@ class CopyDecoder:
                 self.weights, token, self.keys, self.values, self.idx - self.start, self.start,
                 mx.array([self.idx], dtype=mx.int32), row_keys, ended)
             kstep = kstep + 1
-        # Both steps: a static slice, outside the compiled graph, is written in place; an array offset
-        # (or a write inside the graph) copied the whole cache on CUDA (compiled_decode.py).
-        self.keys[..., self.idx:self.idx + 1, :] = new_k
-        self.values[..., self.idx:self.idx + 1, :] = new_v
+        # Both steps: a static slice outside the compiled graph (an array offset, or a write inside the graph,
+        # costs more: compiled_decode.py). It still copies the cache while the last step runs on the GPU, which
+        # a step that writes the cache itself avoids.
+        if not self.step_writes:
+            self.keys[..., self.idx:self.idx + 1, :] = new_k
+            self.values[..., self.idx:self.idx + 1, :] = new_v
         self.idx += 1
         return token, logprob, entropy, ended, kstep
 

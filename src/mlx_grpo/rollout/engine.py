@@ -67,17 +67,20 @@ class RolloutEngine:
     mode: rollout_engine (copy, model or auto: the copy on NVIDIA GPUs). compact: drop ended rows from the
     batch (False: every row decodes to the end, for comparisons). graph: decode_graph, the copy's step with
     fewer primitives (models/compiled_decode.py). keep_turn_cache: a row's next turn prefills only what its
-    kept cache lacks (rollout/turns.py); False: its whole context again (for comparisons).
+    kept cache lacks (rollout/turns.py); False: its whole context again (for comparisons). write_in_step: where
+    the fused CUDA kernel serves, it writes each token's keys/values into the cache in place; False: the loop
+    writes them outside the step, which copies the cache every step (for comparisons).
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
-                 graph: bool = False, keep_turn_cache: bool = True):
+                 graph: bool = False, keep_turn_cache: bool = True, write_in_step: bool = True):
         self.tokenizer = tokenizer
         self.mode = mode
         self.compact = compact
         self.sync_every = sync_every
         self.graph = graph
         self.keep_turn_cache = keep_turn_cache
+        self.write_in_step = write_in_step
         self.traces = 0  # times a decode step was traced (compiled): once per batch shape and cache capacity
         self.model = None
         self._copy = None  # (spec, weights), built on first use after each refresh
@@ -162,23 +165,25 @@ class RolloutEngine:
         return self._generate_fused(jobs, group_size, params, prefill_text, on_stop, turns, limits, on_done)
 
     # ------------------------------------------------------------------ the sampling copy's decode
-    def step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool):
-        """The compiled decode step for these sampling settings (traced once per batch shape)."""
+    def step_fn(self, params: SamplingParams, eos: tuple[int, ...], kernel: bool, write_cache: bool = False):
+        """The compiled decode step for these sampling settings (traced once per batch shape). write_cache: the
+        fused kernel writes the token's keys/values into the cache itself (decoder.fused_serves)."""
         spec = self.spec
         shape = (spec.heads, spec.kv_heads, spec.head_dim, spec.scale, spec.eps, spec.qk_norm,
                  None if spec.theta is None else tuple(spec.theta.tolist()))
-        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel, shape, self.graph)
+        cache_key = (params.temperature, params.top_p, params.top_k, params.min_p, eos, kernel, shape, self.graph,
+                     write_cache)
         if cache_key not in self._steps and self.graph:
             self._steps[cache_key] = compiled_decode.make_step(
                 self.spec, lambda logits, keys: sample(logits, keys, params), mx.array(list(eos) or [-1], mx.int32),
-                kernel, on_trace=self._traced)
+                kernel, on_trace=self._traced, write_cache=write_cache)
         if cache_key not in self._steps:  # a refresh with the same shapes keeps the traced step
             spec, eos_array = self.spec, mx.array(list(eos) or [-1], dtype=mx.int32)
 
             def step(weights, token, keys, values, offset, start, stop, row_keys, ended):
                 self._traced()
                 logits, new_k, new_v = decoder.decode_step(spec, weights, token, keys, values, offset, start,
-                                                           stop, kernel)
+                                                           stop, kernel, write_cache)
                 token, logprob, entropy = sample(logits, row_keys, params)
                 ended = ended | (token[:, None] == eos_array[None]).any(axis=1)
                 return token, logprob, entropy, ended, new_k, new_v
@@ -194,8 +199,10 @@ class RolloutEngine:
         """generate_many on the sampling copy: the one decode loop (loop.decode_rows) over a CopyDecoder."""
         spec, weights = self._current()
         eos_ids, pad_id = end_ids(self.tokenizer, params)
-        step = self.step_fn(params, tuple(eos_ids), decoder.kernel_serves(spec))
-        copy = CopyDecoder(spec, weights, step, self.graph, pad_id)
+        kernel = decoder.kernel_serves(spec)
+        writes = self.write_in_step and decoder.fused_serves(spec, kernel)  # in place: no cache copy per step
+        copy = CopyDecoder(spec, weights, self.step_fn(params, tuple(eos_ids), kernel, writes), self.graph, pad_id,
+                           writes)
         # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
         # next turn; the first job's prompts fill the batch, the others wait for freed slots.
         entries = [(p, g * G, G, None) for g, p in enumerate(p for job, _ in jobs for p in job)]
