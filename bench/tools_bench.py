@@ -115,6 +115,7 @@ def stop_scan_cost(tokenizer, rows: int, T: int, sync_every: int, stops: tuple[s
 PHASES = {"decode loop (all)": ("loop", None, "decode_rows"), "first prefill": ("copy_decoder", "CopyDecoder", "begin"),
           "finish rows": ("loop", None, "finish_rows"), "refill: compact": ("copy_decoder", "CopyDecoder", "select"),
           "refill: admit": ("copy_decoder", "CopyDecoder", "admit"),
+          "refill: admit in place": ("copy_decoder", "CopyDecoder", "admit_into"),
           "turns: report": ("turns", "TurnRows", "report"), "turns: take": ("turns", "TurnRows", "take"),
           "rows at syncs": ("columns", "Written", "update"), "stop checks": ("columns", "StopRows", "stopped")}
 

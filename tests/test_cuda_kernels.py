@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_grpo import kernels
+from mlx_grpo.kernels.cache_write import write_rows, write_rows_reference
 from mlx_grpo.kernels.attention import (HEAD_DIMS, left_padded_attention, left_padded_attention_lse,
                                         left_padded_attention_lse_reference, left_padded_attention_reference)
 from mlx_grpo.kernels.fused_attention import fused_decode_attention, fused_decode_attention_reference, fused_split
@@ -167,3 +168,31 @@ def test_the_fused_step_writes_the_cache_as_the_loop_did(tmp_path, graph):
         assert (np.array(got.completion_ids) == np.array(want.completion_ids)).all()
         assert (np.array(got.sampler_logprobs) == np.array(want.sampler_logprobs)).all()
     assert len({int(x) for r in out[True] for x in np.array(r.mask).sum(axis=1)}) > 1  # rows ended apart
+
+
+def cache_write_case(dtype=mx.bfloat16) -> tuple:
+    """A [2, 6, 3, 40, 64] cache, a block of 3 rows x 7 slots for rows 4, 0, 5 at slots 20..26."""
+    mx.random.seed(5)
+    return (mx.random.normal((2, 6, 3, 40, 64)).astype(dtype), mx.random.normal((2, 6, 3, 40, 64)).astype(dtype),
+            mx.random.normal((2, 3, 3, 7, 64)).astype(dtype), mx.random.normal((2, 3, 3, 7, 64)).astype(dtype),
+            mx.array([4, 0, 5], dtype=mx.int32), 20)
+
+
+def test_the_cache_write_reference_is_the_formula():
+    keys, values, block_k, block_v, slots, at = cache_write_case(mx.float32)
+    want_k, want_v = np.array(keys), np.array(values)
+    for i, row in enumerate(np.array(slots)):
+        want_k[:, row, :, at:at + 7] = np.array(block_k)[:, i]
+        want_v[:, row, :, at:at + 7] = np.array(block_v)[:, i]
+    got_k, got_v = write_rows_reference(keys, values, block_k, block_v, slots, at)
+    assert np.array_equal(np.array(got_k), want_k) and np.array_equal(np.array(got_v), want_v)
+
+
+@pytest.mark.gpu
+def test_the_cache_write_kernel_writes_the_reference_in_place():
+    keys, values, block_k, block_v, slots, at = cache_write_case()
+    want_k, want_v = write_rows_reference(mx.array(keys), mx.array(values), block_k, block_v, slots, at)
+    mx.eval(want_k, want_v)  # before the kernel writes the buffers they were computed from
+    got_k, got_v = write_rows(keys, values, block_k, block_v, slots, at)
+    assert got_k is keys and got_v is values  # the same arrays, their buffers written
+    assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()

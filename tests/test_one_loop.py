@@ -22,6 +22,7 @@ from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.models.tiny import write_tiny_family
 from mlx_grpo.rollout import decode
 from mlx_grpo.rollout.columns import StopRows, Written, assemble
+from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
@@ -349,8 +350,12 @@ CASES = [  # (temperature, stop, ignore_eos, limits)
 
 @pytest.mark.parametrize("compact,graph", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("temperature,stop,ignore_eos,limited", CASES)
-def test_the_copy_samples_what_its_own_loop_did(tiny, compact, graph, temperature, stop, ignore_eos, limited):
+def test_the_copy_samples_what_its_own_loop_did(tiny, monkeypatch, compact, graph, temperature, stop, ignore_eos,
+                                                limited):
     model, tok = tiny
+    in_place = []  # refills into done rows' slots (CopyDecoder.admit_into), the others rebuild the batch
+    admit_into = CopyDecoder.admit_into
+    monkeypatch.setattr(CopyDecoder, "admit_into", lambda self, *a: in_place.append(1) or admit_into(self, *a))
     engine = RolloutEngine(tok, mode="copy", compact=compact, sync_every=2, graph=graph).refresh(model)
     assert engine.uses_copy
     params = SamplingParams(40, temperature, stop=stop, ignore_eos=ignore_eos)
@@ -361,6 +366,7 @@ def test_the_copy_samples_what_its_own_loop_did(tiny, compact, graph, temperatur
                         limits=limits, on_done=lambda first, done: calls.append(("done", first, done.tolist())))
 
     got, want, got_calls, want_calls, got_counts, want_counts = both(engine, run)
+    assert in_place or (ignore_eos and not limited)  # rows that all end together leave no refill in place
     same_rollouts(got, want)
     assert got_counts == want_counts
     same_calls(got_calls, want_calls)
@@ -425,8 +431,12 @@ def test_tool_turns_run_what_their_own_loop_ran(caller, monkeypatch, mode, keep,
     params = SamplingParams(40, 1.0)
     engine = RolloutEngine(tok, mode=mode, sync_every=sync_every, keep_turn_cache=keep, graph=graph).refresh(model)
     jobs = [(prompts[:2], keys[:8], rows[:2]), (prompts[2:], keys[8:], rows[2:])]
+    in_place = []  # refills that wrote the rows taken into done rows' slots (CopyDecoder.admit_into)
+    admit_into = CopyDecoder.admit_into
+    monkeypatch.setattr(CopyDecoder, "admit_into", lambda self, *a: in_place.append(1) or admit_into(self, *a))
     got = multiturn.generate_many(engine, jobs, 4, params)
     got_counts = engine.row_steps, engine.steps, engine.prefilled_tokens
+    assert (len(in_place) > 0) == (mode == "copy")
     monkeypatch.setattr(RolloutEngine, "generate_many", frozen_generate_many)
     want = multiturn.generate_many(engine, jobs, 4, params)
     same_rollouts(got, want)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from mlx_grpo.kernels.cache_write import write_rows
 from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.rollout.turns import prefill_resumed
@@ -34,20 +35,22 @@ class CopyDecoder:
         self.idx = 0
         self.slot, self.slot_at = None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
 
-    def prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int):
+    def prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int | None):
         """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
         ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows],
-        last logits [rows, V])."""
+        last logits [rows, V]); capacity None: keys, values only the W slots at - W .. at - 1 the contexts fill."""
         self.prefilled_tokens += sum(len(c) for c in contexts)
         longest = max(len(c) for c in contexts)
         width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
         padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
         tokens = mx.array([[self.pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(self.spec, self.prefill_weights, tokens, padding)  # [b, V], [b, ...]
-        slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
         repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
-        keys = mx.pad(mx.stack(keys), slots)[:, repeat]
-        values = mx.pad(mx.stack(values), slots)[:, repeat]
+        keys, values = mx.stack(keys), mx.stack(values)
+        if capacity is not None:
+            slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
+            keys, values = mx.pad(keys, slots), mx.pad(values, slots)
+        keys, values = keys[:, repeat], values[:, repeat]
         mx.eval(keys, values)
         return keys, values, (padding + (at - width))[repeat], logits[repeat]
 
@@ -99,6 +102,33 @@ class CopyDecoder:
         mx.eval(self.keys)  # the old keys go before the values are gathered: at most 1.25x the cache
         self.values = self.values[:, pick]
         self.start = self.start[pick]
+
+    def admits_in_place(self, T: int) -> bool:
+        """Whether rows admitted now fit the cache as it is (room for T tokens each): admit_into can take them."""
+        return bucket(self.idx + T) <= self.keys.shape[3]
+
+    def admit_into(self, slots: np.ndarray, entries: list) -> tuple[mx.array, np.ndarray, np.ndarray]:
+        """admit, into slots of the batch whose rows are done (in order, one per admitted row), writing their
+        contexts' keys and values into the cache in place (kernels/cache_write.py) instead of copying the whole
+        cache. Needs admits_in_place. -> (their logits [rows, V], their rollout rows, the slots they took), in the
+        order admit gives them."""
+        fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
+        parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx, None)] if fresh else []
+        if resumed:
+            *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,
+                                       None, self.pad_id)
+            parts.append(part)
+            self.prefilled_tokens += n
+        taken, used = 0, []
+        for block_k, block_v, start, _ in parts:
+            part_slots = mx.array(slots[taken:taken + block_k.shape[1]].astype(np.int32))
+            self.keys, self.values = write_rows(self.keys, self.values, block_k, block_v, part_slots,
+                                                self.idx - block_k.shape[3])
+            self.start[part_slots] = start
+            used.append(np.asarray(slots[taken:taken + block_k.shape[1]]))
+            taken += block_k.shape[1]
+        rows = np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
+        return mx.concatenate([p[3] for p in parts]), rows, np.concatenate(used)
 
     def admit(self, entries: list, T: int) -> tuple[mx.array, np.ndarray]:
         """Append the rows of `entries` (context, first row, rows, kept block or None) to the batch: their

@@ -137,23 +137,40 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                 opened, columns = s, ([], [], [])
                 size = len(live) + sum(entries[e][2] for e in admit)
                 fill = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(size, 1))))) - size
-                spare = np.flatnonzero(done)
-                keep = np.concatenate([live, spare[:fill], np.zeros(max(0, fill - len(spare)), np.int64)])
-                rows = np.concatenate([rows[live], np.full(len(keep) - len(live), -1)])
-                pick = mx.array(keep)
-                decoder.select(pick)
-                token, kstep = token[pick], kstep[pick]
-                ended = mx.where(mx.array(rows >= 0), ended[pick], True)
+                # the batch keeps its size: the rows taken go into the slots of rows that are done, written in
+                # place (no copy of the cache); otherwise the batch is rebuilt (compacted, the rows appended)
+                in_place = admit and size + fill == len(rows) and decoder.admits_in_place(T)
+                if in_place:
+                    logits, added, taken = decoder.admit_into(np.flatnonzero(done), [entries[e] for e in admit])
+                    rows = np.where(done, -1, rows)
+                    rows[taken] = added
+                else:
+                    spare = np.flatnonzero(done)
+                    keep = np.concatenate([live, spare[:fill], np.zeros(max(0, fill - len(spare)), np.int64)])
+                    rows = np.concatenate([rows[live], np.full(len(keep) - len(live), -1)])
+                    pick = mx.array(keep)
+                    decoder.select(pick)
+                    token, kstep = token[pick], kstep[pick]
+                    ended = mx.where(mx.array(rows >= 0), ended[pick], True)
+                    if admit:
+                        logits, added = decoder.admit([entries[e] for e in admit], T)
                 if admit:
-                    logits, added = decoder.admit([entries[e] for e in admit], T)
                     first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
                                                                          mx.zeros((len(added),), mx.bool_))
                     del logits  # [admitted rows, V]: not held till the next refill
                     join[added] = s - 1  # their first token sits in the column before this step's
                     segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
-                    token, ended = mx.concatenate([token, first_token]), mx.concatenate([ended, first_ended])
-                    kstep = mx.concatenate([kstep, mx.ones((len(added),), mx.int32)])
-                    rows = np.concatenate([rows, added])
+                    if in_place:  # functional updates: the columns hold the old token arrays
+                        at = np.zeros(len(rows), np.int64)
+                        at[taken] = np.arange(len(taken))
+                        new = mx.array(np.isin(np.arange(len(rows)), taken))
+                        token = mx.where(new, first_token[mx.array(at)], token)
+                        ended = mx.where(new, first_ended[mx.array(at)], mx.where(mx.array(rows >= 0), ended, True))
+                        kstep = mx.where(new, 1, kstep)
+                    else:
+                        token, ended = mx.concatenate([token, first_token]), mx.concatenate([ended, first_ended])
+                        kstep = mx.concatenate([kstep, mx.ones((len(added),), mx.int32)])
+                        rows = np.concatenate([rows, added])
                     for e in admit:  # a kept block is in the batch now: its own copy goes
                         entries[e] = (*entries[e][:3], None)
                     last = max(last, s - 1 + T)
