@@ -51,8 +51,10 @@ def batches(cfg, n: int) -> list[list]:
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26);
     # copy-outside: the loop writing each step's keys/values outside the step (before session 30: a cache copy a step)
+    # copy-rebuild: refills rebuilding the batch (compaction gather + concatenation), as before admit_into
     engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute",
-                           graph=cfg.rollout.decode_graph, write_in_step=mode != "copy-outside").refresh(model)
+                           graph=cfg.rollout.decode_graph, write_in_step=mode not in ("copy-outside", "copy-before"),
+                           admit_in_place=mode not in ("copy-rebuild", "copy-before")).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, out = cfg.rollout.num_generations, []
@@ -241,7 +243,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="copy,model", help="copy, copy-recompute (later turns re-prefilled), "
-                    "copy-outside (each step's keys/values written outside the step), model")
+                    "copy-outside (each step's keys/values written outside the step), copy-rebuild (refills rebuild the batch), "
+                    "copy-before (both, as before session 30), model")
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
     ap.add_argument("--stop-scan", action="store_true", help="only time the stop-string checks (host work)")
     ap.add_argument("--phases", action="store_true", help="then time the decode loop's parts over one more batch")

@@ -20,14 +20,16 @@ from mlx_grpo.rollout.turns import prefill_resumed
 class CopyDecoder:
     """spec, weights: the sampling copy (weights as the step reads them: decode_graph's layout when graph).
     step_fn: the compiled step for this rollout's sampling settings; step_writes: it writes each token's keys
-    and values into the cache itself (the fused kernel's write_cache). idx: the slot the next fed token is
-    written to; start [slots]: each slot's first attended slot."""
+    and values into the cache itself (the fused kernel's write_cache); in_place: refills may write admitted
+    rows into done rows' slots (admit_into). idx: the slot the next fed token is written to; start [slots]: each
+    slot's first attended slot."""
 
     refills = True
 
-    def __init__(self, spec, weights: dict, step_fn, graph: bool, pad_id: int, step_writes: bool = False):
+    def __init__(self, spec, weights: dict, step_fn, graph: bool, pad_id: int, step_writes: bool = False,
+                 in_place: bool = True):
         self.spec, self.weights, self.step_fn, self.graph, self.pad_id = spec, weights, step_fn, graph, pad_id
-        self.step_writes = step_writes
+        self.step_writes, self.in_place = step_writes, in_place
         # prefills read the model's layout of the weights (decode_graph stores matrices transposed)
         self.prefill_weights = compiled_decode.model_layout(weights) if graph else weights
         self.prefilled_tokens = 0  # context tokens prefilled (what kept turn caches save)
@@ -105,7 +107,7 @@ class CopyDecoder:
 
     def admits_in_place(self, T: int) -> bool:
         """Whether rows admitted now fit the cache as it is (room for T tokens each): admit_into can take them."""
-        return bucket(self.idx + T) <= self.keys.shape[3]
+        return self.in_place and bucket(self.idx + T) <= self.keys.shape[3]
 
     def admit_into(self, slots: np.ndarray, entries: list) -> tuple[mx.array, np.ndarray, np.ndarray]:
         """admit, into slots of the batch whose rows are done (in order, one per admitted row), writing their

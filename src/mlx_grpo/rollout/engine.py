@@ -69,11 +69,14 @@ class RolloutEngine:
     fewer primitives (models/compiled_decode.py). keep_turn_cache: a row's next turn prefills only what its
     kept cache lacks (rollout/turns.py); False: its whole context again (for comparisons). write_in_step: where
     the fused CUDA kernel serves, it writes each token's keys/values into the cache in place; False: the loop
-    writes them outside the step, which copies the cache every step (for comparisons).
+    writes them outside the step, which copies the cache every step (for comparisons). admit_in_place: a refill
+    writes the rows it admits into done rows' slots where the batch keeps its size; False: it rebuilds the batch
+    (a copy of the cache, for comparisons).
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
-                 graph: bool = False, keep_turn_cache: bool = True, write_in_step: bool = True):
+                 graph: bool = False, keep_turn_cache: bool = True, write_in_step: bool = True,
+                 admit_in_place: bool = True):
         self.tokenizer = tokenizer
         self.mode = mode
         self.compact = compact
@@ -81,6 +84,7 @@ class RolloutEngine:
         self.graph = graph
         self.keep_turn_cache = keep_turn_cache
         self.write_in_step = write_in_step
+        self.admit_in_place = admit_in_place
         self.traces = 0  # times a decode step was traced (compiled): once per batch shape and cache capacity
         self.model = None
         self._copy = None  # (spec, weights), built on first use after each refresh
@@ -202,7 +206,7 @@ class RolloutEngine:
         kernel = decoder.kernel_serves(spec)
         writes = self.write_in_step and decoder.fused_serves(spec, kernel)  # in place: no cache copy per step
         copy = CopyDecoder(spec, weights, self.step_fn(params, tuple(eos_ids), kernel, writes), self.graph, pad_id,
-                           writes)
+                           writes, self.admit_in_place)
         # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
         # next turn; the first job's prompts fill the batch, the others wait for freed slots.
         entries = [(p, g * G, G, None) for g, p in enumerate(p for job, _ in jobs for p in job)]
