@@ -5,7 +5,8 @@ one check of whether they run here (`available`):
                       log-sum-exp one (the engine's copy merges the token's own slot into it); the CUDA source
                       pieces the attention kernels share
   fused_attention.py  the engine copy's whole attention for one layer in one launch: RoPE, the cached slots
-                      split across warps, the token's own slot
+                      split across warps, the token's own slot (and its keys/values written into the cache)
+  cache_write.py      a refill's admitted rows' keys/values written into done rows' cache slots in place
   keyed_sampler.py    the sampler's per-row random bits: MLX's draws for one key per row, written coalesced;
                       `categorical`, the sampler's one call (the kernel here, MLX's own draws elsewhere)
 

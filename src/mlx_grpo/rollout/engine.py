@@ -87,6 +87,7 @@ class RolloutEngine:
         self.admit_in_place = admit_in_place
         self.traces = 0  # times a decode step was traced (compiled): once per batch shape and cache capacity
         self.model = None
+        self._serves = False  # whether the copy serves self.model (uses_copy), decided when it arrives
         self._copy = None  # (spec, weights), built on first use after each refresh
         self._stale = False
         self._steps = {}
@@ -96,10 +97,13 @@ class RolloutEngine:
 
     def refresh(self, model: nn.Module) -> "RolloutEngine":
         """Sample from `model`'s current weights from now on. The copy is rebuilt when next needed, so
-        several updates between two rollouts (num_iterations > 1) and a resume build it once."""
+        several updates between two rollouts (num_iterations > 1) and a resume build it once. Whether the copy
+        serves `model` is decided once per model object (its family and quantization do not change under it)."""
+        if model is not self.model:
+            self._serves = uses_copy(self.mode, model)
         self.model = model
         self._copy = None  # free the old copy now: its memory is the new one's
-        self._stale = uses_copy(self.mode, model)
+        self._stale = self._serves
         return self
 
     def _current(self):
