@@ -127,8 +127,9 @@ def phase_times():
     """Within: each of PHASES timed from the device's idle to its end (mx.synchronize on both sides); the loop's
     wait at a sync (its mx.eval: the device finishing the steps queued since the last sync), the decode step's
     dispatch and its mx.async_eval timed on the host alone (on a GPU their device time lands in the next sync's
-    wait; on a CPU async_eval computes the step), and each refill's batch, admitted rows and cache capacity. Yields the record,
-    filled as the loop runs: {label: [seconds, calls]}, "admits": [(rows before, admitted, capacity)]."""
+    wait; on a CPU async_eval computes the step), and each refill's batch, admitted rows and cache capacity. The
+    synchronizations take away some overlap: the total is not an unprofiled run's. Yields the record, filled as the
+    loop runs: {label: [seconds, calls]}, "admits": [(batch rows, admitted rows, capacity, in place)]."""
     import importlib
 
     import mlx_grpo.rollout.loop as loop
@@ -160,12 +161,16 @@ def phase_times():
     decoder_cls = importlib.import_module("mlx_grpo.rollout.copy_decoder").CopyDecoder
     undo.append((decoder_cls, "step", decoder_cls.step))
     decoder_cls.step = timed_call("step dispatch", decoder_cls.step, synchronize=False)
-    admit = decoder_cls.admit
+    admit, admit_into = decoder_cls.admit, decoder_cls.admit_into
 
-    def recorded_admit(self, entries, T):
-        timer["admits"].append((int(self.keys.shape[1]), sum(e[2] for e in entries), int(self.keys.shape[3])))
+    def recorded_admit(self, entries, T):  # the batch after compaction, before the rows are appended
+        timer["admits"].append((int(self.keys.shape[1]), sum(e[2] for e in entries), int(self.keys.shape[3]), False))
         return admit(self, entries, T)
-    decoder_cls.admit = recorded_admit
+
+    def recorded_admit_into(self, slots, entries):  # the batch, which keeps its size
+        timer["admits"].append((int(self.keys.shape[1]), sum(e[2] for e in entries), int(self.keys.shape[3]), True))
+        return admit_into(self, slots, entries)
+    decoder_cls.admit, decoder_cls.admit_into = recorded_admit, recorded_admit_into
 
     class LoopMx:  # the loop's mx with its sync's eval timed (the device finishing the steps queued since the last)
         eval = staticmethod(timed_call("sync wait", mx.eval, synchronize=False))

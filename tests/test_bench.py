@@ -431,7 +431,9 @@ def test_tools_bench_times_rollouts_with_and_without_tools(tmp_path):
     # --phases: the copy's loop timed by parts; a tool-calling batch admits next turns, a plain one does not
     tools, plain = result["runs"]["tools/copy"]["phases"], result["runs"]["plain/copy"]["phases"]
     assert "phases" not in result["runs"]["tools/model"]
-    assert tools["refill: admit"][1] == len(tools["admits"]) > 0 and plain["admits"] == []
+    admitted = tools["refill: admit"][1] + tools["refill: admit in place"][1]  # rebuilt batches + in place
+    assert admitted == len(tools["admits"]) > 0 and plain["admits"] == []
+    assert sum(a[3] for a in tools["admits"]) == tools["refill: admit in place"][1]
     assert tools["turns: report"][1] > 0 and tools["decode_steps"] > 0
     assert 0 < tools["sync wait"][0] + tools["refill: admit"][0] < tools["decode loop (all)"][0] <= tools["total_s"]
     assert result["runs"]["tools/copy"]["uses_copy"] and not result["runs"]["tools/model"]["uses_copy"]

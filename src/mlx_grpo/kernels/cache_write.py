@@ -5,7 +5,9 @@ A refill of the decode loop (rollout/loop.py) puts rows that join the batch into
 MLX's scatter would write in place only if nothing else held the cache's buffer, and MLX keeps a kernel's inputs
 alive until it ends on the GPU, so right after a sync the scatter may still copy the whole cache. The kernel
 writes into the cache's own buffer instead: MLX does not see the write, so it is only for a cache no other array
-shares and that is read after the write ran (copy_decoder.CopyDecoder evaluates its flag before the next step).
+shares, and no lazily built read of the cache may be pending across it (MLX orders kernels by the buffers they
+output, so it would not order such a read before the write): write_rows evaluates its flag before it returns, and
+the decode loop evaluates every read of the cache (the sync, the turns' blocks) before a refill.
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ def write_rows(keys: mx.array, values: mx.array, block_keys: mx.array, block_val
         return write_rows_reference(keys, values, block_keys, block_values, slots, at)
     L, R, H, S, D = keys.shape
     n, W = block_keys.shape[1], block_keys.shape[3]
-    assert block_keys.shape == (L, n, H, W, D) and block_keys.dtype == keys.dtype and 0 <= at and at + W <= S
+    # the kernel writes where these say: a wrong shape would write out of bounds, not fail
+    assert values.shape == keys.shape and values.dtype == keys.dtype and slots.shape == (n,)
+    assert block_keys.shape == block_values.shape == (L, n, H, W, D) and block_keys.dtype == block_values.dtype \
+        == keys.dtype and 0 <= at and at + W <= S and int(slots.max()) < R and int(slots.min()) >= 0
     total = L * n * H * W * D
     done = _kernel()(inputs=[keys, values, block_keys, block_values, slots.astype(mx.int32),
                              mx.array([at], dtype=mx.int32), mx.array([L, R, H, S, D, n, W], dtype=mx.int32)],

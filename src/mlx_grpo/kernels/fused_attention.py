@@ -144,6 +144,8 @@ def fused_decode_attention(qkv: mx.array, keys: mx.array, values: mx.array, star
     N = qkv.shape[0]
     _, _, Hkv, S, D = keys.shape
     assert D in HEAD_DIMS and heads % Hkv == 0 and qkv.shape[1] == (heads + 2 * Hkv) * D
+    # write_cache writes at row N's offsets of keys/values: their rows must be qkv's
+    assert keys.shape[1] == N and values.shape == keys.shape
     split, batches = fused_split(N, heads, D)
     blocks = -(-N * heads * split // 8)  # 8 warps a block; a (row, head)'s parts never straddle two
     return _fused_kernel()(

@@ -75,6 +75,7 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx
     x = w["embed"][token]  # [n, D]
     new_keys, new_values = [], []
     fused = fuse and fused_serves(spec, kernel)
+    assert fused or not write_cache, "write_cache needs the fused kernel: the caller would write nothing"
     for layer, lw in enumerate(w["layers"]):
         qkv = _linear(mx.fast.rms_norm(x, lw["ln1"], eps), lw, "qkv")  # [n, (H + 2 Hkv) Dh]
         if fused:  # RoPE, attention and the own slot in one launch

@@ -284,6 +284,7 @@ def decode_step(spec: Spec, w: dict, token: mx.array, keys: mx.array, values: mx
     x = w["embed"][token][:, None, :]  # [n, 1, D]
     new_keys, new_values = [], []
     fused = fused_serves(spec, kernel)
+    assert fused or not write_cache, "write_cache needs the fused kernel: the caller would write nothing"
     for layer, lw in enumerate(w["layers"]):
         if fused:  # RoPE, attention and the own slot in one launch
             qkv = _linear(mx.fast.rms_norm(x, lw["ln1"], spec.eps), lw, "qkv")[:, 0, :]  # [n, (H + 2 Hkv) Dh]

@@ -1,9 +1,11 @@
 """The engine's decoder for the one decode loop (loop.decode_rows): the sampling copy of the policy
-(models/decoder.py) on its own static KV cache, [layers, slots, Hkv, capacity, Dh] keys and values written in
-place one slot a step. Each step is one compiled graph (the copy's step plus sampling, compiled by
-engine.RolloutEngine), the new keys and values written outside it. Between steps the cache can be reshaped (refills): some
-slots kept (compaction), new rows' contexts prefilled into it (refill), a row's next turn prefilled on its kept
-KV block (rollout/turns.py), and the cache's blocks handed to the turns.
+(models/decoder.py) on its own static KV cache, [layers, slots, Hkv, capacity, Dh] keys and values, one slot a
+step. Each step is one compiled graph (the copy's step plus sampling, compiled by engine.RolloutEngine); where the
+fused CUDA kernel serves it writes the token's keys and values into the cache itself, in place (step_writes),
+otherwise they are written outside the graph (a copy of the cache while the last step still runs). Between steps
+the batch can change (refills): some slots kept (compaction, a gather), new rows' contexts prefilled into done
+rows' slots in place (admit_into) or appended to the batch (admit, a concatenation), a row's next turn
+prefilled on its kept KV block (rollout/turns.py), and the cache's blocks handed to the turns.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ class CopyDecoder:
         cache. Needs admits_in_place. -> (their logits [rows, V], their rollout rows, the slots they took), in the
         order admit gives them."""
         fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
+        if len(slots) < sum(e[2] for e in entries):
+            raise ValueError(f"{len(slots)} free slots for {sum(e[2] for e in entries)} admitted rows")
         parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx, None)] if fresh else []
         if resumed:
             *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,

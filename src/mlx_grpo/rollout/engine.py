@@ -3,7 +3,8 @@
 It owns the sampling copy of the policy (models/decoder.py: fused projections, adapters merged, the
 compute dtype), refreshed by the trainer after every optimizer update, and its compiled decode steps. Rows
 decode through the one decode loop (loop.decode_rows) over the copy (copy_decoder.CopyDecoder): each step is
-one compiled graph (the model's step plus sampling), the KV cache is written outside it, and rows that have
+one compiled graph (the model's step plus sampling, writing the KV cache in place where the fused CUDA kernel
+serves), and rows that have
 ended are dropped from the batch once at most half of it is still live (the batch shrinks to the next power of
 two, so few shapes are ever compiled). generate_many decodes an update's batch steps together: the later
 steps' prompts are prefilled into the slots ended rows free (refill), so one long row no longer holds a batch

@@ -8,8 +8,11 @@ What decodes is a decoder object, composed in, not subclassed: `step(token, row_
 or the static cache; vlm/image_rollout.py with its positions and mask): a batch fixed from prefill to end.
 copy_decoder.CopyDecoder is the engine's sampling copy on its own static KV cache, whose `refills` says it can
 also reshape the batch between steps: `select(pick)` keeps some slots (compaction), `admit(entries)` prefills
-new rows into the batch (refill, next turns on their kept blocks), `fits` / `make_room` place a context in the
-cache, and `cache` hands the turns their KV blocks. Compaction, refill and turns need a decoder that refills.
+new rows into the batch (refill, next turns on their kept blocks), `admits_in_place` / `admit_into(slots, entries)`
+prefill them into the slots of done rows instead (the batch keeps its size; no copy of the cache), `fits` /
+`make_room` place a context in the cache, and `cache` hands the turns their KV blocks. Compaction, refill and
+turns need a decoder that refills. The copy's cache is written behind MLX's back (kernels/cache_write.py): every
+read of it here is evaluated before a refill writes it (the sync's mx.eval, the turns' blocks).
 
 A row's step-t key is its row key split T ways, entry t, whichever slot it decodes in and whatever rows share
 its batch; a row that joins later writes its step s's token to column s - join[row].
@@ -121,7 +124,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
             if done.all() and not queue:
                 break
             live = np.flatnonzero(~done)
-            admit = []  # refill once enough of the batch is free (each refill copies the cache once)
+            admit = []  # refill once enough of the batch is free (a rebuilt batch copies the cache once)
             if queue and not len(live):
                 decoder.make_room(len(entries[queue[0]][0]))  # nothing live: skip ahead to where it fits
             # a prompt's group waits for a quarter of the batch; a row's next turn for an eighth

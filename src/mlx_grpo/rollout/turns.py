@@ -10,7 +10,7 @@ Why that cut: a token's keys exist once the token was fed back, which for the tu
 depends on where the loop's sync fell; cutting before it makes which keys come from the decode and which from
 the prefill a function of the row alone, so its tokens never depend on the batch around it. The block is
 copied out of the batch at the sync that reports the row (the slot is freed as before) and enters the batch
-again in the refill's one concatenation, so keeping it adds no copy of the whole cache.
+again in the refill's write (in place or its one concatenation), so keeping it adds no copy of the whole cache.
 """
 
 from __future__ import annotations
