@@ -189,7 +189,8 @@ def phase_times():
 
 # The decode loop's host parts (--host): label -> the functions (file, name) whose cumulative seconds add up to it
 # (the names before and after issue 47's and issue 46's changes, so one command times both)
-HOST_PARTS = {"refills": [("rollout/engine.py", "_refill"), ("rollout/copy_decoder.py", "admit")],
+HOST_PARTS = {"refills": [("rollout/engine.py", "_refill"), ("rollout/copy_decoder.py", "admit"),
+                          ("rollout/copy_decoder.py", "admit_into")],
               "stop checks": [("rollout/engine.py", "_stopped"), ("rollout/columns.py", "stopped")],
               "rows at syncs": [("rollout/columns.py", "update")],
               "turns handed over": [("rollout/turns.py", "report"), ("rollout/turns.py", "take")]}
