@@ -142,7 +142,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                 fill = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(size, 1))))) - size
                 # the batch keeps its size: the rows taken go into the slots of rows that are done, written in
                 # place (no copy of the cache); otherwise the batch is rebuilt (compacted, the rows appended)
-                in_place = admit and size + fill == len(rows) and decoder.admits_in_place(T)
+                in_place = bool(admit) and size + fill == len(rows) and decoder.admits_in_place(T)
                 if in_place:
                     logits, added, taken = decoder.admit_into(np.flatnonzero(done), [entries[e] for e in admit])
                     rows = np.where(done, -1, rows)
