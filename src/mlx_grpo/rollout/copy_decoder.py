@@ -111,20 +111,27 @@ class CopyDecoder:
         """Whether rows admitted now fit the cache as it is (room for T tokens each): admit_into can take them."""
         return self.in_place and bucket(self.idx + T) <= self.keys.shape[3]
 
+    def prefill_entries(self, entries: list, capacity: int | None) -> tuple[list, np.ndarray]:
+        """The contexts of `entries` (context, first row, rows, kept block or None) prefilled to end at slot idx:
+        fresh contexts', then next turns' on their kept blocks (rollout/turns.py). -> ([(keys, values, start,
+        logits)] per kind present, as prefill gives them for `capacity`; their rollout rows in that order)."""
+        fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
+        parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx, capacity)] if fresh else []
+        if resumed:
+            *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,
+                                       capacity, self.pad_id)
+            parts.append(part)
+            self.prefilled_tokens += n
+        return parts, np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
+
     def admit_into(self, slots: np.ndarray, entries: list) -> tuple[mx.array, np.ndarray, np.ndarray]:
         """admit, into slots of the batch whose rows are done (in order, one per admitted row), writing their
         contexts' keys and values into the cache in place (kernels/cache_write.py) instead of copying the whole
         cache. Needs admits_in_place. -> (their logits [rows, V], their rollout rows, the slots they took), in the
         order admit gives them."""
-        fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
         if len(slots) < sum(e[2] for e in entries):
             raise ValueError(f"{len(slots)} free slots for {sum(e[2] for e in entries)} admitted rows")
-        parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx, None)] if fresh else []
-        if resumed:
-            *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,
-                                       None, self.pad_id)
-            parts.append(part)
-            self.prefilled_tokens += n
+        parts, rows = self.prefill_entries(entries, None)
         taken, used = 0, []
         for block_k, block_v, start, _ in parts:
             part_slots = mx.array(slots[taken:taken + block_k.shape[1]].astype(np.int32))
@@ -133,7 +140,6 @@ class CopyDecoder:
             self.start[part_slots] = start
             used.append(np.asarray(slots[taken:taken + block_k.shape[1]]))
             taken += block_k.shape[1]
-        rows = np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
         return mx.concatenate([p[3] for p in parts]), rows, np.concatenate(used)
 
     def admit(self, entries: list, T: int) -> tuple[mx.array, np.ndarray]:
@@ -145,18 +151,11 @@ class CopyDecoder:
         if capacity > self.keys.shape[3]:
             grow = [(0, 0), (0, 0), (0, 0), (0, capacity - self.keys.shape[3]), (0, 0)]
             self.keys, self.values = mx.pad(self.keys, grow), mx.pad(self.values, grow)
-        fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
-        parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx, capacity)] if fresh else []
-        if resumed:  # next turns on their kept caches (rollout/turns.py)
-            *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,
-                                       capacity, self.pad_id)
-            parts.append(part)
-            self.prefilled_tokens += n
+        parts, rows = self.prefill_entries(entries, capacity)
         # the refill's one copy of the cache: the keys go before the values are copied (at most 1.5x the cache, not 2x)
         self.keys = mx.concatenate([self.keys] + [p[0] for p in parts], axis=1)
         mx.eval(self.keys)
         self.values = mx.concatenate([self.values] + [p[1] for p in parts], axis=1)
         self.start = mx.concatenate([self.start] + [p[2] for p in parts])
         mx.eval(self.values)
-        rows = np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
         return mx.concatenate([p[3] for p in parts]), rows
