@@ -89,7 +89,7 @@ from mlx_grpo.reporting.logs import update_record
 from mlx_grpo.rollout.decode import encode_chat_prompt, generate_rollout, supports_static_cache
 from mlx_grpo.rollout.engine import uses_copy
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
+from mlx_grpo.training.optimization import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
 from mlx_grpo.training.policy import logprob_pass
 from mlx_grpo.training.records import StepData, UpdateSteps
 

@@ -32,12 +32,11 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_grpo.models.forward import hidden_states, logit_split
-from mlx_grpo.models.precision import MasterWeights
-from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
-from mlx_grpo.training.microbatch import chunk_batch, row_chunks
-from mlx_grpo.training.optimizer import optimizer_step
-from mlx_grpo.training.policy import logprob_pass
+from mlx_grpo.rollout.rollout_records import chunk_batch, row_chunks
 from mlx_grpo.training.compiled_update import CompiledUpdate
+from mlx_grpo.training.optimization import (
+    MasterWeights, accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn, optimizer_step)
+from mlx_grpo.training.policy import logprob_pass
 
 from bench_util import GB, timed
 

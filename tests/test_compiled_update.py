@@ -14,9 +14,9 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 
-from mlx_grpo.models.precision import MasterWeights, cast_floats
+from mlx_grpo.models.precision import cast_floats
 from mlx_grpo.training.compiled_update import CompiledUpdate
-from mlx_grpo.training.optimizer import optimizer_step
+from mlx_grpo.training.optimization import MasterWeights, optimizer_step
 
 
 def _close(a, b, atol):

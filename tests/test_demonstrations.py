@@ -24,7 +24,7 @@ from mlx_grpo.loss import Objective, objective_sums
 from mlx_grpo.rewards.scoring import RewardScores, RewardSet
 from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.rollout.rollout_records import SamplingParams
-from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.training.optimization import accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.training.records import StepData
 
 from conftest import interrupt_before_update, run_metrics

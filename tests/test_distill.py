@@ -144,7 +144,7 @@ def test_topk_forward_kl_trains_and_is_logged(tiny_model_dir, teacher_dir, tmp_p
         from mlx_lm import load
 
         from mlx_grpo.loss import topk_forward_kl
-        from mlx_grpo.training.microbatch import chunk_batch
+        from mlx_grpo.rollout.rollout_records import chunk_batch
 
         student = load(str(student_dir))[0]
         rows = mx.arange(len(rollout.texts))

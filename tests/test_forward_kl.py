@@ -323,7 +323,7 @@ def test_topk_accumulation_1x8_equals_8x1(tiny_model_dir, tmp_path, micro, max_t
     from mlx_grpo.models.tiny import write_tiny_model
     from mlx_grpo.rollout.decode import generate_rollout
     from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-    from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+    from mlx_grpo.training.optimization import accumulate_gradients, loss_weights, make_grad_fn
     from mlx_grpo.training.policy import topk_pass
     from mlx_grpo.training.records import StepData, TeacherTopK
 

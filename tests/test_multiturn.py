@@ -24,7 +24,7 @@ from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 from mlx_grpo.tools.environments import Environment, StepResult, ToolEnvironment
-from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.training.optimization import accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.training.records import StepData
 
 CALL = "<calc>2+3</calc>"

@@ -56,7 +56,7 @@ def test_the_phase_comes_from_the_traceback():
     assert line.startswith("out of device memory while evaluating") and "eval_batch_size" in line
     assert line.endswith("checkpoint-8 is intact: --resume /r/grpo/checkpoint-8 continues from it with those changed.")
     assert "--resume" not in out_of_memory(evaluation, "eval", Path("/r/grpo/checkpoint-8"))  # eval resumes nothing
-    backward = raised_in([f"{root}/commands/train.py", f"{root}/training/gradients.py", "/mlx/nn/layers.py"],
+    backward = raised_in([f"{root}/commands/train.py", f"{root}/training/optimization.py", "/mlx/nn/layers.py"],
                          "[malloc] Unable to allocate 1073741824 bytes.")
     line = out_of_memory(backward, "sft", Path("/r/sft/checkpoint-3"))
     assert "in the training pass" in line and "micro_batch_tokens" in line and "continues from it" in line

@@ -12,9 +12,10 @@ from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands import train as run_mod
 from mlx_grpo.commands.assembly import build_job
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.models.precision import MasterWeights, rounding_share
+from mlx_grpo.models.precision import rounding_share
 from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.rollout.rollout_records import SamplingParams
+from mlx_grpo.training.optimization import MasterWeights
 from mlx_grpo.training.records import StepData
 from mlx_grpo.training.records import UpdateSteps
 

@@ -21,7 +21,7 @@ from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.training import trainer as trainer_mod
 from mlx_grpo.training.draws import varied_groups
-from mlx_grpo.training.gradients import accumulate_gradients, loss_weights, make_grad_fn
+from mlx_grpo.training.optimization import accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.training.records import StepData
 from mlx_grpo.training.records import UpdateSteps
 from mlx_grpo.training.step_sources import FreshSteps
@@ -128,8 +128,8 @@ def test_micro_batches_respect_row_and_token_limits(tiny_model_dir, monkeypatch,
     from mlx_grpo.models import forward
     monkeypatch.setattr(forward, "pack_bucket", lambda: bucket)
 
-    from mlx_grpo.training.microbatch import chunk_batch as _chunk_batch
-    from mlx_grpo.training.microbatch import row_chunks
+    from mlx_grpo.rollout.rollout_records import chunk_batch as _chunk_batch
+    from mlx_grpo.rollout.rollout_records import row_chunks
 
     model, tok = load(str(tiny_model_dir))
     prompts = [tok.encode(f"q{i}" + "?" * (3 * i)) for i in range(6)]
@@ -366,7 +366,7 @@ def test_masked_truncation_leaves_truncated_completions_out(tiny_model_dir, tmp_
 
 
 def test_loss_weights_zero_exactly_the_truncated_rows(tiny_model_dir, tmp_path):
-    from mlx_grpo.training.gradients import loss_weights
+    from mlx_grpo.training.optimization import loss_weights
 
     r = Rollout([[1], [2]], mx.zeros((4, 3), dtype=mx.int32), mx.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1.0]]),
                 mx.zeros((4, 3)), np.array([True, False, False, True]), ["a"] * 4, 2)

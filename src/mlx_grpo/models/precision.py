@@ -1,9 +1,10 @@
-"""Mixed precision: a run's compute dtype, float32 master weights, and the rounding check.
+"""Mixed precision: a run's compute dtype, casting a model to it, and the rounding check.
 
 The model runs forward, backward and rollouts in the compute dtype (bfloat16 for the embedded default on
-a GPU, the stored dtype for other models). With master weights the trained tensors also live here in
-float32: AdamW (its state float32 too) updates the masters, and the compute copy is refreshed from them
-after every update, so steps far below bfloat16's spacing accumulate instead of rounding away.
+a GPU, the stored dtype for other models). With master weights (training/optimizer.MasterWeights) the trained
+tensors also live in float32: AdamW (its state float32 too) updates the masters, and the compute copy is
+refreshed from them after every update, so steps far below bfloat16's spacing accumulate instead of rounding
+away; check_rounding says how much of an update would round away without them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import DEFAULT_MODEL
 
@@ -86,32 +87,3 @@ def check_rounding(params: dict[str, mx.array], learning_rate: float, dtype: mx.
     if share >= REFUSE_SHARE:
         raise UserError(f"{text}; {hint}")
     return f"{text}; {hint}"
-
-
-class MasterWeights:
-    """Float32 masters of a model's trainable tensors, taken from them as they are now (before the model
-    is cast to its compute dtype); disabled when the model trains in float32 or master_weights is off:
-    training/optimizer.py's step then updates the model directly, as plain AdamW does."""
-
-    def __init__(self, model: nn.Module, enabled: bool):
-        trainable = dict(tree_flatten(model.trainable_parameters()))
-        self.masters = {k: p.astype(mx.float32) for k, p in trainable.items()} if enabled else None
-
-    @property
-    def active(self) -> bool:
-        return self.masters is not None
-
-    def adopt(self, masters: dict[str, mx.array] | None) -> None:
-        """Take the masters (flat, e.g. from a checkpoint) before the compute copy is cast from them."""
-        if self.masters is not None and masters is not None:
-            self.masters = {k: masters[k].astype(mx.float32) for k in self.masters}
-
-    def sync(self, model: nn.Module) -> None:
-        """Refresh the model's trained tensors from the masters, each in its own compute dtype."""
-        if self.masters is None:
-            return
-        current = dict(tree_flatten(model.trainable_parameters()))
-        model.update(tree_unflatten([(k, m.astype(current[k].dtype)) for k, m in self.masters.items()]))
-
-    def arrays(self) -> list[mx.array]:
-        return list(self.masters.values()) if self.masters is not None else []

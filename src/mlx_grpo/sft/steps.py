@@ -26,12 +26,12 @@ from mlx_grpo.config import Config
 from mlx_grpo.data.examples import EpochSampler
 from mlx_grpo.models.adapters import ADAPTER_WEIGHTS, adapter_parameters
 from mlx_grpo.models.forward import PackedBatch, bucket, completion_logprobs, pack, packed_width
-from mlx_grpo.models.precision import MasterWeights, dtype_name
+from mlx_grpo.models.precision import dtype_name
 from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.sft.rows import SFTRow
 from mlx_grpo.storage import checkpoint as ckpt
-from mlx_grpo.training.gradients import clip_by_global_norm
-from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
+from mlx_grpo.training.optimization import (
+    MasterWeights, clip_by_global_norm, learning_rate_at, make_optimizer, optimizer_step)
 
 # trainer_state.json's "command": an sft checkpoint is resumed by `sft`, never by `train`.
 COMMAND = "sft"

@@ -19,11 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_grpo.models.precision import MasterWeights
+from mlx_grpo.training.optimization import MasterWeights
 
 
 class CompiledUpdate:
-    """`step(grads)`: training.optimizer.optimizer_step(optimizer, model, grads, masters) as one compiled graph."""
+    """`step(grads)`: training.optimization.optimizer_step(optimizer, model, grads, masters) as one compiled graph."""
 
     def __init__(self, optimizer, model: nn.Module, masters: MasterWeights):
         self.optimizer, self.model, self.masters = optimizer, model, masters

@@ -20,7 +20,6 @@ from mlx_grpo.data.demonstrations import Demonstrator
 from mlx_grpo.data.examples import EpochSampler, Example
 from mlx_grpo.data.prompts import RunPrompt, WorkedExamples, build_run_prompts
 from mlx_grpo.models.adapters import adapter_parameters
-from mlx_grpo.models.precision import MasterWeights
 from mlx_grpo.reporting.health import RunHealth
 from mlx_grpo.rewards.scoring import RewardSet
 from mlx_grpo.rewards.workers import RewardRunner
@@ -28,6 +27,7 @@ from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.storage import checkpoint as ckpt
 from mlx_grpo.training.distributed import World
+from mlx_grpo.training.optimization import MasterWeights
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.prefetch import PrefetchSteps
 from mlx_grpo.training.records import Counters

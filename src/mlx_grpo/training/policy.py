@@ -1,4 +1,4 @@
-"""The three policies of GRPO and the log-prob passes over them (gradients.py holds the gradient pass).
+"""The three policies of GRPO and the log-prob passes over them (optimization.py holds the gradient pass).
 
 `model` is trained; the old (behaviour) policy samples and gives old log-probs; the reference policy
 (frozen initial weights) anchors the KL term. With lora/dora adapters the reference is `model` itself
@@ -18,8 +18,7 @@ from mlx_grpo.config import Config
 from mlx_grpo.models.adapters import adapters_disabled
 from mlx_grpo.models.forward import completion_logprobs, completion_topk
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.rollout_records import Rollout
-from mlx_grpo.training.microbatch import chunk_batch, row_chunks
+from mlx_grpo.rollout.rollout_records import Rollout, chunk_batch, row_chunks
 from mlx_grpo.training.records import TeacherTopK
 from mlx_grpo.training.served_teacher import ServedTeacher
 

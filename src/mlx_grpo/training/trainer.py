@@ -19,13 +19,13 @@ import numpy as np
 
 from mlx_grpo.config import Config
 from mlx_grpo.loss import LossSums, empty_sums, group_advantages
-from mlx_grpo.models.precision import MasterWeights
 from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.training.compiled_update import CompiledUpdate
 from mlx_grpo.training.distributed import World, zero_gradients
 from mlx_grpo.training.draws import add_rewards, draw_scores
-from mlx_grpo.training.gradients import accumulate_gradients, clip_by_global_norm, loss_weights, make_grad_fn
-from mlx_grpo.training.optimizer import learning_rate_at, make_optimizer, optimizer_step
+from mlx_grpo.training.optimization import (
+    MasterWeights, accumulate_gradients, clip_by_global_norm, learning_rate_at, loss_weights, make_grad_fn,
+    make_optimizer, optimizer_step)
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.records import Batch, Counters, StepData, UpdateMetrics, UpdateSteps
 

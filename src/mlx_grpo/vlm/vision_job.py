@@ -17,12 +17,13 @@ from mlx_grpo.data.examples import subset
 from mlx_grpo.data.prompts import WorkedExamples
 from mlx_grpo.data.sources import run_examples
 from mlx_grpo.models.adapters import apply_adapters
-from mlx_grpo.models.precision import MasterWeights, cast_floats, compute_dtype, dtype_name
+from mlx_grpo.models.precision import cast_floats, compute_dtype, dtype_name
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.training.distributed import World
 from mlx_grpo.training.job import Job, make_job
+from mlx_grpo.training.optimization import MasterWeights
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
 from mlx_grpo.vlm.image_prompts import ImagePrompts

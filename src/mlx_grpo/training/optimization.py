@@ -1,23 +1,30 @@
-"""The gradient pass of an update: each row's weight in the loss (loss.row_scales over every rank's rows),
-the value_and_grad of one micro-batch's weighted loss sums (compiled with use_compile), their sum over
-every micro-batch of every batch step in float32, and clipping by the global norm."""
+"""The optimization of an update, from the weighted loss to new weights (sft/steps.py takes the same step):
+
+- the gradient pass: each row's weight in the loss (loss.row_scales over every rank's rows), the value_and_grad
+  of one micro-batch's weighted loss sums (compiled with use_compile), their sum over every micro-batch of every
+  batch step in float32, and clipping by the global norm;
+- the step: AdamW built from the config and its learning-rate schedule, applied on the float32 master weights
+  (MasterWeights) when the model computes in a narrower dtype."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_grpo.config import Config
 from mlx_grpo.loss import LossSums, Objective, combine_sums, objective_sums, row_scales
 from mlx_grpo.models.forward import PackedBatch, completion_logprobs
-from mlx_grpo.rollout.rollout_records import Rollout
+from mlx_grpo.rollout.rollout_records import Rollout, chunk_batch, row_chunks
 from mlx_grpo.training.distributed import World
-from mlx_grpo.training.microbatch import chunk_batch, row_chunks
 from mlx_grpo.training.records import StepData
 
 
+# ------------------------------------------------------------------ the gradient pass
 def make_grad_fn(cfg: Config, model: nn.Module):
     """value_and_grad of one micro-batch's weighted loss sum (aux: the other LossSums fields); compiled
     when use_compile is set."""
@@ -113,3 +120,67 @@ def clip_by_global_norm(grads, max_norm: float):
         return grads, norm
     factor = mx.minimum(1.0, max_norm / (norm + 1e-6))
     return tree_map(lambda g: (g * factor).astype(g.dtype), grads), norm
+
+
+# ------------------------------------------------------------------ the step
+class MasterWeights:
+    """Float32 masters of a model's trainable tensors, taken from them as they are now (before the model
+    is cast to its compute dtype); disabled when the model trains in float32 or master_weights is off:
+    optimizer_step then updates the model directly, as plain AdamW does."""
+
+    def __init__(self, model: nn.Module, enabled: bool):
+        trainable = dict(tree_flatten(model.trainable_parameters()))
+        self.masters = {k: p.astype(mx.float32) for k, p in trainable.items()} if enabled else None
+
+    @property
+    def active(self) -> bool:
+        return self.masters is not None
+
+    def adopt(self, masters: dict[str, mx.array] | None) -> None:
+        """Take the masters (flat, e.g. from a checkpoint) before the compute copy is cast from them."""
+        if self.masters is not None and masters is not None:
+            self.masters = {k: masters[k].astype(mx.float32) for k in self.masters}
+
+    def sync(self, model: nn.Module) -> None:
+        """Refresh the model's trained tensors from the masters, each in its own compute dtype."""
+        if self.masters is None:
+            return
+        current = dict(tree_flatten(model.trainable_parameters()))
+        model.update(tree_unflatten([(k, m.astype(current[k].dtype)) for k, m in self.masters.items()]))
+
+    def arrays(self) -> list[mx.array]:
+        return list(self.masters.values()) if self.masters is not None else []
+
+
+def make_optimizer(cfg: Config, learning_rate: float) -> optim.AdamW:
+    return optim.AdamW(learning_rate=learning_rate, betas=[cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2],
+                       weight_decay=cfg.optimizer.weight_decay, bias_correction=True)
+
+
+def learning_rate_at(update: int, total: int, cfg: Config) -> float:
+    """Linear warmup then cosine/linear/constant decay towards 0. update is 1-based; the decay
+    starts from the peak at the first update after warmup, so no update has a zero rate."""
+    warmup = int(math.ceil(cfg.optimizer.warmup_ratio * total))
+    if update <= warmup:
+        return cfg.optimizer.learning_rate * update / warmup
+    if cfg.optimizer.lr_scheduler_type == "constant" or total <= warmup:
+        return cfg.optimizer.learning_rate
+    progress = (update - warmup - 1) / (total - warmup)
+    if cfg.optimizer.lr_scheduler_type == "linear":
+        return cfg.optimizer.learning_rate * max(0.0, 1.0 - progress)
+    return cfg.optimizer.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_step(optimizer, model: nn.Module, grads, masters: MasterWeights) -> None:
+    """One optimizer step: on the float32 masters (then the model's compute copy follows), or, without
+    masters, on the model directly as plain AdamW does; evaluated, so the step's buffers can be freed."""
+    if masters.active:
+        flat = {k: g.astype(mx.float32) for k, g in tree_flatten(grads)}
+        new = optimizer.apply_gradients(tree_unflatten(list(flat.items())),
+                                        tree_unflatten(list(masters.masters.items())))
+        masters.adopt(dict(tree_flatten(new)))
+        masters.sync(model)
+    else:
+        current = dict(tree_flatten(model.trainable_parameters()))
+        optimizer.update(model, tree_unflatten([(k, g.astype(current[k].dtype)) for k, g in tree_flatten(grads)]))
+    mx.eval(model.parameters(), optimizer.state, masters.arrays())
