@@ -1,7 +1,7 @@
 """Mixed precision: a run's compute dtype, casting a model to it, and the rounding check.
 
 The model runs forward, backward and rollouts in the compute dtype (bfloat16 for the embedded default on
-a GPU, the stored dtype for other models). With master weights (training/optimizer.MasterWeights) the trained
+a GPU, the stored dtype for other models). With master weights (training/optimization.MasterWeights) the trained
 tensors also live in float32: AdamW (its state float32 too) updates the masters, and the compute copy is
 refreshed from them after every update, so steps far below bfloat16's spacing accumulate instead of rounding
 away; check_rounding says how much of an update would round away without them.

@@ -153,7 +153,7 @@ class World:
 
     def reduce_sums(self, sums: LossSums) -> LossSums:
         """The update's LossSums over all ranks. Each rank's loss is its rows' share times the world size
-        (see training/gradients.loss_weights), so the loss is averaged and the counts are summed."""
+        (see training/optimization.loss_weights), so the loss is averaged and the counts are summed."""
         if self.size == 1:
             return sums
         names = LossSums._fields
