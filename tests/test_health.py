@@ -1,4 +1,4 @@
-"""reporting/health.py on scripted streams: silent-reward lines and the no-signal stop, the plateau and gaming warnings
+"""training/health.py on scripted streams: silent-reward lines and the no-signal stop, the plateau and gaming warnings
 (each fires where it should and not otherwise), their state surviving a JSON round trip mid-stream, the
 prompt-cut report, and the plot's marks of the warnings."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_grpo.reporting import plot
-from mlx_grpo.reporting.health import RunHealth, gaming_check, EvalPoint, prompt_cut_report, silence, wilson
+from mlx_grpo.training.health import RunHealth, gaming_check, EvalPoint, prompt_cut_report, silence, wilson
 
 NAN = float("nan")
 

@@ -1,6 +1,7 @@
 """The source layout's rules (DEVELOPERS.md), read from src/ with `ast`, without importing it: imports go one
-way (no cycle between mlx_grpo modules, and none from a lower layer to a higher one: LAYERS; imports inside
-functions included), no module imports another's private (_name) names, and no module is over MAX_LINES lines."""
+way (no cycle between mlx_grpo modules, no two folders importing each other, and no import from a lower layer to a
+higher one: LAYERS; imports inside functions included), no module imports another's private (_name) names, and no
+module is over MAX_LINES lines."""
 
 from __future__ import annotations
 
@@ -21,19 +22,18 @@ CYCLE_EDGES: dict[tuple[str, str], str] = {}  # (importer, imported): an import 
 LAYERS = ("base", "config", "models", "stages", "training", "commands")
 LAYER_OF = {
     # base: errors, platform set-up, pure math and I/O adapters, importing nothing of the project above them
-    "": "base", "base": "base", "loss": "base", "reporting.reporters": "base",
+    "": "base", "base": "base", "loss": "base",
     "config": "config",
     # models: loading, converting and running the networks (vlm/: the vision-language ones; kernels/: the CUDA
     # kernels and their MLX references, which the networks' decode steps and the sampler call)
     "models": "models", "vlm": "models", "kernels": "models",
     # stages: what an update's stages need, and the data they read: rollouts, tools, rewards, examples, storage
     "tools": "stages", "rewards": "stages", "rollout": "stages", "data": "stages", "storage": "stages",
-    "vlm.image_rollout": "stages", "vlm.shapes": "stages",
+    "vlm.image_rollout": "stages",
     # training: the update, its state and logs (GRPO and SFT)
     "training": "training", "sft": "training", "reporting": "training", "vlm.image_prompts": "training",
     # commands: what the CLI runs, and the assembly of a run from a Config
-    "commands": "commands", "__main__": "commands", "vlm.vision_convert": "commands",
-    "vlm.vision_inference": "commands", "vlm.vision_eval": "commands", "vlm.vision_job": "commands",
+    "commands": "commands", "__main__": "commands",
 }
 
 # Module file names shared by two or more modules (__init__.py, __main__.py aside), each with why no clearer name
@@ -115,6 +115,49 @@ def test_no_import_cycles_not_even_inside_functions():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def fake_package(root: Path, files: dict[str, str]) -> None:
+    """A package mlx_grpo under root for the rules' own tests: files {path inside it: text}, each folder with an
+    empty __init__.py."""
+    pkg = root / PACKAGE
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for rel, text in files.items():
+        path = pkg / rel
+        for folder in list(path.relative_to(pkg).parents)[:-1]:
+            (pkg / folder).mkdir(exist_ok=True)
+            (pkg / folder / "__init__.py").touch()
+        path.write_text(text)
+
+
+def folder(name: str, known: dict[str, Path]) -> str:
+    """The package folder a module lives in (mlx_grpo.training.trainer -> training), or a flat module's own name."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and known[name].name == "__init__.py") else name
+
+
+def folder_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Imports between folders (exempt module cycles included): a folder may import another only one way."""
+    known = modules(src)
+    edges = {folder(name, known): set() for name in known}
+    for name, path in known.items():
+        for target, _, _ in imports(name, path, known):
+            if target in known and folder(target, known) != folder(name, known):
+                edges[folder(name, known)].add(folder(target, known))
+    return edges
+
+
+def test_no_import_loop_between_folders():
+    cycle = find_cycle(folder_graph())
+    assert cycle is None, "folders importing each other: " + " -> ".join(cycle)
+
+
+def test_the_folder_rule_catches_a_loop(tmp_path):
+    fake_package(tmp_path, {"x/a.py": "from mlx_grpo.y.b import f\n", "y/b.py": "def f():\n    return 1\n",
+                            "y/c.py": "from mlx_grpo.x import a\n"})  # no module cycle, a folder loop
+    assert find_cycle(graph(tmp_path)) is None
+    assert find_cycle(folder_graph(tmp_path)) == ["x", "y", "x"]
+
+
 def upward_imports(src: Path = SRC) -> list[str]:
     """Every import of a module in a higher layer than the importer's, as 'importer (layer) -> imported (layer)'."""
     known = modules(src)
@@ -139,13 +182,8 @@ def test_imports_never_go_up_a_layer():
 
 def test_the_layer_rule_catches_an_import_up(tmp_path):
     """The update (training) importing a command, inside a function: caught; the other way round: allowed."""
-    pkg = tmp_path / PACKAGE
-    for sub in ("training", "commands"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "commands" / "train.py").write_text("from mlx_grpo.training import step\n")
-    (pkg / "training" / "step.py").write_text("def f():\n    from mlx_grpo.commands import train\n")
+    fake_package(tmp_path, {"commands/train.py": "from mlx_grpo.training import step\n",
+                            "training/step.py": "def f():\n    from mlx_grpo.commands import train\n"})
     assert upward_imports(tmp_path) == ["mlx_grpo/training/step.py:2: mlx_grpo.training.step (training) -> "
                                         "mlx_grpo.commands.train (commands)"]
 
@@ -230,12 +268,5 @@ def test_no_two_modules_share_a_basename():
 
 
 def test_the_basename_rule_catches_a_shared_name(tmp_path):
-    pkg = tmp_path / PACKAGE
-    for sub in ("models", "rewards"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text("")
-        (pkg / sub / "loading.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "__main__.py").write_text("")
-    (pkg / "models" / "forward.py").write_text("")
+    fake_package(tmp_path, {"models/loading.py": "", "rewards/loading.py": "", "__main__.py": "", "models/forward.py": ""})
     assert shared_basenames(tmp_path) == {"loading.py": ["mlx_grpo.models.loading", "mlx_grpo.rewards.loading"]}

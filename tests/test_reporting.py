@@ -190,7 +190,7 @@ def test_training_run_reports_every_update_and_eval(tiny_model_dir, tmp_path, fa
     assert kinds == ["init", "log", "log", "log", "finish"]
     assert fake_wandb.calls[0][1]["name"] == "grpo" and fake_wandb.calls[0][1]["config"]["report_to"] == \
         ["tensorboard", "wandb"]
-    # the update-2 eval is logged before update 2's record, which carries what the eval showed (reporting/health.py)
+    # the update-2 eval is logged before update 2's record, which carries what the eval showed (training/health.py)
     assert [c[2] for c in fake_wandb.calls[1:4]] == [1, 2, 2] and "eval/accuracy" in fake_wandb.calls[2][1]
     assert fake_wandb.calls[-1] == ("finish", 0)
 

@@ -175,7 +175,7 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
                                    ["dynamic_sampling=true", "max_train_samples=16",
                                     f"reward_funcs={FIXTURES / 'toy_rewards.py'}:flat_unless_even_answer"],
                                    ["model_dtype=bfloat16", "learning_rate=1e-4"],
-                                   # reporting/health.py's state: the plateau warning (update 2) is not given again
+                                   # training/health.py's state: the plateau warning (update 2) is not given again
                                    ["plateau_updates=2", "reward_funcs="
                                     f"{FIXTURES / 'toy_rewards.py'}:share_of_even_ids,correctness"],
                                    # the rollout engine's sampling copy, refreshed after updates and on resume

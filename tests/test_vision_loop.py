@@ -77,8 +77,8 @@ def vlm(tiny_vlm_dir):
     from mlx.utils import tree_map
 
     from mlx_grpo.vlm.image_rollout import encode_vision_prompt
-    from mlx_grpo.vlm.shapes import make_shapes
-    from mlx_grpo.vlm.vision_eval import load_eval_model
+    from mlx_grpo.data.shapes import make_shapes
+    from mlx_grpo.commands.vision_eval import load_eval_model
 
     model, processor, tokenizer, pad_id = load_eval_model(str(tiny_vlm_dir), "float32")
     for layer in model.layers:

@@ -25,7 +25,7 @@ def _mlx_inputs(model_dir, image):
     from mlx_vlm import load
     from mlx_vlm.utils import prepare_inputs
 
-    from mlx_grpo.vlm.vision_inference import image_messages, prompt_text
+    from mlx_grpo.commands.vision_inference import image_messages, prompt_text
 
     model, processor = load(str(model_dir))
     text = prompt_text(processor, image_messages("What colour is it?", 1))
@@ -87,7 +87,7 @@ def test_generate_with_images_streams_the_same_text(tiny_vlm_dir, tmp_path, caps
 
 def test_chat_with_an_image(tiny_vlm_dir, tmp_path):
     from mlx_grpo.config import build_config
-    from mlx_grpo.vlm.vision_inference import run_chat_images
+    from mlx_grpo.commands.vision_inference import run_chat_images
 
     cfg = build_config("chat", None, [("model_name", str(tiny_vlm_dir)), ("max_new_tokens", "3"),
                                       ("temperature", "0")])

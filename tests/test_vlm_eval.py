@@ -1,4 +1,4 @@
-"""`mlx-grpo eval` on image data sets (vlm/vision_eval.py): it answers as the in-run evaluation does, its output
+"""`mlx-grpo eval` on image data sets (commands/vision_eval.py): it answers as the in-run evaluation does, its output
 records name the images, a trained checkpoint (lora or full) evaluates, and a text model given image_column
 or a VLM without it is one line, exit 2."""
 

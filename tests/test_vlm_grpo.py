@@ -31,7 +31,7 @@ def test_shapes_answers_are_right_by_construction():
     from PIL import Image
     import io
 
-    from mlx_grpo.vlm.shapes import COLOURS, make_shapes
+    from mlx_grpo.data.shapes import COLOURS, make_shapes
 
     examples = make_shapes(12, seed=3, split="train")
     assert [e.prompt for e in make_shapes(12, seed=3, split="train")] == [e.prompt for e in examples]

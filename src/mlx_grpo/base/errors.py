@@ -19,7 +19,7 @@ _OOM_FORMS = re.compile(r"^(cuda\w*\(.*\) failed: out of memory|\[(metal|cuda|ma
 # that bound its memory, and whether --resume accepts them changed. Evaluation decodes through rollout/ too.
 _TRAINING_PASS_FIX = "lower micro_batch_size or micro_batch_tokens, or set grad_checkpoint = true"
 _OOM_PHASES = (
-    (("/commands/evaluate.py", "/vlm/vision_eval.py"), "while evaluating",
+    (("/commands/evaluate.py", "/commands/vision_eval.py"), "while evaluating",
      "lower eval_batch_size or eval_max_new_tokens", True),
     (("/rollout/", "/vlm/image_rollout.py"), "while sampling rollouts",
      "lower batch_size x num_generations, max_new_tokens or max_prompt_length", False),

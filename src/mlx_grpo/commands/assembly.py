@@ -28,7 +28,7 @@ from mlx_grpo.models.adapters import ADAPTER_LAYERS, apply_adapters, quantize_ba
 from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.model_loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import cast_floats, check_rounding, compute_dtype, dtype_name
-from mlx_grpo.reporting.health import prompt_cut_report
+from mlx_grpo.training.health import prompt_cut_report
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
 from mlx_grpo.rollout.engine import check_rollout_model, uses_copy
@@ -116,7 +116,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     """Load data, rewards and the models for a run (no side effects on disk); world: this process's place
     in a data-parallel run (default: alone)."""
     if cfg.data.image_column:  # GRPO on image + text prompts (vlm/)
-        from mlx_grpo.vlm.vision_job import build_vision_job
+        from mlx_grpo.commands.vision_job import build_vision_job
 
         return build_vision_job(cfg, world)
     train = run_examples(cfg, "train")

@@ -136,7 +136,7 @@ def _dispatch(args: argparse.Namespace) -> None:
     cfg = _config_from_args(command, args)
     args.built_config = cfg  # a crash line names this config's run directory, not the file's as edited since
     if command in ("generate", "chat") and args.image:  # vision-language models (vlm/)
-        from mlx_grpo.vlm.vision_inference import run_chat_images, run_generate_images
+        from mlx_grpo.commands.vision_inference import run_chat_images, run_generate_images
 
         if command == "generate":
             run_generate_images(cfg, args.prompt, args.image, stream=args.stream, verbose=args.verbose)
@@ -162,8 +162,8 @@ def _dispatch(args: argparse.Namespace) -> None:
     elif command == "eval":
         from mlx_grpo.vlm.families import image_eval
 
-        if image_eval(cfg.model.model_name, cfg.data.image_column):  # image prompts: vlm/vision_eval.py
-            from mlx_grpo.vlm.vision_eval import run_vision_eval as run_eval
+        if image_eval(cfg.model.model_name, cfg.data.image_column):  # image prompts: commands/vision_eval.py
+            from mlx_grpo.commands.vision_eval import run_vision_eval as run_eval
         else:
             from mlx_grpo.commands.evaluate import run_eval
         run_eval(cfg, split=args.split, output=args.output)

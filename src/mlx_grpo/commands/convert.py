@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.models.writing import write_record
-from mlx_grpo.vlm.vision_convert import is_vision_source
+from mlx_grpo.commands.vision_convert import is_vision_source
 
 
 def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, group_size: int,
@@ -86,8 +86,8 @@ def run_convert(hf_path: str | None = None, gguf: str | None = None, output_dir:
 
         convert_gguf(gguf, out, dtype=dtype or "bfloat16", quantize=quantize, q_bits=bits,
                      q_group_size=group_size, record={**record, "dtype": dtype or "bfloat16"})
-    elif is_vision_source(hf_path):  # vision-language models go through mlx-vlm (vlm/vision_convert.py)
-        from mlx_grpo.vlm.vision_convert import convert_vlm
+    elif is_vision_source(hf_path):  # vision-language models go through mlx-vlm (commands/vision_convert.py)
+        from mlx_grpo.commands.vision_convert import convert_vlm
 
         convert_vlm(hf_path, out, quantize=quantize, bits=bits, group_size=group_size, dtype=dtype,
                     trust_remote_code=trust_remote_code, record=record)

@@ -273,7 +273,7 @@ def finish_eval(cfg: Config, job: EvalJob, result: EvalResult, prompt_record: di
 
 def run_eval(cfg: Config, split: str = "test", output: str | None = None) -> EvalResult:
     """`mlx-grpo eval`: accuracy (or pass@k) on a fixed seeded subset; per-example JSONL written.
-    (Image data sets: vlm/vision_eval.py's run_vision_eval.)"""
+    (Image data sets: commands/vision_eval.py's run_vision_eval.)"""
     from mlx_grpo.models.model_loading import load_model
 
     job = prepare_eval(cfg, split, output)

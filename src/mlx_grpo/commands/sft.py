@@ -17,11 +17,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from mlx_grpo.base.console import console
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands.assembly import build_model
 from mlx_grpo.commands.evaluate import answer_records, summarize
 from mlx_grpo.config import Config, save_json, to_dict
-from mlx_grpo.reporting.logs import RunLogger, console, duration, fmt, pace
+from mlx_grpo.reporting.logs import RunLogger, duration, fmt, pace
 from mlx_grpo.reporting.reporters import Reporters, check_installed
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import multiturn_for

@@ -20,12 +20,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
+from mlx_grpo.base.console import console
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands.assembly import build_job, check_prompt_lengths
 from mlx_grpo.commands.evaluate import summarize
 from mlx_grpo.config import Config, save_json, to_dict
 from mlx_grpo.data.examples import Example, subset
-from mlx_grpo.reporting.logs import (RunLogger, console, fmt, merge_ranks, pace, summary_lines, update_record,
+from mlx_grpo.reporting.logs import (RunLogger, fmt, merge_ranks, pace, summary_lines, update_record,
                                      updates_left)
 from mlx_grpo.reporting.reporters import Reporters, check_installed
 from mlx_grpo.storage import checkpoint as ckpt

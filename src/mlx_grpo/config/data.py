@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mlx_grpo.config.fields import ANSWER_COLUMNS, DATA, MODEL_CMDS, PROMPT_COLUMNS, SYSTEM_PROMPT, TUNE, setting
 
-# The built-in data sets (data/examples.py generates arith, loads gsm8k; vlm/shapes.py draws shapes, the image task);
+# The built-in data sets (data/examples.py generates arith, loads gsm8k; data/shapes.py draws shapes, the image task);
 # with the forms below, what `dataset` accepts.
 BUILTIN_DATASETS = ("arith", "gsm8k", "shapes")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")

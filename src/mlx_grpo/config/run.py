@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_grpo.config.fields import DATA, EVAL, SAMPLING, TRAIN, TUNE, setting
-from mlx_grpo.reporting.reporters import REPORTERS
+
+# report_to's choices (reporting/reporters.py builds each)
+REPORTERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True)

@@ -119,8 +119,8 @@ def load_examples(dataset: str, split: str, path: str | None, seed: int, *, arit
     """The examples of a run's `split`: from `path` when given (a file or directory), else from `dataset`.
     path_key: the config key that gives a local file instead, named in hints (examples.load_examples)."""
     source = path or dataset
-    if dataset == "shapes" and not path:  # the built-in image task (vlm/shapes.py), sized like arith's splits
-        from mlx_grpo.vlm.shapes import make_shapes
+    if dataset == "shapes" and not path:  # the built-in image task (data/shapes.py), sized like arith's splits
+        from mlx_grpo.data.shapes import make_shapes
 
         return make_shapes(1000 if split == "train" else 200, seed, split)
     kind = dataset_kind(source)

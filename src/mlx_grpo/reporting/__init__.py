@@ -1,2 +1,3 @@
-"""What a run reports: its JSONL logs and console lines (logs.py), TensorBoard / W&B (reporters.py), the run health
-warnings (health.py) and the curves drawn from the logs (plot.py, `mlx-grpo plot`)."""
+"""What a run reports: its JSONL logs and console lines (logs.py), TensorBoard / W&B (reporters.py) and the curves
+drawn from the logs (plot.py, `mlx-grpo plot`). It reads the training layer's records; the run health checks, whose
+state a checkpoint keeps, are training/health.py."""

@@ -8,21 +8,13 @@ import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from mlx_grpo.base.console import console
 from mlx_grpo.config import Config
 from mlx_grpo.training.records import BatchStats, Counters, DataPosition, UpdateMetrics
-
-
-def console(text: str) -> None:
-    """Print a run-time line through tqdm, so an active progress bar is redrawn below it instead of
-    being broken; flushed, so a pipe (`| tee`) shows it at once."""
-    tqdm.write(text)
-    sys.stdout.flush()
 
 
 def duration(seconds: float) -> str:

@@ -79,7 +79,7 @@ def _panel(ax, title: str, lines: list[tuple[str, tuple[list, list], dict]], yla
         ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, fontsize=12, color="gray")
 
 
-# Warnings given once (reporting/health.py) whose update the plot marks: a kind's prefix -> its colour.
+# Warnings given once (training/health.py) whose update the plot marks: a kind's prefix -> its colour.
 MARKED_WARNINGS = {"plateau": "C3", "gaming": "C1"}
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from mlx_grpo.base.errors import UserError
+from mlx_grpo.config.run import REPORTERS
 
 # report_to values, and the extra that installs each one's package
-REPORTERS = ("tensorboard", "wandb")
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 # record fields that are the step itself, not a curve
 _STEP_KEYS = frozenset({"update_step", "batch_step"})

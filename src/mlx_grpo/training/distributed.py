@@ -27,7 +27,7 @@ from mlx.utils import tree_map
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.loss import SUM_MAX, SUM_MIN, LossSums
-from mlx_grpo.reporting.logs import console
+from mlx_grpo.base.console import console
 
 LAUNCH_HINT = "start every rank with MLX's launcher, e.g. `mlx.launch -n 2 -- mlx-grpo train ...` (README)"
 
@@ -57,7 +57,7 @@ class World:
         return (seed + self.rank * 1_000_000_007) % 2 ** 63
 
     def print(self, *args, sep: str = " ") -> None:
-        """Console output of the run: rank 0's only, so N ranks don't print N copies; through logs.console,
+        """Console output of the run: rank 0's only, so N ranks don't print N copies; through base.console,
         so a progress bar is redrawn below the line instead of being broken."""
         if self.is_main:
             console(sep.join(map(str, args)))

@@ -1,4 +1,4 @@
-"""One `mlx-grpo train` run's parts, wired together (commands/assembly.py and vlm/vision_job.py call `make_job`): the
+"""One `mlx-grpo train` run's parts, wired together (commands/assembly.py and commands/vision_job.py call `make_job`): the
 sampling stage and the step source over it, the Trainer that updates, the run's health checks, the
 evaluation set and prompt; and the checkpoint state of them all (state, restore, save). commands/train.py's loop is
 `while (steps := job.source.next()): job.trainer.update(steps)` with evaluation, logs and saving around it.
@@ -20,7 +20,7 @@ from mlx_grpo.data.demonstrations import Demonstrator
 from mlx_grpo.data.examples import EpochSampler, Example
 from mlx_grpo.data.prompts import RunPrompt, WorkedExamples, build_run_prompts
 from mlx_grpo.models.adapters import adapter_parameters
-from mlx_grpo.reporting.health import RunHealth
+from mlx_grpo.training.health import RunHealth
 from mlx_grpo.rewards.scoring import RewardSet
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import multiturn_for
@@ -160,7 +160,7 @@ def make_job(cfg: Config, world: World, tokenizer, policies: Policies, rewards: 
     r = cfg.rollout
     source = PrefetchSteps(sampling, total_updates) if r.async_rollouts else \
         DynamicSteps(sampling) if r.dynamic_sampling else FreshSteps(sampling)
-    # Silent-reward, plateau and gaming checks (reporting/health.py); their state is part of the checkpoint's.
+    # Silent-reward, plateau and gaming checks (training/health.py); their state is part of the checkpoint's.
     # a teacher gives every sampled token a signal of its own: flat rewards are no reason to stop
     silent = 0 if cfg.objective.distill_coeff > 0 else cfg.health.max_updates_without_signal
     health = RunHealth(rewards.names, silent, cfg.health.plateau_updates, cfg.health.gaming_evals)

@@ -88,7 +88,7 @@ def eos_ids(model_dir: str, tokenizer) -> set[int]:
 
 
 def image_eval(model_name: str, image_column: str) -> bool:
-    """Whether `eval` answers image prompts (vlm/vision_eval.py): a vision-language model with image_column set.
+    """Whether `eval` answers image prompts (commands/vision_eval.py): a vision-language model with image_column set.
     Either without the other is a UserError."""
     vision = is_vision_dir(model_name)
     if image_column and not vision:

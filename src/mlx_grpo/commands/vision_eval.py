@@ -63,7 +63,7 @@ def load_eval_model(model_name: str, model_dtype: str):
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from mlx_grpo.models.precision import cast_floats, compute_dtype
-    from mlx_grpo.vlm.vision_inference import load_vlm
+    from mlx_grpo.commands.vision_inference import load_vlm
 
     check_grpo_family(read_config(Path(model_name).expanduser()).get("model_type", ""), model_name)
     vlm, processor = load_vlm(model_name)

@@ -28,8 +28,8 @@ from mlx_grpo.training.policy import Policies
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
 from mlx_grpo.vlm.image_prompts import ImagePrompts
 from mlx_grpo.vlm.policy_model import VisionPolicy
-from mlx_grpo.vlm.vision_eval import vision_answer_records
-from mlx_grpo.vlm.vision_inference import load_vlm
+from mlx_grpo.commands.vision_eval import vision_answer_records
+from mlx_grpo.commands.vision_inference import load_vlm
 
 
 def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:
