@@ -21,7 +21,7 @@ CYCLE_EDGES: dict[tuple[str, str], str] = {}  # (importer, imported): an import 
 # above. A module takes the layer of its name here, else of its folder; a new flat module must be placed.
 LAYERS = ("base", "config", "models", "stages", "training", "commands")
 LAYER_OF = {
-    # base: errors, platform set-up, pure math and I/O adapters, importing nothing of the project above them
+    # base: errors, platform set-up, console lines and pure math, importing nothing of the project above them
     "": "base", "base": "base", "loss": "base",
     "config": "config",
     # models: loading, converting and running the networks (vlm/: the vision-language ones; kernels/: the CUDA
@@ -123,9 +123,9 @@ def fake_package(root: Path, files: dict[str, str]) -> None:
     (pkg / "__init__.py").write_text("")
     for rel, text in files.items():
         path = pkg / rel
-        for folder in list(path.relative_to(pkg).parents)[:-1]:
-            (pkg / folder).mkdir(exist_ok=True)
-            (pkg / folder / "__init__.py").touch()
+        for parent in reversed(list(path.relative_to(pkg).parents)[:-1]):  # outermost first
+            (pkg / parent).mkdir(exist_ok=True)
+            (pkg / parent / "__init__.py").touch()
         path.write_text(text)
 
 
@@ -225,13 +225,10 @@ def test_no_module_imports_private_names_of_another():
 
 def test_the_checks_catch_what_they_are_for(tmp_path):
     """A circle closed by an import inside a function, and private names taken from another module."""
+    fake_package(tmp_path, {"a.py": "from mlx_grpo.sub.b import helper\n_secret = 1\n",
+                            "sub/b.py": "def helper():\n    from mlx_grpo import a\n    return a._secret\n",
+                            "c.py": "from mlx_grpo.a import _secret\n"})
     pkg = tmp_path / PACKAGE
-    (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from mlx_grpo.sub.b import helper\n_secret = 1\n")
-    (pkg / "sub" / "b.py").write_text("def helper():\n    from mlx_grpo import a\n    return a._secret\n")
-    (pkg / "c.py").write_text("from mlx_grpo.a import _secret\n")
     assert find_cycle(graph(tmp_path)) == ["mlx_grpo.a", "mlx_grpo.sub.b", "mlx_grpo.a"]
     assert sorted(private_uses(tmp_path)) == ["mlx_grpo/c.py:1: mlx_grpo.a._secret",
                                               "mlx_grpo/sub/b.py:3: mlx_grpo.a._secret"]
@@ -268,5 +265,6 @@ def test_no_two_modules_share_a_basename():
 
 
 def test_the_basename_rule_catches_a_shared_name(tmp_path):
-    fake_package(tmp_path, {"models/loading.py": "", "rewards/loading.py": "", "__main__.py": "", "models/forward.py": ""})
+    fake_package(tmp_path, {"models/loading.py": "", "rewards/loading.py": "", "__main__.py": "",
+                            "models/forward.py": ""})
     assert shared_basenames(tmp_path) == {"loading.py": ["mlx_grpo.models.loading", "mlx_grpo.rewards.loading"]}

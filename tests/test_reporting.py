@@ -13,7 +13,8 @@ from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands import train as run_mod
 from mlx_grpo.commands.cli import main
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.reporting.reporters import Reporters, scalars
+from mlx_grpo.config.run import REPORTERS
+from mlx_grpo.reporting.reporters import EXTRAS, Reporters, scalars
 
 
 def make_cfg(model_dir, out, *items):
@@ -233,3 +234,9 @@ def test_a_failing_reporter_is_dropped_with_one_line_and_training_goes_on(tmp_pa
     reporters.close()
     out = capsys.readouterr().out
     assert out.count("report_to broken stopped (OSError") == 1
+
+
+def test_every_report_to_choice_has_its_extra():
+    """report_to's choices (config/run.py) and the extras that install them (reporting/reporters.py) name the same
+    reporters: a choice without its extra would fail in the install hint instead of saying what to install."""
+    assert sorted(EXTRAS) == sorted(REPORTERS)

@@ -28,7 +28,6 @@ from mlx_grpo.models.adapters import ADAPTER_LAYERS, apply_adapters, quantize_ba
 from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.model_loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import cast_floats, check_rounding, compute_dtype, dtype_name
-from mlx_grpo.training.health import prompt_cut_report
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
 from mlx_grpo.rollout.engine import check_rollout_model, uses_copy
@@ -37,6 +36,7 @@ from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.sft.steps import adapter_model_error
 from mlx_grpo.storage.checkpoint import list_checkpoints, load_masters
 from mlx_grpo.training.distributed import World
+from mlx_grpo.training.health import prompt_cut_report
 from mlx_grpo.training.job import Job, make_job
 from mlx_grpo.training.optimization import MasterWeights
 from mlx_grpo.training.policy import Policies

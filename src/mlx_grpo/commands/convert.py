@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 
 from mlx_grpo.base.errors import UserError
-from mlx_grpo.models.writing import write_record
 from mlx_grpo.commands.vision_convert import is_vision_source
+from mlx_grpo.models.writing import write_record
 
 
 def convert_hf(hf_path: str, output_dir: Path, *, quantize: bool, bits: int, group_size: int,

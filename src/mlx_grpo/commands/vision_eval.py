@@ -1,5 +1,5 @@
-"""Evaluation on image + text prompts: the answers of a GRPO run's in-run evaluation on images (vlm/sampling.ImagePrompts)
-and `mlx-grpo eval` of a vision-language model or checkpoint on a data set with an image column. Records and
+"""Evaluation on image + text prompts: the answers of a GRPO run's in-run evaluation on images
+(vlm/image_prompts.ImagePrompts) and `mlx-grpo eval` of a vision-language model or checkpoint on a data set with an image column. Records and
 the summary line are commands/evaluate.py's, each record naming its images; prompts are built as training builds them
 (vlm/image_rollout.py), answered greedily (or sampled for pass@k) through the same rollout."""
 

@@ -12,6 +12,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_grpo.base.errors import UserError
+from mlx_grpo.commands.vision_eval import vision_answer_records
+from mlx_grpo.commands.vision_inference import load_vlm
 from mlx_grpo.config import Config
 from mlx_grpo.data.examples import subset
 from mlx_grpo.data.prompts import WorkedExamples
@@ -28,8 +30,6 @@ from mlx_grpo.training.policy import Policies
 from mlx_grpo.vlm.families import check_grpo_family, eos_ids, read_config
 from mlx_grpo.vlm.image_prompts import ImagePrompts
 from mlx_grpo.vlm.policy_model import VisionPolicy
-from mlx_grpo.commands.vision_eval import vision_answer_records
-from mlx_grpo.commands.vision_inference import load_vlm
 
 
 def load_policy(cfg: Config, table=None) -> tuple[VisionPolicy, object]:

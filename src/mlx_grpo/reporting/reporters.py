@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.config.run import REPORTERS
 
-# report_to values, and the extra that installs each one's package
+# the extra that installs each report_to value's package (the values: config/run.REPORTERS; a test keeps both in step)
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 # record fields that are the step itself, not a curve
 _STEP_KEYS = frozenset({"update_step", "batch_step"})

@@ -25,9 +25,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
+from mlx_grpo.base.console import console
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.loss import SUM_MAX, SUM_MIN, LossSums
-from mlx_grpo.base.console import console
 
 LAUNCH_HINT = "start every rank with MLX's launcher, e.g. `mlx.launch -n 2 -- mlx-grpo train ...` (README)"
 

@@ -1,5 +1,5 @@
-"""One `mlx-grpo train` run's parts, wired together (commands/assembly.py and commands/vision_job.py call `make_job`): the
-sampling stage and the step source over it, the Trainer that updates, the run's health checks, the
+"""One `mlx-grpo train` run's parts, wired together (commands/assembly.py and commands/vision_job.py call
+`make_job`): the sampling stage and the step source over it, the Trainer that updates, the run's health checks, the
 evaluation set and prompt; and the checkpoint state of them all (state, restore, save). commands/train.py's loop is
 `while (steps := job.source.next()): job.trainer.update(steps)` with evaluation, logs and saving around it.
 """
@@ -20,13 +20,13 @@ from mlx_grpo.data.demonstrations import Demonstrator
 from mlx_grpo.data.examples import EpochSampler, Example
 from mlx_grpo.data.prompts import RunPrompt, WorkedExamples, build_run_prompts
 from mlx_grpo.models.adapters import adapter_parameters
-from mlx_grpo.training.health import RunHealth
 from mlx_grpo.rewards.scoring import RewardSet
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import multiturn_for
 from mlx_grpo.rollout.sampler import pad_token_id
 from mlx_grpo.storage import checkpoint as ckpt
 from mlx_grpo.training.distributed import World
+from mlx_grpo.training.health import RunHealth
 from mlx_grpo.training.optimization import MasterWeights
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.prefetch import PrefetchSteps

@@ -3,7 +3,7 @@ submitted to the reward workers, and the old/reference log-prob passes run while
 
 The step sources (training/step_sources.py, training/prefetch.py) drive it; the Trainer never calls it.
 What a prompt is and how it decodes is `prompts`, by composition: TextPrompts here (the chat template, the
-rollout engine; tools and environments as episodes, rollout/multiturn.py), vlm/sampling.ImagePrompts for
+rollout engine; tools and environments as episodes, rollout/multiturn.py), vlm/image_prompts.ImagePrompts for
 image prompts. Rollout keys derive from (seed, draw, row): a run and its resumption sample the same tokens.
 """
 
