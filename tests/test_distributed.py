@@ -90,9 +90,13 @@ def model_weights(checkpoint: Path) -> dict:
     # unequal shares: dynamic sampling drops the flat groups, whichever rank holds them
     ["loss_type=bnpo", "scale_rewards=batch", "dynamic_sampling=true", "max_resample_batches=2",
      f"reward_funcs={TOY}:flat_unless_even_answer"],
+    # the second batch step trains a group the first left (carry_surplus), from a draw split over the ranks
+    ["loss_type=bnpo", "dynamic_sampling=true", "carry_surplus=true", "rollout_correction=token_truncate",
+     "draws_per_pass=4", "max_resample_batches=2", "gradient_accumulation_steps=2", "max_train_samples=64",
+     f"reward_funcs={TOY}:flat_unless_even_answer"],
     # adapters only in the gradient, over two accumulated batch steps
     ["train_type=lora", "lora_rank=4", "gradient_accumulation_steps=2", "kl_coeff=0.1", "loss_type=grpo"],
-], ids=["dapo-kl", "bnpo-batch-dynamic", "lora-accumulation"])
+], ids=["dapo-kl", "bnpo-batch-dynamic", "dynamic-carry", "lora-accumulation"])
 def test_two_ranks_of_half_the_prompts_give_the_one_rank_gradient(tiny_model_dir, tmp_path, extra):
     items = base_items(tiny_model_dir, tmp_path, *extra)
     worker = [sys.executable, str(HERE / "dist_worker.py")]

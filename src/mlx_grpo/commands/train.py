@@ -387,7 +387,9 @@ def _loop(job: Job, cfg: Config, resume: str | None, logger: RunLogger,
 
 
 def _save(job: Job) -> None:
-    """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients)."""
+    """Rank 0 writes the checkpoint: every rank holds the same weights (the same averaged gradients). Every
+    rank drops its carried groups (carry_surplus), which a checkpoint does not hold."""
+    job.sampling.drop_carried()
     if job.world.is_main:
         with ckpt.write_failures_as_one_line(job.run_dir, job.counters.update_step, job.resumed):
             job.save()

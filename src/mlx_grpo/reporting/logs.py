@@ -110,6 +110,8 @@ def update_record(cfg: Config, c: Counters, position: DataPosition, stats: list[
         record["decode_passes"] = sum(s.decode_passes for s in stats)
         trained = sum(len(s.texts) for s in stats)
         record["rows_decoded_per_trained"] = len(lengths) / trained if trained else None
+        if cfg.rollout.carry_surplus:  # groups trained on that an earlier batch step drew
+            record["groups_carried"] = sum(s.groups_carried for s in stats)
     if stats[0].tool_calls is not None:  # multi-turn: how often the drawn completions called a tool, how many failed
         calls = np.concatenate([s.tool_calls for s in stats])
         errors = np.concatenate([s.tool_errors for s in stats])
@@ -155,7 +157,8 @@ def merge_ranks(ranks: list[tuple[list[BatchStats], UpdateMetrics]]) -> tuple[li
             zero_std=float(np.average([p.zero_std for p in parts], weights=sizes)),
             draws=parts[0].draws,  # every rank draws its share of each batch
             decode_passes=parts[0].decode_passes,  # in the same waves (dynamic sampling's decisions are global)
-            **{k: sum(getattr(p, k) for p in parts) for k in ("groups_trained", "entropy_sum", "tokens")},
+            **{k: sum(getattr(p, k) for p in parts) for k in ("groups_trained", "groups_carried", "entropy_sum",
+                                                              "tokens")},
             **{k: max(getattr(p, k) for p in parts) for k in ("t_rollout", "t_logprob", "t_reward")},
         ))
     results = [r for _, r in ranks]

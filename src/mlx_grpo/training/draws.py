@@ -1,6 +1,7 @@
 """The pieces of a batch step's sampling stage that need no trainer state: each row's sampling key, what
 the rewards are given of a draw, collecting a draw's scores (length penalty, demonstrations), dynamic
-sampling's choice of groups and the size of its decode waves, and the batch step's figures for the logs."""
+sampling's choice of groups (trained, carried) and the size of its decode waves, and the batch step's figures
+for the logs."""
 
 from __future__ import annotations
 
@@ -88,14 +89,22 @@ def wave_size(recent: list[int], deficit: int, room: int) -> int:
     return max(1, min(room, -(-deficit * len(recent) // sum(recent))))
 
 
-def informative_batch(draws: list[Draw], flags: list[np.ndarray], share: slice, batch_size: int,
+def choose_groups(flags: list[np.ndarray], batch_size: int, keep: int) -> tuple[list, list]:
+    """Dynamic sampling's choice over a batch step's draws in order (flags[i]: draw i's groups over all ranks,
+    from varied_groups; carried draws first, their flags marking the groups carried): the first batch_size
+    varied groups are trained on, the next `keep` (carry_surplus: batch_size - 1; else 0) are carried to the
+    next batch step, the rest are dropped. -> (trained, carried), each [(draw index, group index)] in order."""
+    varied = [(i, int(g)) for i, f in enumerate(flags) for g in np.flatnonzero(f)]
+    return varied[:batch_size], varied[batch_size:batch_size + keep]
+
+
+def informative_batch(draws: list[Draw], chosen: list[tuple[int, int]], share: slice,
                       pad_id: int) -> tuple[list[Example], Rollout, RewardScores]:
-    """Dynamic sampling: the first batch_size groups, in draw order over all ranks, that are varied
-    (flags[i]: draw i's groups over all ranks, from varied_groups); this rank keeps those of its own `share` (ranks
-    may train on unequal numbers). Scores must be collected."""
+    """Dynamic sampling: the chosen groups [(draw index, group index over all ranks)] (choose_groups) as one
+    batch; this rank keeps those of its own `share` (ranks may train on unequal numbers). Scores must be
+    collected."""
     G = draws[0].rollout.group_size
-    chosen = [(i, g) for i, f in enumerate(flags) for g in np.flatnonzero(f)][:batch_size]
-    picks = [(i, int(g) - share.start) for i, g in chosen if share.start <= g < share.stop]
+    picks = [(i, g - share.start) for i, g in chosen if share.start <= g < share.stop]
     rollout = select_groups([d.rollout for d in draws], picks, pad_id)
     scores = RewardScores.concat([draws[i].scores.select(range(g * G, (g + 1) * G)) for i, g in picks]) \
         if picks else draws[0].scores.select([])

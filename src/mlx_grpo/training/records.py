@@ -110,6 +110,7 @@ class BatchStats:
     tokens: int
     t_rollout: float
     t_logprob: float
+    groups_carried: int = 0  # carry_surplus: groups trained on that an earlier batch step drew
     decode_passes: int = 1  # dynamic sampling: the engine passes its draws decoded in (waves of draws decoded together)
     demo: np.ndarray | None = None  # [trained rows] demonstrations
     tool_calls: np.ndarray | None = None  # [drawn rows] tool calls per row (tools runs)

@@ -21,8 +21,8 @@ from mlx_grpo.rewards.scoring import RewardScores
 from mlx_grpo.rewards.workers import RewardRunner
 from mlx_grpo.rollout.multiturn import MultiTurn, encode_prompts, rollouts
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.training.draws import (RATE_WINDOW, batch_stats, draw_scores, informative_batch, reward_inputs,
-                                     row_keys, varied_groups, wave_size)
+from mlx_grpo.training.draws import (RATE_WINDOW, batch_stats, choose_groups, draw_scores, informative_batch,
+                                     reward_inputs, row_keys, varied_groups, wave_size)
 from mlx_grpo.training.policy import Policies
 from mlx_grpo.training.records import Batch, Counters, DataPosition, Draw
 
@@ -76,10 +76,17 @@ class Sampling:
         r = cfg.rollout
         self.params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_p, tuple(r.stop))
         self.batches = iter(data)
+        # carry_surplus: earlier draws whose varied groups (the mask, over all ranks) no batch step took yet
+        self.carried: list[tuple[Draw, np.ndarray]] = []
 
     def next_examples(self) -> list[Example] | None:
         indices = next(self.batches, None)
         return None if indices is None else [self.examples[i] for i in indices]
+
+    def drop_carried(self) -> None:
+        """carry_surplus: forget the carried groups. At a checkpoint, so that the run that writes it and a run
+        resumed from it continue alike (a checkpoint holds no rollouts)."""
+        self.carried = []
 
     def rewind_data(self, cursor: dict) -> None:
         """Continue the data from a checkpoint's cursor."""
@@ -154,11 +161,13 @@ class Sampling:
         varied groups, the groups trained on, are the same. Draws a wave decodes beyond those the rule needed
         (surplus) advance the data cursor and the draw counter like any draw: later batch steps get later
         prompts than one-by-one drawing would give them. Every rank takes the same decisions (the flags and
-        the rate are over all ranks)."""
+        the rate are over all ranks). carry_surplus: the groups carried from the batch step before count first
+        (at most batch_size - 1 of them, so a batch step always draws), and the surplus is trained on later."""
         cfg, c = self.cfg, self.counters
         B, cap = cfg.training.batch_size, 1 + cfg.rollout.max_resample_batches
         draws: list[Draw] = []
-        varied = passes = 0
+        varied = sum(int(mask.sum()) for _, mask in self.carried)
+        passes = 0
         batches = [examples]
         while True:
             size = wave_size(c.varied_recent, B - varied, min(cap - len(draws), cfg.rollout.draws_per_pass))
@@ -178,16 +187,25 @@ class Sampling:
 
     # ------------------------------------------------------------------ old / reference log-probs
     def logprob_passes(self, draws: list[Draw]) -> Batch:
-        """A batch step from its draws (several: dynamic sampling keeps their informative groups): the
+        """A batch step from its draws (several: dynamic sampling keeps their informative groups, after those
+        carried from the batch step before; carry_surplus keeps the varied ones it leaves for the next): the
         old/reference log-prob passes, while the draws' rewards may still be computing."""
         cfg = self.cfg
         selected = None
         for d in draws if self.demonstrator is not None else ():  # demonstrations enter before the passes
             draw_scores(d, cfg, self.demonstrator)
-        if cfg.rollout.dynamic_sampling:
-            examples, rollout, selected = informative_batch(draws, [self.flags(d) for d in draws],
-                                                            self.world.share(cfg.training.batch_size),
-                                                            cfg.training.batch_size, self.pad_id)
+        carried = 0
+        if cfg.rollout.dynamic_sampling:  # carried groups first, then the new draws' (Sampling.waves)
+            pool = [d for d, _ in self.carried] + draws
+            B = cfg.training.batch_size
+            chosen, surplus = choose_groups([m for _, m in self.carried] + [self.flags(d) for d in draws], B,
+                                            B - 1 if cfg.rollout.carry_surplus else 0)
+            carried = sum(i < len(self.carried) for i, _ in chosen)
+            masks: dict[int, np.ndarray] = {}  # draw index -> its groups (all ranks) carried on, in draw order
+            for i, g in surplus:
+                masks.setdefault(i, np.zeros(B, dtype=bool))[g] = True
+            self.carried = [(pool[i], mask) for i, mask in masks.items()]
+            examples, rollout, selected = informative_batch(pool, chosen, self.world.share(B), self.pad_id)
         else:
             examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
         t0 = time.perf_counter()
@@ -201,6 +219,7 @@ class Sampling:
         self.counters.batch_step += 1
         multiturn = self.prompts.multiturn
         stats = batch_stats(draws, examples, rollout, t_logprob, bool(multiturn and multiturn.stop_strings))
+        stats.groups_carried = carried
         batch = Batch(rollout, old, ref, draws, selected, stats, teacher, topk)
         self.prompts.annotate(batch)
         return batch
