@@ -65,11 +65,14 @@ CASES = {
     "carry without dynamic sampling": (TRAIN + ["--set", "carry_surplus=true"],
                                        r"carry_surplus only applies with dynamic_sampling = true"),
     "carry without correction": (TRAIN + ["--set", "dynamic_sampling=true", "--set", "carry_surplus=true"],
-                                 r"carry_surplus trains groups sampled one update stale .* set rollout_correction = "
+                                 r"carry_surplus trains groups sampled by the weights of an earlier update .* set rollout_correction = "
                                  r"\"token_truncate\""),
     "carry with demonstrations": (TRAIN + ["--set", "dynamic_sampling=true", "--set", "carry_surplus=true", "--set",
                                            "rollout_correction=token_truncate", "--set", "demonstrations=zero_groups"],
                                   r"carry_surplus keeps a draw's groups for the next update; demonstrations"),
+    "carry with image prompts": (TRAIN + ["--set", "dynamic_sampling=true", "--set", "carry_surplus=true", "--set",
+                                          "rollout_correction=token_truncate", "--set", "image_column=image"],
+                                 r"carry_surplus keeps a draw's groups for the next update; demonstrations and image"),
     "async out of range": (TRAIN + ["--set", "async_rollouts=2"], r"async_rollouts must be 0-1"),
     "rollout process without async": (TRAIN + ["--set", "rollout_worker=process"],
                                       r"rollout_worker only applies with async_rollouts = 1"),

@@ -5,8 +5,6 @@ drops them in the run that writes it as in the resumed one, so resume equals the
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -95,7 +93,6 @@ def test_resume_equals_uninterrupted_with_carried_groups(tiny_model_dir, tmp_pat
     full = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=full", *items))
     want = run_metrics(full)
     assert len(want) >= 4 and want[2]["groups_carried"] == 0 and any(r["groups_carried"] for r in want)
-    assert "carried" not in json.loads((full / "checkpoint-2" / "trainer_state.json").read_text())
 
     cfg = make_cfg(tiny_model_dir, tmp_path, "run_name=cut", *items)
     interrupt_before_update(run_mod.train, cfg, monkeypatch, 3)

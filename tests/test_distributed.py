@@ -26,7 +26,7 @@ TOY = HERE / "fixtures" / "toy_rewards.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 # Figures that are float sums over the rows: their order of summation differs between 1 and 2 ranks.
 FLOAT_SUMS = {"loss", "grad_norm", "kl", "entropy", "ratio_mean", "ratio_min", "ratio_max", "reward_std",
-              "sampler_kl", "sampler_diff_max"}
+              "sampler_kl", "sampler_diff_max", "is_weight_mean"}
 
 pytestmark = pytest.mark.skipif(not mx.distributed.is_available() or not LAUNCH.is_file(),
                                 reason="MLX without a distributed backend or mlx.launch")
@@ -149,6 +149,21 @@ def test_two_rank_run_reports_the_whole_batch_checkpoints_and_resumes(tiny_model
     assert alone.returncode == 2
     assert "written by a run of 2 process(es)" in alone.stderr and "mlx.launch -n 2" in alone.stderr
     assert "Traceback" not in alone.stderr
+
+
+def test_two_ranks_carry_the_same_groups_as_one(tiny_model_dir, tmp_path):
+    """carry_surplus over two ranks: each rank carries its share of the groups every rank chose, and the logs of
+    the whole batch (groups carried included, counted once) are those of one process."""
+    items = base_items(tiny_model_dir, tmp_path, "dynamic_sampling=true", "carry_surplus=true",
+                       "rollout_correction=token_truncate", "draws_per_pass=4", "max_resample_batches=2",
+                       "gradient_accumulation_steps=2", "max_train_samples=64", "save_steps=0",
+                       f"reward_funcs={TOY}:flat_unless_even_answer")
+    for n in (1, 2):
+        done = launch(n, train_command(items + [f"run_name=r{n}"]))
+        assert done.returncode == 0, done.stdout + done.stderr
+    one, two = metrics(tmp_path / "r1"), metrics(tmp_path / "r2")
+    assert_same_metrics(one, two, rel=1e-4)
+    assert sum(r["groups_carried"] for r in one) > 0
 
 
 @pytest.mark.parametrize("extra", [[], ["train_type=lora", "lora_rank=4", "update_every=2"]], ids=["full", "lora-lagging-old"])

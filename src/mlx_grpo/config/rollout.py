@@ -47,13 +47,14 @@ class RolloutConfig:
                                   "is host-bound (plain rollouts on a GPU), but hold that many rows' KV cache at "
                                   "once: tool-calling rollouts at 4 x 256 rows ran out of memory on an 80 GB H100.",
                                   TRAIN, range=">= 1")
-    carry_surplus: bool = setting(False, "With dynamic_sampling: varied groups a batch step drew beyond its batch_size "
-                                  "are trained by the next batch step, ahead of its new draws, instead of dropped: "
-                                  "every varied group a decode pass yields is used (draws_per_pass > 1 overshoots "
-                                  "the deficit). Those carried into the next update were sampled one update stale, "
-                                  "which rollout_correction weights back (required). At most batch_size - 1 are "
-                                  "kept, each once; a checkpoint drops them, in the run that writes it as in a run "
-                                  "resumed from it, so resume stays exact.", TRAIN)
+    carry_surplus: bool = setting(False, "With dynamic_sampling: up to batch_size - 1 varied groups a batch step drew "
+                                  "beyond its batch_size are trained by the next batch step, ahead of its new "
+                                  "draws, instead of dropped, so a pass of several draws (draws_per_pass > 1) that "
+                                  "overshoots its deficit is not wasted. Each is trained once; a checkpoint drops "
+                                  "them (in the run that writes it as in a run resumed from it, so resume stays "
+                                  "exact), and so does the end of the data. Those carried into the next update were "
+                                  "sampled num_iterations optimizer steps before it (more with update_every > 1), "
+                                  "which rollout_correction weights back (required).", TRAIN)
     dynamic_sampling_reward: str = setting("", "With dynamic_sampling: the reward function (as named in reward_funcs; a "
                                            "custom one by its function name) whose scores must differ within a group "
                                            "for the group to be kept, e.g. reasoned_correctness: DAPO keeps the groups "

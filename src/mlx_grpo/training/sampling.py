@@ -200,12 +200,13 @@ class Sampling:
             B = cfg.training.batch_size
             chosen, surplus = choose_groups([m for _, m in self.carried] + [self.flags(d) for d in draws], B,
                                             B - 1 if cfg.rollout.carry_surplus else 0)
-            carried = sum(i < len(self.carried) for i, _ in chosen)
+            share = self.world.share(B)
+            carried = sum(i < len(self.carried) and share.start <= g < share.stop for i, g in chosen)  # this rank's
             masks: dict[int, np.ndarray] = {}  # draw index -> its groups (all ranks) carried on, in draw order
             for i, g in surplus:
                 masks.setdefault(i, np.zeros(B, dtype=bool))[g] = True
             self.carried = [(pool[i], mask) for i, mask in masks.items()]
-            examples, rollout, selected = informative_batch(pool, chosen, self.world.share(B), self.pad_id)
+            examples, rollout, selected = informative_batch(pool, chosen, share, self.pad_id)
         else:
             examples, rollout = draws[0].examples, draws[0].rollout  # this rank's share
         t0 = time.perf_counter()
