@@ -73,6 +73,7 @@ class _Row:
     truncated: bool = False
     answer: Future | None = None  # the environment's step on the last turn, running on the pool
     answered_text: str | None = None  # the turn text `answer` was started for
+    answered_ids: list[int] | None = None  # and its tokens, cut after the stop string
 
     def add(self, ids, mask: float, logprobs=None, entropies=None) -> None:
         self.ids += list(ids)
@@ -171,11 +172,20 @@ class MultiTurn:
             if row.answer is None and not (set(ids) & ends.eos) and len(row.ids) + len(ids) <= ends.budget:
                 text = self.tokenizer.decode(ids)
                 row.answer, row.answered_text = pool.submit(row.episode.step, text, ended="stop"), text
+                row.answered_ids = list(ids)
         return on_stop
 
     def _end_turn(self, row: _Row, ids: list[int], lps: list[float], ents: list[float], ends: "_Ends", pool) -> None:
         """Take a row's turn from the tokens it wrote (cut after its end token or stop string, as
         rollout.finish_rollout cuts, and at its budget) and start the environment's answer to it."""
+        if row.answer is not None:  # seen stopped while decoding (_watcher): its cut and text are known already
+            n = len(row.answered_ids)
+            if ids[:n] != row.answered_ids:  # the step has recorded its turn already: it cannot be redone
+                raise RuntimeError(f"a turn seen stopped as {row.answered_text!r} ended as "
+                                   f"{self.tokenizer.decode(ids[:n])!r}")
+            row.add(ids[:n], 1.0, lps[:n], ents[:n])
+            row.turn += 1
+            return
         eos, room = ends.eos, ends.budget - len(row.ids)
         end = completion_end(self.tokenizer, ids, eos, ends.stops)
         if end is None or end > room:  # the budget ran out inside the turn
@@ -189,10 +199,8 @@ class MultiTurn:
             row.episode.transcript.add("model", text, ended="length")
             row.episode.transcript.done = True
             row.done = row.truncated = True
-        elif row.answer is None:
+        else:
             row.answer = pool.submit(row.episode.step, text, ended=how)
-        elif row.answered_text != text:  # the step has recorded its turn already: it cannot be redone
-            raise RuntimeError(f"a turn seen stopped as {row.answered_text!r} ended as {text!r}")
 
     def _next_turn(self, row: _Row, T: int) -> tuple[list[int], mx.array, int] | None:
         """Wait for the environment's answer to a row's last turn and feed it in. -> (the row's context, the
@@ -202,7 +210,7 @@ class MultiTurn:
         except Exception as e:  # the environment's own code (a tool's errors come back as text instead)
             raise UserError(f"environment {type(self.env).__name__}.step failed: {type(e).__name__}: "
                             f"{' '.join(str(e).split())}") from e
-        row.answer = row.answered_text = None
+        row.answer = row.answered_text = row.answered_ids = None
         if result.done:
             row.done = True
             return None
