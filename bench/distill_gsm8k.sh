@@ -7,10 +7,11 @@
 #   3. greedy strict accuracy on the full GSM8K test (1,319) for the base model, the warm start (supervised
 #      fine-tuning from the same start: the SFT comparison), the teacher, the student and GRPO from the base.
 # Evaluations run beside the training stages that do not need them. bench/learning_report.py reads the .jsonl.
-# usage: [TOPK=k [RKL=0]] bash bench/distill_gsm8k.sh OUT_DIR GSM8K_DIR SEED [TEACHER_MINUTES=14] [STUDENT_MINUTES=10]
-# TOPK=k adds a third student beside them with distill_topk = k (the top-k forward KL: docs/distillation.md);
+# usage: [RKL=1] bash bench/distill_gsm8k.sh OUT_DIR GSM8K_DIR SEED [TEACHER_MINUTES=14] [STUDENT_MINUTES=10]
+# The student is the preset as shipped (distill_topk = 20: the top-k forward KL beside the reverse KL,
+# docs/distillation.md). RKL=1 adds a third student beside them with the reverse KL alone (distill_topk = 0);
 # four processes then share the GPU while the teacher is evaluated (four processes with tool episodes ran out
-# of memory on an 80 GB H100 in session 28), so with TOPK set, RKL=0 leaves out the reverse-KL-only student.
+# of memory on an 80 GB H100 in session 28).
 # Each stage's wall time goes to OUT_DIR/<stage>.seconds; OUT_DIR/done marks the end.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); D=$(cd "$2" && pwd); SEED=$3; TM=${4:-14}; SM=${5:-10}
@@ -37,16 +38,16 @@ timed teacher $M train --config configs/prod_tools.toml "${DATA[@]}" --set model
 TEACHER=$(latest "$RUNS/prod_tools")
 echo "$TEACHER" > "$OUT/teacher.path"
 evaluate teacher "$TEACHER" &
-[ "${RKL:-1}" = 1 ] && timed student $M train --config configs/gsm8k_distill.toml "${DATA[@]}" \
+timed student $M train --config configs/gsm8k_distill.toml "${DATA[@]}" \
   --set teacher_model="$TEACHER" --set output_dir="$RUNS/student" --set max_minutes="$SM" &
 timed grpo-base $M train --config configs/prod_tools.toml "${DATA[@]}" --set output_dir="$RUNS/grpo-base" \
   --set max_minutes="$SM" &
-[ -n "${TOPK:-}" ] && timed student-topk $M train --config configs/gsm8k_distill.toml "${DATA[@]}" \
-  --set teacher_model="$TEACHER" --set distill_topk="$TOPK" --set output_dir="$RUNS/student-topk" \
+[ "${RKL:-0}" = 1 ] && timed student-rkl $M train --config configs/gsm8k_distill.toml "${DATA[@]}" \
+  --set teacher_model="$TEACHER" --set distill_topk=0 --set output_dir="$RUNS/student-rkl" \
   --set max_minutes="$SM" &
 wait
-[ "${RKL:-1}" = 1 ] && evaluate student "$(latest "$RUNS/student/gsm8k_distill")" &
+evaluate student "$(latest "$RUNS/student/gsm8k_distill")" &
 evaluate grpo-base "$(latest "$RUNS/grpo-base/prod_tools")" &
-[ -n "${TOPK:-}" ] && evaluate student-topk "$(latest "$RUNS/student-topk/gsm8k_distill")" &
+[ "${RKL:-0}" = 1 ] && evaluate student-rkl "$(latest "$RUNS/student-rkl/gsm8k_distill")" &
 wait
 touch "$OUT/done"
