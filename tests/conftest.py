@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 # The builders live in the package (bench/crash_resume.py --tiny uses them without pytest); re-exported here
@@ -20,6 +22,14 @@ def run_metrics(run_dir) -> list[dict]:
     """A run's metrics.jsonl records without the TIMING figures."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def same_last_checkpoint(a_run, b_run) -> bool:
+    """Whether two runs' last checkpoints hold the same model weights, to the bit."""
+    last = max(int(p.name.split("-")[1]) for p in Path(a_run).glob("checkpoint-*"))
+    a = mx.load(str(Path(a_run) / f"checkpoint-{last}" / "model.safetensors"))
+    b = mx.load(str(Path(b_run) / f"checkpoint-{last}" / "model.safetensors"))
+    return a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
 
 
 def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=None) -> None:
@@ -125,8 +135,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier_of(item, __file__))
         elif "gpu" in marked:
             if cuda is None:
-                import mlx.core as mx
-
                 cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason="gpu tier: needs MLX's CUDA backend and a CUDA device"))

@@ -5,7 +5,6 @@ drops them in the run that writes it as in the resumed one, so resume equals the
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -14,7 +13,7 @@ from mlx_grpo.commands import train as run_mod
 from mlx_grpo.training.draws import choose_groups
 from mlx_grpo.training.sampling import Sampling
 
-from conftest import interrupt_before_update, run_metrics
+from conftest import interrupt_before_update, run_metrics, same_last_checkpoint
 from test_dynamic_waves import make_cfg, quarter_reward
 
 CARRY = ("carry_surplus=true", "rollout_correction=token_truncate")
@@ -98,10 +97,7 @@ def test_resume_equals_uninterrupted_with_carried_groups(tiny_model_dir, tmp_pat
     interrupt_before_update(run_mod.train, cfg, monkeypatch, 3)
     resumed = run_mod.train(cfg, resume="latest")
     assert run_metrics(resumed) == want
-    last = max(int(p.name.split("-")[1]) for p in full.glob("checkpoint-*"))
-    a = mx.load(str(full / f"checkpoint-{last}" / "model.safetensors"))
-    b = mx.load(str(resumed / f"checkpoint-{last}" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    assert same_last_checkpoint(full, resumed)
 
     with monkeypatch.context() as mp:  # groups carried across every checkpoint: no longer what a resume does
         mp.setattr(Sampling, "drop_carried", lambda self: None)

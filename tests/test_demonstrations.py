@@ -27,7 +27,7 @@ from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.training.optimization import accumulate_gradients, loss_weights, make_grad_fn
 from mlx_grpo.training.records import StepData
 
-from conftest import interrupt_before_update, run_metrics
+from conftest import interrupt_before_update, run_metrics, same_last_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DATA = FIXTURES / "demo_tiny.jsonl"
@@ -341,7 +341,4 @@ def test_resume_with_demonstrations_equals_uninterrupted(tiny_model_dir, tmp_pat
     assert run_metrics(resumed) == run_metrics(full)
     assert any(r["demo_fraction"] > 0 for r in run_metrics(full))
     assert (resumed / "completions.jsonl").read_text() == (full / "completions.jsonl").read_text()
-    last = max(int(p.name.split("-")[1]) for p in full.glob("checkpoint-*"))
-    a = mx.load(str(full / f"checkpoint-{last}" / "model.safetensors"))
-    b = mx.load(str(resumed / f"checkpoint-{last}" / "model.safetensors"))
-    assert all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    assert same_last_checkpoint(full, resumed)

@@ -9,7 +9,6 @@ import copy
 import json
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -20,7 +19,7 @@ from mlx_grpo.training.draws import RATE_WINDOW, wave_size
 from mlx_grpo.training.job import Job
 from mlx_grpo.training.sampling import Sampling, TextPrompts
 
-from conftest import interrupt_before_update, run_metrics
+from conftest import interrupt_before_update, run_metrics, same_last_checkpoint
 
 TOY = Path(__file__).parent / "fixtures" / "toy_rewards.py"
 RATES = {  # reward -> how many of the groups vary
@@ -189,10 +188,7 @@ def test_resume_equals_uninterrupted_with_the_wave_estimate(tiny_model_dir, tmp_
     interrupt_before_update(run_mod.train, cfg, monkeypatch, 3)
     resumed = run_mod.train(cfg, resume="latest")
     assert run_metrics(resumed) == want
-    last = max(int(p.name.split("-")[1]) for p in full.glob("checkpoint-*"))
-    a = mx.load(str(full / f"checkpoint-{last}" / "model.safetensors"))
-    b = mx.load(str(resumed / f"checkpoint-{last}" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    assert same_last_checkpoint(full, resumed)
 
     restore = Job.restore
 
