@@ -193,8 +193,8 @@ def _validate_objective(c: Config) -> None:
     _unused_unless(c, "carry_surplus", r.dynamic_sampling, "dynamic_sampling = true")
     if r.carry_surplus:
         _require(o.rollout_correction != "none", "carry_surplus trains groups sampled by the weights of an earlier "
-                 "update and needs rollout_correction to weight that back: set rollout_correction = \"token_truncate\" (or another "
-                 "mode), or carry_surplus = false")
+                 "update and needs rollout_correction to weight that back: set rollout_correction = "
+                 "\"token_truncate\" (or another mode), or carry_surplus = false")
         _require(o.demonstrations == "off" and not c.data.image_column, "carry_surplus keeps a draw's groups for the "
                  "next update; demonstrations and image prompts are built per update: drop them, or set "
                  "carry_surplus = false")
