@@ -72,8 +72,7 @@ class _Row:
     done: bool = False
     truncated: bool = False
     answer: Future | None = None  # the environment's step on the last turn, running on the pool
-    answered_text: str | None = None  # the turn text `answer` was started for
-    answered_ids: list[int] | None = None  # and its tokens, cut after the stop string
+    answered_ids: list[int] | None = None  # the turn's tokens `answer` was started for, cut after the stop string
 
     def add(self, ids, mask: float, logprobs=None, entropies=None) -> None:
         self.ids += list(ids)
@@ -170,8 +169,7 @@ class MultiTurn:
         def on_stop(slot: int, ids: list[int]) -> None:
             row = rows[live[slot]]
             if row.answer is None and not (set(ids) & ends.eos) and len(row.ids) + len(ids) <= ends.budget:
-                text = self.tokenizer.decode(ids)
-                row.answer, row.answered_text = pool.submit(row.episode.step, text, ended="stop"), text
+                row.answer = pool.submit(row.episode.step, self.tokenizer.decode(ids), ended="stop")
                 row.answered_ids = list(ids)
         return on_stop
 
@@ -181,7 +179,7 @@ class MultiTurn:
         if row.answer is not None:  # seen stopped while decoding (_watcher): its cut and text are known already
             n = len(row.answered_ids)
             if ids[:n] != row.answered_ids:  # the step has recorded its turn already: it cannot be redone
-                raise RuntimeError(f"a turn seen stopped as {row.answered_text!r} ended as "
+                raise RuntimeError(f"a turn seen stopped as {self.tokenizer.decode(row.answered_ids)!r} ended as "
                                    f"{self.tokenizer.decode(ids[:n])!r}")
             row.add(ids[:n], 1.0, lps[:n], ents[:n])
             row.turn += 1
@@ -210,7 +208,7 @@ class MultiTurn:
         except Exception as e:  # the environment's own code (a tool's errors come back as text instead)
             raise UserError(f"environment {type(self.env).__name__}.step failed: {type(e).__name__}: "
                             f"{' '.join(str(e).split())}") from e
-        row.answer = row.answered_text = row.answered_ids = None
+        row.answer = row.answered_ids = None
         if result.done:
             row.done = True
             return None
