@@ -64,6 +64,23 @@ def test_missing_package_error_names_install_command(monkeypatch):
         model_loading.default_gguf_path()
 
 
+def test_hub_shaped_name_not_found_is_one_line_naming_the_missing_directory(monkeypatch, tmp_path):
+    """A relative run directory that does not exist yet (configs/gsm8k_distill.toml's runs/prod_tools) is also a
+    hub id: when the hub cannot give it either, one line says so, with no directory of that name here."""
+    import mlx_lm
+
+    def offline(path):
+        raise OSError("Cannot reach the hub.\nPlease check your internet connection\n  and try again.")
+
+    monkeypatch.setattr(mlx_lm, "load", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as info:
+        model_loading.load_model("runs/prod_tools")
+    message = str(info.value)
+    assert "\n" not in message and "OSError: Cannot reach the hub. Please check" in message
+    assert f"no directory {str(tmp_path / 'runs' / 'prod_tools')!r} here either" in message
+
+
 # The smoke preset's first batch step, sampled and scored as `mlx-grpo train --config configs/smoke_test.toml`
 # samples it: in a process of its own that puts the CLI's BLAS under MLX first (base/blas.py; OpenBLAS where
 # setup.sh installed it), as the CLI does. This test process imported mlx.core on MLX's reference BLAS, on which

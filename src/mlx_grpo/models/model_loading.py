@@ -108,7 +108,10 @@ def load_model(model_name: str, dtype: str = "auto", cast: bool = True):
     except UserError:
         raise
     except Exception as exc:  # hub errors, unsupported model types: one clear line
-        raise UserError(f"could not load model {model_name!r} from {path}: {type(exc).__name__}: {exc}") from None
+        # a hub-shaped name is also a relative path (a run directory such as runs/prod_tools): say it is not here
+        where = "" if Path(path).exists() else f" (no directory {str(Path(path).resolve())!r} here either)"
+        raise UserError(f"could not load model {model_name!r} from {path}{where}: {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())}") from None
     if cast:  # every float tensor, also a minority dtype among them: the KL reference must equal the policy
         cast_floats(model, compute_dtype(model_name, dtype, model))
     return model, tokenizer
