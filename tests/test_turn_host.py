@@ -240,3 +240,31 @@ def test_stop_rows_find_stop_strings_of_multibyte_characters(tiny, stop, per_syn
         want = stop in tok.decode(ids[:n])
         assert rows.stopped(arr, filled, np.array([0]))[0] == want, n
         assert (scanner.cut(0, ids[:n]) is not None) == want, n
+
+
+def test_text_decoder_is_the_tokenizers_decode(tiny):
+    """sampler.text_decoder: the backend's decode where transformers' decode adds nothing, the same text as
+    tokenizer.decode for any ids (specials, partial UTF-8 bytes, empty); tokenizer.decode itself where a subclass
+    or the space clean-up changes what decode writes."""
+    from transformers import PreTrainedTokenizerFast
+
+    from mlx_grpo.rollout.sampler import text_decoder
+
+    tok = tiny[1]
+    decode = text_decoder(tok)
+    assert decode is not tok.decode and getattr(decode, "__self__", None) is None  # the fast path was taken
+    rng = np.random.default_rng(0)
+    V = len(tok.get_vocab())
+    special = [tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    for n in [0, 1, 2, 5, 40] * 20:
+        ids = [int(i) for i in rng.integers(0, V, size=n)] + special[:n % 3]
+        assert decode(ids) == tok.decode(ids)
+
+    class Spaced(PreTrainedTokenizerFast):
+        def decode(self, ids, **kwargs):
+            return "!" + super().decode(ids, **kwargs)
+    hf = tok._tokenizer
+    spaced = Spaced(tokenizer_object=hf.backend_tokenizer)
+    assert text_decoder(spaced)([1, 2]) == spaced.decode([1, 2])
+    hf_clean = PreTrainedTokenizerFast(tokenizer_object=hf.backend_tokenizer, clean_up_tokenization_spaces=True)
+    assert text_decoder(hf_clean) == hf_clean.decode

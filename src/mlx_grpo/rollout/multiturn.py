@@ -40,7 +40,7 @@ from mlx_grpo.tools.environments import (Environment, Episode, StepResult, ToolE
                                          prompt_messages)
 from mlx_grpo.base.user_files import import_file
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams, select_groups
-from mlx_grpo.rollout.sampler import completion_end, end_ids
+from mlx_grpo.rollout.sampler import completion_end, end_ids, text_decoder
 from mlx_grpo.rollout.decode import encode_chat_prompt
 from mlx_grpo.tools.calls import ToolFormat, tool_format_for
 
@@ -87,6 +87,7 @@ class MultiTurn:
 
     def __init__(self, env: Environment, fmt: ToolFormat, tokenizer):
         self.env, self.fmt, self.tokenizer = env, fmt, tokenizer
+        self.decode = text_decoder(tokenizer)
         # A tool call ends at the stop string that closes it; other environments end turns at end-of-turn.
         self.stop_strings = tuple(fmt.stop_strings) if isinstance(env, ToolEnvironment) else ()
 
@@ -169,7 +170,7 @@ class MultiTurn:
         def on_stop(slot: int, ids: list[int]) -> None:
             row = rows[live[slot]]
             if row.answer is None and not (set(ids) & ends.eos) and len(row.ids) + len(ids) <= ends.budget:
-                row.answer = pool.submit(row.episode.step, self.tokenizer.decode(ids), ended="stop")
+                row.answer = pool.submit(row.episode.step, self.decode(ids), ended="stop")
                 row.answered_ids = list(ids)
         return on_stop
 
@@ -179,8 +180,8 @@ class MultiTurn:
         if row.answer is not None:  # seen stopped while decoding (_watcher): its cut and text are known already
             n = len(row.answered_ids)
             if ids[:n] != row.answered_ids:  # the step has recorded its turn already: it cannot be redone
-                raise RuntimeError(f"a turn seen stopped as {self.tokenizer.decode(row.answered_ids)!r} ended as "
-                                   f"{self.tokenizer.decode(ids[:n])!r}")
+                raise RuntimeError(f"a turn seen stopped as {self.decode(row.answered_ids)!r} ended as "
+                                   f"{self.decode(ids[:n])!r}")
             row.add(ids[:n], 1.0, lps[:n], ents[:n])
             row.turn += 1
             return
@@ -192,7 +193,7 @@ class MultiTurn:
             n, how = end, "eos" if ids[end - 1] in eos else "stop"
         row.add(ids[:n], 1.0, lps[:n], ents[:n])
         row.turn += 1
-        text = self.tokenizer.decode(ids[:n - 1] if how == "eos" else ids[:n])
+        text = self.decode(ids[:n - 1] if how == "eos" else ids[:n])
         if how == "length":  # the episode ends unanswered
             row.episode.transcript.add("model", text, ended="length")
             row.episode.transcript.done = True
@@ -237,7 +238,7 @@ class MultiTurn:
             def padded(name: str, fill) -> mx.array:
                 return mx.array([getattr(r, name) + [fill] * (width - len(r.ids)) for r in mine])
 
-            texts = [prefill_text + self.tokenizer.decode(r.ids[:-1] if r.ids and r.ids[-1] in eos_ids
+            texts = [prefill_text + self.decode(r.ids[:-1] if r.ids and r.ids[-1] in eos_ids
                                                           and r.mask[-1] else r.ids) for r in mine]
             out.append(Rollout(prompt_ids=[list(p) for p in prompts],
                                completion_ids=padded("ids", pad_id).astype(mx.int32),

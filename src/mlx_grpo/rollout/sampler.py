@@ -1,6 +1,7 @@
 """Sampling one token per row with the row's own key (temperature, top-k / top-p / min-p), the compiled
 per-step sampler of the decode loop (loop.py), where a row ends (end tokens, stop strings found as tokens
-arrive), and finish_rollout: the sampled ids [N, T] cut at each row's end into a Rollout."""
+arrive), the text of a row's ids (text_decoder), and finish_rollout: the sampled ids [N, T] cut at each row's end
+into a Rollout."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from transformers import PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from mlx_grpo.kernels.keyed_sampler import categorical
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
@@ -48,19 +52,32 @@ def end_ids(tokenizer, params: SamplingParams) -> tuple[list[int], int]:
     return ([] if params.ignore_eos else sorted(tokenizer.eos_token_ids)), pad_token_id(tokenizer)
 
 
+def text_decoder(tokenizer):
+    """ids (a list of ints) -> tokenizer.decode(ids), the `tokenizers` backend called directly where that is all
+    decode does (a fast Hugging Face tokenizer, decode and _decode not overridden, no space clean-up): the
+    wrapper converts every id on every call, ~5x the decode itself, and rollouts decode rows at every sync."""
+    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    if not (isinstance(hf, PreTrainedTokenizerFast) and type(hf)._decode is PreTrainedTokenizerFast._decode
+            and type(hf).decode is PreTrainedTokenizerBase.decode and not hf.clean_up_tokenization_spaces):
+        return tokenizer.decode
+    backend = hf.backend_tokenizer
+    return lambda ids: backend.decode(ids, skip_special_tokens=False)
+
+
 def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
     """Number of tokens up to and including the one that completes the first stop string, if any."""
-    if not stops or not any(s in tokenizer.decode(ids) for s in stops):
+    decode = text_decoder(tokenizer)
+    if not stops or not any(s in decode(ids) for s in stops):
         return None
-    return _first_stop(tokenizer, ids, stops)
+    return _first_stop(decode, ids, stops)
 
 
-def _first_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int:
-    """stop_cut of ids whose text is known to hold a stop string."""
+def _first_stop(decode, ids: list[int], stops: tuple[str, ...]) -> int:
+    """stop_cut of ids whose text (decode: text_decoder's) is known to hold a stop string."""
     lo, hi = 1, len(ids)  # the shortest prefix whose text contains a stop string
     while lo < hi:
         mid = (lo + hi) // 2
-        if any(s in tokenizer.decode(ids[:mid]) for s in stops):
+        if any(s in decode(ids[:mid]) for s in stops):
             hi = mid
         else:
             lo = mid + 1
@@ -74,7 +91,7 @@ class StopScanner:
     clean scan is not decoded again. One per decode loop."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
+        self.decode, self.stops = text_decoder(tokenizer), stops
         # a stop string spans at most one token per UTF-8 byte (a byte-level or byte-fallback tokenizer writes a
         # 4-byte character as up to 4 tokens; counting characters missed a stop of five emoji); leading-space
         # and byte-fallback tokens can render differently at a window's start, hence the slack
@@ -82,7 +99,7 @@ class StopScanner:
         self._clean: dict[int, int] = {}  # row -> tokens scanned without a stop
 
     def _has_stop(self, ids: list[int]) -> bool:
-        return any(s in self.tokenizer.decode(ids) for s in self.stops)
+        return any(s in self.decode(ids) for s in self.stops)
 
     def stopped(self, row: int, ids: list[int]) -> bool:
         """Whether row's text (ids, its tokens so far) holds a stop string."""
@@ -96,7 +113,7 @@ class StopScanner:
 
     def cut(self, row: int, ids: list[int]) -> int | None:
         """stop_cut(ids): the tokens up to and including the one that completes the first stop string."""
-        return _first_stop(self.tokenizer, ids, self.stops) if self.stopped(row, ids) else None
+        return _first_stop(self.decode, ids, self.stops) if self.stopped(row, ids) else None
 
 
 def make_sampler(params: SamplingParams, eos: mx.array):
@@ -121,7 +138,7 @@ def completion_end(tokenizer, ids: list[int], eos: set[int], stops: tuple[str, .
 def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.array, eos_ids: list[int], pad_id: int,
             params: SamplingParams, group_size: int, prefill_text: str) -> Rollout:
     """Cut each row after its EOS (or stop string), build the mask and the texts."""
-    rows = ids.tolist()
+    rows, decode = ids.tolist(), text_decoder(tokenizer)
     eos_set = set(eos_ids)
     T = len(rows[0])
     lengths, texts, truncated = [], [], []
@@ -131,7 +148,7 @@ def finish_rollout(tokenizer, prompts, ids: mx.array, lps: mx.array, ents: mx.ar
         length = end if end is not None else T
         lengths.append(length)
         body = row[:length - 1] if length and row[length - 1] in eos_set else row[:length]
-        texts.append(prefill_text + tokenizer.decode(body))
+        texts.append(prefill_text + decode(body))
     mask = (mx.arange(T)[None, :] < mx.array(lengths)[:, None]).astype(mx.float32)  # [N, T]
     completion_ids = mx.where(mask > 0, ids, pad_id).astype(mx.int32)
     return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=completion_ids, mask=mask,
