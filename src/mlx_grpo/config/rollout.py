@@ -45,7 +45,7 @@ class RolloutConfig:
                                   "by the run's varied-group rate; the groups trained on are those of drawing one "
                                   "at a time). 1 = one at a time. More rows per pass cost less per row where decode "
                                   "is host-bound (plain rollouts on a GPU), but hold that many rows' KV cache at "
-                                  "once: tool-calling rollouts at 4 x 256 rows ran out of memory on an 80 GB H100.",
+                                  "once (configs/prod_tools.toml's 4 x 256 tool-calling rows: 17 GB at the peak).",
                                   TRAIN, range=">= 1")
     carry_surplus: bool = setting(False, "With dynamic_sampling: up to batch_size - 1 varied groups a batch step drew "
                                   "beyond its batch_size are trained by the next batch step, ahead of its new "
