@@ -455,3 +455,42 @@ def test_tools_bench_profiles_the_host_work_of_a_tool_calling_rollout(tmp_path):
     assert set(host["parts_s"]) == {"refills", "stop checks", "rows at syncs", "turns handed over"}
     assert all(v > 0 for v in host["parts_s"].values())
     assert 0 < sum(host["parts_s"].values()) < host["profiled_seconds"]
+
+
+def test_sampler_check_agrees_on_tool_rows_and_fails_past_its_limit(tmp_path):
+    """bench/sampler_check.py on the tests' tool caller (tests/caller_model.py, through tools_bench.write_caller):
+    rows that called the calculator included, the sampler's log-probs are the forward's; a limit no row can meet
+    (below 0) fails with exit 1 and names the rows."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from tools_bench import write_caller
+
+    model = write_caller(tmp_path / "caller")
+    command = [sys.executable, str(ROOT / "bench" / "sampler_check.py"), "--config", "configs/arith_tools.toml",
+               "--sizes", "2", "--set", f"model_name={model}", "--set", "num_generations=4",
+               "--set", "max_tool_turns=6", "--out", str(tmp_path / "check.json")]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checked = json.loads((tmp_path / "check.json").read_text())["runs"][0]["checked"]
+    assert any(c["tool_calls"] for c in checked) and all(c["tokens"] for c in checked)
+    assert max(c["mean"] for c in checked) < 1e-4
+    failed = subprocess.run(command + ["--limit", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert failed.returncode == 1 and "not the model's" in failed.stdout
+
+
+def test_sampler_check_forward_is_the_prefix_by_prefix_log_prob(tiny_model_dir):
+    """forward_logprobs' one forward equals log softmax(logits / temperature) of each prefix fed alone."""
+    import mlx.core as mx
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sampler_check import forward_logprobs
+
+    from mlx_grpo.models.model_loading import load_model
+
+    model, _ = load_model(str(tiny_model_dir), "float32")
+    prompt, completion = [5, 9, 2, 7], [11, 3, 3, 8, 1]
+    naive = []
+    for t, token in enumerate(completion):
+        logits = model(mx.array([prompt + completion[:t]]))[0, -1].astype(mx.float32) / 0.7
+        naive.append(float((logits - mx.logsumexp(logits))[token]))
+    np.testing.assert_allclose(forward_logprobs(model, prompt, completion, 0.7), naive, atol=1e-5)
