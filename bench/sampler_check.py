@@ -11,7 +11,7 @@ that called a tool (their later turns decode on kept caches). Exits 1 when a row
 usage: python bench/sampler_check.py [--config configs/prod_tools.toml] [--sizes 16,64] [--set key=value ...]
                                      [--called 6] [--limit 0.3] [--out result.json]
 Session 33 (H200, the base model, configs/prod_tools.toml): 256 rows all near 0.05; at 1,024 rows row 0 at 1.33, and
-at 768 rows rows 0 and 767 NaN (docs/benchmarks-history.md).
+at 768 rows rows 0 and 767 NaN (bench/records/h200-session33-20261128/README.md).
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ def check(cfg, model, tokenizer, B: int, called: int, seed: int) -> dict:
     d, G = cfg.data, cfg.rollout.num_generations
     examples = load_examples(d.dataset, "train", d.dataset_path or None, cfg.run.seed,
                              arith_max_steps=d.arith_max_steps)[:B]
-    engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
+    engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     T, temperature = cfg.rollout.max_new_tokens, cfg.rollout.temperature
-    params = SamplingParams(T, temperature, stop=tuple(cfg.rollout.stop))
+    r = cfg.rollout
+    params = SamplingParams(T, temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop))
     prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, examples, cfg)]
     keys = mx.random.split(mx.random.key(seed), len(examples) * G)
     t0 = time.perf_counter()

@@ -473,6 +473,9 @@ def test_sampler_check_agrees_on_tool_rows_and_fails_past_its_limit(tmp_path):
     checked = json.loads((tmp_path / "check.json").read_text())["runs"][0]["checked"]
     assert any(c["tool_calls"] for c in checked) and all(c["tokens"] for c in checked)
     assert max(c["mean"] for c in checked) < 1e-4
+    cooler = subprocess.run(command + ["--set", "temperature=0.7", "--set", "rollout_engine=copy"], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300)  # the sampler's and the forward's temperature, the copy
+    assert cooler.returncode == 0, cooler.stdout + cooler.stderr
     failed = subprocess.run(command + ["--limit", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert failed.returncode == 1 and "not the model's" in failed.stdout
 

@@ -263,8 +263,12 @@ def test_text_decoder_is_the_tokenizers_decode(tiny):
     class Spaced(PreTrainedTokenizerFast):
         def decode(self, ids, **kwargs):
             return "!" + super().decode(ids, **kwargs)
+    class Inner(PreTrainedTokenizerFast):
+        def _decode(self, ids, **kwargs):
+            return "?" + super()._decode(ids, **kwargs)
     hf = tok._tokenizer
-    spaced = Spaced(tokenizer_object=hf.backend_tokenizer)
+    spaced, inner = Spaced(tokenizer_object=hf.backend_tokenizer), Inner(tokenizer_object=hf.backend_tokenizer)
     assert text_decoder(spaced)([1, 2]) == spaced.decode([1, 2])
+    assert text_decoder(inner)([1, 2]) == inner.decode([1, 2]) == "?" + tok.decode([1, 2])
     hf_clean = PreTrainedTokenizerFast(tokenizer_object=hf.backend_tokenizer, clean_up_tokenization_spaces=True)
     assert text_decoder(hf_clean) == hf_clean.decode

@@ -12,7 +12,7 @@ from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts
 from mlx_grpo.rollout.rollout_records import SamplingParams
 D = sys.argv[1]
 t0 = time.time()
-cfg = build_config("train", "configs/prod_tools.toml", parse_set([f"dataset_path={D}/train.jsonl", "batch_size=64"] + sys.argv[2:]))
+cfg = build_config("train", "configs/prod_tools.toml", parse_set([f"dataset_path={D}/train.jsonl", "batch_size=64"]))
 model, tok = load_model(cfg.model.model_name, cfg.model.model_dtype)
 engine = RolloutEngine(tok, mode="copy").refresh(model)
 mt = multiturn_for(cfg, tok, getattr(getattr(model, "args", None), "model_type", None))
@@ -22,9 +22,7 @@ ex_all = tb.batches(cfg, 1)[0]
 prompts_all = [ids for ids, _ in encode_prompts(mt, tok, ex_all, cfg)]
 print("prompt lengths", sorted(len(p) for p in prompts_all)[-5:], "mean", np.mean([len(p) for p in prompts_all]), flush=True)
 order = sorted(range(64), key=lambda i: -len(prompts_all[i]))  # longest first: the capacity is the batch's longest
-import os
-SIZES = {"16": (16, list(range(16))), "64": (64, list(range(64))), "48": (48, order[16:]), "4": (4, list(range(4))), "8": (8, list(range(8)))}
-for B, pick in (SIZES[b] for b in os.environ.get("SIZES", "16,64,48").split(",")):
+for B, pick in ((16, list(range(16))), (64, list(range(64))), (48, order[16:])):
     ex = [ex_all[i] for i in pick]; prompts = [prompts_all[i] for i in pick]
     keys = mx.random.split(mx.random.key(3), len(ex) * 16)
     t = time.time()
@@ -33,14 +31,13 @@ for B, pick in (SIZES[b] for b in os.environ.get("SIZES", "16,64,48").split(",")
     cap = bucket(max(len(p) for p in prompts)) + T
     ids, mask, lps = np.array(r.completion_ids), np.array(r.mask), np.array(r.sampler_logprobs)
     diffs = []
-    calls = tb.tool_use(r.transcripts)[0]
-    called = [int(i) for i in np.flatnonzero(calls > 0)[:6]]
-    for row in sorted(set([0, 1, len(ex) * 16 // 2, len(ex) * 16 - 1, max(0, len(ex) * 16 - 200)] + called)):
+    for row in sorted(set([0, 1, len(ex) * 16 // 2, len(ex) * 16 - 1, len(ex) * 16 - 200])):
         p = prompts[row // 16]; c = ids[row].tolist()
         logits = model(mx.array([p + c]))[0, len(p) - 1:-1].astype(mx.float32)
         lp = np.array(mx.take_along_axis(logits - mx.logsumexp(logits, axis=-1, keepdims=True), mx.array(c)[:, None], axis=-1)[:, 0])
         m = mask[row] > 0
-        diffs.append((row, int(calls[row]), round(float(np.abs(lp[m] - lps[row][m]).mean()), 4)))
+        diffs.append((row, round(float(np.abs(lp[m] - lps[row][m]).mean()), 4)))
+    calls = tb.tool_use(r.transcripts)[0]
     print(f"B={B} rows={len(ex)*16} capacity={cap} cache elements={30*len(ex)*16*3*cap*64/1e9:.2f}e9 {sec:.1f}s "
           f"calls={np.mean(calls > 0):.3f} len={r.lengths.mean():.0f} |sampler-forward| per row {diffs}", flush=True)
     print("  text:", repr(r.texts[len(ex) * 16 - 1][:300]), flush=True)

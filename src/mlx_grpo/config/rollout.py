@@ -43,9 +43,10 @@ class RolloutConfig:
                                         "step; a step still short trains on the groups it has.", TRAIN, range=">= 0")
     draws_per_pass: int = setting(1, "With dynamic_sampling: most draws decoded together in one pass (a wave sized "
                                   "by the run's varied-group rate; the groups trained on are those of drawing one "
-                                  "at a time). 1 = one at a time. More rows per pass cost less per row where decode "
-                                  "is host-bound (plain rollouts on a GPU), but hold that many rows' KV cache at "
-                                  "once (configs/prod_tools.toml's 4 x 256 tool-calling rows: 17 GB at the peak).",
+                                  "at a time). 1 = one at a time. The later draws' prompts take the slots of rows "
+                                  "that end (the batch stays batch_size x num_generations rows), so a pass costs less "
+                                  "than its draws one after another where decode is host-bound (a GPU); "
+                                  "configs/prod_tools.toml with 4: 17.7-18.5 GB at the peak on an H200.",
                                   TRAIN, range=">= 1")
     carry_surplus: bool = setting(False, "With dynamic_sampling: up to batch_size - 1 varied groups a batch step drew "
                                   "beyond its batch_size are trained by the next batch step, ahead of its new "
