@@ -264,8 +264,8 @@ def test_text_decoder_is_the_tokenizers_decode(tiny):
         def decode(self, ids, **kwargs):
             return "!" + super().decode(ids, **kwargs)
     class Inner(PreTrainedTokenizerFast):
-        def _decode(self, ids, **kwargs):
-            return "?" + super()._decode(ids, **kwargs)
+        def _decode(self, token_ids, **kwargs):
+            return "?" + super()._decode(token_ids, **kwargs)
     hf = tok._tokenizer
     spaced, inner = Spaced(tokenizer_object=hf.backend_tokenizer), Inner(tokenizer_object=hf.backend_tokenizer)
     assert text_decoder(spaced)([1, 2]) == spaced.decode([1, 2])
