@@ -75,7 +75,8 @@ def check(cfg, model, tokenizer, B: int, called: int, seed: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/prod_tools.toml")
-    ap.add_argument("--sizes", default="16,64", help="prompts per rollout (x num_generations rows), comma-separated")
+    ap.add_argument("--sizes", default=[16, 64], type=lambda s: [int(b) for b in s.split(",")],
+                    help="prompts per rollout (x num_generations rows), comma-separated")
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value")
     ap.add_argument("--called", type=int, default=6, help="rows that called a tool checked besides the fixed ones")
     ap.add_argument("--limit", type=float, default=0.3, help="a row's mean |difference| above this fails")
@@ -86,7 +87,7 @@ def main(argv=None) -> None:
     model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": []}
     bad = []
-    for B in (int(b) for b in args.sizes.split(",")):
+    for B in args.sizes:
         run = check(cfg, model, tokenizer, B, args.called, args.seed)
         result["runs"].append(run)
         rows = "  ".join(f"{c['row']}{'*' * min(c['tool_calls'], 3)}: {c['mean']:.3f}/{c['max']:.2f}" for c in run["checked"])
