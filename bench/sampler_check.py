@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from mlx_grpo.config import build_config, parse_set  # noqa: E402
 from mlx_grpo.data.examples import load_examples  # noqa: E402
+from mlx_grpo.models.forward import token_logprobs  # noqa: E402
 from mlx_grpo.models.model_loading import load_model  # noqa: E402
 from mlx_grpo.rollout.engine import RolloutEngine  # noqa: E402
 from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts, tool_use  # noqa: E402
@@ -38,9 +39,8 @@ from bench_util import device_name  # noqa: E402
 
 def forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> np.ndarray:
     """log p(completion[t] | prompt, completion[:t]) under logits / temperature, one forward, float32."""
-    logits = model(mx.array([prompt + completion]))[0, len(prompt) - 1:-1].astype(mx.float32) / temperature
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return np.array(mx.take_along_axis(lp, mx.array(completion)[:, None], axis=-1)[:, 0])
+    logits = model(mx.array([prompt + completion]))[0, len(prompt) - 1:-1]
+    return np.array(token_logprobs(logits, mx.array(completion), temperature))
 
 
 def check(cfg, model, tokenizer, B: int, called: int, seed: int) -> dict:

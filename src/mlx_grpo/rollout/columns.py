@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.rollout.sampler import StopScanner, stop_cut
+from mlx_grpo.rollout.sampler import StopScanner
 
 
 def _scatter(out: tuple, first: int, rows: np.ndarray, join: np.ndarray, parts: tuple, offset: int, T: int) -> None:
@@ -69,11 +69,10 @@ class Written:
 class StopRows:
     """Which rows have written a stop string, sync after sync of one decode loop (loop.py): StopScanner's test
     on Written's rows (a row with no new token is not decoded again, a row already ended is not decoded at all),
-    and a row seen stopped stays stopped (its text only grows). The cut (stop_cut) is looked for only for
-    on_stop, once per row: the first stop string of a row that only grows does not move."""
+    and a row seen stopped stays stopped (its text only grows). The cut (StopScanner.first_stop) is looked
+    for only for on_stop, once per row: the first stop string of a row that only grows does not move."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
         self.scanner = StopScanner(tokenizer, stops)
         self.found: set[int] = set()
 
@@ -96,5 +95,5 @@ class StopRows:
                 continue
             self.found.add(r)
             if on_stop is not None:
-                on_stop(r, whole[:stop_cut(self.tokenizer, whole, self.stops)])
+                on_stop(r, whole[:self.scanner.first_stop(whole)])  # the stop is there: no whole-text check again
         return out

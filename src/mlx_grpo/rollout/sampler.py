@@ -111,9 +111,13 @@ class StopScanner:
             return False
         return self._has_stop(ids)
 
+    def first_stop(self, ids: list[int]) -> int:
+        """stop_cut(ids) of ids whose text is known to hold a stop string (stopped said so)."""
+        return _first_stop(self.decode, ids, self.stops)
+
     def cut(self, row: int, ids: list[int]) -> int | None:
         """stop_cut(ids): the tokens up to and including the one that completes the first stop string."""
-        return _first_stop(self.decode, ids, self.stops) if self.stopped(row, ids) else None
+        return self.first_stop(ids) if self.stopped(row, ids) else None
 
 
 def make_sampler(params: SamplingParams, eos: mx.array):
