@@ -264,8 +264,9 @@ def _frozen_refill(self, admit, idx, T, pad_id, keys, values, start, token, ende
         if fresh else []
     if resumed:
         *part, n = prefill_resumed(self.spec, _frozen_prefill_weights(self), [(e[0], e[3]) for e in resumed], idx,
-                                   capacity, pad_id)
-        parts.append(part)
+                                   pad_id)
+        slots = [(0, 0), (0, 0), (0, 0), (idx - part[0].shape[3], capacity - idx), (0, 0)]
+        parts.append([mx.pad(part[0], slots), mx.pad(part[1], slots), *part[2:]])
         self.prefilled_tokens += n
     new_start, logits = (mx.concatenate([p[i] for p in parts]) for i in (2, 3))
     added = np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from caller_model import CALLER, write_caller_model
 from mlx_grpo.models import decoder
 from mlx_grpo.models.model_loading import load_model
-from mlx_grpo.rollout.copy_decoder import CopyDecoder
+from mlx_grpo.rollout.copy_decoder import CopyDecoder, placed
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
@@ -118,19 +118,19 @@ def test_prefill_after_a_prefix_is_the_whole_prefill(tiny_model_dir):
                                        np.array(mx.stack(want)[:, r, :, 24 - len(f):]), atol=1e-5)
     # and the engine's placement: the contexts' cache ends at slot `at`, as a whole prefill lays it out
     engine = RolloutEngine(None, mode="copy").refresh(model)
-    at, capacity = 40, 72
+    at = 40
     copy = CopyDecoder(engine.spec, engine.weights, None, False, 0)
-    whole_k, whole_v, whole_start, whole_logits = copy.prefill(full, [1] * 4, at, capacity)
+    whole_k, whole_v, whole_start, whole_logits = copy.prefill(full, [1] * 4, at)
     kept = [(np.array(mx.stack(past_k)[:, r, :, 14 - len(p):]), np.array(mx.stack(past_v)[:, r, :, 14 - len(p):]))
             for r, p in enumerate(prefixes)]
     got_k, got_v, got_start, got_logits, prefilled = prefill_resumed(
-        spec, w, [(f, Kept.of(mx.array(k), mx.array(v))) for f, (k, v) in zip(full, kept)], at, capacity, 0)
+        spec, w, [(f, Kept.of(mx.array(k), mx.array(v))) for f, (k, v) in zip(full, kept)], at, 0)
     assert prefilled == sum(len(c) for c in chunks) and got_start.tolist() == whole_start.tolist()
     np.testing.assert_allclose(np.array(got_logits), np.array(whole_logits), atol=1e-5)
+    assert got_k.shape == whole_k.shape  # the same W slots, ending at `at`
     for r, f in enumerate(full):  # the slots a row attends (a whole prefill leaves its pads' keys before them)
         for got, want in ((got_k, whole_k), (got_v, whole_v)):
-            np.testing.assert_allclose(np.array(got[:, r, :, at - len(f):at]), np.array(want[:, r, :, at - len(f):at]),
-                                       atol=1e-5)
+            np.testing.assert_allclose(np.array(got[:, r, :, -len(f):]), np.array(want[:, r, :, -len(f):]), atol=1e-5)
 
 
 def test_kept_caches_prefill_only_the_answers(attending):
@@ -275,3 +275,46 @@ def test_a_refill_copies_the_cache_one_half_at_a_time(tiny_model_dir):
     peak = mx.get_peak_memory() - before
     assert copy.keys.shape[1] == slots + 1 and rows.tolist() == [0] and logits.shape[0] == 1
     assert peak < 0.6 * cache, f"the refill held {peak / cache:.2f}x the cache beside it"
+
+
+def placed_reference(cache: np.ndarray, blocks: list, capacity: int) -> np.ndarray:
+    """What placed computes when it appends: the cache padded with zeros to `capacity` slots, then each block
+    [layers, n, Hkv, W, Dh] (W <= capacity) padded to end at its slot + W and concatenated as rows."""
+    grown = np.pad(cache, [(0, 0), (0, 0), (0, 0), (0, capacity - cache.shape[3]), (0, 0)])
+    rows = [np.pad(b, [(0, 0), (0, 0), (0, 0), (slot, capacity - slot - b.shape[3]), (0, 0)]) for b, slot in blocks]
+    return np.concatenate([grown] + rows, axis=1)
+
+
+def test_placed_appends_rows_and_slots_as_pad_and_concatenate():
+    """CopyDecoder's new caches (placed): the old cache at its rows and slots, the admitted rows' blocks after
+    it, each ending where its slots say, zeros elsewhere: numpy's pad and concatenate."""
+    rng = np.random.default_rng(0)
+    cache = rng.normal(size=(2, 5, 3, 12, 4)).astype(np.float32)
+    blocks = [(rng.normal(size=(2, 2, 3, 7, 4)).astype(np.float32), 9), (rng.normal(size=(2, 3, 3, 16, 4))
+                                                                          .astype(np.float32), 4)]
+    got = placed((2, 10, 3, 20, 4), [(mx.array(cache), 0, 0)] + [(mx.array(b), 5 + 2 * i, s)
+                                                                 for i, (b, s) in enumerate(blocks)])
+    np.testing.assert_array_equal(np.array(got), placed_reference(cache, blocks, 20))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, slots, capacity", [(1024, 512, 512), (768, 448, 512)])
+def test_placed_is_exact_past_two_to_the_31_elements(rows, slots, capacity):
+    """On CUDA, a cache over 2^31 elements (30 layers x 3 heads x 64 dims: 1,024 rows x 512 slots, or 768 x 448
+    grown to 512 slots, which crosses 2^31) with 8 rows appended: every layer exactly as pad and concatenate
+    compute it in numpy. MLX 0.32.4's own mx.concatenate got the appended rows wrong from element 2^31 on."""
+    L, H, D, n = 30, 3, 64, 8
+
+    def pattern(layer, R, S):  # small integers, exact in bfloat16, distinct across nearby rows and slots
+        r, h, s, d = np.ix_(np.arange(R), np.arange(H), np.arange(S), np.arange(D))
+        return ((layer * 7 + r * 13 + h * 3 + s * 5 + d) % 97).astype(np.float32)
+
+    cache = mx.stack([mx.array(pattern(layer, rows, slots)).astype(mx.bfloat16) for layer in range(L)])
+    block = mx.stack([mx.array(pattern(layer + 1, n, 40)).astype(mx.bfloat16) for layer in range(L)])
+    got = placed((L, rows + n, H, capacity, D), [(cache, 0, 0), (block, rows, capacity - 40)])
+    mx.eval(got)
+    del cache
+    for layer in range(L):
+        want = placed_reference(pattern(layer, rows, slots)[None], [(pattern(layer + 1, n, 40)[None],
+                                                                    capacity - 40)], capacity)[0]
+        np.testing.assert_array_equal(np.array(got[layer].astype(mx.float32)), want, err_msg=f"layer {layer}")

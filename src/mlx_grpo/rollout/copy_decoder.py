@@ -4,7 +4,7 @@ step. Each step is one compiled graph (the copy's step plus sampling, compiled b
 fused CUDA kernel serves it writes the token's keys and values into the cache itself, in place (step_writes),
 otherwise they are written outside the graph (a copy of the cache while the last step still runs). Between steps
 the batch can change (refills): some slots kept (compaction, a gather), new rows' contexts prefilled into done
-rows' slots in place (admit_into) or appended to the batch (admit, a concatenation), a row's next turn
+rows' slots in place (admit_into) or appended to the batch (admit, a new cache: `placed`), a row's next turn
 prefilled on its kept KV block (rollout/turns.py), and the cache's blocks handed to the turns.
 """
 
@@ -39,10 +39,10 @@ class CopyDecoder:
         self.idx = 0
         self.slot, self.slot_at = None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
 
-    def prefill(self, contexts: list[list[int]], counts: list[int], at: int, capacity: int | None):
+    def prefill(self, contexts: list[list[int]], counts: list[int], at: int):
         """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
-        ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache. -> (keys, values, start [rows],
-        last logits [rows, V]); capacity None: keys, values only the W slots at - W .. at - 1 the contexts fill."""
+        ending at slot `at`. -> (keys, values [layers, rows, Hkv, W, Dh]: the W slots at - W .. at - 1 the contexts
+        fill, start [rows], last logits [rows, V])."""
         self.prefilled_tokens += sum(len(c) for c in contexts)
         longest = max(len(c) for c in contexts)
         width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
@@ -50,18 +50,19 @@ class CopyDecoder:
         tokens = mx.array([[self.pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(self.spec, self.prefill_weights, tokens, padding)  # [b, V], [b, ...]
         repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
-        keys, values = mx.stack(keys), mx.stack(values)
-        if capacity is not None:
-            slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
-            keys, values = mx.pad(keys, slots), mx.pad(values, slots)
-        keys, values = keys[:, repeat], values[:, repeat]
+        keys, values = mx.stack(keys)[:, repeat], mx.stack(values)[:, repeat]
         mx.eval(keys, values)
         return keys, values, (padding + (at - width))[repeat], logits[repeat]
 
     def begin(self, contexts: list[list[int]], counts: list[int], T: int) -> mx.array:
         """The batch's first rows: their contexts prefilled with room for T tokens each. -> logits [rows, V]."""
         self.idx = bucket(max(len(c) for c in contexts))
-        self.keys, self.values, self.start, logits = self.prefill(contexts, counts, self.idx, self.idx + T)
+        keys, values, self.start, logits = self.prefill(contexts, counts, self.idx)
+        shape = (keys.shape[0], keys.shape[1], keys.shape[2], self.idx + T, keys.shape[4])
+        self.keys = placed(shape, [(keys, 0, self.idx - keys.shape[3])])
+        mx.eval(self.keys)
+        self.values = placed(shape, [(values, 0, self.idx - values.shape[3])])
+        mx.eval(self.values)
         return logits
 
     def step(self, token, row_keys, kstep, ended, sampler):
@@ -111,15 +112,15 @@ class CopyDecoder:
         """Whether rows admitted now fit the cache as it is (room for T tokens each): admit_into can take them."""
         return self.in_place and bucket(self.idx + T) <= self.keys.shape[3]
 
-    def prefill_entries(self, entries: list, capacity: int | None) -> tuple[list, np.ndarray]:
+    def prefill_entries(self, entries: list) -> tuple[list, np.ndarray]:
         """The contexts of `entries` (context, first row, rows, kept block or None) prefilled to end at slot idx:
         fresh contexts', then next turns' on their kept blocks (rollout/turns.py). -> ([(keys, values, start,
-        logits)] per kind present, as prefill gives them for `capacity`; their rollout rows in that order)."""
+        logits)] per kind present, as prefill gives them; their rollout rows in that order)."""
         fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
-        parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx, capacity)] if fresh else []
+        parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx)] if fresh else []
         if resumed:
             *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,
-                                       capacity, self.pad_id)
+                                       self.pad_id)
             parts.append(part)
             self.prefilled_tokens += n
         return parts, np.concatenate([first + np.arange(n) for _, first, n, _ in fresh + resumed])
@@ -131,7 +132,7 @@ class CopyDecoder:
         order admit gives them."""
         if len(slots) < sum(e[2] for e in entries):
             raise ValueError(f"{len(slots)} free slots for {sum(e[2] for e in entries)} admitted rows")
-        parts, rows = self.prefill_entries(entries, None)
+        parts, rows = self.prefill_entries(entries)
         taken, used = 0, []
         for block_k, block_v, start, _ in parts:
             part_slots = mx.array(slots[taken:taken + block_k.shape[1]].astype(np.int32))
@@ -147,15 +148,27 @@ class CopyDecoder:
         contexts' cache ends at slot idx (the cache grows when idx + T passes its end). -> (their logits
         [rows, V], their rollout rows in that order: fresh contexts', then next turns' on kept blocks). Only
         rows go back: an entry holds its kept block, which holds every row reported at its sync."""
-        capacity = max(self.keys.shape[3], bucket(self.idx + T))
-        if capacity > self.keys.shape[3]:
-            grow = [(0, 0), (0, 0), (0, 0), (0, capacity - self.keys.shape[3]), (0, 0)]
-            self.keys, self.values = mx.pad(self.keys, grow), mx.pad(self.values, grow)
-        parts, rows = self.prefill_entries(entries, capacity)
+        layers, R, Hkv, S, Dh = self.keys.shape
+        parts, rows = self.prefill_entries(entries)
+        firsts = R + np.concatenate([[0], np.cumsum([p[0].shape[1] for p in parts])])
+        shape = (layers, int(firsts[-1]), Hkv, max(S, bucket(self.idx + T)), Dh)
         # the refill's one copy of the cache: the keys go before the values are copied (at most 1.5x the cache, not 2x)
-        self.keys = mx.concatenate([self.keys] + [p[0] for p in parts], axis=1)
-        mx.eval(self.keys)
-        self.values = mx.concatenate([self.values] + [p[1] for p in parts], axis=1)
+        for name, i in (("keys", 0), ("values", 1)):
+            blocks = [(getattr(self, name), 0, 0)] + [(p[i], int(first), self.idx - p[i].shape[3])
+                                                        for p, first in zip(parts, firsts)]
+            setattr(self, name, placed(shape, blocks))
+            mx.eval(getattr(self, name))
         self.start = mx.concatenate([self.start] + [p[2] for p in parts])
-        mx.eval(self.values)
         return mx.concatenate([p[3] for p in parts]), rows
+
+
+def placed(shape: tuple, blocks: list) -> mx.array:
+    """A new cache of `shape` [layers, rows, Hkv, capacity, Dh]: zeros, with each of blocks = [(block [layers, n,
+    Hkv, W, Dh], first row, first slot)] at its rows and slots. Slice updates, not mx.concatenate or mx.pad: on
+    MLX 0.32.4's CUDA backend those copy a smaller input into a view of an array over 2^31 elements with a
+    32-bit index that wraps (bench/records/h200-session34-20261128/: appended rows came out wrong from element
+    2^31 on), where a slice update indexes by the whole array."""
+    out = mx.zeros(shape, blocks[0][0].dtype)
+    for block, row, slot in blocks:
+        out[:, row:row + block.shape[1], :, slot:slot + block.shape[3]] = block
+    return out

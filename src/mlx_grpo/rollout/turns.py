@@ -104,11 +104,10 @@ class TurnRows:
                 np.concatenate([reported, np.zeros(len(added), bool)]))
 
 
-def prefill_resumed(spec, weights: dict, admitted: list, at: int, capacity: int | None, pad_id: int):
+def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     """The next turns of rows that kept their cache, admitted = [(context, Kept of context[:P])]: their contexts'
-    cache ending at slot `at` of a [layers, rows, Hkv, capacity, Dh] cache, only context[P:] prefilled. ->
-    (keys, values, start [rows], last logits [rows, V], tokens prefilled); capacity None: keys, values only the
-    W slots at - W .. at - 1 the contexts fill."""
+    cache ending at slot `at`, only context[P:] prefilled. -> (keys, values [layers, rows, Hkv, W, Dh]: the W
+    slots at - W .. at - 1 the contexts fill, start [rows], last logits [rows, V], tokens prefilled)."""
     lengths = [len(c) for c, _ in admitted]
     width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as copy_decoder.CopyDecoder.prefill's
     chunks = [c[kept.length:] for c, kept in admitted]
@@ -132,8 +131,5 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, capacity: int 
     padding = mx.array([C - len(c) for c in chunks], dtype=mx.int32)
     start = mx.array([width - n for n in lengths], dtype=mx.int32)
     logits, keys, values = decoder.prefill_after(spec, weights, tokens, padding, past_k, past_v, start)
-    if capacity is not None:
-        slots = [(0, 0), (0, 0), (0, 0), (at - width, capacity - at), (0, 0)]
-        keys, values = mx.pad(keys, slots), mx.pad(values, slots)
     mx.eval(keys, values)
     return keys, values, start + (at - width), logits, sum(len(c) for c in chunks)
