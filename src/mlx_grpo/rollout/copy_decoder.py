@@ -60,6 +60,7 @@ class CopyDecoder:
         keys, values, self.start, logits = self.prefill(contexts, counts, self.idx)
         shape = (keys.shape[0], keys.shape[1], keys.shape[2], self.idx + T, keys.shape[4])
         self.keys = placed(shape, [(keys, 0, self.idx - keys.shape[3])])
+        del keys  # the prefill's block goes before the values' cache is made
         mx.eval(self.keys)
         self.values = placed(shape, [(values, 0, self.idx - values.shape[3])])
         mx.eval(self.values)
