@@ -174,6 +174,10 @@ def merge_ranks(ranks: list[tuple[list[BatchStats], UpdateMetrics]]) -> tuple[li
 # Above these fractions an update is flagged: GRPO learns (almost) nothing from such a batch.
 ZERO_STD_ALARM = 0.9
 TRUNCATED_ALARM = 0.9
+# sampler_kl, the KL of the sampler's log-probs to the trainer's over the tokens it drew, is ~0.001 nats a token
+# from a bfloat16 sampling copy (prod_tools on an H200, sessions 32-34) and ~0 in float32; rows decoded on a wrong
+# KV cache (session 34's arrays past 2^31 elements) differed by 0.5-3.4 nats a token. 0.05 is 50x the healthy level.
+SAMPLER_KL_ALARM = 0.05
 # While a condition persists it is printed again every this many updates (it is in every log record).
 WARN_EVERY = 10
 # Conditions printed only when they say something new (health.py's one line per silent reward function and
@@ -193,6 +197,13 @@ def diagnose(record: dict, cfg) -> dict[str, str]:
                            "add a reward that gives partial credit (e.g. the built-ins xmlcount, soft_format), "
                            "prefill the start of the format, raise num_generations or temperature, or use easier "
                            "data" + ("" if cfg.rollout.dynamic_sampling else "; dynamic_sampling skips such groups"))
+    if (record.get("sampler_kl") or 0.0) >= SAMPLER_KL_ALARM:
+        out["sampler_mismatch"] = (f"the rollouts' log-probs are not the trained model's: sampler_kl "
+                                   f"{record['sampler_kl']:.3f} nats per sampled token (a bfloat16 sampling copy "
+                                   "logs ~0.001), so the completions did not come from the policy being trained; "
+                                   "check the engine with `python bench/sampler_check.py --config <this config>` "
+                                   "(each row's sampler log-probs against the model's forward), or set "
+                                   "rollout_engine = model")
     if record["truncated_fraction"] >= TRUNCATED_ALARM:
         out["truncated"] = (f"{record['truncated_fraction']:.0%} of completions hit max_new_tokens before ending: "
                             "raise max_new_tokens or add a stop string"
