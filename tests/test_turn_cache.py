@@ -277,6 +277,23 @@ def test_a_refill_copies_the_cache_one_half_at_a_time(tiny_model_dir):
     assert peak < 0.6 * cache, f"the refill held {peak / cache:.2f}x the cache beside it"
 
 
+def test_the_first_batch_is_its_cache_and_no_more(tiny_model_dir):
+    """CopyDecoder.begin puts each prompt's prefilled block straight into its G rows of the new cache (broadcast,
+    not repeated into a rows x W block first): its peak stays within 5% of the cache it makes."""
+    model, _ = load_model(str(tiny_model_dir), "float32")
+    engine = RolloutEngine(None, mode="copy").refresh(model)
+    copy = CopyDecoder(engine.spec, engine.weights, None, False, 0)
+    contexts = [[1 + (i + j) % 50 for j in range(100 + i)] for i in range(8)]
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    logits = copy.begin(contexts, [64] * 8, 256)
+    mx.synchronize()
+    cache = copy.keys.nbytes + copy.values.nbytes
+    assert copy.keys.shape[1] == 512 and logits.shape[0] == 512 and copy.start.shape == (512,)
+    assert mx.get_peak_memory() - before < 1.05 * cache, f"{(mx.get_peak_memory() - before) / cache:.2f}x the cache"
+
+
 def placed_reference(cache: np.ndarray, blocks: list, capacity: int) -> np.ndarray:
     """What placed computes when it appends: the cache padded with zeros to `capacity` slots, then each block
     [layers, n, Hkv, W, Dh] (W <= capacity) padded to end at its slot + W and concatenated as rows."""
@@ -302,7 +319,8 @@ def test_placed_appends_rows_and_slots_as_pad_and_concatenate():
 def test_placed_is_exact_past_two_to_the_31_elements(rows, slots, capacity):
     """On CUDA, a cache over 2^31 elements (30 layers x 3 heads x 64 dims: 1,024 rows x 512 slots, or 768 x 448
     grown to 512 slots, which crosses 2^31) with 8 rows appended: every layer exactly as pad and concatenate
-    compute it in numpy. MLX 0.32.4's own mx.concatenate got the appended rows wrong from element 2^31 on."""
+    compute it in numpy. MLX 0.32.4's own mx.concatenate got the appended rows wrong in the layers that start past
+    element 2^31."""
     L, H, D, n = 30, 3, 64, 8
 
     def pattern(layer, R, S):  # small integers, exact in bfloat16, distinct across nearby rows and slots
@@ -318,3 +336,35 @@ def test_placed_is_exact_past_two_to_the_31_elements(rows, slots, capacity):
         want = placed_reference(pattern(layer, rows, slots)[None], [(pattern(layer + 1, n, 40)[None],
                                                                     capacity - 40)], capacity)[0]
         np.testing.assert_array_equal(np.array(got[layer].astype(mx.float32)), want, err_msg=f"layer {layer}")
+
+
+def test_a_rebuilt_refill_places_fresh_and_resumed_rows_after_the_batch(tiny_model_dir):
+    """CopyDecoder.admit with a fresh prompt's rows and a next turn on its kept block: the new cache is the old
+    one grown to the capacity, then the fresh rows, then the resumed row, each block ending at the current slot,
+    as numpy's pad and concatenate place the blocks prefill and prefill_resumed give on their own; start
+    likewise."""
+    from mlx_grpo.models.forward import bucket
+
+    model, _ = load_model(str(tiny_model_dir), "float32")
+    engine = RolloutEngine(None, mode="copy").refresh(model)
+    spec = engine.spec
+    copy = CopyDecoder(spec, engine.weights, None, False, 0)
+    copy.begin([[3, 4, 5, 6, 7], [8, 9, 10]], [2, 2], 24)
+    copy.idx += 30  # 30 decode steps on (their slots' contents do not matter here): the refill must grow the cache
+    old_k, old_v, old_start = (np.array(a) for a in (copy.keys, copy.values, copy.start))
+    rng = np.random.default_rng(3)
+    layers = len(engine.weights["layers"])
+    past = [mx.array(rng.normal(size=(layers, spec.kv_heads, 6, spec.head_dim)).astype(np.float32)) for _ in "kv"]
+    fresh, resumed = [11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27, 28]  # resumed[:6] kept
+    T, idx = 24, copy.idx
+    logits, rows = copy.admit([(fresh, 4, 2, None), (resumed, 6, 1, Kept.of(*past))], T)
+    alone = CopyDecoder(spec, engine.weights, None, False, 0)
+    f_k, f_v, f_start, f_logits = alone.prefill([fresh], [2], idx)
+    r_k, r_v, r_start, r_logits, _ = prefill_resumed(spec, alone.prefill_weights, [(resumed, Kept.of(*past))], idx, 0)
+    capacity = max(old_k.shape[3], bucket(idx + T))
+    assert capacity > old_k.shape[3] and rows.tolist() == [4, 5, 6]
+    for got, old, parts in ((copy.keys, old_k, (f_k, r_k)), (copy.values, old_v, (f_v, r_v))):
+        want = placed_reference(old, [(np.array(p), idx - p.shape[3]) for p in parts], capacity)
+        np.testing.assert_array_equal(np.array(got), want)
+    assert np.array(copy.start).tolist() == old_start.tolist() + np.array(f_start).tolist() + np.array(r_start).tolist()
+    np.testing.assert_array_equal(np.array(logits), np.concatenate([np.array(f_logits), np.array(r_logits)]))

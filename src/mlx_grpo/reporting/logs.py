@@ -174,10 +174,12 @@ def merge_ranks(ranks: list[tuple[list[BatchStats], UpdateMetrics]]) -> tuple[li
 # Above these fractions an update is flagged: GRPO learns (almost) nothing from such a batch.
 ZERO_STD_ALARM = 0.9
 TRUNCATED_ALARM = 0.9
-# sampler_kl, the KL of the sampler's log-probs to the trainer's over the tokens it drew, is ~0.001 nats a token
-# from a bfloat16 sampling copy (prod_tools on an H200, sessions 32-34) and ~0 in float32; rows decoded on a wrong
-# KV cache (session 34's arrays past 2^31 elements) differed by 0.5-3.4 nats a token. 0.05 is 50x the healthy level.
+# The sampler's log-probs against the trainer's over the tokens it drew: from a bfloat16 sampling copy sampler_kl is
+# ~0.001 nats a token and sampler_diff_max (the largest token's difference) 0.4-1.6 (prod_tools on an H200, sessions
+# 32-34), ~0 in float32. Rows decoded on a wrong KV cache (session 34's arrays past 2^31 elements) had tokens 7.9-18.9
+# nats off; a few such rows barely move the update's mean, so the largest difference is checked as well.
 SAMPLER_KL_ALARM = 0.05
+SAMPLER_DIFF_ALARM = 5.0
 # While a condition persists it is printed again every this many updates (it is in every log record).
 WARN_EVERY = 10
 # Conditions printed only when they say something new (health.py's one line per silent reward function and
@@ -197,12 +199,15 @@ def diagnose(record: dict, cfg) -> dict[str, str]:
                            "add a reward that gives partial credit (e.g. the built-ins xmlcount, soft_format), "
                            "prefill the start of the format, raise num_generations or temperature, or use easier "
                            "data" + ("" if cfg.rollout.dynamic_sampling else "; dynamic_sampling skips such groups"))
-    if (record.get("sampler_kl") or 0.0) >= SAMPLER_KL_ALARM:
-        out["sampler_mismatch"] = (f"the rollouts' log-probs are not the trained model's: sampler_kl "
-                                   f"{record['sampler_kl']:.3f} nats per sampled token (a bfloat16 sampling copy "
-                                   "logs ~0.001), so the completions did not come from the policy being trained; "
-                                   "check the engine with `python bench/sampler_check.py --config <this config>` "
-                                   "(each row's sampler log-probs against the model's forward), or set "
+    kl, worst = record.get("sampler_kl"), record.get("sampler_diff_max")
+    # not `>=`: a NaN (a sampler that produced one) must warn too
+    if (kl is not None and not kl < SAMPLER_KL_ALARM) or (worst is not None and not worst < SAMPLER_DIFF_ALARM):
+        said = (f"sampler_kl {fmt(kl, '.3f')} nats per sampled token, largest token difference "
+                f"{fmt(worst, '.2f')}")
+        out["sampler_mismatch"] = (f"the rollouts' log-probs are not the trained model's: {said} (a bfloat16 sampling "
+                                   "copy logs ~0.001 and under 2), so completions did not come from the policy being "
+                                   "trained; check the engine with `python bench/sampler_check.py --config <this "
+                                   "config>` (each row's sampler log-probs against the model's forward), or set "
                                    "rollout_engine = model")
     if record["truncated_fraction"] >= TRUNCATED_ALARM:
         out["truncated"] = (f"{record['truncated_fraction']:.0%} of completions hit max_new_tokens before ending: "

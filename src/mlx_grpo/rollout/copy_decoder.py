@@ -39,32 +39,42 @@ class CopyDecoder:
         self.idx = 0
         self.slot, self.slot_at = None, -1  # slot: idx as a device array (decode_graph), valid at slot_at
 
-    def prefill(self, contexts: list[list[int]], counts: list[int], at: int):
-        """Prefill each context into counts[i] rows (a prompt's G samples share one prefill), the contexts
-        ending at slot `at`. -> (keys, values [layers, rows, Hkv, W, Dh]: the W slots at - W .. at - 1 the contexts
-        fill, start [rows], last logits [rows, V])."""
+    def prefill_contexts(self, contexts: list[list[int]], at: int):
+        """Prefill each context once, ending at slot `at`. -> (keys, values [layers, contexts, Hkv, W, Dh]: the W
+        slots at - W .. at - 1 the contexts fill, start [contexts], last logits [contexts, V])."""
         self.prefilled_tokens += sum(len(c) for c in contexts)
         longest = max(len(c) for c in contexts)
         width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
         padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
         tokens = mx.array([[self.pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(self.spec, self.prefill_weights, tokens, padding)  # [b, V], [b, ...]
+        return mx.stack(keys), mx.stack(values), padding + (at - width), logits
+
+    def prefill(self, contexts: list[list[int]], counts: list[int], at: int):
+        """prefill_contexts with each context's block repeated into counts[i] rows (a prompt's G samples share one
+        prefill): keys, values [layers, rows, Hkv, W, Dh], start [rows], logits [rows, V]."""
+        keys, values, start, logits = self.prefill_contexts(contexts, at)
         repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
-        keys, values = mx.stack(keys)[:, repeat], mx.stack(values)[:, repeat]
+        keys, values = keys[:, repeat], values[:, repeat]
         mx.eval(keys, values)
-        return keys, values, (padding + (at - width))[repeat], logits[repeat]
+        return keys, values, start[repeat], logits[repeat]
 
     def begin(self, contexts: list[list[int]], counts: list[int], T: int) -> mx.array:
         """The batch's first rows: their contexts prefilled with room for T tokens each. -> logits [rows, V]."""
         self.idx = bucket(max(len(c) for c in contexts))
-        keys, values, self.start, logits = self.prefill(contexts, counts, self.idx)
-        shape = (keys.shape[0], keys.shape[1], keys.shape[2], self.idx + T, keys.shape[4])
-        self.keys = placed(shape, [(keys, 0, self.idx - keys.shape[3])])
-        del keys  # the prefill's block goes before the values' cache is made
-        mx.eval(self.keys)
-        self.values = placed(shape, [(values, 0, self.idx - values.shape[3])])
-        mx.eval(self.values)
-        return logits
+        keys, values, start, logits = self.prefill_contexts(contexts, self.idx)
+        mx.eval(keys, values)
+        repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
+        self.start = start[repeat]
+        layers, _, Hkv, W, Dh = keys.shape
+        shape = (layers, sum(counts), Hkv, self.idx + T, Dh)
+        firsts = np.concatenate([[0], np.cumsum(counts)])
+        # each context's block broadcast to its rows: the cache is the only copy of the rows (no rows x W block)
+        for name, block in (("keys", keys), ("values", values)):
+            setattr(self, name, placed(shape, [(mx.broadcast_to(block[:, i:i + 1], (layers, n, Hkv, W, Dh)),
+                                                int(firsts[i]), self.idx - W) for i, n in enumerate(counts)]))
+            mx.eval(getattr(self, name))
+        return logits[repeat]
 
     def step(self, token, row_keys, kstep, ended, sampler):
         """The loop's step (the compiled graph samples itself; `sampler` is the first tokens')."""
@@ -165,10 +175,10 @@ class CopyDecoder:
 
 def placed(shape: tuple, blocks: list) -> mx.array:
     """A new cache of `shape` [layers, rows, Hkv, capacity, Dh]: zeros, with each of blocks = [(block [layers, n,
-    Hkv, W, Dh], first row, first slot)] at its rows and slots. Slice updates, not mx.concatenate or mx.pad: on
-    MLX 0.32.4's CUDA backend those copy a smaller input into a view of an array over 2^31 elements with a
-    32-bit index that wraps (bench/records/h200-session34-20261128/: appended rows came out wrong from element
-    2^31 on), where a slice update indexes by the whole array."""
+    Hkv, W, Dh], first row, first slot)] at its rows and slots. Slice updates, not mx.concatenate (nor mx.pad, which
+    copies the same way): on MLX 0.32.4's CUDA backend a concatenation of 8 rows onto a 1,024 x 512-slot cache wrote
+    them wrong in every layer that starts past element 2^31 (bench/records/h200-session34-20261128/), where slice
+    updates were exact."""
     out = mx.zeros(shape, blocks[0][0].dtype)
     for block, row, slot in blocks:
         out[:, row:row + block.shape[1], :, slot:slot + block.shape[3]] = block
