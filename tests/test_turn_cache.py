@@ -278,8 +278,9 @@ def test_a_refill_copies_the_cache_one_half_at_a_time(tiny_model_dir):
 
 
 def test_the_first_batch_is_its_cache_and_no_more(tiny_model_dir):
-    """CopyDecoder.begin puts each prompt's prefilled block straight into its G rows of the new cache (broadcast,
-    not repeated into a rows x W block first): its peak stays within 5% of the cache it makes."""
+    """CopyDecoder.begin gathers each prompt's prefilled block (at the cache's capacity) into its G rows, with no
+    rows x W block beside the cache: its peak stays within 10% of the cache it makes (one prompt's block per 64
+    rows here)."""
     model, _ = load_model(str(tiny_model_dir), "float32")
     engine = RolloutEngine(None, mode="copy").refresh(model)
     copy = CopyDecoder(engine.spec, engine.weights, None, False, 0)
@@ -291,7 +292,7 @@ def test_the_first_batch_is_its_cache_and_no_more(tiny_model_dir):
     mx.synchronize()
     cache = copy.keys.nbytes + copy.values.nbytes
     assert copy.keys.shape[1] == 512 and logits.shape[0] == 512 and copy.start.shape == (512,)
-    assert mx.get_peak_memory() - before < 1.05 * cache, f"{(mx.get_peak_memory() - before) / cache:.2f}x the cache"
+    assert mx.get_peak_memory() - before < 1.1 * cache, f"{(mx.get_peak_memory() - before) / cache:.2f}x the cache"
 
 
 def placed_reference(cache: np.ndarray, blocks: list, capacity: int) -> np.ndarray:

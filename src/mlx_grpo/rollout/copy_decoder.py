@@ -66,13 +66,11 @@ class CopyDecoder:
         mx.eval(keys, values)
         repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
         self.start = start[repeat]
-        layers, _, Hkv, W, Dh = keys.shape
-        shape = (layers, sum(counts), Hkv, self.idx + T, Dh)
-        firsts = np.concatenate([[0], np.cumsum(counts)])
-        # each context's block broadcast to its rows: the cache is the only copy of the rows (no rows x W block)
+        layers, P, Hkv, W, Dh = keys.shape
+        # each context's block at the cache's capacity, then gathered into its rows (a gather, exact past 2^31
+        # elements): the rows exist once, in the cache (no rows x W block beside it)
         for name, block in (("keys", keys), ("values", values)):
-            setattr(self, name, placed(shape, [(mx.broadcast_to(block[:, i:i + 1], (layers, n, Hkv, W, Dh)),
-                                                int(firsts[i]), self.idx - W) for i, n in enumerate(counts)]))
+            setattr(self, name, placed((layers, P, Hkv, self.idx + T, Dh), [(block, 0, self.idx - W)])[:, repeat])
             mx.eval(getattr(self, name))
         return logits[repeat]
 
