@@ -11,8 +11,8 @@ that called a tool (their later turns decode on kept caches). Exits 1 when a row
 usage: python bench/sampler_check.py [--config configs/prod_tools.toml] [--sizes 16,64] [--set key=value ...]
                                      [--called 6] [--limit 0.3] [--out result.json]
 Session 34 (H200, the base model, configs/prod_tools.toml, --sizes 16,48,64): 256 rows all near 0.05; at 768 rows all
-six checked rows that called the calculator were off, at 1,024 rows five of six (0.50-3.42; the sixth was admitted in
-place): their next turns were appended to a cache over 2^31 elements by MLX's concatenation. After the fix
+six checked rows that called the calculator were off, at 1,024 rows five of six (0.50-3.42; the sixth presumably admitted
+in place): their next turns were appended to a cache over 2^31 elements by MLX's concatenation. After the fix
 (copy_decoder.placed) those of 768 rows are at 0.036-0.050 (bench/records/h200-session34-20261128/README.md).
 """
 

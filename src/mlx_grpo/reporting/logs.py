@@ -200,15 +200,18 @@ def diagnose(record: dict, cfg) -> dict[str, str]:
                            "prefill the start of the format, raise num_generations or temperature, or use easier "
                            "data" + ("" if cfg.rollout.dynamic_sampling else "; dynamic_sampling skips such groups"))
     kl, worst = record.get("sampler_kl"), record.get("sampler_diff_max")
-    # not `>=`: a NaN (a sampler that produced one) must warn too
-    if (kl is not None and not kl < SAMPLER_KL_ALARM) or (worst is not None and not worst < SAMPLER_DIFF_ALARM):
+    # not `>=`: a NaN must warn too. Dropout in the gradient pass (lora_dropout) moves every token: no check there.
+    if not cfg.model.lora_dropout and ((kl is not None and not kl < SAMPLER_KL_ALARM)
+                                       or (worst is not None and not worst < SAMPLER_DIFF_ALARM)):
         said = (f"sampler_kl {fmt(kl, '.3f')} nats per sampled token, largest token difference "
                 f"{fmt(worst, '.2f')}")
-        out["sampler_mismatch"] = (f"the rollouts' log-probs are not the trained model's: {said} (a bfloat16 sampling "
-                                   "copy logs ~0.001 and under 2), so completions did not come from the policy being "
-                                   "trained; check the engine with `python bench/sampler_check.py --config <this "
-                                   "config>` (each row's sampler log-probs against the model's forward), or set "
-                                   "rollout_engine = model")
+        out["sampler_mismatch"] = (f"the rollouts' log-probs differ from the trainer's: {said} (a bfloat16 sampling "
+                                   "copy at the presets' settings logs ~0.001 and under 2). Either batches sampled "
+                                   "before the last update (async_rollouts, carry_surplus) trained at a learning rate "
+                                   "that moves the policy this far in one update, or the rollouts did not come from "
+                                   "the model being trained (a NaN: from either side): check the engine with `python "
+                                   "bench/sampler_check.py --config <this config>` (each row's sampler log-probs "
+                                   "against the model's forward), or set rollout_engine = model")
     if record["truncated_fraction"] >= TRUNCATED_ALARM:
         out["truncated"] = (f"{record['truncated_fraction']:.0%} of completions hit max_new_tokens before ending: "
                             "raise max_new_tokens or add a stop string"

@@ -109,7 +109,7 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     cache ending at slot `at`, only context[P:] prefilled. -> (keys, values [layers, rows, Hkv, W, Dh]: the W
     slots at - W .. at - 1 the contexts fill, start [rows], last logits [rows, V], tokens prefilled)."""
     lengths = [len(c) for c, _ in admitted]
-    width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as copy_decoder.CopyDecoder.prefill's
+    width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as CopyDecoder.prefill_contexts'
     chunks = [c[kept.length:] for c, kept in admitted]
     C = min(bucket(max(len(c) for c in chunks)), width)
     # each past right before its chunk, the chunks ending at the timeline's last slot, zeros elsewhere: one
