@@ -65,10 +65,10 @@ def check(cfg, model, tokenizer, B: int, called: int, seed: int) -> dict:
     n = len(ids)
     rows = sorted({0, 1, n // 2, n - 1, max(0, n - 200), *np.flatnonzero(calls > 0)[:called].tolist()})
     out = []
-    for r in rows:
-        m = mask[r] > 0
-        diff = np.abs(forward_logprobs(model, prompts[r // G], ids[r].tolist(), temperature or 1.0) - lps[r])[m]
-        out.append({"row": int(r), "tool_calls": int(calls[r]), "tokens": int(m.sum()),
+    for row in rows:
+        m = mask[row] > 0
+        diff = np.abs(forward_logprobs(model, prompts[row // G], ids[row].tolist(), temperature or 1.0) - lps[row])[m]
+        out.append({"row": int(row), "tool_calls": int(calls[row]), "tokens": int(m.sum()),
                     "mean": float(diff.mean()) if m.any() else 0.0, "max": float(diff.max()) if m.any() else 0.0})
     return {"prompts": B, "rows": n, "seconds": seconds, "tool_call_rate": float(np.mean(calls > 0)),
             "longest_prompt": max(len(p) for p in prompts), "checked": out}
