@@ -48,13 +48,14 @@ def batches(cfg, n: int) -> list[list]:
     return [examples[i * size:(i + 1) * size] for i in range(n)]
 
 
-def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False) -> dict:
+def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False, sync_every: int = 8) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26);
     # copy-outside: the loop writing each step's keys/values outside the step (before session 30: a cache copy a step)
     # copy-rebuild: refills rebuilding the batch (compaction gather + concatenation), as before admit_into
     engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute",
                            graph=cfg.rollout.decode_graph, write_in_step=mode not in ("copy-outside", "copy-before"),
-                           admit_in_place=mode not in ("copy-rebuild", "copy-before")).refresh(model)
+                           admit_in_place=mode not in ("copy-rebuild", "copy-before"),
+                           sync_every=sync_every).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, out = cfg.rollout.num_generations, []
@@ -256,6 +257,8 @@ def main(argv=None) -> None:
     ap.add_argument("--phases", action="store_true", help="then time the decode loop's parts over one more batch")
     ap.add_argument("--host", action="store_true", help="only profile one tools batch's host work on the copy")
     ap.add_argument("--caller", action="store_true", help="the model: the tests' tiny tool caller (for --host)")
+    ap.add_argument("--sync-every", type=int, default=8, help="decode steps between the loop's syncs (the engine's 8)")
+    ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
@@ -286,13 +289,13 @@ def main(argv=None) -> None:
     # what the multi-turn machinery costs beyond the longer prompt and the answers it leads to
     variants = (("plain", args.plain, []), ("prompt", args.tools, ["tools=[]", "max_tool_turns=4"]),
                 ("tools", args.tools, []))
-    for name, preset, items in variants:
+    for name, preset, items in (v for v in variants if v[0] in args.presets.split(",")):
         cfg = build_config("train", preset, parse_set(args.items + items))
         if model is None:
             model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)  # the compute dtype, as training
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
-                                                   args.phases and mode.startswith("copy"))
+                                                   args.phases and mode.startswith("copy"), args.sync_every)
             r = result["runs"][f"{name}/{mode}"]
             print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
                   f"{r['tokens_per_s']:.0f} tok/s  "
@@ -300,6 +303,8 @@ def main(argv=None) -> None:
                               for b in r["batches"]), flush=True)
     for mode in args.modes.split(","):
         for base in ("plain", "prompt"):
+            if f"tools/{mode}" not in result["runs"] or f"{base}/{mode}" not in result["runs"]:
+                continue
             ratio = result["runs"][f"tools/{mode}"]["seconds_mean"] / result["runs"][f"{base}/{mode}"]["seconds_mean"]
             result[f"ratio_tools_over_{base}/{mode}"] = ratio
             throughput = result["runs"][f"tools/{mode}"]["tokens_per_s"] / result["runs"][f"{base}/{mode}"]["tokens_per_s"]
