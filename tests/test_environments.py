@@ -110,3 +110,21 @@ def test_tool_environment_checks_its_inputs():
             prompt_messages(bad)
     with pytest.raises(ValueError, match="origin"):
         Transcript(row={}, messages=[]).add("user", "x")
+
+
+def test_only_instant_tools_make_an_environment_answer_at_once():
+    """ToolEnvironment answers at once only when every tool is instant (the calculator): with the python sandbox
+    or the user's own function its answers keep computing while the batch decodes."""
+
+    def double(x: int) -> int:
+        """Twice x.
+
+        Args:
+            x: a number.
+        """
+        return 2 * x
+
+    assert ToolEnvironment(["calculator"], PlainFormat()).answers_at_once
+    assert not ToolEnvironment(["calculator", "python"], PlainFormat()).answers_at_once
+    assert not ToolEnvironment(["calculator", double], PlainFormat()).answers_at_once
+    assert not Environment.answers_at_once

@@ -180,7 +180,8 @@ def _frozen_fused(self, jobs, G, params, prefill_text, on_stop=None, turns=None,
                 on_done(0, finished)
             if turns is not None:
                 state.report(written, rows, done, reported, keys, values, start)
-                if done.all() and not queue and turns.pending():
+                # session 35: answers that take microseconds are taken at the sync that reported them
+                if turns.pending() and (turns.at_once or (done.all() and not queue)):
                     n_rows, all_keys, join, limit, reported = state.take(entries, queue, n_rows, T, all_keys,
                                                                          join, limit, reported)
             if done.all() and not queue:
@@ -445,3 +446,31 @@ def test_tool_turns_run_what_their_own_loop_ran(caller, monkeypatch, mode, keep,
         assert got_counts == (engine.row_steps, engine.steps, engine.prefilled_tokens)
     calls = [sum(t.origin == "tool" for t in tr.turns) for r in got for tr in r.transcripts]
     assert len(set(calls)) >= 2  # rows called the tool a different number of times
+
+
+@pytest.mark.parametrize("keep,graph", [(True, False), (False, False), (True, True)])
+def test_instant_answers_change_the_schedule_not_the_tokens(caller, keep, graph):
+    """The calculator answers at once (Tool.instant): the loop takes its answers at the sync that reported the
+    calls, so next turns join a sync sooner. Every token, log-prob and transcript is the same as when the answers
+    are taken at the next sync (answers_at_once off), to the bit in float32; only the schedule shrinks."""
+    model, tok = caller
+    fmt = NanochatFormat(tok)
+    rows = [{"prompt": f"q{i}", "answer": "5"} for i in range(4)]
+    keys = mx.random.split(mx.random.key(5), 16)
+    params = SamplingParams(40, 1.0)
+    results = []
+    for at_once in (True, False):
+        env = ToolEnvironment(["calculator"], fmt, max_turns=4)
+        assert env.answers_at_once  # the calculator is instant
+        env.answers_at_once = at_once
+        multiturn = MultiTurn(env, fmt, tok)
+        prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
+        engine = RolloutEngine(tok, mode="copy", sync_every=4, keep_turn_cache=keep, graph=graph).refresh(model)
+        out = multiturn.generate_many(engine, [(prompts, keys, rows)], 4, params)
+        results.append((out, engine.steps, engine.row_steps))
+    (fast, fast_steps, fast_row_steps), (slow, slow_steps, slow_row_steps) = results
+    same_rollouts(fast, slow)
+    calls = [sum(t.origin == "tool" for t in tr.turns) for r in fast for tr in r.transcripts]
+    assert max(calls) >= 2
+    assert fast_steps < slow_steps and fast_row_steps < slow_row_steps
+

@@ -118,7 +118,9 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                 on_done(finished)
             if turns is not None:
                 turns.report(written, rows, done, reported, *decoder.cache)
-                if done.all() and not queue and turns.pending():  # nothing else to decode: wait for them
+                # answers that take microseconds (a calculator), or nothing else to decode: wait for them now, so
+                # the next turns can join at this sync's refill
+                if turns.pending() and (turns.at_once or (done.all() and not queue)):
                     n_rows, all_keys, join, limit, reported = turns.take(entries, queue, n_rows, T, all_keys, join,
                                                                          limit, reported)
             if done.all() and not queue:

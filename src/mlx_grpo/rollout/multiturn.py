@@ -11,7 +11,8 @@ the call, an environment's message after the end token); the answer is rendered 
 (tools/calls.py), tokenized and appended to the row, and the row's next turn decodes:
 - on the engine's sampling copy, inside the running batch: the engine hands each row that ended to
   `ended` at the loop's next sync, the answer computes while the other rows decode, and at the sync
-  after that the row's next turn takes a freed slot (engine refill), ahead of prompts still waiting, with
+  after that (at the same sync when the environment answers in microseconds: answers_at_once, the
+  calculator) the row's next turn takes a freed slot (engine refill), ahead of prompts still waiting, with
   only the answer (and the turn's last token) prefilled on the row's kept cache (rollout/turns.py);
 - on the model itself (decode.generate_rollout: other families, quantized weights, nanochat, CPUs by
   default), in waves: turn w of every row decodes in batch w, its whole context prefilled in one chunk, and
@@ -259,6 +260,7 @@ class _Turns:
         self.multiturn, self.rows, self.ends, self.pool = multiturn, rows, ends, pool
         self.episode = list(range(len(rows)))  # engine row -> index in rows
         self.waiting: list[int] = []
+        self.at_once = bool(multiturn.env.answers_at_once)  # take the answers at the sync that started them
 
     def ended(self, row: int, ids: list[int], logprobs: list[float], entropies: list[float]) -> int | None:
         """-> how many of ids the episode kept (the turn's cut), or None when no turn will follow (the episode has

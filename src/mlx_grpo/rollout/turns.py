@@ -53,6 +53,12 @@ class TurnRows:
         """Whether any row handed to turns.ended may still go on (its next turn not yet taken)."""
         return self.turns.pending()
 
+    @property
+    def at_once(self) -> bool:
+        """Whether the environment answers in microseconds (Environment.answers_at_once): the loop takes the next
+        turns at the sync that reported them, instead of at the next one."""
+        return self.turns.at_once
+
     def report(self, written, rows: np.ndarray, done: np.ndarray, reported: np.ndarray, keys: mx.array,
                values: mx.array, start: mx.array) -> None:
         """Hand each row of the batch that is done and not yet reported to turns.ended, with the tokens,

@@ -95,6 +95,10 @@ class Environment:
     transcript (its row, its turns), not on the environment: one environment serves every row."""
 
     max_turns: int = 8  # model turns per episode; the episode ends after the last one
+    # step() returns in microseconds (no process, model or network call): the decode loop waits for its answers
+    # at the sync that hands the turns over, and the rows' next turns join the batch one sync (8 decode steps)
+    # sooner. Leave False for a step that takes time: the rows' answers then compute while the batch decodes.
+    answers_at_once: bool = False
 
     def reset(self, row: Mapping) -> list[dict]:
         """The first messages of the episode for this data row. A function of the row alone: it is called
@@ -128,6 +132,7 @@ class ToolEnvironment(Environment):
         if max_turns < 1:
             raise UserError(f"max_turns must be at least 1, got {max_turns}")
         self.fmt, self.max_turns, self.max_output_chars = fmt, max_turns, max_output_chars
+        self.answers_at_once = all(t.instant for t in self.tools.values())
 
     def reset(self, row: Mapping) -> list[dict]:
         return prompt_messages(row)

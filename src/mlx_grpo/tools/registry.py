@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mlx_grpo.base.errors import UserError
@@ -32,6 +32,9 @@ class Tool:
     description: str
     parameters: dict  # JSON schema of the arguments: {"type": "object", "properties": ..., "required": ...}
     fn: Callable[..., object]
+    # answers in microseconds (pure computation, no process or I/O): the decode loop waits for it at the sync
+    # that hands the call over, so the row's next turn joins the batch one sync sooner (rollout/multiturn.py)
+    instant: bool = False
 
     @property
     def schema(self) -> dict:
@@ -160,5 +163,6 @@ def python_tool(timeout_s: float = PYTHON_TIMEOUT_S, memory_mb: int = PYTHON_MEM
     return tool_from_function(python)
 
 
-BUILTINS: dict[str, Callable[[], Tool]] = {"calculator": lambda: tool_from_function(calculate, "calculator"),
-                                           "python": python_tool}
+BUILTINS: dict[str, Callable[[], Tool]] = {
+    "calculator": lambda: replace(tool_from_function(calculate, "calculator"), instant=True),
+    "python": python_tool}
