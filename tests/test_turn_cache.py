@@ -319,24 +319,30 @@ def test_placed_appends_rows_and_slots_as_pad_and_concatenate():
 @pytest.mark.parametrize("rows, slots, capacity", [(1024, 512, 512), (768, 448, 512)])
 def test_placed_is_exact_past_two_to_the_31_elements(rows, slots, capacity):
     """On CUDA, a cache over 2^31 elements (30 layers x 3 heads x 64 dims: 1,024 rows x 512 slots, or 768 x 448
-    grown to 512 slots, which crosses 2^31) with 8 rows appended: every layer exactly as pad and concatenate
-    compute it in numpy. MLX 0.32.4's own mx.concatenate got the appended rows wrong in the layers that start past
-    element 2^31."""
+    grown to 512 slots, which crosses 2^31) with 8 rows appended: in every layer, the appended rows and old rows
+    at both ends and the middle exactly as pad and concatenate place them. MLX 0.32.4's own mx.concatenate got the
+    appended rows wrong in the layers that start past element 2^31. The arrays are built on the device and only
+    the checked rows come back (the whole cache through numpy took minutes)."""
     L, H, D, n = 30, 3, 64, 8
 
-    def pattern(layer, R, S):  # small integers, exact in bfloat16, distinct across nearby rows and slots
-        r, h, s, d = np.ix_(np.arange(R), np.arange(H), np.arange(S), np.arange(D))
-        return ((layer * 7 + r * 13 + h * 3 + s * 5 + d) % 97).astype(np.float32)
+    def pattern(layer, R, S, xp):  # small integers, exact in bfloat16, distinct across nearby rows and slots
+        r, h, s, d = (xp.arange(k).reshape([-1 if i == j else 1 for j in range(4)])
+                      for i, k in enumerate((R, H, S, D)))
+        return (layer * 7 + r * 13 + h * 3 + s * 5 + d) % 97
 
-    cache = mx.stack([mx.array(pattern(layer, rows, slots)).astype(mx.bfloat16) for layer in range(L)])
-    block = mx.stack([mx.array(pattern(layer + 1, n, 40)).astype(mx.bfloat16) for layer in range(L)])
+    cache = mx.stack([pattern(layer, rows, slots, mx).astype(mx.bfloat16) for layer in range(L)])
+    block = mx.stack([pattern(layer + 1, n, 40, mx).astype(mx.bfloat16) for layer in range(L)])
     got = placed((L, rows + n, H, capacity, D), [(cache, 0, 0), (block, rows, capacity - 40)])
     mx.eval(got)
-    del cache
+    del cache, block
+    old = [0, 1, rows // 2, rows - 2, rows - 1]
+    checked = mx.array(old + list(range(rows, rows + n)))
     for layer in range(L):
-        want = placed_reference(pattern(layer, rows, slots)[None], [(pattern(layer + 1, n, 40)[None],
-                                                                    capacity - 40)], capacity)[0]
-        np.testing.assert_array_equal(np.array(got[layer].astype(mx.float32)), want, err_msg=f"layer {layer}")
+        want = np.zeros((len(old) + n, H, capacity, D), np.float32)
+        want[:len(old), :, :slots] = pattern(layer, rows, slots, np)[old]
+        want[len(old):, :, capacity - 40:] = pattern(layer + 1, n, 40, np)
+        np.testing.assert_array_equal(np.array(got[layer][checked].astype(mx.float32)), want,
+                                      err_msg=f"layer {layer}")
 
 
 def test_a_rebuilt_refill_places_fresh_and_resumed_rows_after_the_batch(tiny_model_dir):
