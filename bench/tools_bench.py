@@ -257,10 +257,14 @@ def main(argv=None) -> None:
     ap.add_argument("--phases", action="store_true", help="then time the decode loop's parts over one more batch")
     ap.add_argument("--host", action="store_true", help="only profile one tools batch's host work on the copy")
     ap.add_argument("--caller", action="store_true", help="the model: the tests' tiny tool caller (for --host)")
-    ap.add_argument("--sync-every", type=int, default=8, help="decode steps between the loop's syncs (the engine's 8)")
+    ap.add_argument("--sync-every", type=int, default=8,
+                    help="decode steps between the loop's syncs (the engine's 8; not --host or --stop-scan)")
     ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    unknown = set(args.presets.split(",")) - {"plain", "prompt", "tools"}
+    if unknown:
+        ap.error(f"--presets: unknown {sorted(unknown)}; choose from plain, prompt, tools")
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
     if args.caller:
         import tempfile

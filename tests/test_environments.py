@@ -113,8 +113,9 @@ def test_tool_environment_checks_its_inputs():
 
 
 def test_only_instant_tools_make_an_environment_answer_at_once():
-    """ToolEnvironment answers at once only when every tool is instant (the calculator): with the python sandbox
-    or the user's own function its answers keep computing while the batch decodes."""
+    """ToolEnvironment answers at once only when every tool is instant (the calculator) and its step is its own:
+    with the python sandbox, the user's own function or a subclass's step its answers keep computing while the
+    batch decodes."""
 
     def double(x: int) -> int:
         """Twice x.
@@ -128,3 +129,13 @@ def test_only_instant_tools_make_an_environment_answer_at_once():
     assert not ToolEnvironment(["calculator", "python"], PlainFormat()).answers_at_once
     assert not ToolEnvironment(["calculator", double], PlainFormat()).answers_at_once
     assert not Environment.answers_at_once
+
+    class Graded(ToolEnvironment):  # a step of its own (a grader, a request): answered while the batch decodes
+        def step(self, transcript):
+            return super().step(transcript)
+
+    class GradedAtOnce(Graded):  # unless the subclass says its step is instant
+        answers_at_once = True
+
+    assert not Graded(["calculator"], PlainFormat()).answers_at_once
+    assert GradedAtOnce(["calculator"], PlainFormat()).answers_at_once

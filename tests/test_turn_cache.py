@@ -326,7 +326,9 @@ def test_placed_is_exact_past_two_to_the_31_elements(rows, slots, capacity):
     L, H, D, n = 30, 3, 64, 8
 
     def pattern(layer, R, S, xp):  # small integers, exact in bfloat16, distinct across nearby rows and slots
-        r, h, s, d = (xp.arange(k).reshape([-1 if i == j else 1 for j in range(4)])
+        # R: a row count, or the row numbers themselves (numpy builds only the rows checked)
+        r, h, s, d = ((xp.arange(k) if isinstance(k, int) else xp.array(k)).reshape([-1 if i == j else 1
+                                                                                      for j in range(4)])
                       for i, k in enumerate((R, H, S, D)))
         return (layer * 7 + r * 13 + h * 3 + s * 5 + d) % 97
 
@@ -339,7 +341,7 @@ def test_placed_is_exact_past_two_to_the_31_elements(rows, slots, capacity):
     checked = mx.array(old + list(range(rows, rows + n)))
     for layer in range(L):
         want = np.zeros((len(old) + n, H, capacity, D), np.float32)
-        want[:len(old), :, :slots] = pattern(layer, rows, slots, np)[old]
+        want[:len(old), :, :slots] = pattern(layer, old, slots, np)
         want[len(old):, :, capacity - 40:] = pattern(layer + 1, n, 40, np)
         np.testing.assert_array_equal(np.array(got[layer][checked].astype(mx.float32)), want,
                                       err_msg=f"layer {layer}")

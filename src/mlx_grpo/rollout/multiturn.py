@@ -260,7 +260,8 @@ class _Turns:
         self.multiturn, self.rows, self.ends, self.pool = multiturn, rows, ends, pool
         self.episode = list(range(len(rows)))  # engine row -> index in rows
         self.waiting: list[int] = []
-        self.at_once = bool(multiturn.env.answers_at_once)  # take the answers at the sync that started them
+        # take the answers at the sync that started them (an environment that is no Environment subclass: never)
+        self.at_once = bool(getattr(multiturn.env, "answers_at_once", False))
 
     def ended(self, row: int, ids: list[int], logprobs: list[float], entropies: list[float]) -> int | None:
         """-> how many of ids the episode kept (the turn's cut), or None when no turn will follow (the episode has

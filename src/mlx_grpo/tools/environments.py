@@ -132,7 +132,12 @@ class ToolEnvironment(Environment):
         if max_turns < 1:
             raise UserError(f"max_turns must be at least 1, got {max_turns}")
         self.fmt, self.max_turns, self.max_output_chars = fmt, max_turns, max_output_chars
-        self.answers_at_once = all(t.instant for t in self.tools.values())
+
+    @property
+    def answers_at_once(self) -> bool:
+        """Every tool instant (the calculator), and this class's own step: a subclass whose step does more (a grader,
+        a request) answers while the batch decodes, unless it sets answers_at_once itself."""
+        return type(self).step is ToolEnvironment.step and all(t.instant for t in self.tools.values())
 
     def reset(self, row: Mapping) -> list[dict]:
         return prompt_messages(row)
