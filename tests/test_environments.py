@@ -139,3 +139,6 @@ def test_only_instant_tools_make_an_environment_answer_at_once():
 
     assert not Graded(["calculator"], PlainFormat()).answers_at_once
     assert GradedAtOnce(["calculator"], PlainFormat()).answers_at_once
+    env = Graded(["calculator"], PlainFormat())
+    env.answers_at_once = True  # or set in the constructor
+    assert env.answers_at_once

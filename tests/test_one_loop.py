@@ -472,9 +472,9 @@ def test_instant_answers_change_the_schedule_not_the_tokens(caller, keep, graph)
         prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
         engine = RolloutEngine(tok, mode="copy", sync_every=4, keep_turn_cache=keep, graph=graph).refresh(model)
         out = multiturn.generate_many(engine, [(prompts, keys, rows)], 4, params)
-        results.append((out, engine.steps))
-    (fast, fast_steps), (slow, slow_steps) = results
+        results.append((out, engine.steps, engine.row_steps))
+    (fast, fast_steps, fast_row_steps), (slow, slow_steps, slow_row_steps) = results
     same_rollouts(fast, slow)
     calls = [sum(t.origin == "tool" for t in tr.turns) for r in fast for tr in r.transcripts]
     assert max(calls) >= 2
-    assert fast_steps < slow_steps
+    assert fast_steps < slow_steps and fast_row_steps < slow_row_steps

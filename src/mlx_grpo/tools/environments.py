@@ -136,8 +136,15 @@ class ToolEnvironment(Environment):
     @property
     def answers_at_once(self) -> bool:
         """Every tool instant (the calculator), and this class's own step: a subclass whose step does more (a grader,
-        a request) answers while the batch decodes, unless it sets answers_at_once itself."""
+        a request) answers while the batch decodes, unless it sets answers_at_once itself (a class attribute, or
+        in its constructor)."""
+        if "_answers_at_once" in self.__dict__:
+            return self._answers_at_once
         return type(self).step is ToolEnvironment.step and all(t.instant for t in self.tools.values())
+
+    @answers_at_once.setter
+    def answers_at_once(self, value: bool) -> None:
+        self._answers_at_once = bool(value)
 
     def reset(self, row: Mapping) -> list[dict]:
         return prompt_messages(row)
