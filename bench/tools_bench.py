@@ -262,7 +262,8 @@ def main(argv=None) -> None:
     ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    unknown = set(args.presets.split(",")) - {"plain", "prompt", "tools"}
+    presets = args.presets.split(",")
+    unknown = set(presets) - {"plain", "prompt", "tools"}
     if unknown:
         ap.error(f"--presets: unknown {sorted(unknown)}; choose from plain, prompt, tools")
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
@@ -293,7 +294,7 @@ def main(argv=None) -> None:
     # what the multi-turn machinery costs beyond the longer prompt and the answers it leads to
     variants = (("plain", args.plain, []), ("prompt", args.tools, ["tools=[]", "max_tool_turns=4"]),
                 ("tools", args.tools, []))
-    for name, preset, items in (v for v in variants if v[0] in args.presets.split(",")):
+    for name, preset, items in (v for v in variants if v[0] in presets):
         cfg = build_config("train", preset, parse_set(args.items + items))
         if model is None:
             model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)  # the compute dtype, as training

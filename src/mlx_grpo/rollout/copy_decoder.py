@@ -54,7 +54,7 @@ class CopyDecoder:
         """prefill_contexts with each context's block repeated into counts[i] rows (a prompt's G samples share one
         prefill): keys, values [layers, rows, Hkv, W, Dh], start [rows], logits [rows, V]."""
         keys, values, start, logits = self.prefill_contexts(contexts, at)
-        repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
+        repeat = context_rows(counts)
         keys, values = keys[:, repeat], values[:, repeat]
         mx.eval(keys, values)
         return keys, values, start[repeat], logits[repeat]
@@ -64,7 +64,7 @@ class CopyDecoder:
         self.idx = bucket(max(len(c) for c in contexts))
         keys, values, start, logits = self.prefill_contexts(contexts, self.idx)
         mx.eval(keys, values)
-        repeat = mx.array(np.repeat(np.arange(len(contexts)), counts))
+        repeat = context_rows(counts)
         self.start = start[repeat]
         layers, P, Hkv, W, Dh = keys.shape
         # each context's block at the cache's capacity, then gathered into its rows (a gather, exact past 2^31
@@ -169,6 +169,11 @@ class CopyDecoder:
             mx.eval(getattr(self, name))
         self.start = mx.concatenate([self.start] + [p[2] for p in parts])
         return mx.concatenate([p[3] for p in parts]), rows
+
+
+def context_rows(counts: list[int]) -> mx.array:
+    """Each row's context: context i repeated counts[i] times (a prompt's G samples share its prefill)."""
+    return mx.array(np.repeat(np.arange(len(counts)), counts))
 
 
 def placed(shape: tuple, blocks: list) -> mx.array:
