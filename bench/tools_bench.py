@@ -6,7 +6,10 @@ the model path (rollout_engine = model: later turns in waves), with the share of
 tool and the mean completion length. Nothing is trained: the tool-call rate is the base model's.
 
 usage: python bench/tools_bench.py [--plain configs/arith.toml] [--tools configs/arith_tools.toml]
-                                   [--batches 3] [--out result.json]
+                                   [--batches 3] [--draws 1] [--out result.json]
+
+--draws N decodes N batch steps together in each timed pass, as the trainer decodes dynamic sampling's draws
+(draws_per_pass), in a running batch of one step's rows or of `--set running_rows=R`.
 
 --host profiles the host side of one tools batch on the sampling copy instead (cProfile): the seconds in the
 decode loop's refills, stop-string checks, rows kept between syncs and turns handed over, per sync and per
@@ -48,37 +51,45 @@ def batches(cfg, n: int) -> list[list]:
     return [examples[i * size:(i + 1) * size] for i in range(n)]
 
 
-def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False, sync_every: int = 8) -> dict:
+def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False, sync_every: int = 8,
+        draws: int = 1) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26);
     # copy-outside: the loop writing each step's keys/values outside the step (before session 30: a cache copy a step)
     # copy-rebuild: refills rebuilding the batch (compaction gather + concatenation), as before admit_into
     engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute",
                            graph=cfg.rollout.decode_graph, write_in_step=mode not in ("copy-outside", "copy-before"),
                            admit_in_place=mode not in ("copy-rebuild", "copy-before"),
-                           sync_every=sync_every).refresh(model)
+                           sync_every=sync_every, rows=cfg.rollout.running_rows).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, out = cfg.rollout.num_generations, []
 
-    def one(i: int, examples: list) -> object:
-        key = mx.random.split(mx.random.key(cfg.run.seed), len(examples) * G * (i + 1))[-len(examples) * G:]
-        prompts = [ids for ids, _ in encode_prompts(multiturn, tokenizer, examples, cfg)]
-        return rollouts(engine, multiturn, [(prompts, key, examples)], G, params, cfg.data.prefill)[0]
+    def one(i: int, group: list[list]) -> list:  # a pass: `draws` batch steps decoded together
+        jobs = []
+        for j, examples in enumerate(group):
+            n_rows = len(examples) * G
+            key = mx.random.split(mx.random.key(cfg.run.seed), n_rows * (i * draws + j + 1))[-n_rows:]
+            jobs.append(([ids for ids, _ in encode_prompts(multiturn, tokenizer, examples, cfg)], key, examples))
+        return rollouts(engine, multiturn, jobs, G, params, cfg.data.prefill)
 
-    for i, examples in enumerate(batches(cfg, n)):
-        seconds, rollout = timed(lambda: one(i, examples), repeats)
-        calls = np.zeros(len(rollout.texts)) if rollout.transcripts is None else tool_use(rollout.transcripts)[0]
-        out.append({"seconds": seconds, "tool_call_rate": float(np.mean([c > 0 for c in calls])),
+    drawn = batches(cfg, n * draws)
+    for i in range(n):
+        seconds, outs = timed(lambda: one(i, drawn[i * draws:(i + 1) * draws]), repeats)
+        calls = np.concatenate([np.zeros(len(r.texts)) if r.transcripts is None else tool_use(r.transcripts)[0]
+                                for r in outs])
+        lengths = np.concatenate([np.asarray(r.lengths) for r in outs])
+        extents = np.concatenate([np.asarray(r.extents) for r in outs])
+        out.append({"seconds": seconds, "rows": len(calls), "tool_call_rate": float(np.mean([c > 0 for c in calls])),
                     "tool_calls_mean": float(np.mean(calls)),
-                    "length_mean": float(rollout.lengths.mean()), "extent_mean": float(rollout.extents.mean()),
+                    "length_mean": float(lengths.mean()), "extent_mean": float(extents.mean()),
                     # sampled tokens (tool output excluded) per second: the throughput the target compares
-                    "tokens_per_s": float(rollout.lengths.sum()) / seconds,
+                    "tokens_per_s": float(lengths.sum()) / seconds,
                     "decode_steps": engine.steps, "row_steps": engine.row_steps,
                     "prefilled_tokens": getattr(engine, "prefilled_tokens", None)})
     if phases:  # one more batch with each part of the loop timed to the device's end (phase_times)
         with phase_times() as timer:
             t0 = time.perf_counter()
-            one(0, batches(cfg, 1)[0])
+            one(0, drawn[:draws])
             timer["total_s"] = time.perf_counter() - t0
         timer["decode_steps"], timer["row_steps"] = engine.steps, engine.row_steps
         print(json.dumps(timer), flush=True)
@@ -260,6 +271,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sync-every", type=int, default=8,
                     help="decode steps between the loop's syncs (the engine's 8; not --host or --stop-scan)")
     ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
+    ap.add_argument("--draws", type=int, default=1, help="batch steps decoded together in each timed pass (the "
+                    "trainer's draws_per_pass), in a running batch of --set running_rows=N rows")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     presets = args.presets.split(",")
@@ -300,7 +313,8 @@ def main(argv=None) -> None:
             model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)  # the compute dtype, as training
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
-                                                   args.phases and mode.startswith("copy"), args.sync_every)
+                                                   args.phases and mode.startswith("copy"), args.sync_every,
+                                                   args.draws)
             r = result["runs"][f"{name}/{mode}"]
             print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
                   f"{r['tokens_per_s']:.0f} tok/s  "

@@ -81,6 +81,9 @@ CASES = {
                                    r"rollout_worker = process decodes single-turn rollouts only .* set rollout_worker "
                                    r"= thread"),
     "rollout worker unknown": (TRAIN + ["--set", "rollout_worker=gpu"], r"rollout_worker must be one of"),
+    "running rows off the copy": (TRAIN + ["--set", "rollout_engine=model", "--set", "running_rows=1024"],
+                                  r"running_rows only applies with the sampling copy \(rollout_engine = copy or auto"),
+    "running rows negative": (TRAIN + ["--set", "running_rows=-1"], r"running_rows must be >= 0"),
     "arith steps": (TRAIN + ["--set", "arith_max_steps=9"], r"arith_max_steps must be 1-4"),
     "arith steps for gsm8k": (TRAIN + ["--set", "dataset=gsm8k", "--set", "arith_max_steps=2"],
                               r"arith_max_steps only applies with dataset = arith"),

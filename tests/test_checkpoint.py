@@ -268,6 +268,10 @@ def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir,
     with pytest.raises(UserError, match=r"400000 rollout rows .* need at least .* GB .* more than this machine's"):
         run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "batch_size=4", "num_generations=100000",
                                    "max_new_tokens=1000")))
+    # the sampling copy decodes running_rows at once, whatever one batch step holds; the model path one step's
+    wide = ("batch_size=4", "num_generations=4", "max_new_tokens=1000", "running_rows=400000")
+    with pytest.raises(UserError, match=r"400000 rollout rows \(running_rows 400000\) .* lower running_rows or "):
+        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "rollout_engine=copy", *wide)))
 
 
 def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir, tmp_path, monkeypatch):

@@ -76,13 +76,15 @@ def same_rows(a, b) -> None:
 
 
 @pytest.mark.run  # a few seconds each: tiny models, but 2 x 6 batch steps of up to 4 draws
-@pytest.mark.parametrize("engine", ["copy", "model"])
+@pytest.mark.parametrize("engine", ["copy", "model", "copy-wide"])
 @pytest.mark.parametrize("rate", ["all", "none", "half"])
 def test_waves_train_on_the_groups_of_the_sequential_rule(tiny_model_dir, tmp_path, rate, engine):
     """Batch step after batch step of one run, the wave schedule and the sequential rule, each from the same
     position (draw counter, data cursor, weights), train on the same examples, completions, rewards and
-    advantages; the waves take fewer decode passes when groups are scarce."""
-    cfg = make_cfg(tiny_model_dir, tmp_path, RATES[rate], f"rollout_engine={engine}")
+    advantages; the waves take fewer decode passes when groups are scarce. copy-wide: a pass's draws start
+    together in one batch of running_rows (4 draws x 16 rows) rather than taking freed slots."""
+    wide = ["running_rows=64"] if engine == "copy-wide" else []
+    cfg = make_cfg(tiny_model_dir, tmp_path, RATES[rate], f"rollout_engine={engine.split('-')[0]}", *wide)
     job = assembly_mod.build_job(cfg)
     s, t = job.sampling, job.trainer
     decodes = []

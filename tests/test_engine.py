@@ -14,6 +14,7 @@ from mlx_lm import load
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.forward import completion_logprobs, pack
+from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.rollout_records import SamplingParams
@@ -289,18 +290,25 @@ def test_copy_bytes_counts_the_fused_and_merged_matrices(tiny):
     assert decoder.copy_bytes(model, mx.float32) == everything * 4
 
 
-@pytest.mark.parametrize("stop,ignore_eos", [((), False), (("a",), False), ((), True)])
-def test_refill_decodes_later_batch_steps_in_freed_slots_with_the_same_tokens(tiny, stop, ignore_eos):
+@pytest.mark.parametrize("stop,ignore_eos,rows", [((), False, 0), (("a",), False, 0), ((), True, 0), ((), False, 8),
+                                                  ((), False, 40), (("a",), False, 1000), ((), True, 1000)])
+def test_refill_decodes_later_batch_steps_in_freed_slots_with_the_same_tokens(tiny, stop, ignore_eos, rows,
+                                                                              monkeypatch):
     """generate_many: three batch steps decoded together give each row the tokens that generating each
-    step alone gives it, in fewer row-steps, with the later steps' rows joining freed slots."""
+    step alone gives it, in fewer row-steps, with the later steps' rows joining freed slots. rows
+    (running_rows): the batch starts with that many rows (0: the first step's 24), whatever the steps."""
     model, tok = tiny
     ends = _many_ends(tok, model.args.vocab_size)
     params = SamplingParams(40, 1.0, stop=stop, ignore_eos=ignore_eos)  # ignore_eos: no slot frees early
-    engine = RolloutEngine(ends, mode="copy", sync_every=2).refresh(model)
+    engine = RolloutEngine(ends, mode="copy", sync_every=2, rows=rows).refresh(model)
+    began, original = [], CopyDecoder.begin
+    monkeypatch.setattr(CopyDecoder, "begin", lambda self, contexts, counts, T: began.append(sum(counts)) or
+                        original(self, contexts, counts, T))
     jobs = [(PROMPTS * 2, mx.random.split(mx.random.key(10 + j), 24)) for j in range(2)]
     jobs.append(([[9] * 130, [4, 5]], mx.random.split(mx.random.key(30), 8)))  # longer than any slot before it
     together = engine.generate_many(jobs, 4, params)
     together_steps = engine.steps
+    assert began == [{0: 24, 8: 8, 40: 40, 1000: 56}[rows]]
     alone_steps = 0
     for (prompts, keys), got in zip(jobs, together):
         want = engine.generate(prompts, 4, params, keys)
@@ -312,4 +320,6 @@ def test_refill_decodes_later_batch_steps_in_freed_slots_with_the_same_tokens(ti
         np.testing.assert_allclose(np.array(got.sampler_logprobs[:, :width]),
                                    np.array(want.sampler_logprobs[:, :width]), atol=2e-5)
     assert together_steps < alone_steps or ignore_eos
+    if rows == 1000:  # every row from the first step: the 40 steps of the longest
+        assert together_steps == 39
     assert [r.completion_ids.shape[1] for r in together] == [40, 40, 40] if ignore_eos else True

@@ -49,9 +49,9 @@ def attending(tmp_path_factory):
 
 
 def _episodes(model, tok, keep: bool, n_prompts: int = 6, G: int = 4, sync_every: int = 4, graph: bool = False,
-              T: int = 64, jobs_of: int = 3):
-    """Two (or more) batch steps of n_prompts prompts x G rows: the later steps' prompts refill freed slots.
-    -> (rollouts, the engine)."""
+              T: int = 64, jobs_of: int = 3, running: int = 0):
+    """Two (or more) batch steps of n_prompts prompts x G rows: the later steps' prompts refill freed slots
+    (running: running_rows, the batch's first rows). -> (rollouts, the engine)."""
     fmt = NanochatFormat(tok)
     multiturn = MultiTurn(ToolEnvironment(["calculator"], fmt, max_turns=4), fmt, tok)
     rows = [{"prompt": f"q{i}", "answer": "5"} for i in range(n_prompts)]
@@ -59,7 +59,8 @@ def _episodes(model, tok, keep: bool, n_prompts: int = 6, G: int = 4, sync_every
     keys = mx.random.split(mx.random.key(3), n_prompts * G)
     jobs = [(prompts[j:j + jobs_of], keys[j * G:(j + jobs_of) * G], rows[j:j + jobs_of])
             for j in range(0, n_prompts, jobs_of)]
-    engine = RolloutEngine(tok, mode="copy", sync_every=sync_every, graph=graph, keep_turn_cache=keep).refresh(model)
+    engine = RolloutEngine(tok, mode="copy", sync_every=sync_every, graph=graph, keep_turn_cache=keep,
+                           rows=running).refresh(model)
     return multiturn.generate_many(engine, jobs, G, SamplingParams(T, 1.0)), engine
 
 
@@ -67,10 +68,13 @@ def _calls(outs) -> list[int]:
     return [sum(t.origin == "tool" for t in tr.turns) for out in outs for tr in out.transcripts]
 
 
-@pytest.mark.parametrize("sync_every,graph", [(4, False), (2, False), (8, False), (4, True)])
-def test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives(attending, sync_every, graph):
+@pytest.mark.parametrize("sync_every,graph,rows", [(4, False, 0), (2, False, 0), (8, False, 0), (4, True, 0),
+                                                   (4, False, 24), (8, True, 16)])
+def test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives(attending, sync_every, graph, rows):
+    """rows: the batch's first rows (running_rows; 0: the first step's 12); the re-prefill path always
+    starts from one step's, so the two also differ in which rows share a batch."""
     model, tok = attending
-    kept, _ = _episodes(model, tok, True, sync_every=sync_every, graph=graph)
+    kept, _ = _episodes(model, tok, True, sync_every=sync_every, graph=graph, running=rows)
     whole, _ = _episodes(model, tok, False, sync_every=sync_every, graph=graph)
     calls = _calls(kept)
     # the cases this is for: rows calling twice or more, rows answering at once, two batch steps (refill)

@@ -141,26 +141,32 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     # the KL reference: a frozen copy for full training; with adapters, `model` with its adapters switched off
     reference = load_model(cfg.model.model_name, cfg.model.model_dtype)[0] \
         if cfg.objective.kl_coeff > 0 and adapter_config is None else None
-    rows = cfg.training.batch_size // (world.size if world else 1) * cfg.rollout.num_generations
+    G, sampled_by_copy = cfg.rollout.num_generations, uses_copy(cfg.rollout.rollout_engine, model)
+    rows = cfg.training.batch_size // (world.size if world else 1) * G
+    what = f"batch_size {cfg.training.batch_size} x num_generations {G}{' per rank' if world and world.size > 1 else ''}"
+    lower = "num_generations, batch_size or max_new_tokens"
+    if cfg.rollout.running_rows and sampled_by_copy:  # the copy decodes this many at once, whatever one step holds
+        rows, what = max(G, cfg.rollout.running_rows // G * G), f"running_rows {cfg.rollout.running_rows}"
+        lower = "running_rows or max_new_tokens"
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     need, have = rollout_memory_bytes(model, rows, longest), machine_memory_bytes()
-    copy = decoder.copy_bytes(model, dtype) if need and uses_copy(cfg.rollout.rollout_engine, model) else 0
+    copy = decoder.copy_bytes(model, dtype) if need and sampled_by_copy else 0
     # rollout_worker = process: the rollout process holds a second copy of the model (rollout/process.py)
     worker = sum(w.nbytes for _, w in tree_flatten(model.parameters())) \
         if cfg.rollout.async_rollouts and cfg.rollout.rollout_worker == "process" else 0
     if need and have and need + copy + worker > have:  # found up front, not by the OOM killer a minute in
-        raise UserError(f"{rows} rollout rows (batch_size {cfg.training.batch_size} x num_generations "
-                        f"{cfg.rollout.num_generations}{' per rank' if world and world.size > 1 else ''}) of up to "
+        raise UserError(f"{rows} rollout rows ({what}) of up to "
                         f"{longest} tokens need at least {need / 1e9:.1f} GB for "
                         f"their KV cache and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
                                                        "of the weights" if copy else "")
                         + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model"
                            if worker else "")
-                        + f", more than this machine's {have / 1e9:.1f} GB: lower num_generations, batch_size or "
-                        "max_new_tokens" + (", or set rollout_engine = model" if copy else "")
+                        + f", more than this machine's {have / 1e9:.1f} GB: lower {lower}"
+                        + (", or set rollout_engine = model" if copy else "")
                         + (", or rollout_worker = thread" if worker else ""))
     teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
-    engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph)
+    engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph,
+                           rows=cfg.rollout.running_rows)
     policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None, teacher=teacher,
                         teacher_source=teacher_source,
                         tokens=vocabulary_size(tokenizer))

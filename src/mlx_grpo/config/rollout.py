@@ -44,7 +44,7 @@ class RolloutConfig:
     draws_per_pass: int = setting(1, "With dynamic_sampling: most draws decoded together in one pass (a wave sized "
                                   "by the run's varied-group rate; the groups trained on are those of drawing one "
                                   "at a time). 1 = one at a time. The later draws' prompts take the slots of rows "
-                                  "that end (the batch stays batch_size x num_generations rows), so a pass costs less "
+                                  "that end (the batch holds running_rows rows), so a pass costs less "
                                   "than its draws one after another where decode is host-bound (a GPU); "
                                   "configs/prod_tools.toml with 4: 17.7-18.5 GB at the peak on an H200.",
                                   TRAIN, range=">= 1")
@@ -87,6 +87,15 @@ class RolloutConfig:
                                  "H100 its step is 1.3x faster at 256 rows but slower at 1,024, and the standard "
                                  "GRPO step's rollout did not move (docs/benchmarks-history.md, issue 25, third sitting). Needs "
                                  "the copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
+    running_rows: int = setting(0, "Most rows the sampling copy decodes at once (its running batch, as vLLM's "
+                                "max_num_seqs): an update's later draws (draws_per_pass) and batch steps "
+                                "(update_every) start together up to it, the rest taking the slots of rows that end. "
+                                "0 = one batch step's rows (batch_size x num_generations). Where a decode step costs "
+                                "about the same at more rows (a GPU: host-bound), a wider batch decodes a pass of "
+                                "several draws in fewer steps, at the memory of the wider KV cache; a row's tokens "
+                                "depend on its key and context, not on this (exactly on a CPU in float32). Needs the "
+                                "copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN, range=">= 0",
+                                resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
                                   "this update starts from, while this update trains (training/prefetch.py): every "
                                   "batch after the first is sampled one update stale (rollout_staleness in "

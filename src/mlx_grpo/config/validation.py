@@ -190,6 +190,8 @@ def _validate_objective(c: Config) -> None:
     _unused_unless(c, "max_resample_batches", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "draws_per_pass", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "rollout_worker", r.async_rollouts > 0, "async_rollouts = 1")
+    _unused_unless(c, "running_rows", r.rollout_engine != "model" and not r.quantize_for_rollouts,
+                   "the sampling copy (rollout_engine = copy or auto, without quantize_for_rollouts)")
     _unused_unless(c, "carry_surplus", r.dynamic_sampling, "dynamic_sampling = true")
     if r.carry_surplus:
         _require(o.rollout_correction != "none", "carry_surplus trains groups sampled by the weights of an earlier "

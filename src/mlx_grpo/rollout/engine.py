@@ -77,8 +77,9 @@ class RolloutEngine:
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
                  graph: bool = False, keep_turn_cache: bool = True, write_in_step: bool = True,
-                 admit_in_place: bool = True):
+                 admit_in_place: bool = True, rows: int = 0):
         self.tokenizer = tokenizer
+        self.rows = rows
         self.mode = mode
         self.compact = compact
         self.sync_every = sync_every
@@ -213,10 +214,13 @@ class RolloutEngine:
         copy = CopyDecoder(spec, weights, self.step_fn(params, tuple(eos_ids), kernel, writes), self.graph, pad_id,
                            writes, self.admit_in_place)
         # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
-        # next turn; the first job's prompts fill the batch, the others wait for freed slots.
-        entries = [(p, g * G, G, None) for g, p in enumerate(p for job, _ in jobs for p in job)]
+        # next turn; the first prompts fill the batch (the first job's, or as many as `rows` holds), the others
+        # wait for freed slots.
+        prompts = [p for job, _ in jobs for p in job]
+        entries = [(p, g * G, G, None) for g, p in enumerate(prompts)]
         state = None if turns is None else TurnRows(turns, self.keep_turn_cache, [len(e[0]) for e in entries], G)
-        logits = copy.begin(jobs[0][0], [G] * len(jobs[0][0]), params.max_new_tokens)
+        first = min(len(prompts), max(1, self.rows // G)) if self.rows else len(jobs[0][0])
+        logits = copy.begin(prompts[:first], [G] * first, params.max_new_tokens)
         out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,
                           pad_id, self.sync_every, entries=entries, compact=self.compact, limits=limits,
                           on_stop=on_stop, on_done=None if on_done is None else partial(on_done, 0), turns=state)

@@ -71,14 +71,14 @@ def raise_worker_error(kind: str, message: str, trace: str) -> None:
 
 class RolloutProcess:
     """The training process's side: the constructor starts the worker, sample() (blocking; prefetch.py's
-    thread calls it), stop(). model, tokenizer: the trainer's (pickled once); mode, graph: rollout_engine and
-    decode_graph."""
+    thread calls it), stop(). model, tokenizer: the trainer's (pickled once); mode, graph, rows: rollout_engine,
+    decode_graph and running_rows."""
 
-    def __init__(self, model, tokenizer, mode: str, graph: bool):
+    def __init__(self, model, tokenizer, mode: str, graph: bool, rows: int = 0):
         self.layout = weight_layout(dict(tree_flatten(model.trainable_parameters())))
         size = max([at + n for at, n, _, _ in self.layout.values()], default=0) or 1  # where the last tensor ends
         try:
-            self.payload = pickle.dumps((model, tokenizer, mode, graph, self.layout), protocol=pickle.HIGHEST_PROTOCOL)
+            self.payload = pickle.dumps((model, tokenizer, mode, graph, rows, self.layout), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise UserError(f"rollout_worker = process sends the model to a second process and cannot pickle it "
                             f"({type(exc).__name__}: {exc}): set rollout_worker = thread") from None

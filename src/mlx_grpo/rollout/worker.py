@@ -57,11 +57,11 @@ def serve(conn, shared: mmap.mmap) -> None:
         start = pickle.loads(conn.recv_bytes())
         if start is None:  # stopped before its first job
             return
-        model, tokenizer, mode, graph, layout = start
+        model, tokenizer, mode, graph, rows, layout = start
         limit_cache()  # this process's share: the training process keeps the other
         model.eval()
         model.freeze()
-        engine = RolloutEngine(tokenizer, mode=mode, graph=graph)
+        engine = RolloutEngine(tokenizer, mode=mode, graph=graph, rows=rows)
     except EOFError:
         return
     except Exception as exc:

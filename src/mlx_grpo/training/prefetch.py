@@ -98,11 +98,12 @@ class PrefetchSteps:
             if s.world.size > 1:
                 s.world.fail("rollout_worker = process runs one rollout process beside one training process; "
                              "data-parallel runs take rollout_worker = thread")
-            self.process = RolloutProcess(s.policies.model, s.tokenizer, r.rollout_engine, r.decode_graph)
+            self.process = RolloutProcess(s.policies.model, s.tokenizer, r.rollout_engine, r.decode_graph,
+                                          r.running_rows)
         else:
             self.view = frozen_view(s.policies.model)
             # Its own engine: the policies' keeps following the trained model (evaluations use it).
-            self.engine = RolloutEngine(s.tokenizer, mode=r.rollout_engine, graph=r.decode_graph)
+            self.engine = RolloutEngine(s.tokenizer, mode=r.rollout_engine, graph=r.decode_graph, rows=r.running_rows)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=serve, args=(self.jobs,), name="mlx-grpo-rollouts", daemon=True).start()
         self.pending: Pending | None = None
