@@ -46,7 +46,8 @@ class RolloutConfig:
                                   "at a time). 1 = one at a time. The later draws' prompts take the slots of rows "
                                   "that end (the batch holds running_rows rows), so a pass costs less "
                                   "than its draws one after another where decode is host-bound (a GPU); "
-                                  "configs/prod_tools.toml with 4: 17.7-18.5 GB at the peak on an H200.",
+                                  "configs/prod_tools.toml with 4 (and running_rows = 1024): 36.6 GB at the peak on "
+                                  "an H200.",
                                   TRAIN, range=">= 1")
     carry_surplus: bool = setting(False, "With dynamic_sampling: up to batch_size - 1 varied groups a batch step drew "
                                   "beyond its batch_size are trained by the next batch step, ahead of its new "
