@@ -36,6 +36,8 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.tools.environments import (Environment, Episode, StepResult, ToolEnvironment, observation_text,
                                          prompt_messages)
@@ -150,7 +152,7 @@ class MultiTurn:
                 out = select_groups(outs, [(i, g) for i, o in enumerate(outs) for g in range(len(o.prompt_ids))],
                                     end_ids(self.tokenizer, params)[1])
             else:
-                nxt = [self._next_turn(rows[r], T) for r in live]
+                nxt = self._next_turns([rows[r] for r in live], T)
                 live = [r for r, n in zip(live, nxt) if n is not None]
                 if not live:
                     break
@@ -202,9 +204,27 @@ class MultiTurn:
         else:
             row.answer = pool.submit(row.episode.step, text, ended=how)
 
-    def _next_turn(self, row: _Row, T: int) -> tuple[list[int], mx.array, int] | None:
-        """Wait for the environment's answer to a row's last turn and feed it in. -> (the row's context, the
-        key of its next turn, its budget), or None when the episode has ended."""
+    def _next_turns(self, rows: list[_Row], T: int) -> list[tuple[list[int], mx.array, int] | None]:
+        """Wait for the environment's answers to the rows' last turns and feed them in, their observations
+        tokenized in one call (a tokenizer call costs several times its work on a short answer). -> per row (its
+        context, the key of its next turn, its budget), or None when its episode has ended."""
+        texts = [self._observation(row) for row in rows]
+        encoded = iter(self._encode([t for t in texts if t is not None]))
+        return [None if text is None else self._feed(row, next(encoded), T) for row, text in zip(rows, texts)]
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids without special tokens added: a Hugging Face tokenizer's one batched call (what its
+        encode does for one text), else encode for each."""
+        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        if not texts:
+            return []
+        if isinstance(hf, PreTrainedTokenizerBase):
+            return [list(ids) for ids in hf(texts, add_special_tokens=False)["input_ids"]]
+        return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    def _observation(self, row: _Row) -> str | None:
+        """Wait for the environment's answer to a row's last turn. -> its text as the model reads it, or None
+        when the episode has ended."""
         try:
             result = row.answer.result()
         except Exception as e:  # the environment's own code (a tool's errors come back as text instead)
@@ -218,7 +238,11 @@ class MultiTurn:
             raise UserError(f"environment {type(self.env).__name__}.step returned {result!r:.120}: a StepResult "
                             "with done=True or an observation string")
         after_end = row.episode.transcript.turns[-2].info.get("ended") == "eos"  # [-1] is the observation
-        forced = list(self.tokenizer.encode(observation_text(self.fmt, result, after_end), add_special_tokens=False))
+        return observation_text(self.fmt, result, after_end)
+
+    def _feed(self, row: _Row, forced: list[int], T: int) -> tuple[list[int], mx.array, int] | None:
+        """Append an observation's ids to a row, cut at its budget. -> (the row's context, the key of its next
+        turn, its budget), or None when no room is left for a next turn."""
         room = T - len(row.ids)
         row.add(forced[:room], 0.0)
         if len(forced) >= room:  # no room left for the model's next turn
@@ -283,8 +307,8 @@ class _Turns:
         """-> the next turns of the rows waiting: (context, key, budget, the engine row it continues)."""
         assert first_row == len(self.episode)
         out = []
-        for row in self.waiting:
-            nxt = self.multiturn._next_turn(self.rows[self.episode[row]], self.ends.budget)
+        turns = self.multiturn._next_turns([self.rows[self.episode[row]] for row in self.waiting], self.ends.budget)
+        for row, nxt in zip(self.waiting, turns):
             if nxt is not None:
                 self.episode.append(self.episode[row])
                 out.append((*nxt, row))
