@@ -6,9 +6,9 @@ decode through the one decode loop (loop.decode_rows) over the copy (copy_decode
 one compiled graph (the model's step plus sampling, writing the KV cache in place where the fused CUDA kernel
 serves), and rows that have
 ended are dropped from the batch once at most half of it is still live (the batch shrinks to the next power of
-two, so few shapes are ever compiled). generate_many decodes an update's batch steps together: the later
-steps' prompts are prefilled into the slots ended rows free (refill), so one long row no longer holds a batch
-step. A row's tokens depend on its own key and context, so which
+two, so few shapes are ever compiled). generate_many decodes an update's batch steps together: the first
+step's prompts (or as many as `rows`, running_rows, holds) start the batch, the later ones are prefilled into
+the slots ended rows free (refill), so one long row no longer holds a batch step. A row's tokens depend on its own key and context, so which
 rows share its batch leaves them unchanged (exactly so on a CPU in float32; see below for a GPU).
 
 Models the copy does not cover (other families, quantized weights: QLoRA bases and
