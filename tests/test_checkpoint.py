@@ -268,10 +268,26 @@ def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir,
     with pytest.raises(UserError, match=r"400000 rollout rows .* need at least .* GB .* more than this machine's"):
         run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "batch_size=4", "num_generations=100000",
                                    "max_new_tokens=1000")))
-    # the sampling copy decodes running_rows at once, whatever one batch step holds; the model path one step's
-    wide = ("batch_size=4", "num_generations=4", "max_new_tokens=1000", "running_rows=400000")
-    with pytest.raises(UserError, match=r"400000 rollout rows \(running_rows 400000\) .* lower running_rows or "):
-        run_mod.train(_cfg(*_items(tiny_model_dir, tmp_path, "rollout_engine=copy", *wide)))
+
+
+def test_the_running_rows_count_up_front_where_a_decode_holds_them(tiny_model_dir, tmp_path, monkeypatch):
+    """running_rows: the sampling copy starts up to that many rows of the batch steps one decode holds (an update's
+    accumulated steps here), and a refill may round the batch up to a power of two; one step's rows otherwise."""
+    import mlx.core as mx
+
+    from mlx_grpo.commands import assembly
+    from mlx_grpo.models import decoder
+    from mlx_grpo.models.model_loading import load_model
+    from mlx_grpo.rollout.decode import rollout_memory_bytes
+
+    model = load_model(str(tiny_model_dir), "float32")[0]
+    one_step = rollout_memory_bytes(model, 2 * 4, 96 + 8) + decoder.copy_bytes(model, mx.float32)
+    monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: one_step)  # room for one step's 8 rows only
+    items = _items(tiny_model_dir, tmp_path, "rollout_engine=copy", "running_rows=24")
+    assert assembly.build_job(_cfg(*items)).trainer.policies.engine.rows == 24  # one step a decode: 8 rows
+    with pytest.raises(UserError, match=r"^32 rollout rows \(running_rows 24, rounded up to a power of two\) .* "
+                                        r"lower running_rows or max_new_tokens$"):
+        assembly.build_job(_cfg(*items, "gradient_accumulation_steps=4"))  # 4 steps a decode: 24 rows, then 32
 
 
 def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir, tmp_path, monkeypatch):
@@ -290,6 +306,9 @@ def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir,
                    "max_prompt_length=96", "rollout_engine=model", "async_rollouts=1",
                    "rollout_correction=token_truncate")
     assert assembly.build_job(_cfg(*items)).source.process is None  # the thread: it fits
+    # the thread's engine decodes as the trainer's would (running_rows)
+    copy_items = [i for i in items if i != "rollout_engine=model"] + ["rollout_engine=copy", "running_rows=8"]
+    assert assembly.build_job(_cfg(*copy_items)).source.engine.rows == 8
     with pytest.raises(UserError, match=r"plus 0.0 GB for the rollout process's copy of the model, more than this "
                                         r"machine's .* or rollout_worker = thread"):
         assembly.build_job(_cfg(*items, "rollout_worker=process"))

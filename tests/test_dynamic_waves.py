@@ -15,6 +15,7 @@ import pytest
 from mlx_grpo.commands import assembly as assembly_mod
 from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
+from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.training.draws import RATE_WINDOW, wave_size
 from mlx_grpo.training.job import Job
 from mlx_grpo.training.sampling import Sampling, TextPrompts
@@ -78,7 +79,7 @@ def same_rows(a, b) -> None:
 @pytest.mark.run  # a few seconds each: tiny models, but 2 x 6 batch steps of up to 4 draws
 @pytest.mark.parametrize("engine", ["copy", "model", "copy-wide"])
 @pytest.mark.parametrize("rate", ["all", "none", "half"])
-def test_waves_train_on_the_groups_of_the_sequential_rule(tiny_model_dir, tmp_path, rate, engine):
+def test_waves_train_on_the_groups_of_the_sequential_rule(tiny_model_dir, tmp_path, rate, engine, monkeypatch):
     """Batch step after batch step of one run, the wave schedule and the sequential rule, each from the same
     position (draw counter, data cursor, weights), train on the same examples, completions, rewards and
     advantages; the waves take fewer decode passes when groups are scarce. copy-wide: a pass's draws start
@@ -87,10 +88,14 @@ def test_waves_train_on_the_groups_of_the_sequential_rule(tiny_model_dir, tmp_pa
     cfg = make_cfg(tiny_model_dir, tmp_path, RATES[rate], f"rollout_engine={engine.split('-')[0]}", *wide)
     job = assembly_mod.build_job(cfg)
     s, t = job.sampling, job.trainer
-    decodes = []
+    assert s.policies.engine.rows == (64 if wide else 0)
+    began, begin = [], CopyDecoder.begin  # the rows each decode starts with
+    monkeypatch.setattr(CopyDecoder, "begin", lambda self, contexts, counts, T: began.append(sum(counts)) or
+                        begin(self, contexts, counts, T))
+    decodes, calls = [], []  # draws per decode: this batch step's waves; every decode of the test
     original = TextPrompts.generate
-    s.prompts.generate = lambda policies, jobs, params: decodes.append(len(jobs)) or original(
-        s.prompts, policies, jobs, params)
+    s.prompts.generate = lambda policies, jobs, params: decodes.append(len(jobs)) or calls.append(len(jobs)) or \
+        original(s.prompts, policies, jobs, params)
     cap = 1 + cfg.rollout.max_resample_batches
     steps = draws = passes = surplus = 0
     for _ in range(6):
@@ -119,6 +124,8 @@ def test_waves_train_on_the_groups_of_the_sequential_rule(tiny_model_dir, tmp_pa
         surplus += len(waves.draws) - len(reference.draws)
         assert len(s.counters.varied_recent) == min(draws, RATE_WINDOW)
     assert steps >= 3
+    if engine != "model":  # a decode of several draws starts them all with running_rows, one draw's 16 rows without
+        assert began == [16 * n if wide else 16 for n in calls] and (max(calls) > 1) == (rate != "all")
     if rate == "all":  # one draw of batch_size varied groups each time: one pass each, nothing drawn to spare
         assert draws == passes == steps and surplus == 0
     elif rate == "none":  # every batch step takes the cap; after the first, in one pass

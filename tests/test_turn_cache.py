@@ -70,12 +70,17 @@ def _calls(outs) -> list[int]:
 
 @pytest.mark.parametrize("sync_every,graph,rows", [(4, False, 0), (2, False, 0), (8, False, 0), (4, True, 0),
                                                    (4, False, 24), (8, True, 16)])
-def test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives(attending, sync_every, graph, rows):
+def test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives(attending, sync_every, graph, rows,
+                                                                      monkeypatch):
     """rows: the batch's first rows (running_rows; 0: the first step's 12); the re-prefill path always
     starts from one step's, so the two also differ in which rows share a batch."""
     model, tok = attending
+    began, original = [], CopyDecoder.begin
+    monkeypatch.setattr(CopyDecoder, "begin", lambda self, contexts, counts, T: began.append(sum(counts)) or
+                        original(self, contexts, counts, T))
     kept, _ = _episodes(model, tok, True, sync_every=sync_every, graph=graph, running=rows)
     whole, _ = _episodes(model, tok, False, sync_every=sync_every, graph=graph)
+    assert began == [rows or 12, 12]
     calls = _calls(kept)
     # the cases this is for: rows calling twice or more, rows answering at once, two batch steps (refill)
     assert sum(c >= 2 for c in calls) >= 3 and 0 in calls and len(kept) == 2

@@ -141,12 +141,18 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     # the KL reference: a frozen copy for full training; with adapters, `model` with its adapters switched off
     reference = load_model(cfg.model.model_name, cfg.model.model_dtype)[0] \
         if cfg.objective.kl_coeff > 0 and adapter_config is None else None
-    G, sampled_by_copy = cfg.rollout.num_generations, uses_copy(cfg.rollout.rollout_engine, model)
+    r, G, sampled_by_copy = cfg.rollout, cfg.rollout.num_generations, uses_copy(cfg.rollout.rollout_engine, model)
+    per_rank = " per rank" if world and world.size > 1 else ""
     rows = cfg.training.batch_size // (world.size if world else 1) * G
-    what = f"batch_size {cfg.training.batch_size} x num_generations {G}{' per rank' if world and world.size > 1 else ''}"
+    what = f"batch_size {cfg.training.batch_size} x num_generations {G}{per_rank}"
     lower = "num_generations, batch_size or max_new_tokens"
-    if cfg.rollout.running_rows and sampled_by_copy:  # the copy decodes this many at once, whatever one step holds
-        rows, what = max(G, cfg.rollout.running_rows // G * G), f"running_rows {cfg.rollout.running_rows}"
+    # the batch steps one decode holds: dynamic sampling's wave of draws, else an update's accumulated steps
+    together = min(r.draws_per_pass, 1 + r.max_resample_batches) if r.dynamic_sampling \
+        else cfg.training.gradient_accumulation_steps
+    if r.running_rows and sampled_by_copy and min(r.running_rows, rows * together) > rows:
+        # the copy starts that many at once, and a refill that rebuilds the batch rounds it up to a power of two
+        rows = 1 << (min(r.running_rows, rows * together) // G * G - 1).bit_length()
+        what = f"running_rows {r.running_rows}{per_rank}, rounded up to a power of two"
         lower = "running_rows or max_new_tokens"
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     need, have = rollout_memory_bytes(model, rows, longest), machine_memory_bytes()
@@ -162,7 +168,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
                         + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model"
                            if worker else "")
                         + f", more than this machine's {have / 1e9:.1f} GB: lower {lower}"
-                        + (", or set rollout_engine = model" if copy else "")
+                        + (", or set rollout_engine = model" if copy and not r.running_rows else "")
                         + (", or rollout_worker = thread" if worker else ""))
     teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph,

@@ -43,9 +43,10 @@ class RolloutConfig:
                                         "step; a step still short trains on the groups it has.", TRAIN, range=">= 0")
     draws_per_pass: int = setting(1, "With dynamic_sampling: most draws decoded together in one pass (a wave sized "
                                   "by the run's varied-group rate; the groups trained on are those of drawing one "
-                                  "at a time). 1 = one at a time. The later draws' prompts take the slots of rows "
-                                  "that end (the batch holds running_rows rows), so a pass costs less "
-                                  "than its draws one after another where decode is host-bound (a GPU); "
+                                  "at a time). 1 = one at a time. A pass's draws start together up to running_rows "
+                                  "(default: the first draw's rows), the later ones taking the slots of rows that "
+                                  "end, so a pass costs less than its draws one after another where decode is "
+                                  "host-bound (a GPU); "
                                   "configs/prod_tools.toml with 4 (and running_rows = 1024): 36.6 GB at the peak on "
                                   "an H200.",
                                   TRAIN, range=">= 1")
@@ -88,10 +89,13 @@ class RolloutConfig:
                                  "H100 its step is 1.3x faster at 256 rows but slower at 1,024, and the standard "
                                  "GRPO step's rollout did not move (docs/benchmarks-history.md, issue 25, third sitting). Needs "
                                  "the copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
-    running_rows: int = setting(0, "Most rows the sampling copy decodes at once (its running batch, as vLLM's "
-                                "max_num_seqs): an update's later draws (draws_per_pass) and batch steps "
-                                "(update_every) start together up to it, the rest taking the slots of rows that end. "
-                                "0 = one batch step's rows (batch_size x num_generations). Where a decode step costs "
+    running_rows: int = setting(0, "Rows the sampling copy starts its running batch with (as vLLM's max_num_seqs; "
+                                "per rank), of the batch steps one decode holds (dynamic sampling's draws in a pass, "
+                                "draws_per_pass, else an update's gradient_accumulation_steps), the rest taking the "
+                                "slots of rows that end; a refill that rebuilds the batch rounds it up to a power of "
+                                "two, which the memory check counts. In-run evaluation, on the same engine, starts at "
+                                "most this many of its rows. 0 = one batch step's rows (batch_size x num_generations). "
+                                "Where a decode step costs "
                                 "about the same at more rows (a GPU: host-bound), a wider batch decodes a pass of "
                                 "several draws in fewer steps, at the memory of the wider KV cache; a row's tokens "
                                 "depend on its key and context, not on this (exactly on a CPU in float32). Needs the "
