@@ -8,8 +8,9 @@ serves), and rows that have
 ended are dropped from the batch once at most half of it is still live (the batch shrinks to the next power of
 two, so few shapes are ever compiled). generate_many decodes an update's batch steps together: the first
 step's prompts (or as many as `rows`, running_rows, holds) start the batch, the later ones are prefilled into
-the slots ended rows free (refill), so one long row no longer holds a batch step. A row's tokens depend on its own key and context, so which
-rows share its batch leaves them unchanged (exactly so on a CPU in float32; see below for a GPU).
+the slots ended rows free (refill), so one long row no longer holds a batch step. A row's tokens depend on its
+own key and context, so which rows share its batch leaves them unchanged (exactly so on a CPU in float32; see
+below for a GPU).
 
 Models the copy does not cover (other families, quantized weights: QLoRA bases and
 quantize_for_rollouts, whose memory saving the copy would undo), and every model under rollout_engine =
