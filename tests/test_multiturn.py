@@ -69,15 +69,15 @@ def _episodes(model, tok, ks, G, T=64, keys=None, mode="model", multiturn=None, 
     return multiturn.generate_many(engine, [(prompts, keys, rows)], G, SamplingParams(T, 1.0), "")[0], keys
 
 
-def test_observations_are_tokenized_in_one_call_as_each_alone(tiny):
-    """MultiTurn._encode: a Hugging Face tokenizer's one batched call gives each text the ids its own encode gives;
-    a tokenizer of another kind is called per text."""
+def test_observations_are_tokenized_by_the_tokenizers_own_encode(tiny):
+    """MultiTurn._encode: each text the ids its tokenizer's own encode gives, through that encode (an override,
+    as mlx-lm's NewlineTokenizer has, is kept)."""
     _, tok = tiny
     texts = ["<result>24</result>\n", "Error: division by zero", "", " 3.5e+21 ", "<|im_end|>\n<|im_start|>user\nok"]
     want = [list(tok.encode(t, add_special_tokens=False)) for t in texts]
     assert _multiturn(tok)._encode(texts) == want and _multiturn(tok)._encode([]) == []
 
-    class PerText:  # not a transformers tokenizer: its encode, text by text
+    class PerText:  # an encode of its own: called for each text
         def __init__(self):
             self.calls = 0
 

@@ -36,8 +36,6 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.tools.environments import (Environment, Episode, StepResult, ToolEnvironment, observation_text,
                                          prompt_messages)
@@ -206,20 +204,15 @@ class MultiTurn:
 
     def _next_turns(self, rows: list[_Row], T: int) -> list[tuple[list[int], mx.array, int] | None]:
         """Wait for the environment's answers to the rows' last turns and feed them in, their observations
-        tokenized in one call (a tokenizer call costs several times its work on a short answer). -> per row (its
+        tokenized after all have answered. -> per row (its
         context, the key of its next turn, its budget), or None when its episode has ended."""
         texts = [self._observation(row) for row in rows]
         encoded = iter(self._encode([t for t in texts if t is not None]))
         return [None if text is None else self._feed(row, next(encoded), T) for row, text in zip(rows, texts)]
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        """Each text's ids without special tokens added: a Hugging Face tokenizer's one batched call (what its
-        encode does for one text), else encode for each."""
-        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        if not texts:
-            return []
-        if isinstance(hf, PreTrainedTokenizerBase):
-            return [list(ids) for ids in hf(texts, add_special_tokens=False)["input_ids"]]
+        """Each text's ids without special tokens added, through the tokenizer's own encode (a batched call would
+        skip an encode override, e.g. mlx-lm's NewlineTokenizer)."""
         return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
     def _observation(self, row: _Row) -> str | None:
