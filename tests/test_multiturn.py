@@ -69,27 +69,6 @@ def _episodes(model, tok, ks, G, T=64, keys=None, mode="model", multiturn=None, 
     return multiturn.generate_many(engine, [(prompts, keys, rows)], G, SamplingParams(T, 1.0), "")[0], keys
 
 
-def test_observations_are_tokenized_by_the_tokenizers_own_encode(tiny):
-    """MultiTurn._encode: each text the ids its tokenizer's own encode gives, through that encode (an override,
-    as mlx-lm's NewlineTokenizer has, is kept)."""
-    _, tok = tiny
-    texts = ["<result>24</result>\n", "Error: division by zero", "", " 3.5e+21 ", "<|im_end|>\n<|im_start|>user\nok"]
-    want = [list(tok.encode(t, add_special_tokens=False)) for t in texts]
-    assert _multiturn(tok)._encode(texts) == want and _multiturn(tok)._encode([]) == []
-
-    class PerText:  # an encode of its own: called for each text
-        def __init__(self):
-            self.calls = 0
-
-        def encode(self, text, add_special_tokens=True):
-            self.calls += 1
-            return tok.encode(text, add_special_tokens=add_special_tokens)
-    other = PerText()
-    multiturn = _multiturn(tok)
-    multiturn.tokenizer = other
-    assert multiturn._encode(texts) == want and other.calls == len(texts)
-
-
 def test_a_scripted_call_feeds_the_tools_output_as_context(tiny):
     _, tok = tiny
     rollout, _ = _episodes(Scripted(tok, caller_script), tok, [2, 5], G=2)

@@ -150,7 +150,7 @@ class MultiTurn:
                 out = select_groups(outs, [(i, g) for i, o in enumerate(outs) for g in range(len(o.prompt_ids))],
                                     end_ids(self.tokenizer, params)[1])
             else:
-                nxt = self._next_turns([rows[r] for r in live], T)
+                nxt = [self._next_turn(rows[r], T) for r in live]
                 live = [r for r, n in zip(live, nxt) if n is not None]
                 if not live:
                     break
@@ -202,22 +202,9 @@ class MultiTurn:
         else:
             row.answer = pool.submit(row.episode.step, text, ended=how)
 
-    def _next_turns(self, rows: list[_Row], T: int) -> list[tuple[list[int], mx.array, int] | None]:
-        """Wait for the environment's answers to the rows' last turns and feed them in, their observations
-        tokenized after all have answered. -> per row (its
-        context, the key of its next turn, its budget), or None when its episode has ended."""
-        texts = [self._observation(row) for row in rows]
-        encoded = iter(self._encode([t for t in texts if t is not None]))
-        return [None if text is None else self._feed(row, next(encoded), T) for row, text in zip(rows, texts)]
-
-    def _encode(self, texts: list[str]) -> list[list[int]]:
-        """Each text's ids without special tokens added, through the tokenizer's own encode (a batched call would
-        skip an encode override, e.g. mlx-lm's NewlineTokenizer)."""
-        return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-
-    def _observation(self, row: _Row) -> str | None:
-        """Wait for the environment's answer to a row's last turn. -> its text as the model reads it, or None
-        when the episode has ended."""
+    def _next_turn(self, row: _Row, T: int) -> tuple[list[int], mx.array, int] | None:
+        """Wait for the environment's answer to a row's last turn and feed it in. -> (the row's context, the
+        key of its next turn, its budget), or None when the episode has ended."""
         try:
             result = row.answer.result()
         except Exception as e:  # the environment's own code (a tool's errors come back as text instead)
@@ -231,11 +218,7 @@ class MultiTurn:
             raise UserError(f"environment {type(self.env).__name__}.step returned {result!r:.120}: a StepResult "
                             "with done=True or an observation string")
         after_end = row.episode.transcript.turns[-2].info.get("ended") == "eos"  # [-1] is the observation
-        return observation_text(self.fmt, result, after_end)
-
-    def _feed(self, row: _Row, forced: list[int], T: int) -> tuple[list[int], mx.array, int] | None:
-        """Append an observation's ids to a row, cut at its budget. -> (the row's context, the key of its next
-        turn, its budget), or None when no room is left for a next turn."""
+        forced = list(self.tokenizer.encode(observation_text(self.fmt, result, after_end), add_special_tokens=False))
         room = T - len(row.ids)
         row.add(forced[:room], 0.0)
         if len(forced) >= room:  # no room left for the model's next turn
@@ -300,8 +283,8 @@ class _Turns:
         """-> the next turns of the rows waiting: (context, key, budget, the engine row it continues)."""
         assert first_row == len(self.episode)
         out = []
-        turns = self.multiturn._next_turns([self.rows[self.episode[row]] for row in self.waiting], self.ends.budget)
-        for row, nxt in zip(self.waiting, turns):
+        for row in self.waiting:
+            nxt = self.multiturn._next_turn(self.rows[self.episode[row]], self.ends.budget)
             if nxt is not None:
                 self.episode.append(self.episode[row])
                 out.append((*nxt, row))
