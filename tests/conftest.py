@@ -32,6 +32,16 @@ def same_last_checkpoint(a_run, b_run) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
 
 
+def begin_widths(monkeypatch) -> list[int]:
+    """The rows each sampling-copy decode starts its batch with (CopyDecoder.begin), appended as decodes run."""
+    from mlx_grpo.rollout.copy_decoder import CopyDecoder
+
+    widths, begin = [], CopyDecoder.begin
+    monkeypatch.setattr(CopyDecoder, "begin", lambda self, contexts, counts, T: widths.append(sum(counts)) or
+                        begin(self, contexts, counts, T))
+    return widths
+
+
 def interrupt_before_update(train, cfg, monkeypatch, update: int, trainer_class=None) -> None:
     """Run train(cfg) and stop it with a KeyboardInterrupt just before `update` (what Ctrl-C leaves behind:
     the checkpoints written so far); trainer_class: whose update to stop (default: the GRPO Trainer; SFT's

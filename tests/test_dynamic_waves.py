@@ -15,12 +15,11 @@ import pytest
 from mlx_grpo.commands import assembly as assembly_mod
 from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
-from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.training.draws import RATE_WINDOW, wave_size
 from mlx_grpo.training.job import Job
 from mlx_grpo.training.sampling import Sampling, TextPrompts
 
-from conftest import interrupt_before_update, run_metrics, same_last_checkpoint
+from conftest import begin_widths, interrupt_before_update, run_metrics, same_last_checkpoint
 
 TOY = Path(__file__).parent / "fixtures" / "toy_rewards.py"
 RATES = {  # reward -> how many of the groups vary
@@ -89,9 +88,7 @@ def test_waves_train_on_the_groups_of_the_sequential_rule(tiny_model_dir, tmp_pa
     job = assembly_mod.build_job(cfg)
     s, t = job.sampling, job.trainer
     assert s.policies.engine.rows == (64 if wide else 0)
-    began, begin = [], CopyDecoder.begin  # the rows each decode starts with
-    monkeypatch.setattr(CopyDecoder, "begin", lambda self, contexts, counts, T: began.append(sum(counts)) or
-                        begin(self, contexts, counts, T))
+    began = begin_widths(monkeypatch)  # the rows each decode starts with
     decodes, calls = [], []  # draws per decode: this batch step's waves; every decode of the test
     original = TextPrompts.generate
     s.prompts.generate = lambda policies, jobs, params: decodes.append(len(jobs)) or calls.append(len(jobs)) or \

@@ -11,10 +11,11 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 
+from conftest import begin_widths
+
 from mlx_grpo.models import decoder
 from mlx_grpo.models.adapters import apply_adapters
 from mlx_grpo.models.forward import completion_logprobs, pack
-from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.decode import generate_rollout
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.rollout_records import SamplingParams
@@ -301,9 +302,7 @@ def test_refill_decodes_later_batch_steps_in_freed_slots_with_the_same_tokens(ti
     ends = _many_ends(tok, model.args.vocab_size)
     params = SamplingParams(40, 1.0, stop=stop, ignore_eos=ignore_eos)  # ignore_eos: no slot frees early
     engine = RolloutEngine(ends, mode="copy", sync_every=2, rows=rows).refresh(model)
-    began, original = [], CopyDecoder.begin
-    monkeypatch.setattr(CopyDecoder, "begin", lambda self, contexts, counts, T: began.append(sum(counts)) or
-                        original(self, contexts, counts, T))
+    began = begin_widths(monkeypatch)
     jobs = [(PROMPTS * 2, mx.random.split(mx.random.key(10 + j), 24)) for j in range(2)]
     jobs.append(([[9] * 130, [4, 5]], mx.random.split(mx.random.key(30), 8)))  # longer than any slot before it
     together = engine.generate_many(jobs, 4, params)

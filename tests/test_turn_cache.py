@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from caller_model import CALLER, write_caller_model
+from conftest import begin_widths
 from mlx_grpo.models import decoder
 from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.copy_decoder import CopyDecoder, placed
@@ -75,9 +76,7 @@ def test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives(attending
     """rows: the batch's first rows (running_rows; 0: the first step's 12); the re-prefill path always
     starts from one step's, so the two also differ in which rows share a batch."""
     model, tok = attending
-    began, original = [], CopyDecoder.begin
-    monkeypatch.setattr(CopyDecoder, "begin", lambda self, contexts, counts, T: began.append(sum(counts)) or
-                        original(self, contexts, counts, T))
+    began = begin_widths(monkeypatch)
     kept, _ = _episodes(model, tok, True, sync_every=sync_every, graph=graph, running=rows)
     whole, _ = _episodes(model, tok, False, sync_every=sync_every, graph=graph)
     assert began == [rows or 12, 12]

@@ -149,9 +149,11 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     # the batch steps one decode holds: dynamic sampling's wave of draws, else an update's accumulated steps
     together = min(r.draws_per_pass, 1 + r.max_resample_batches) if r.dynamic_sampling \
         else cfg.training.gradient_accumulation_steps
-    if r.running_rows and sampled_by_copy and min(r.running_rows, rows * together) > rows:
-        # the copy starts that many at once, and a refill that rebuilds the batch rounds it up to a power of two
-        rows = 1 << (min(r.running_rows, rows * together) // G * G - 1).bit_length()
+    wanted = min(r.running_rows, rows * together)
+    if r.running_rows and sampled_by_copy and wanted > rows:
+        # the copy starts that many at once (engine.py's `first`), and a refill that rebuilds the batch rounds it
+        # up to a power of two
+        rows = 1 << (wanted // G * G - 1).bit_length()
         what = f"running_rows {r.running_rows}{per_rank}, rounded up to a power of two"
         lower = "running_rows or max_new_tokens"
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
