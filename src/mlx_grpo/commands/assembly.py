@@ -30,8 +30,8 @@ from mlx_grpo.models.model_loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
-from mlx_grpo.rollout.engine import check_rollout_model, uses_copy
-from mlx_grpo.rollout.engine import RolloutEngine
+from mlx_grpo.rollout.engine import RolloutEngine, check_rollout_model, first_prompts, uses_copy
+from mlx_grpo.rollout.loop import rebuilt_rows
 from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.sft.steps import adapter_model_error
 from mlx_grpo.storage.checkpoint import list_checkpoints, load_masters
@@ -146,16 +146,19 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     rows = cfg.training.batch_size // (world.size if world else 1) * G
     what = f"batch_size {cfg.training.batch_size} x num_generations {G}{per_rank}"
     lower = "num_generations, batch_size or max_new_tokens"
-    # the batch steps one decode holds: dynamic sampling's wave of draws, else an update's accumulated steps
-    together = min(r.draws_per_pass, 1 + r.max_resample_batches) if r.dynamic_sampling \
-        else cfg.training.gradient_accumulation_steps
-    wanted = min(r.running_rows, rows * together)
-    if r.running_rows and sampled_by_copy and wanted > rows:
-        # the copy starts that many at once (engine.py's `first`), and a refill that rebuilds the batch rounds it
-        # up to a power of two
-        rows = 1 << (wanted // G * G - 1).bit_length()
-        what = f"running_rows {r.running_rows}{per_rank}, rounded up to a power of two"
-        lower = "running_rows or max_new_tokens"
+    if sampled_by_copy:
+        # the batch steps one decode holds (dynamic sampling's pass of draws, else an update's accumulated steps):
+        # the copy starts running_rows of them (engine.first_prompts), and a refill that rebuilds the batch pads it
+        # to a power of two (loop.rebuilt_rows)
+        together = min(r.draws_per_pass, 1 + r.max_resample_batches) if r.dynamic_sampling \
+            else cfg.training.gradient_accumulation_steps
+        first = first_prompts(rows // G * together, rows // G, G, r.running_rows) * G
+        if r.running_rows and first != rows:
+            what = f"running_rows {r.running_rows}{per_rank}"
+            lower = "running_rows or max_new_tokens"
+        if rebuilt_rows(first) != first:
+            what += f", {first} rounded up to a power of two"
+        rows = rebuilt_rows(first)
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     need, have = rollout_memory_bytes(model, rows, longest), machine_memory_bytes()
     copy = decoder.copy_bytes(model, dtype) if need and sampled_by_copy else 0

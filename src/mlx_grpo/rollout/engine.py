@@ -63,6 +63,12 @@ def check_rollout_model(mode: str, model: nn.Module) -> str | None:
             f"attention; {why}: rollouts decode on the model itself (rollout_engine = model)")
 
 
+def first_prompts(prompts: int, first_job: int, G: int, rows: int) -> int:
+    """The prompts the copy's running batch starts with, of `prompts` in a decode whose first batch step has
+    first_job: as many as `rows` (running_rows) holds, at least one; 0 rows: the first step's."""
+    return min(prompts, max(1, rows // G)) if rows else first_job
+
+
 class RolloutEngine:
     """Samples rollouts from the policy it was last refreshed with.
 
@@ -220,7 +226,7 @@ class RolloutEngine:
         prompts = [p for job, _ in jobs for p in job]
         entries = [(p, g * G, G, None) for g, p in enumerate(prompts)]
         state = None if turns is None else TurnRows(turns, self.keep_turn_cache, [len(e[0]) for e in entries], G)
-        first = min(len(prompts), max(1, self.rows // G)) if self.rows else len(jobs[0][0])
+        first = first_prompts(len(prompts), len(jobs[0][0]), G, self.rows)
         logits = copy.begin(prompts[:first], [G] * first, params.max_new_tokens)
         out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,
                           pad_id, self.sync_every, entries=entries, compact=self.compact, limits=limits,

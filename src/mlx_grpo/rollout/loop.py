@@ -33,6 +33,13 @@ from mlx_grpo.rollout.sampler import finish_rollout, make_sampler
 MIN_ROWS = 8
 
 
+def rebuilt_rows(rows: int) -> int:
+    """The rows a rebuilt batch of `rows` live and admitted rows is padded to: the next power of two, at least
+    MIN_ROWS (few shapes are ever compiled). A batch never outgrows rebuilt_rows of its first rows: refills
+    admit only into the room the first rows leave."""
+    return max(MIN_ROWS, 1 << (max(rows, 1) - 1).bit_length())
+
+
 class ModelDecoder:
     """forward(tokens [N, 1], cache=caches) -> logits [N, 1, V]: a model's step on caches it writes itself. Its
     batch stays as the prefill made it (no compaction, refill or turns)."""
@@ -141,7 +148,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                 segments.append((rows, opened, columns))
                 opened, columns = s, ([], [], [])
                 size = len(live) + sum(entries[e][2] for e in admit)
-                fill = max(MIN_ROWS, 1 << int(np.ceil(np.log2(max(size, 1))))) - size
+                fill = rebuilt_rows(size) - size
                 # the batch keeps its size: the rows taken go into the slots of rows that are done, written in
                 # place (no copy of the cache); otherwise the batch is rebuilt (compacted, the rows appended)
                 in_place = bool(admit) and size + fill == len(rows) and decoder.admits_in_place(T)
