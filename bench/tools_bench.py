@@ -19,6 +19,9 @@ tests/caller_model.py, writing longer turns; its steps cost little) this is the 
 
 --phases then runs one more batch of each preset on the copy with the loop's parts timed to the device's end
 (phase_times): where a GPU rollout's seconds go (refill copies, admissions, turns handed over, sync waits).
+--cold starts each pass as a trainer's update leaves the engine (its copy rebuilt, MLX's buffer cache emptied).
+--train-minutes M instead trains the tools preset for M minutes (`mlx-grpo train`, the --set items applied) with
+every rollout's loop parts timed as --phases times them: the trainer's passes against the bench's.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def batches(cfg, n: int) -> list[list]:
 
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False, sync_every: int = 8,
-        draws: int = 1) -> dict:
+        draws: int = 1, cold: bool = False) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26);
     # copy-outside: the loop writing each step's keys/values outside the step (before session 30: a cache copy a step)
     # copy-rebuild: refills rebuilding the batch (compaction gather + concatenation), as before admit_into
@@ -65,6 +68,9 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = F
     G, out = cfg.rollout.num_generations, []
 
     def one(i: int, group: list[list]) -> list:  # a pass: `draws` batch steps decoded together
+        if cold:  # as a trainer's update leaves the engine: its copy to rebuild, MLX's buffer cache emptied
+            engine.refresh(model)
+            mx.clear_cache()
         jobs = []
         for j, examples in enumerate(group):
             n_rows = len(examples) * G
@@ -242,6 +248,38 @@ def host_profile(cfg, model, tokenizer, repeats: int) -> dict:
             "refill_ms": 1e3 * parts["refills"][0] / max(refills, 1)}
 
 
+def train_phases(cfg) -> dict:
+    """`mlx-grpo train` of cfg with the decode loop's parts timed (phase_times) in each of its rollouts (decode
+    passes): per pass, its seconds, rows, decode steps and each part's seconds; and the run's metrics. What a
+    trainer's pass spends beside what the bench's does."""
+    from mlx_grpo.commands.train import train
+    from mlx_grpo.rollout.engine import RolloutEngine
+
+    passes, fused = [], RolloutEngine._generate_fused
+
+    def timed_pass(self, jobs, *a, **k):  # each rollout's parts: the timer's growth over it
+        before = {label: v[0] for label, v in timer.items() if isinstance(v, list) and label != "admits"}
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = fused(self, jobs, *a, **k)
+        mx.synchronize()
+        passes.append({"seconds": time.perf_counter() - t0, "rows": sum(len(p) for p, _ in jobs) * a[0],
+                       "decode_steps": self.steps, "parts": {label: round(timer[label][0] - s, 4)
+                                                             for label, s in before.items()}})
+        return out
+
+    RolloutEngine._generate_fused = timed_pass
+    try:
+        with phase_times() as timer:
+            run_dir = train(cfg)
+    finally:
+        RolloutEngine._generate_fused = fused
+    metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {"updates": len(metrics), "passes": passes,
+            "metrics": [{k: m.get(k) for k in ("time_rollout_s", "decode_passes", "draws", "time_step_s",
+                                               "completion_length_mean", "tool_calls_mean")} for m in metrics]}
+
+
 def write_caller(path: Path) -> Path:
     """The tests' tiny bigram llama (tests/caller_model.py) made to write like a reasoning model: runs of "x"
     (~30 tokens a turn) between calculator calls in nanochat's syntax, ~2 calls and ~100 tokens an episode."""
@@ -273,6 +311,10 @@ def main(argv=None) -> None:
     ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
     ap.add_argument("--draws", type=int, default=1, help="batch steps decoded together in each timed pass (the "
                     "trainer's draws_per_pass), in a running batch of --set running_rows=N rows")
+    ap.add_argument("--cold", action="store_true", help="each pass starts as after a trainer's update: the engine's "
+                    "copy rebuilt, MLX's buffer cache emptied (the trainer's mx.clear_cache)")
+    ap.add_argument("--train-minutes", type=float, default=0,
+                    help="train the tools preset this long with the loop's parts timed (phase_times)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     presets = args.presets.split(",")
@@ -284,6 +326,13 @@ def main(argv=None) -> None:
         import tempfile
 
         args.items.append(f"model_name={write_caller(Path(tempfile.mkdtemp()) / 'caller')}")
+    if args.train_minutes:
+        result["train"] = train_phases(build_config("train", args.tools, parse_set(
+            args.items + [f"max_minutes={args.train_minutes}", "save_steps=0"])))
+        print(json.dumps(result["train"]))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     if args.host:
         cfg = build_config("train", args.tools, parse_set(args.items))
         model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
@@ -314,7 +363,7 @@ def main(argv=None) -> None:
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
                                                    args.phases and mode.startswith("copy"), args.sync_every,
-                                                   args.draws)
+                                                   args.draws, args.cold)
             r = result["runs"][f"{name}/{mode}"]
             print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
                   f"{r['tokens_per_s']:.0f} tok/s  "
