@@ -273,7 +273,8 @@ def test_a_rollout_too_large_for_the_machine_is_refused_up_front(tiny_model_dir,
 def test_the_running_rows_count_up_front_where_a_decode_holds_them(tiny_model_dir, tmp_path, monkeypatch):
     """The memory check counts the widest batch the sampling copy can hold: the rows it starts with (running_rows
     of the batch steps one decode holds: an update's accumulated steps, or dynamic sampling's pass of draws;
-    one step's rows without it, per rank), padded to a power of two by a refill that rebuilds the batch."""
+    one step's rows without it, per rank), padded to a power of two by a refill that rebuilds the batch while
+    rows wait for a slot (later prompts, tool turns); a batch with none waiting only shrinks."""
     import mlx.core as mx
 
     from mlx_grpo.commands import assembly
@@ -291,22 +292,25 @@ def test_the_running_rows_count_up_front_where_a_decode_holds_them(tiny_model_di
     room(8)
     items = _items(tiny_model_dir, tmp_path, "rollout_engine=copy", "running_rows=24")
     assert assembly.build_job(_cfg(*items)).trainer.policies.engine.rows == 24  # one step a decode: 8 rows
-    with pytest.raises(UserError, match=r"^32 rollout rows \(running_rows 24, 24 rounded up to a power of two\) .* "
-                                        r"lower running_rows or max_new_tokens$"):
+    with pytest.raises(UserError, match=r"^32 rollout rows \(running_rows 24, 24 padded to a power of two, at least 8, "
+                                        r"by a refill\) .* lower running_rows or max_new_tokens$"):
         assembly.build_job(_cfg(*items, "gradient_accumulation_steps=4"))  # 4 steps a decode: 24 rows, then 32
     # dynamic sampling: the draws of a pass (2 here, of the 1 + 3 an update may draw) start together
     sampled = ["dynamic_sampling=true", "max_resample_batches=3", "max_train_samples=16"]
     assembly.build_job(_cfg(*items, *sampled, "draws_per_pass=1"))
     with pytest.raises(UserError, match=r"^16 rollout rows \(running_rows 24\) "):
         assembly.build_job(_cfg(*items, *sampled, "draws_per_pass=2"))
-    # without running_rows: one step's 6 rows, padded to 8 by a rebuilding refill
+    # without running_rows: one step's 6 rows, which only shrink; padded to 8 once rows wait for their slots
     room(6)
     copy = _items(tiny_model_dir, tmp_path, "rollout_engine=copy", "num_generations=3")
-    with pytest.raises(UserError, match=r"^8 rollout rows \(batch_size 2 x num_generations 3, 6 rounded up to a "
-                                        r"power of two\) .* lower num_generations, batch_size or max_new_tokens, or "
-                                        r"set rollout_engine = model$"):
-        assembly.build_job(_cfg(*copy))
-    assembly.build_job(_cfg(*copy, "rollout_engine=model"))  # the model path decodes its 6 rows as they are
+    assembly.build_job(_cfg(*copy))
+    waiting = r"^8 rollout rows \(batch_size 2 x num_generations 3, 6 padded to a power of two, at least 8, by a refill\) "
+    with pytest.raises(UserError, match=waiting + r".* lower num_generations, batch_size or max_new_tokens, or set "
+                                                  r"rollout_engine = model$"):
+        assembly.build_job(_cfg(*copy, "gradient_accumulation_steps=2"))  # the second step's prompts wait
+    with pytest.raises(UserError, match=waiting):
+        assembly.build_job(_cfg(*copy, "tools=[\"calculator\"]", "max_tool_turns=2"))  # next turns wait
+    assembly.build_job(_cfg(*copy, "gradient_accumulation_steps=2", "rollout_engine=model"))  # decodes 6 rows a step
     # per rank: a rank decodes its share of the prompts (2 of 4 here: 8 rows)
     room(8)
     ranked = _items(tiny_model_dir, tmp_path, "rollout_engine=copy", "batch_size=4")

@@ -31,7 +31,7 @@ from mlx_grpo.models.precision import cast_floats, check_rounding, compute_dtype
 from mlx_grpo.rewards.workers import build_reward_set
 from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
 from mlx_grpo.rollout.engine import RolloutEngine, check_rollout_model, first_prompts, uses_copy
-from mlx_grpo.rollout.loop import rebuilt_rows
+from mlx_grpo.rollout.loop import MIN_ROWS, rebuilt_rows
 from mlx_grpo.rollout.multiturn import encode_prompts
 from mlx_grpo.sft.steps import adapter_model_error
 from mlx_grpo.storage.checkpoint import list_checkpoints, load_masters
@@ -143,22 +143,24 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
         if cfg.objective.kl_coeff > 0 and adapter_config is None else None
     r, G, sampled_by_copy = cfg.rollout, cfg.rollout.num_generations, uses_copy(cfg.rollout.rollout_engine, model)
     per_rank = " per rank" if world and world.size > 1 else ""
-    rows = cfg.training.batch_size // (world.size if world else 1) * G
+    rows = step_rows = cfg.training.batch_size // (world.size if world else 1) * G
     what = f"batch_size {cfg.training.batch_size} x num_generations {G}{per_rank}"
     lower = "num_generations, batch_size or max_new_tokens"
+    first = rows
     if sampled_by_copy:
         # the batch steps one decode holds (dynamic sampling's pass of draws, else an update's accumulated steps):
-        # the copy starts running_rows of them (engine.first_prompts), and a refill that rebuilds the batch pads it
-        # to a power of two (loop.rebuilt_rows)
+        # the copy starts running_rows of them (engine.first_prompts); while rows wait (later prompts, or turns), a
+        # refill that rebuilds the batch pads it to a power of two (loop.rebuilt_rows); without, it only shrinks
         together = min(r.draws_per_pass, 1 + r.max_resample_batches) if r.dynamic_sampling \
             else cfg.training.gradient_accumulation_steps
         first = first_prompts(rows // G * together, rows // G, G, r.running_rows) * G
         if r.running_rows and first != rows:
             what = f"running_rows {r.running_rows}{per_rank}"
             lower = "running_rows or max_new_tokens"
-        if rebuilt_rows(first) != first:
-            what += f", {first} rounded up to a power of two"
-        rows = rebuilt_rows(first)
+        waiting = first < rows * together or bool(r.tools or r.environment)
+        if waiting and rebuilt_rows(first) != first:
+            what += f", {first} padded to a power of two, at least {MIN_ROWS}, by a refill"
+        rows = rebuilt_rows(first) if waiting else first
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     need, have = rollout_memory_bytes(model, rows, longest), machine_memory_bytes()
     copy = decoder.copy_bytes(model, dtype) if need and sampled_by_copy else 0
@@ -173,7 +175,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
                         + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model"
                            if worker else "")
                         + f", more than this machine's {have / 1e9:.1f} GB: lower {lower}"
-                        + (", or set rollout_engine = model" if copy and not r.running_rows else "")
+                        + (", or set rollout_engine = model" if copy and first == step_rows else "")
                         + (", or rollout_worker = thread" if worker else ""))
     teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph,
