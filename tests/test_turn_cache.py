@@ -65,6 +65,34 @@ def _episodes(model, tok, keep: bool, n_prompts: int = 6, G: int = 4, sync_every
     return multiturn.generate_many(engine, jobs, G, SamplingParams(T, 1.0)), engine
 
 
+def test_refills_prefill_and_sample_a_power_of_two_of_rows(attending, monkeypatch):
+    """Every prefill of a tool rollout on the copy (its first rows, later prompts, next turns on their kept
+    blocks) and every first sampling of admitted rows runs on a power of two of rows (models.forward.row_bucket),
+    the first row repeated and dropped after: on CUDA, cuDNN's attention builds a graph per new shape (~90 ms,
+    bench/admit_shapes.py), and a trainer's refills meet new row counts every update. The rows' tokens are the
+    whole prefill's (test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives)."""
+    from mlx_grpo.rollout import loop
+
+    model, tok = attending
+    prefilled, sampled = [], []
+    for name in ("prefill", "prefill_after"):
+        def spy(spec, w, tokens, *rest, original=getattr(decoder, name)):
+            prefilled.append(tokens.shape[0])
+            return original(spec, w, tokens, *rest)
+        monkeypatch.setattr(decoder, name, spy)
+
+    def sample_rows(sampler, logits, keys, original=loop.sample_rows):
+        def recorded(lg, *rest):
+            sampled.append((logits.shape[0], lg.shape[0]))
+            return sampler(lg, *rest)
+        return original(recorded, logits, keys)
+    monkeypatch.setattr(loop, "sample_rows", sample_rows)
+    _episodes(model, tok, True, n_prompts=6, G=3, jobs_of=3)
+    assert any(n & (n - 1) for n, _ in sampled)  # admissions of other sizes than a power of two happened
+    assert all(rows & (rows - 1) == 0 for rows in prefilled) and len(prefilled) > 3
+    assert all(padded & (padded - 1) == 0 and n <= padded < 2 * n for n, padded in sampled)
+
+
 def _calls(outs) -> list[int]:
     return [sum(t.origin == "tool" for t in tr.turns) for out in outs for tr in out.transcripts]
 

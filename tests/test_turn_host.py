@@ -207,8 +207,11 @@ def test_resumed_prefill_of_gathered_blocks_equals_padded_rows(tiny_model_dir, s
         again = prefill_resumed(spec, w, [(contexts[i], kept[i]) for i in order], at, 0)
     finally:
         decoder.prefill_after = original
-    np.testing.assert_array_equal(np.array(seen[0][0]), np.array(want_k))
-    np.testing.assert_array_equal(np.array(seen[0][1]), np.array(want_v))
+    # the 5 rows run as 8 (row_bucket: few shapes for cuDNN's graphs), the first one repeated
+    assert seen[0][0].shape[1] == 8
+    for got_past, want_past in zip(seen[0], (want_k, want_v)):
+        np.testing.assert_array_equal(np.array(got_past[:, :5]), np.array(want_past))
+        np.testing.assert_array_equal(np.array(got_past[:, 5:]), np.array(mx.repeat(want_past[:, :1], 3, axis=1)))
     for a, b in zip(got[:4], again[:4]):
         np.testing.assert_array_equal(np.array(a), np.array(b))
     # and the prefill on those pasts: what the per-row pads gave

@@ -60,6 +60,12 @@ def bucket(length: int, multiple: int = SHAPE_BUCKET) -> int:
     return -(-length // multiple) * multiple
 
 
+def row_bucket(rows: int) -> int:
+    """rows rounded up to a power of two: the row counts a rollout's prefills and batches take, so that MLX sees
+    few shapes (on CUDA, cuDNN's attention builds a graph per new shape: ~90 ms, bench/admit_shapes.py)."""
+    return 1 << (max(rows, 1) - 1).bit_length()
+
+
 # MLX's CUDA backend runs attention's backward as one cuDNN kernel only when the sequence length is a
 # multiple of 128 (ScaledDotProductAttentionVJP::use_fallback); at other lengths it differentiates the
 # unfused formula, ~10x slower per layer. Metal and CPU have no fused backward: 64 pads less there.

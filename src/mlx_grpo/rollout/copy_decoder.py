@@ -15,7 +15,7 @@ import numpy as np
 
 from mlx_grpo.kernels.cache_write import write_rows
 from mlx_grpo.models import compiled_decode, decoder
-from mlx_grpo.models.forward import bucket
+from mlx_grpo.models.forward import bucket, row_bucket
 from mlx_grpo.rollout.turns import prefill_resumed
 
 
@@ -43,12 +43,14 @@ class CopyDecoder:
         """Prefill each context once, ending at slot `at`. -> (keys, values [layers, contexts, Hkv, W, Dh]: the W
         slots at - W .. at - 1 the contexts fill, start [contexts], last logits [contexts, V])."""
         self.prefilled_tokens += sum(len(c) for c in contexts)
-        longest = max(len(c) for c in contexts)
+        n, longest = len(contexts), max(len(c) for c in contexts)
         width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
+        # and row_bucket(n) rows, the first context repeated (each row attends only to itself)
+        contexts = list(contexts) + [contexts[0]] * (row_bucket(n) - n)
         padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
         tokens = mx.array([[self.pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(self.spec, self.prefill_weights, tokens, padding)  # [b, V], [b, ...]
-        return mx.stack(keys), mx.stack(values), padding + (at - width), logits
+        return mx.stack(keys)[:, :n], mx.stack(values)[:, :n], (padding + (at - width))[:n], logits[:n]
 
     def prefill(self, contexts: list[list[int]], counts: list[int], at: int):
         """prefill_contexts with each context's block repeated into counts[i] rows (a prompt's G samples share one

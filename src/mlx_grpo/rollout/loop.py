@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from mlx_grpo.models.forward import row_bucket
 from mlx_grpo.rollout.columns import StopRows, Written, assemble
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.rollout.sampler import finish_rollout, make_sampler
@@ -37,7 +38,7 @@ def rebuilt_rows(rows: int) -> int:
     """The rows a rebuilt batch of `rows` live and admitted rows is padded to: the next power of two, at least
     MIN_ROWS (few shapes are ever compiled). A batch never outgrows rebuilt_rows of its first rows: refills
     admit only into the room the first rows leave."""
-    return max(MIN_ROWS, 1 << (max(rows, 1) - 1).bit_length())
+    return max(MIN_ROWS, row_bucket(rows))
 
 
 class ModelDecoder:
@@ -53,6 +54,16 @@ class ModelDecoder:
         logits = self.forward(token[:, None], cache=self.caches)[:, -1, :]
         token, logprob, entropy, ended = sampler(logits, row_keys, ended)
         return token, logprob, entropy, ended, kstep + 1
+
+
+def sample_rows(sampler, logits: mx.array, keys: mx.array):
+    """sampler's first tokens of n admitted rows (logits [n, V], keys [n, 2]), its compiled graph run on
+    row_bucket(n) rows (the first row repeated; each row samples alone) so that refills trace few shapes."""
+    n = logits.shape[0]
+    pad = mx.zeros((row_bucket(n) - n,), mx.int32)
+    out = sampler(mx.concatenate([logits, logits[pad]]), mx.concatenate([keys, keys[pad]]),
+                  mx.zeros((row_bucket(n),), mx.bool_))
+    return tuple(a[:n] for a in out)
 
 
 @dataclass(frozen=True)
@@ -167,8 +178,8 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                     if admit:
                         logits, added = decoder.admit([entries[e] for e in admit], T)
                 if admit:
-                    first_token, logprob, entropy, first_ended = sampler(logits, all_keys[mx.array(added), 0],
-                                                                         mx.zeros((len(added),), mx.bool_))
+                    first_token, logprob, entropy, first_ended = sample_rows(sampler, logits,
+                                                                             all_keys[mx.array(added), 0])
                     del logits  # [admitted rows, V]: not held till the next refill
                     join[added] = s - 1  # their first token sits in the column before this step's
                     segments.append((added, s - 1, ([first_token], [logprob], [entropy])))

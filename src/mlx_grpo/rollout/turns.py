@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.models import decoder
-from mlx_grpo.models.forward import bucket
+from mlx_grpo.models.forward import bucket, row_bucket
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,8 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     """The next turns of rows that kept their cache, admitted = [(context, Kept of context[:P])]: their contexts'
     cache ending at slot `at`, only context[P:] prefilled. -> (keys, values [layers, rows, Hkv, W, Dh]: the W
     slots at - W .. at - 1 the contexts fill, start [rows], last logits [rows, V], tokens prefilled)."""
+    real = len(admitted)
+    admitted = list(admitted) + [admitted[0]] * (row_bucket(real) - real)  # row_bucket rows, as prefill_contexts'
     lengths = [len(c) for c, _ in admitted]
     width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as CopyDecoder.prefill_contexts'
     chunks = [c[kept.length:] for c, kept in admitted]
@@ -137,5 +139,6 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     padding = mx.array([C - len(c) for c in chunks], dtype=mx.int32)
     start = mx.array([width - n for n in lengths], dtype=mx.int32)
     logits, keys, values = decoder.prefill_after(spec, weights, tokens, padding, past_k, past_v, start)
+    keys, values = keys[:, :real], values[:, :real]
     mx.eval(keys, values)
-    return keys, values, start + (at - width), logits, sum(len(c) for c in chunks)
+    return keys, values, (start + (at - width))[:real], logits[:real], sum(len(c) for c in chunks[:real])
