@@ -250,22 +250,25 @@ def host_profile(cfg, model, tokenizer, repeats: int) -> dict:
 
 def train_phases(cfg) -> dict:
     """`mlx-grpo train` of cfg with the decode loop's parts timed (phase_times) in each of its rollouts (decode
-    passes): per pass, its seconds, rows, decode steps and each part's seconds; and the run's metrics. What a
-    trainer's pass spends beside what the bench's does."""
+    passes): per pass, its seconds, rows, decode steps and each part's seconds and calls; and the run's metrics.
+    What a trainer's pass spends beside what the bench's (profiled) pass does. Times the engine of the trainer's
+    own process: in-run evaluation's passes would count among them (eval_every_updates = 0 keeps them out), and
+    rollout_worker = process decodes elsewhere (nothing recorded)."""
     from mlx_grpo.commands.train import train
     from mlx_grpo.rollout.engine import RolloutEngine
 
     passes, fused = [], RolloutEngine._generate_fused
 
-    def timed_pass(self, jobs, *a, **k):  # each rollout's parts: the timer's growth over it
-        before = {label: v[0] for label, v in timer.items() if isinstance(v, list) and label != "admits"}
+    def timed_pass(self, jobs, G, *a, **k):  # each rollout's parts: the timer's growth over it
+        before = {label: tuple(v) for label, v in timer.items() if isinstance(v, list) and label != "admits"}
         mx.synchronize()
         t0 = time.perf_counter()
-        out = fused(self, jobs, *a, **k)
+        out = fused(self, jobs, G, *a, **k)
         mx.synchronize()
-        passes.append({"seconds": time.perf_counter() - t0, "rows": sum(len(p) for p, _ in jobs) * a[0],
-                       "decode_steps": self.steps, "parts": {label: round(timer[label][0] - s, 4)
-                                                             for label, s in before.items()}})
+        passes.append({"seconds": time.perf_counter() - t0, "rows": sum(len(p) for p, _ in jobs) * G,
+                       "decode_steps": self.steps,
+                       "parts": {label: round(timer[label][0] - s, 4) for label, (s, _) in before.items()},
+                       "calls": {label: timer[label][1] - n for label, (_, n) in before.items()}})
         return out
 
     RolloutEngine._generate_fused = timed_pass
