@@ -67,17 +67,19 @@ def _episodes(model, tok, keep: bool, n_prompts: int = 6, G: int = 4, sync_every
 
 def test_refills_prefill_and_sample_a_power_of_two_of_rows(attending, monkeypatch):
     """Every prefill of a tool rollout on the copy (its first rows, later prompts, next turns on their kept
-    blocks) and every first sampling of admitted rows runs on a power of two of rows (models.forward.row_bucket),
+    blocks), on a bucketed timeline, and every first sampling of admitted rows runs on a power of two of rows
+    (models.forward.row_bucket),
     the first row repeated and dropped after: on CUDA, cuDNN's attention builds a graph per new shape (~90 ms,
     bench/admit_shapes.py), and a trainer's refills meet new row counts every update. The rows' tokens are the
     whole prefill's (test_rows_resumed_on_their_cache_sample_what_a_whole_prefill_gives)."""
     from mlx_grpo.rollout import loop
 
     model, tok = attending
-    prefilled, sampled = [], []
+    prefilled, sampled, widths = [], [], []
     for name in ("prefill", "prefill_after"):
         def spy(spec, w, tokens, *rest, original=getattr(decoder, name)):
             prefilled.append(tokens.shape[0])
+            widths.append(rest[1].shape[3] if len(rest) > 1 else tokens.shape[1])  # the past's timeline, or the prompts'
             return original(spec, w, tokens, *rest)
         monkeypatch.setattr(decoder, name, spy)
 
@@ -90,6 +92,7 @@ def test_refills_prefill_and_sample_a_power_of_two_of_rows(attending, monkeypatc
     _episodes(model, tok, True, n_prompts=6, G=3, jobs_of=3)
     assert any(n & (n - 1) for n, _ in sampled)  # admissions of other sizes than a power of two happened
     assert all(rows & (rows - 1) == 0 for rows in prefilled) and len(prefilled) > 3
+    assert all(width % 64 == 0 for width in widths)  # bucketed timelines, whatever slot the batch is at
     assert all(padded & (padded - 1) == 0 and n <= padded < 2 * n for n, padded in sampled)
 
 

@@ -167,6 +167,40 @@ def test_one_gather_per_sync_keeps_what_a_gather_per_row_kept():
             np.testing.assert_array_equal(np.array(block.astype(mx.float32)), np.array(expected.astype(mx.float32)))
 
 
+def test_fresh_contexts_prefill_on_a_bucketed_timeline_and_rows(tiny_model_dir):
+    """CopyDecoder.prefill_contexts of 3 contexts (the longest 45) ending at slot 50: prefilled as 4 rows on 64
+    slots (a power of two, a multiple of 64: few shapes for cuDNN), the 14 slots before the 50 dropped; bit for
+    bit the prefill of the 3 rows on exactly 50 slots."""
+    from mlx_grpo.rollout.copy_decoder import CopyDecoder
+
+    model, _ = load_model(str(tiny_model_dir), "float32")
+    spec, w = decoder.build(model, mx.float32)
+    rng = np.random.default_rng(2)
+    contexts = [[int(t) for t in rng.integers(3, 200, n)] for n in (30, 45, 7)]
+    seen, original = [], decoder.prefill
+
+    def spy(spec_, w_, tokens, padding):
+        seen.append(tokens.shape)
+        return original(spec_, w_, tokens, padding)
+
+    decoder.prefill = spy
+    try:
+        keys, values, start, logits = CopyDecoder(spec, w, None, False, 0).prefill_contexts(contexts, 50)
+    finally:
+        decoder.prefill = original
+    assert seen == [(4, 64)]
+    tokens = mx.array([[0] * (50 - len(c)) + c for c in contexts], dtype=mx.int32)
+    padding = mx.array([50 - len(c) for c in contexts], dtype=mx.int32)
+    want_logits, want_k, want_v = original(spec, w, tokens, padding)
+    assert keys.shape[:2] == (len(w["layers"]), 3) and keys.shape[3] == 50 and start.tolist() == padding.tolist()
+    np.testing.assert_array_equal(np.array(logits), np.array(want_logits))
+    for got, want in ((keys, want_k), (values, want_v)):
+        for layer in range(len(want)):  # the real slots of each row (a pad's keys differ with its position)
+            for r, c in enumerate(contexts):
+                np.testing.assert_array_equal(np.array(got[layer, r, :, 50 - len(c):]),
+                                              np.array(want[layer][r, :, 50 - len(c):]))
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_resumed_prefill_of_gathered_blocks_equals_padded_rows(tiny_model_dir, shared):
     """prefill_resumed with its rows' blocks gathered into one timeline equals the per-row pad and stack it
@@ -193,7 +227,8 @@ def test_resumed_prefill_of_gathered_blocks_equals_padded_rows(tiny_model_dir, s
     at = 48
     got = prefill_resumed(spec, w, [(contexts[i], kept[i]) for i in order], at, 0)
     admitted = [(contexts[i], blocks[i]) for i in order]
-    width = max(max(len(c) for c, _ in admitted), min(bucket(max(len(c) for c, _ in admitted)), at))
+    width = bucket(max(len(c) for c, _ in admitted))  # bucketed; the slots before at - width are dropped after
+    cut = max(0, width - at)
     want_k, want_v = padded_pasts(admitted, width)
     seen = []
     original = decoder.prefill_after
@@ -222,8 +257,8 @@ def test_resumed_prefill_of_gathered_blocks_equals_padded_rows(tiny_model_dir, s
     logits, keys, values = original(spec, w, tokens, mx.array([C - len(c) for c in chunks], dtype=mx.int32),
                                     want_k, want_v, start)
     np.testing.assert_array_equal(np.array(got[3]), np.array(logits))
-    np.testing.assert_array_equal(np.array(got[0]), np.array(keys))  # the W = width slots ending at `at`
-    np.testing.assert_array_equal(np.array(got[1]), np.array(values))
+    np.testing.assert_array_equal(np.array(got[0]), np.array(keys[..., cut:, :]))  # the slots ending at `at`
+    np.testing.assert_array_equal(np.array(got[1]), np.array(values[..., cut:, :]))
     assert got[2].tolist() == (start + at - width).tolist() and got[4] == sum(len(c) for c in chunks)
 
 

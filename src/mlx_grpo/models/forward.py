@@ -61,8 +61,9 @@ def bucket(length: int, multiple: int = SHAPE_BUCKET) -> int:
 
 
 def row_bucket(rows: int) -> int:
-    """rows rounded up to a power of two: the row counts a rollout's prefills and batches take, so that MLX sees
-    few shapes (on CUDA, cuDNN's attention builds a graph per new shape: ~90 ms, bench/admit_shapes.py)."""
+    """rows rounded up to a power of two: the rows the sampling copy's prefills and its admitted rows' first
+    sampling run on, so that MLX sees few shapes (on CUDA, cuDNN's attention builds a graph per new shape: ~90 ms,
+    bench/admit_shapes.py); loop.rebuilt_rows pads rebuilt batches with it."""
     return 1 << (max(rows, 1) - 1).bit_length()
 
 

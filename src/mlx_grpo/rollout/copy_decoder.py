@@ -44,13 +44,16 @@ class CopyDecoder:
         slots at - W .. at - 1 the contexts fill, start [contexts], last logits [contexts, V])."""
         self.prefilled_tokens += sum(len(c) for c in contexts)
         n, longest = len(contexts), max(len(c) for c in contexts)
-        width = max(longest, min(bucket(longest), at))  # bucketed widths: fewer distinct shapes
-        # and row_bucket(n) rows, the first context repeated (each row attends only to itself)
+        # few distinct shapes (on CUDA, cuDNN builds an attention graph per shape): bucketed widths, the slots
+        # before `at - width` (left padding of every row) dropped after, and row_bucket(n) rows, the first context
+        # repeated (each row attends only to itself)
+        width, cut = bucket(longest), max(0, bucket(longest) - at)
         contexts = list(contexts) + [contexts[0]] * (row_bucket(n) - n)
         padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
         tokens = mx.array([[self.pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(self.spec, self.prefill_weights, tokens, padding)  # [b, V], [b, ...]
-        return mx.stack(keys)[:, :n], mx.stack(values)[:, :n], (padding + (at - width))[:n], logits[:n]
+        keys, values = (mx.stack([a[:n, :, cut:] for a in arrays]) for arrays in (keys, values))  # the real rows only
+        return keys, values, (padding + (at - width))[:n], logits[:n]
 
     def prefill(self, contexts: list[list[int]], counts: list[int], at: int):
         """prefill_contexts with each context's block repeated into counts[i] rows (a prompt's G samples share one

@@ -113,11 +113,11 @@ class TurnRows:
 def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     """The next turns of rows that kept their cache, admitted = [(context, Kept of context[:P])]: their contexts'
     cache ending at slot `at`, only context[P:] prefilled. -> (keys, values [layers, rows, Hkv, W, Dh]: the W
-    slots at - W .. at - 1 the contexts fill, start [rows], last logits [rows, V], tokens prefilled)."""
+    slots at - W .. at - 1 the contexts fill (W bucketed, at most at), start [rows], last logits [rows, V], tokens prefilled)."""
     real = len(admitted)
     admitted = list(admitted) + [admitted[0]] * (row_bucket(real) - real)  # row_bucket rows, as prefill_contexts'
     lengths = [len(c) for c, _ in admitted]
-    width = max(max(lengths), min(bucket(max(lengths)), at))  # bucketed widths, as CopyDecoder.prefill_contexts'
+    width = bucket(max(lengths))  # bucketed widths, the slots before at - width dropped after, as prefill_contexts'
     chunks = [c[kept.length:] for c, kept in admitted]
     C = min(bucket(max(len(c) for c in chunks)), width)
     # each past right before its chunk, the chunks ending at the timeline's last slot, zeros elsewhere: one
@@ -139,6 +139,7 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     padding = mx.array([C - len(c) for c in chunks], dtype=mx.int32)
     start = mx.array([width - n for n in lengths], dtype=mx.int32)
     logits, keys, values = decoder.prefill_after(spec, weights, tokens, padding, past_k, past_v, start)
-    keys, values = keys[:, :real], values[:, :real]
+    cut = max(0, width - at)
+    keys, values = mx.contiguous(keys[:, :real, :, cut:]), mx.contiguous(values[:, :real, :, cut:])  # the real rows only
     mx.eval(keys, values)
     return keys, values, (start + (at - width))[:real], logits[:real], sum(len(c) for c in chunks[:real])
