@@ -67,6 +67,12 @@ def row_bucket(rows: int) -> int:
     return 1 << (max(rows, 1) - 1).bit_length()
 
 
+def rows_to_bucket(items: list) -> list:
+    """items with its first repeated up to row_bucket(len(items)): the rows a prefill runs on, the extra ones
+    dropped after (each row attends only to itself, so they change no real row)."""
+    return list(items) + [items[0]] * (row_bucket(len(items)) - len(items))
+
+
 # MLX's CUDA backend runs attention's backward as one cuDNN kernel only when the sequence length is a
 # multiple of 128 (ScaledDotProductAttentionVJP::use_fallback); at other lengths it differentiates the
 # unfused formula, ~10x slower per layer. Metal and CPU have no fused backward: 64 pads less there.

@@ -15,7 +15,7 @@ import numpy as np
 
 from mlx_grpo.kernels.cache_write import write_rows
 from mlx_grpo.models import compiled_decode, decoder
-from mlx_grpo.models.forward import bucket, row_bucket
+from mlx_grpo.models.forward import bucket, rows_to_bucket
 from mlx_grpo.rollout.turns import prefill_resumed
 
 
@@ -47,8 +47,8 @@ class CopyDecoder:
         # few distinct shapes (on CUDA, cuDNN builds an attention graph per shape): bucketed widths, the slots
         # before `at - width` (left padding of every row) dropped after, and row_bucket(n) rows, the first context
         # repeated (each row attends only to itself)
-        width, cut = bucket(longest), max(0, bucket(longest) - at)
-        contexts = list(contexts) + [contexts[0]] * (row_bucket(n) - n)
+        width = bucket(longest)
+        cut, contexts = max(0, width - at), rows_to_bucket(contexts)
         padding = mx.array([width - len(c) for c in contexts], dtype=mx.int32)
         tokens = mx.array([[self.pad_id] * (width - len(c)) + list(c) for c in contexts], dtype=mx.int32)
         logits, keys, values = decoder.prefill(self.spec, self.prefill_weights, tokens, padding)  # [b, V], [b, ...]

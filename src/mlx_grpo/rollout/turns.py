@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.models import decoder
-from mlx_grpo.models.forward import bucket, row_bucket
+from mlx_grpo.models.forward import bucket, rows_to_bucket
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     cache ending at slot `at`, only context[P:] prefilled. -> (keys, values [layers, rows, Hkv, W, Dh]: the W
     slots at - W .. at - 1 the contexts fill (W bucketed, at most at), start [rows], last logits [rows, V], tokens prefilled)."""
     real = len(admitted)
-    admitted = list(admitted) + [admitted[0]] * (row_bucket(real) - real)  # row_bucket rows, as prefill_contexts'
+    admitted = rows_to_bucket(admitted)  # a power of two of rows, as prefill_contexts'
     lengths = [len(c) for c, _ in admitted]
     width = bucket(max(lengths))  # bucketed widths, the slots before at - width dropped after, as prefill_contexts'
     chunks = [c[kept.length:] for c, kept in admitted]
