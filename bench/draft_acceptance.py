@@ -1,5 +1,6 @@
 """How many decode steps drafting from a group's sibling samples would save (issue 47, deliver 3), measured
-on the completions a run logged (`completions.jsonl`: every sample of a batch step, `log_completions_steps`).
+on the completions a run logged (`completions.jsonl`: every sample of the batch step it logs every
+`log_completions_steps` updates; with dynamic sampling, the groups trained, whose rewards differ).
 
 No draft model: a row's draft is the k tokens that followed the last occurrence of its latest n tokens in a
 sibling's text (then the prompt, then its own earlier text), as Seer and prompt-lookup decoding draft. Verified
@@ -8,10 +9,12 @@ equals it (a rejection resamples without the drafted token), so the completions 
 verification would have kept: the drafted tokens that lead and equal the sampled ones. A verification step
 yields those plus one sampled token. A row never drafts across its turn's end (a tool call stops it there).
 
-Two views of the siblings' text: `lockstep`, a sibling's tokens up to the row's own count of sampled tokens (one
-running batch, every row at the same step), and `ahead`, the siblings' whole completions (the bound that a
-schedule decoding some of a group's samples first, as Seer does, could reach). Tokens are the logged texts
-tokenized again, piece by piece (the model's turns sampled, the tool's output forced).
+A group's rows advance together, step by step, as in one running batch; three views of the siblings' text:
+`none` (only the prompt and the row's own text), `lockstep` (what each sibling had written when the step began)
+and `whole` (the siblings' whole completions: a ceiling no schedule reaches, since some rows must decode first).
+Tokens are the logged texts tokenized again, piece by piece: the model's turns sampled, the tool's output forced
+(rendered with --forced, the calculator's `<result>...</result>` by default); the prompt is the question and the
+prefill, without the system prompt.
 
 usage: python bench/draft_acceptance.py COMPLETIONS.jsonl [...] --tokenizer MODEL_DIR [--k 2,4,8] [--ngram 3]
 """
@@ -36,13 +39,13 @@ class Sample:
     turn: list[int]
 
 
-def sample_of(record: dict, encode, eos: int) -> Sample:
+def sample_of(record: dict, encode, eos: int, forced: str = "<result>{}</result>") -> Sample:
     """A logged completion's pieces tokenized in order: the model's turns (its end token appended where it
-    ended at one) sampled, the tool's output (`<result>...</result>`) forced."""
+    ended at one) sampled, the tool's output (`forced` with the output in its braces) forced."""
     tokens, sampled, turn, k = [], [], [], 0
     for piece in record.get("turns") or [{"origin": "model", "text": record["completion"], "info": {}}]:
         model = piece["origin"] == "model"
-        ids = list(encode(piece["text"] if model else f"<result>{piece['text']}</result>"))
+        ids = list(encode(piece["text"] if model else forced.format(piece["text"])))
         if model and piece["info"].get("ended") == "eos":
             ids.append(eos)
         tokens += ids
@@ -69,33 +72,33 @@ class Index:
         return self.tokens[ends[i]:min(ends[i] + k, bound)] if i >= 0 else []
 
 
-def written(sample: Sample) -> list[int]:
-    """[c]: how many of sample's tokens are written once c of them were sampled (the forced ones between)."""
-    return [p for p, s in enumerate(sample.sampled) if s] + [len(sample.tokens)]
+SIBLINGS = ("none", "lockstep", "whole")
 
 
-def verify_steps(group: list[Sample], prompt: list[int], k: int, n: int, ahead: bool) -> list[tuple[int, int]]:
-    """Per sample: (tokens sampled, verification steps) when each step drafts k tokens from the latest n-gram
-    (siblings first, then the prompt, then the row's own text) and keeps what exact verification keeps."""
-    indexes, bounds = [Index(s.tokens, n) for s in group], [written(s) for s in group]
-    prompt_index = Index(prompt, n)
-    out = []
-    for i, row in enumerate(group):
-        positions = [p for p, s in enumerate(row.sampled) if s]
-        j, steps = 0, 0
-        while j < len(positions):
-            p = positions[j]
-            context = prompt + row.tokens[:p]
-            draft = []
+def verify_steps(group: list[Sample], prompt: list[int], k: int, n: int, siblings: str) -> list[tuple[int, int]]:
+    """Per sample: (tokens sampled, verification steps) when every row of the group steps together, each step
+    drafting k tokens after the row's latest n-gram (siblings first, seen as `siblings` says, then the prompt,
+    then the row's own text) and keeping what exact verification keeps."""
+    indexes, prompt_index = [Index(s.tokens, n) for s in group], Index(prompt, n)
+    positions = [[p for p, s in enumerate(row.sampled) if s] for row in group]
+    at, steps = [0] * len(group), [0] * len(group)  # per row: its sampled tokens so far, its steps
+    while any(a < len(ps) for a, ps in zip(at, positions)):
+        # what each row had written when this step began: up to its next sampled token, the forced ones included
+        begun = [ps[a] if a < len(ps) else len(row.tokens) for a, ps, row in zip(at, positions, group)]
+        for i, row in enumerate(group):
+            if at[i] == len(positions[i]):
+                continue
+            p = positions[i][at[i]]
+            context, draft = prompt + row.tokens[:p], []
             if len(context) >= n:
                 gram = tuple(context[-n:])
                 for other, index in enumerate(indexes):
-                    if other != i:
-                        bound = len(group[other].tokens) if ahead else bounds[other][min(j, len(bounds[other]) - 1)]
-                        draft = index.draft(gram, k, bound)
+                    if siblings != "none" and other != i:
+                        draft = index.draft(gram, k, len(group[other].tokens) if siblings == "whole" else begun[other])
                         if draft:
                             break
                 draft = draft or prompt_index.draft(gram, k, len(prompt)) or indexes[i].draft(gram, k, p)
+
             def sampled_in_turn(q: int) -> bool:  # position q is the model's, in the turn of position p
                 return q < len(row.tokens) and row.sampled[q] and row.turn[q] == row.turn[p]
 
@@ -103,10 +106,9 @@ def verify_steps(group: list[Sample], prompt: list[int], k: int, n: int, ahead: 
             while kept < len(draft) and sampled_in_turn(p + kept) and row.tokens[p + kept] == draft[kept]:
                 kept += 1
             # and the step's own token after them, unless the turn ended with the last one kept
-            j += kept + (1 if kept == 0 or sampled_in_turn(p + kept) else 0)
-            steps += 1
-        out.append((len(positions), steps))
-    return out
+            at[i] += kept + (1 if kept == 0 or sampled_in_turn(p + kept) else 0)
+            steps[i] += 1
+    return [(len(ps), s) for ps, s in zip(positions, steps)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", default="2,4,8", help="drafted tokens a step, comma-separated")
     ap.add_argument("--ngram", type=int, default=3, help="tokens a draft's match spans")
     ap.add_argument("--prefill", default="<reasoning>\n", help="the run's prefill, which ends each prompt")
+    ap.add_argument("--forced", default="<result>{}</result>", help="how the tool's output was rendered ({}: the output)")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -127,22 +130,22 @@ def main(argv: list[str] | None = None) -> None:
             if line.strip():
                 r = json.loads(line)
                 groups[(str(path), r.get("update_step"), r["prompt"])].append(r)
-    samples = {key: [sample_of(r, encode, tok.eos_token_id) for r in rows] for key, rows in groups.items()}
+    samples = {key: [sample_of(r, encode, tok.eos_token_id, args.forced) for r in rows] for key, rows in groups.items()}
     prompts = {key: encode(key[2] + "\n" + args.prefill) for key in groups}
     print(f"{len(groups)} groups, {sum(len(v) for v in samples.values())} samples, "
           f"{sum(sum(s.sampled) for v in samples.values() for s in v)} sampled tokens")
     print("| k | siblings | sampled tokens a step (rows) | decode steps of a group's longest row (tokens / steps) |")
     print("| ---: | --- | ---: | ---: |")
     for k in (int(x) for x in args.k.split(",")):
-        for ahead in (False, True):
+        for siblings in SIBLINGS:
             tokens = steps = longest = longest_steps = 0
             for key, group in samples.items():
-                res = verify_steps(group, prompts[key], k, args.ngram, ahead)
+                res = verify_steps(group, prompts[key], k, args.ngram, siblings)
                 tokens += sum(t for t, _ in res)
                 steps += sum(s for _, s in res)
                 longest += max(t for t, _ in res)
                 longest_steps += max(s for _, s in res)
-            print(f"| {k} | {'ahead' if ahead else 'lockstep'} | {tokens / steps:.2f} | {longest / longest_steps:.2f} |")
+            print(f"| {k} | {siblings} | {tokens / steps:.2f} | {longest / longest_steps:.2f} |")
 
 
 if __name__ == "__main__":

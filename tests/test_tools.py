@@ -10,6 +10,8 @@ import socket
 import sys
 from pathlib import Path
 
+import warnings
+
 import pytest
 
 from mlx_grpo.base.errors import UserError
@@ -55,6 +57,21 @@ def test_calculator_values(expression, expected):
 def test_calculator_refuses(expression, message):
     with pytest.raises((ValueError, OverflowError), match=message):
         calculate(expression)
+
+
+@pytest.mark.parametrize("expression", ["2or 3", "1if 2 else 3", "0x1for", "3x4", "12and4", "2e"])
+def test_a_number_running_into_a_name_is_refused_without_a_warning(expression):
+    # Python's parser warns (SyntaxWarning: invalid decimal literal) on these: a line on the trainer's console
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="a number runs into a name"):
+            calculate(expression)
+
+
+@pytest.mark.parametrize("expression, expected", [("2e3 + 1", "2001"), ("0x1f + 1_000", "1031"), ("1.5e-1 * 2", "0.3"),
+                                                  ("floor(2.5) + log10(100)", "4"), (".5 * 4", "2")])
+def test_numbers_next_to_names_in_valid_expressions_still_evaluate(expression, expected):
+    assert calculate(expression) == expected
 
 
 def test_calculator_never_evals(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 from decimal import Decimal
 
 MAX_MAGNITUDE = 10**300  # any intermediate value past this is refused (float overflows near 1.8e308)
@@ -13,6 +14,10 @@ _BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: l
            ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
 _UNARY = {ast.UAdd: lambda a: +a, ast.USub: lambda a: -a}
 _CONSTANTS = {"pi": math.pi, "e": math.e}
+# Number literals, each matched whole (greedy): one that runs into a letter ("2or 3", "0x1for") would make Python's
+# parser print a SyntaxWarning on the trainer's console for a model's bad expression, so it is refused first.
+_NUMBER = re.compile(r"\b(?:0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+|"
+                     r"(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:[eE][+-]?\d[\d_]*)?[jJ]?)")
 
 
 def _factorial(n: int) -> int:
@@ -80,6 +85,9 @@ def calculate(expression: str) -> str:
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
+    if any(m.end() < len(expression) and (expression[m.end()].isalpha() or expression[m.end()] == "_")
+           for m in _NUMBER.finditer(expression)):
+        raise ValueError("not an arithmetic expression: a number runs into a name")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as e:
