@@ -443,6 +443,15 @@ def test_train_prints_one_start_line_before_its_first_update(tiny_model_dir, tmp
                               f"completions; run directory {tmp_path / 'grpo'}")
     first_update = next(i for i, line in enumerate(out) if line.startswith("[mlx-grpo] update 1:"))
     assert starts[0] < first_update
+    # with dynamic sampling the data can end the run first, and a time budget is a bound too: both said
+    out_dir = tmp_path / "ds"
+    argv = ["train", *(a for item in _items(tiny_model_dir, out_dir, "max_train_samples=4", "dynamic_sampling=true",
+                                           "max_minutes=30") for a in ("--set", item))]
+    assert main(argv) == 0
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[mlx-grpo] train: "))
+    assert start == (f"[mlx-grpo] train: model {tiny_model_dir}, 4 prompts, up to 2 updates of 2 prompts x 4 "
+                     "completions (dynamic sampling draws more prompts where a group's rewards are all equal), at "
+                     f"most 30 minutes; run directory {out_dir / 'grpo'}")
 
 
 def test_resume_without_a_checkpoint_says_why(tiny_model_dir, tmp_path):

@@ -217,10 +217,14 @@ def _run_locked(job: Job, cfg: Config, resume: str | None, started: float) -> Pa
     if main:
         save_json(cfg, run_dir / "config.resolved.json")
         # once, flushed: without a terminal (no bar) the first update's line may be minutes away
-        batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps
+        batch, n = cfg.training.batch_size * cfg.training.gradient_accumulation_steps, job.trainer.total_updates
+        # dynamic sampling spends more prompts on an update whose groups all score alike: the data ends sooner
         console(f"[mlx-grpo] train: model {cfg.model.model_name}, {len(job.train_examples)} prompts, "
-                f"{job.trainer.total_updates} update{'s' * (job.trainer.total_updates != 1)} of {batch} "
+                f"{'up to ' * cfg.rollout.dynamic_sampling}{n} update{'s' * (n != 1)} of {batch} "
                 f"prompt{'s' * (batch != 1)} x {cfg.rollout.num_generations} completions"
+                + (" (dynamic sampling draws more prompts where a group's rewards are all equal)"
+                   if cfg.rollout.dynamic_sampling else "")
+                + (f", at most {cfg.run.max_minutes:g} minutes" if cfg.run.max_minutes else "")
                 + (f" (resuming after update {start_update})" if resume is not None else "")
                 + f"; run directory {run_dir}")
     reporters = Reporters(cfg.run.report_to if main else [], run_dir, to_dict(cfg),
