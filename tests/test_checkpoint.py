@@ -450,8 +450,14 @@ def test_train_prints_one_start_line_before_its_first_update(tiny_model_dir, tmp
     assert main(argv) == 0
     start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[mlx-grpo] train: "))
     assert start == (f"[mlx-grpo] train: model {tiny_model_dir}, 4 prompts, up to 2 updates of 2 prompts x 4 "
-                     "completions (dynamic sampling draws more prompts where a group's rewards are all equal), at "
-                     f"most 30 minutes; run directory {out_dir / 'grpo'}")
+                     "completions (dynamic sampling draws more prompts where a group's rewards are all equal), a "
+                     f"time budget of 30 minutes; run directory {out_dir / 'grpo'}")
+    # without extra draws (max_resample_batches = 0) the data lasts every planned update
+    argv = ["train", *(a for item in _items(tiny_model_dir, tmp_path / "ds0", "max_train_samples=4",
+                                           "dynamic_sampling=true", "max_resample_batches=0") for a in ("--set", item))]
+    assert main(argv) == 0
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[mlx-grpo] train: "))
+    assert ", 4 prompts, 2 updates of 2 prompts x 4 completions; run directory" in start
 
 
 def test_resume_without_a_checkpoint_says_why(tiny_model_dir, tmp_path):

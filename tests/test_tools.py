@@ -59,17 +59,23 @@ def test_calculator_refuses(expression, message):
         calculate(expression)
 
 
-@pytest.mark.parametrize("expression", ["2or 3", "1if 2 else 3", "0x1for", "3x4", "12and4", "2e"])
-def test_a_number_running_into_a_name_is_refused_without_a_warning(expression):
-    # Python's parser warns (SyntaxWarning: invalid decimal literal) on these: a line on the trainer's console
+@pytest.mark.parametrize("expression, message", [
+    *((e, "a number runs into a name") for e in ("2or 3", "1if 2 else 3", "0x1for", "3x4", "12and4", "2e", "1.or 2",
+                                                 "1jor 2", "0b1for 1", "3pi")),
+    *((e, "unsupported expression: strings") for e in ("'\\d'", "b'\\d' * 2", '"a"'))])
+def test_what_python_would_warn_about_is_refused_without_a_warning(expression, message):
+    # Python's parser warns (SyntaxWarning: invalid decimal literal, invalid escape sequence) on these: a line on
+    # the trainer's console
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(ValueError, match="a number runs into a name"):
+        with pytest.raises(ValueError, match=message):
             calculate(expression)
 
 
 @pytest.mark.parametrize("expression, expected", [("2e3 + 1", "2001"), ("0x1f + 1_000", "1031"), ("1.5e-1 * 2", "0.3"),
-                                                  ("floor(2.5) + log10(100)", "4"), (".5 * 4", "2")])
+                                                  ("floor(2.5) + log10(100)", "4"), (".5 * 4", "2"), ("0o17 + 1", "16"),
+                                                  ("0b101 + 1", "6"), ("1.e5 / 10", "10000"), ("log2(8) * 2", "6"),
+                                                  ("2*e - e*2", "0")])
 def test_numbers_next_to_names_in_valid_expressions_still_evaluate(expression, expected):
     assert calculate(expression) == expected
 

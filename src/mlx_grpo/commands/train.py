@@ -219,12 +219,12 @@ def _run_locked(job: Job, cfg: Config, resume: str | None, started: float) -> Pa
         # once, flushed: without a terminal (no bar) the first update's line may be minutes away
         batch, n = cfg.training.batch_size * cfg.training.gradient_accumulation_steps, job.trainer.total_updates
         # dynamic sampling spends more prompts on an update whose groups all score alike: the data ends sooner
+        extra = cfg.rollout.dynamic_sampling and cfg.rollout.max_resample_batches > 0
         console(f"[mlx-grpo] train: model {cfg.model.model_name}, {len(job.train_examples)} prompts, "
-                f"{'up to ' * cfg.rollout.dynamic_sampling}{n} update{'s' * (n != 1)} of {batch} "
+                f"{'up to ' if extra else ''}{n} update{'s' * (n != 1)} of {batch} "
                 f"prompt{'s' * (batch != 1)} x {cfg.rollout.num_generations} completions"
-                + (" (dynamic sampling draws more prompts where a group's rewards are all equal)"
-                   if cfg.rollout.dynamic_sampling else "")
-                + (f", at most {cfg.run.max_minutes:g} minutes" if cfg.run.max_minutes else "")
+                + (" (dynamic sampling draws more prompts where a group's rewards are all equal)" if extra else "")
+                + (f", a time budget of {cfg.run.max_minutes:g} minutes" if cfg.run.max_minutes else "")
                 + (f" (resuming after update {start_update})" if resume is not None else "")
                 + f"; run directory {run_dir}")
     reporters = Reporters(cfg.run.report_to if main else [], run_dir, to_dict(cfg),

@@ -14,10 +14,11 @@ _BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: l
            ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
 _UNARY = {ast.UAdd: lambda a: +a, ast.USub: lambda a: -a}
 _CONSTANTS = {"pi": math.pi, "e": math.e}
-# Number literals, each matched whole (greedy): one that runs into a letter ("2or 3", "0x1for") would make Python's
-# parser print a SyntaxWarning on the trainer's console for a model's bad expression, so it is refused first.
+# Number literals (ASCII digits), each matched whole (greedy). One that runs into a letter ("2or 3", "0x1for"), or a
+# quote (a string's bad escape), would make Python's parser print a SyntaxWarning on the trainer's console for a
+# model's bad expression, so both are refused before the parse.
 _NUMBER = re.compile(r"\b(?:0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+|"
-                     r"(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:[eE][+-]?\d[\d_]*)?[jJ]?)")
+                     r"(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9][0-9_]*)(?:[eE][+-]?[0-9][0-9_]*)?[jJ]?)")
 
 
 def _factorial(n: int) -> int:
@@ -88,6 +89,8 @@ def calculate(expression: str) -> str:
     if any(m.end() < len(expression) and (expression[m.end()].isalpha() or expression[m.end()] == "_")
            for m in _NUMBER.finditer(expression)):
         raise ValueError("not an arithmetic expression: a number runs into a name")
+    if "'" in expression or '"' in expression:
+        raise ValueError("unsupported expression: strings")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as e:
