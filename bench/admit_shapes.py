@@ -67,8 +67,8 @@ def main(argv=None) -> None:
     L, Hkv, Dh = len(w["layers"]), spec.kv_heads, spec.head_dim
     rng = np.random.default_rng(args.seed)
     # as session 36's refills: 1-240 rows, chunks bucketed, timelines of 512-768 slots
-    shapes = sorted({(int(rng.integers(1, args.max_rows + 1)), int(rng.choice([16, 32, 64])), int(rng.choice([512, 576, 640, 704, 768])))
-                     for _ in range(args.shapes)})
+    shapes = sorted({(int(rng.integers(1, args.max_rows + 1)), int(rng.choice([16, 32, 64])),
+                      int(rng.choice([512, 576, 640, 704, 768]))) for _ in range(args.shapes)})
     sdpa = mx.fast.scaled_dot_product_attention
 
     def call(n, C, W, pad_to=1):
@@ -102,7 +102,8 @@ def main(argv=None) -> None:
             attend_with(sdpa)
         out["variants"][name] = {"first_ms_median": 1e3 * statistics.median(first),
                                  "again_ms_median": 1e3 * statistics.median(again),
-                                 "first_ms_mean": 1e3 * statistics.mean(first), "again_ms_mean": 1e3 * statistics.mean(again)}
+                                 "first_ms_mean": 1e3 * statistics.mean(first),
+                                 "again_ms_mean": 1e3 * statistics.mean(again)}
         print(name, json.dumps(out["variants"][name]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))

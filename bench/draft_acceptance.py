@@ -75,6 +75,11 @@ class Index:
 SIBLINGS = ("none", "lockstep", "whole")
 
 
+def sampled_in_turn(row: Sample, p: int, q: int) -> bool:
+    """Whether position q of row holds a token the model sampled in the turn of position p."""
+    return q < len(row.tokens) and row.sampled[q] and row.turn[q] == row.turn[p]
+
+
 def verify_steps(group: list[Sample], prompt: list[int], k: int, n: int, siblings: str) -> list[tuple[int, int]]:
     """Per sample: (tokens sampled, verification steps) when every row of the group steps together, each step
     drafting k tokens after the row's latest n-gram (siblings first, seen as `siblings` says, then the prompt,
@@ -98,15 +103,11 @@ def verify_steps(group: list[Sample], prompt: list[int], k: int, n: int, sibling
                         if draft:
                             break
                 draft = draft or prompt_index.draft(gram, k, len(prompt)) or indexes[i].draft(gram, k, p)
-
-            def sampled_in_turn(q: int) -> bool:  # position q is the model's, in the turn of position p
-                return q < len(row.tokens) and row.sampled[q] and row.turn[q] == row.turn[p]
-
             kept = 0  # drafted tokens for positions p, p + 1, ... that equal what was sampled there
-            while kept < len(draft) and sampled_in_turn(p + kept) and row.tokens[p + kept] == draft[kept]:
+            while kept < len(draft) and sampled_in_turn(row, p, p + kept) and row.tokens[p + kept] == draft[kept]:
                 kept += 1
             # and the step's own token after them, unless the turn ended with the last one kept
-            at[i] += kept + (1 if kept == 0 or sampled_in_turn(p + kept) else 0)
+            at[i] += kept + (1 if kept == 0 or sampled_in_turn(row, p, p + kept) else 0)
             steps[i] += 1
     return [(len(ps), s) for ps, s in zip(positions, steps)]
 
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", default="2,4,8", help="drafted tokens a step, comma-separated")
     ap.add_argument("--ngram", type=int, default=3, help="tokens a draft's match spans")
     ap.add_argument("--prefill", default="<reasoning>\n", help="the run's prefill, which ends each prompt")
-    ap.add_argument("--forced", default="<result>{}</result>", help="how the tool's output was rendered ({}: the output)")
+    ap.add_argument("--forced", default="<result>{}</result>",
+                    help="how the tool's output was rendered ({}: the output)")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 

@@ -1,4 +1,5 @@
-"""bench/draft_acceptance.py: the decode steps drafting from a group's siblings would take, against steps worked by hand."""
+"""bench/draft_acceptance.py: the decode steps drafting from a group's siblings would take, against steps worked
+by hand."""
 
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ def test_refills_prefill_and_sample_a_power_of_two_of_rows(attending, monkeypatc
     for name in ("prefill", "prefill_after"):
         def spy(spec, w, tokens, *rest, original=getattr(decoder, name)):
             prefilled.append(tokens.shape[0])
-            widths.append(rest[1].shape[3] if len(rest) > 1 else tokens.shape[1])  # the past's timeline, or the prompts'
+            # the past's timeline, or the prompts'
+            widths.append(rest[1].shape[3] if len(rest) > 1 else tokens.shape[1])
             return original(spec, w, tokens, *rest)
         monkeypatch.setattr(decoder, name, spy)
 

@@ -60,9 +60,9 @@ def sample_rows(sampler, logits: mx.array, keys: mx.array):
     """sampler's first tokens of n admitted rows (logits [n, V], keys [n, 2]), its compiled graph run on
     row_bucket(n) rows (the first row repeated; each row samples alone) so that refills trace few shapes."""
     n = logits.shape[0]
-    pad = mx.zeros((row_bucket(n) - n,), mx.int32)
-    out = sampler(mx.concatenate([logits, logits[pad]]), mx.concatenate([keys, keys[pad]]),
-                  mx.zeros((row_bucket(n),), mx.bool_))
+    rows = row_bucket(n)
+    pad = mx.zeros((rows - n,), mx.int32)
+    out = sampler(mx.concatenate([logits, logits[pad]]), mx.concatenate([keys, keys[pad]]), mx.zeros((rows,), mx.bool_))
     return tuple(a[:n] for a in out)
 
 

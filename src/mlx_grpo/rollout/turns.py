@@ -113,7 +113,8 @@ class TurnRows:
 def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     """The next turns of rows that kept their cache, admitted = [(context, Kept of context[:P])]: their contexts'
     cache ending at slot `at`, only context[P:] prefilled. -> (keys, values [layers, rows, Hkv, W, Dh]: the W
-    slots at - W .. at - 1 the contexts fill (W bucketed, at most at), start [rows], last logits [rows, V], tokens prefilled)."""
+    slots at - W .. at - 1 the contexts fill (W bucketed, at most at), start [rows], last logits [rows, V], tokens
+    prefilled)."""
     real = len(admitted)
     admitted = rows_to_bucket(admitted)  # a power of two of rows, as prefill_contexts'
     lengths = [len(c) for c, _ in admitted]
@@ -140,6 +141,7 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     start = mx.array([width - n for n in lengths], dtype=mx.int32)
     logits, keys, values = decoder.prefill_after(spec, weights, tokens, padding, past_k, past_v, start)
     cut = max(0, width - at)
-    keys, values = mx.contiguous(keys[:, :real, :, cut:]), mx.contiguous(values[:, :real, :, cut:])  # the real rows only
+    # the real rows only
+    keys, values = mx.contiguous(keys[:, :real, :, cut:]), mx.contiguous(values[:, :real, :, cut:])
     mx.eval(keys, values)
     return keys, values, (start + (at - width))[:real], logits[:real], sum(len(c) for c in chunks[:real])
