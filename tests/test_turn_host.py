@@ -310,3 +310,33 @@ def test_text_decoder_is_the_tokenizers_decode(tiny):
     assert text_decoder(inner)([1, 2]) == inner.decode([1, 2]) == "?" + tok.decode([1, 2])
     hf_clean = PreTrainedTokenizerFast(tokenizer_object=hf.backend_tokenizer, clean_up_tokenization_spaces=True)
     assert text_decoder(hf_clean) == hf_clean.decode
+
+
+def test_text_encoder_is_the_tokenizers_encode(tiny):
+    """sampler.text_encoder: the backend's encode where transformers' encode adds nothing, the same ids as
+    tokenizer.encode(text, add_special_tokens=False) for any text (special tokens written out, multi-byte
+    characters, empty); encode itself where a subclass changes it or the backend has truncation set."""
+    from transformers import PreTrainedTokenizerFast
+
+    from mlx_grpo.rollout.sampler import text_encoder
+
+    tok = tiny[1]
+    encode = text_encoder(tok)
+    assert getattr(encode, "__self__", None) is None and encode.__name__ == "encode"  # the fast path was taken
+    texts = ["", " ", "Result: 42", "<|im_start|>tool\n3.5<|im_end|>\n", "é∑😀 x\n\n y", "<output>-7</output>"]
+    rng = np.random.default_rng(0)
+    alphabet = list("ab 0123456789+-*/=<>|_\nxé😀") + ["<|im_end|>", "<|im_start|>"]
+    texts += ["".join(rng.choice(alphabet, size=n)) for n in [1, 3, 10, 40] * 10]
+    for text in texts:
+        assert encode(text) == list(tok.encode(text, add_special_tokens=False)), text
+
+    class Shouting(PreTrainedTokenizerFast):
+        def encode(self, text, **kwargs):
+            return super().encode(text.upper(), **kwargs)
+    hf = tok._tokenizer
+    shouting = Shouting(tokenizer_object=hf.backend_tokenizer)
+    assert text_encoder(shouting)("ab") == shouting.encode("ab", add_special_tokens=False) != tok.encode("ab")
+    truncating = PreTrainedTokenizerFast(tokenizer_object=hf.backend_tokenizer.__class__.from_str(
+        hf.backend_tokenizer.to_str()))
+    truncating.backend_tokenizer.enable_truncation(2)  # HF's encode turns it off first; so must the fast path
+    assert text_encoder(truncating)("Result: 42") == list(tok.encode("Result: 42", add_special_tokens=False))

@@ -41,7 +41,7 @@ from mlx_grpo.tools.environments import (Environment, Episode, StepResult, ToolE
                                          prompt_messages)
 from mlx_grpo.base.user_files import import_file
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams, select_groups
-from mlx_grpo.rollout.sampler import completion_end, end_ids, text_decoder
+from mlx_grpo.rollout.sampler import completion_end, end_ids, text_decoder, text_encoder
 from mlx_grpo.rollout.decode import encode_chat_prompt
 from mlx_grpo.tools.calls import ToolFormat, tool_format_for
 
@@ -88,7 +88,7 @@ class MultiTurn:
 
     def __init__(self, env: Environment, fmt: ToolFormat, tokenizer):
         self.env, self.fmt, self.tokenizer = env, fmt, tokenizer
-        self.decode = text_decoder(tokenizer)
+        self.decode, self.encode_text = text_decoder(tokenizer), text_encoder(tokenizer)
         # A tool call ends at the stop string that closes it; other environments end turns at end-of-turn.
         self.stop_strings = tuple(fmt.stop_strings) if isinstance(env, ToolEnvironment) else ()
 
@@ -218,7 +218,7 @@ class MultiTurn:
             raise UserError(f"environment {type(self.env).__name__}.step returned {result!r:.120}: a StepResult "
                             "with done=True or an observation string")
         after_end = row.episode.transcript.turns[-2].info.get("ended") == "eos"  # [-1] is the observation
-        forced = list(self.tokenizer.encode(observation_text(self.fmt, result, after_end), add_special_tokens=False))
+        forced = self.encode_text(observation_text(self.fmt, result, after_end))
         room = T - len(row.ids)
         row.add(forced[:room], 0.0)
         if len(forced) >= room:  # no room left for the model's next turn

@@ -1,7 +1,7 @@
 """Sampling one token per row with the row's own key (temperature, top-k / top-p / min-p), the compiled
 per-step sampler of the decode loop (loop.py), where a row ends (end tokens, stop strings found as tokens
-arrive), the text of a row's ids (text_decoder), and finish_rollout: the sampled ids [N, T] cut at each row's end
-into a Rollout."""
+arrive), the text of a row's ids and the ids of a text (text_decoder, text_encoder), and finish_rollout: the
+sampled ids [N, T] cut at each row's end into a Rollout."""
 
 from __future__ import annotations
 
@@ -62,6 +62,26 @@ def text_decoder(tokenizer):
         return tokenizer.decode
     backend = hf.backend_tokenizer
     return lambda ids: backend.decode(ids, skip_special_tokens=False)
+
+
+def text_encoder(tokenizer):
+    """text -> its ids without special tokens added (tokenizer.encode(text, add_special_tokens=False) as a list),
+    the `tokenizers` backend called directly where that is all encode does (as text_decoder: a fast tokenizer
+    whose encode is not overridden, no truncation or padding set on the backend, special tokens split as the
+    wrapper would): the wrapper builds a batch and its encodings for each call, ~3x the encode of a tool's
+    short output, which multi-turn rollouts encode for every call."""
+    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    if not (isinstance(hf, PreTrainedTokenizerFast) and type(hf).encode is PreTrainedTokenizerBase.encode
+            and type(hf)._encode_plus is PreTrainedTokenizerFast._encode_plus):
+        return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+    backend = hf.backend_tokenizer
+    split = bool(getattr(hf, "split_special_tokens", False))
+
+    def encode(text: str) -> list[int]:
+        if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens != split:
+            return list(hf.encode(text, add_special_tokens=False))  # what the wrapper would set first
+        return backend.encode(text, add_special_tokens=False).ids
+    return encode
 
 
 def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
