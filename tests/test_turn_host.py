@@ -14,7 +14,7 @@ from mlx_grpo.models import decoder
 from mlx_grpo.models.forward import bucket
 from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout.columns import StopRows
-from mlx_grpo.rollout.sampler import StopScanner, stop_cut
+from mlx_grpo.rollout.sampler import StopScanner, closing_tokens, stop_cut
 from mlx_grpo.rollout.turns import Kept, TurnRows, prefill_resumed
 
 PIECES = ["a", "b", "c", "<", "/", "calc>", "</calc", ">", " ", "é", "<|im_end|>", "x", "12", "\n"]
@@ -76,7 +76,10 @@ def test_stop_rows_equal_the_whole_row_scan_and_the_whole_text(tiny, seed):
     n_rows, T = 12, 160
     ids, filled = np.full((n_rows, T), -1, np.int64), np.zeros(n_rows, np.int64)
     fast, scanner = StopRows(tok, stops), StopScanner(tok, stops)
-    heard_fast, heard_before, seen = [], [], 0
+    table = closing_tokens(tok, stops)
+    assert (table is None) == (not stops or stops == ("\n\n", "é>"))  # a stop ending in white space: no table
+    tabled = StopRows(tok, stops, table)
+    heard_fast, heard_before, heard_tabled, seen = [], [], [], 0
     for _ in range(14):
         for r in range(n_rows):
             for _ in range(int(rng.integers(0, 4))):  # a row may write nothing between two syncs
@@ -87,13 +90,56 @@ def test_stop_rows_equal_the_whole_row_scan_and_the_whole_text(tiny, seed):
         got = fast.stopped(ids, filled, rows, lambda r, row: heard_fast.append((r, row)))
         want = scanned_before(ids, rows, scanner, lambda r, row: heard_before.append((r, row)))
         np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(tabled.stopped(ids, filled, rows, lambda r, row: heard_tabled.append((r, row))),
+                                      want)
         np.testing.assert_array_equal(got, naive_whole_text(tok, ids, rows, stops))
         seen += int((got & (rows >= 0)).sum())
     first_heard = [(r, row) for i, (r, row) in enumerate(heard_before) if r not in {q for q, _ in heard_before[:i]}]
-    assert heard_fast == first_heard  # each stopped row once, at the first sync that saw its stop
+    assert heard_fast == first_heard == heard_tabled  # each stopped row once, at the first sync that saw its stop
     assert all(stop_cut(tok, row, stops) == len(row) for _, row in heard_fast)  # each cut right after its stop
     if stops and stops != ("\n\n", "é>"):
         assert seen > 0  # rows stopped, and were asked about again
+
+
+def test_closing_tokens_are_the_ids_writing_a_stops_last_character(tiny):
+    """sampler.closing_tokens: True exactly for the ids whose own text holds a stop string's last character, for
+    ids past the vocabulary, False for -1 (unwritten); None for stop strings ending in white space or a non-ASCII
+    character, an empty one, none at all, or a tokenizer with a decode of its own."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tiny[1]
+    V = len(tok.get_vocab())
+    table = closing_tokens(tok, ("</calc>", "ab"))
+    assert table.shape == (V + 2,) and table[V] and not table[-1]
+    want = [(">" in tok.decode([i])) or ("b" in tok.decode([i])) for i in range(V)]
+    assert table[:V].tolist() == want and 0 < sum(want) < V
+    assert table[tok.encode(">", add_special_tokens=False)[-1]]
+    for stops in [(), ("</calc>", "\n"), ("x é",), ("</calc>", "")]:
+        assert closing_tokens(tok, stops) is None, stops
+
+    class Own(PreTrainedTokenizerFast):
+        def decode(self, ids, **kwargs):
+            return super().decode(ids, **kwargs).upper()
+    assert closing_tokens(Own(tokenizer_object=tok._tokenizer.backend_tokenizer), ("</calc>",)) is None
+
+
+def test_stop_rows_with_the_table_decode_only_rows_that_wrote_a_closing_token(tiny):
+    """With closing_tokens' table, a row that never writes ">" is never decoded, however long it grows; the row
+    that closes its call is decoded once it does, and found."""
+    tok = _Counting(tiny[1])
+    rows_ = StopRows(tok, ("</calc>",), closing_tokens(tiny[1], ("</calc>",)))
+    ids, filled = np.full((2, 400), -1, np.int64), np.zeros(2, np.int64)
+    x = tok.encode("x", add_special_tokens=False)[0]
+    end = tok.encode("</calc>", add_special_tokens=False)
+    for sync in range(40):
+        ids[0, filled[0]:filled[0] + 8] = x
+        filled[0] += 8
+        if sync == 3:
+            ids[1, :len(end)] = end
+            filled[1] = len(end)
+        got = rows_.stopped(ids, filled, np.array([0, 1]))
+        assert got.tolist() == [False, sync >= 3]
+    assert tok.decoded and all(n <= len(end) for n in tok.decoded)  # row 1 alone, never row 0
 
 
 class _Counting:

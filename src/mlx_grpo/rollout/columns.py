@@ -70,11 +70,16 @@ class StopRows:
     """Which rows have written a stop string, sync after sync of one decode loop (loop.py): StopScanner's test
     on Written's rows (a row with no new token is not decoded again, a row already ended is not decoded at all),
     and a row seen stopped stays stopped (its text only grows). The cut (StopScanner.first_stop) is looked
-    for only for on_stop, once per row: the first stop string of a row that only grows does not move."""
+    for only for on_stop, once per row: the first stop string of a row that only grows does not move. With a
+    closing-token table (sampler.closing_tokens), only rows that wrote one of its tokens are decoded at all."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer, stops: tuple[str, ...], closing: np.ndarray | None = None):
         self.scanner = StopScanner(tokenizer, stops)
         self.found: set[int] = set()
+        # sampler.closing_tokens' table: a row whose new tokens hold none of them is not decoded (most rows at
+        # most syncs: a tool call's closing tag writes the rows' only ">"); None: every row with new tokens is decoded
+        self.closing = closing
+        self.checked = np.zeros(0, np.int64)  # per row: its tokens the table has cleared
 
     def stopped(self, ids: np.ndarray, filled: np.ndarray, rows: np.ndarray, on_stop=None,
                 ended: np.ndarray | None = None) -> np.ndarray:
@@ -83,9 +88,12 @@ class StopRows:
         (an end token, a limit) count as stopped and are not scanned. on_stop(row, its ids up to the stop)
         hears of each row at the first call that sees its stop string."""
         out = np.ones(len(rows), dtype=bool)
-        for slot, r in enumerate(rows.tolist()):
-            if r < 0 or r in self.found or (ended is not None and ended[slot]):
-                continue
+        todo = [slot for slot, r in enumerate(rows.tolist())
+                if r >= 0 and r not in self.found and not (ended is not None and ended[slot])]
+        if self.closing is not None and todo:
+            todo = self._may_stop(ids, filled, rows, np.array(todo), out)
+        for slot in todo:
+            r = int(rows[slot])
             row = ids[r, :filled[r]]
             if row.size and row.min() < 0:  # a gap (never seen): the row's written tokens, as a whole scan takes them
                 row = row[row >= 0]
@@ -97,3 +105,23 @@ class StopRows:
             if on_stop is not None:
                 on_stop(r, whole[:self.scanner.first_stop(whole)])  # the stop is there: no whole-text check again
         return out
+
+    def _may_stop(self, ids: np.ndarray, filled: np.ndarray, rows: np.ndarray, slots: np.ndarray,
+                  out: np.ndarray) -> list[int]:
+        """Of `slots`, those whose rows wrote a closing token since they were last cleared (or have a gap):
+        the others are marked not stopped in `out`, and clean up to their filled columns, in one pass over
+        the batch's columns."""
+        if len(self.checked) < len(ids):
+            self.checked = np.concatenate([self.checked, np.zeros(len(ids) - len(self.checked), np.int64)])
+        r = rows[slots]
+        sub, n = ids[r], filled[r]
+        cols = np.arange(sub.shape[1])[None, :]
+        inside = cols < n[:, None]
+        new = inside & (cols >= self.checked[r][:, None])
+        hit = (self.closing[np.clip(sub, -1, len(self.closing) - 2)] & new).any(axis=1)
+        hit |= ((sub < 0) & inside).any(axis=1)  # a gap: scanned as before
+        self.checked[r] = n
+        out[slots[~hit]] = False
+        for row, k in zip(r[~hit].tolist(), n[~hit].tolist()):
+            self.scanner.mark_clean(row, k)
+        return slots[hit].tolist()

@@ -36,7 +36,7 @@ from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
 from mlx_grpo.rollout.loop import decode_rows, finish_rows
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
-from mlx_grpo.rollout.sampler import end_ids, sample
+from mlx_grpo.rollout.sampler import closing_tokens, end_ids, sample
 from mlx_grpo.rollout.turns import TurnRows
 
 
@@ -103,6 +103,7 @@ class RolloutEngine:
         self.row_steps = 0  # rows x decode steps the last fused rollout computed (what compaction saves)
         self.steps = 0  # decode steps it ran (what refill saves: a step costs about the same at any row count)
         self.prefilled_tokens = 0  # context tokens the last fused rollout prefilled (what kept turn caches save)
+        self._closing = {}  # stop strings -> sampler.closing_tokens' table (a scan of the vocabulary, once)
 
     def refresh(self, model: nn.Module) -> "RolloutEngine":
         """Sample from `model`'s current weights from now on. The copy is rebuilt when next needed, so
@@ -208,6 +209,11 @@ class RolloutEngine:
             self._steps[cache_key] = mx.compile(step)
         return self._steps[cache_key]
 
+    def _closing_tokens(self, stops: tuple[str, ...]):
+        if stops not in self._closing:
+            self._closing[stops] = closing_tokens(self.tokenizer, stops)
+        return self._closing[stops]
+
     def _traced(self) -> None:
         self.traces += 1
 
@@ -230,7 +236,8 @@ class RolloutEngine:
         logits = copy.begin(prompts[:first], [G] * first, params.max_new_tokens)
         out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,
                           pad_id, self.sync_every, entries=entries, compact=self.compact, limits=limits,
-                          on_stop=on_stop, on_done=None if on_done is None else partial(on_done, 0), turns=state)
+                          on_stop=on_stop, on_done=None if on_done is None else partial(on_done, 0), turns=state,
+                          closing=self._closing_tokens(params.stop))
         self.row_steps, self.steps, self.prefilled_tokens = out.row_steps, out.steps, copy.prefilled_tokens
         if turns is not None:
             return None

@@ -82,7 +82,7 @@ class Decoded:
 def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingParams, tokenizer,
                 eos_ids: list[int], pad_id: int, sync_every: int, *, entries: list | None = None,
                 compact: bool = False, limits: np.ndarray | None = None, on_stop=None, on_done=None,
-                turns=None) -> Decoded:
+                turns=None, closing: np.ndarray | None = None) -> Decoded:
     """Decode rows 0..N-1 from their prefill logits [N, V] (a batch's first rows) to their end; row_keys [rows, 2]
     are every row's key, rows N.. waiting as `entries`. entries: (context, first row, rows, kept turn block or
     None) per context, in row order, those past the first N admitted in freed slots (refill). compact: drop
@@ -90,7 +90,8 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     called once per row, at the first sync that sees it stopped by a stop string (rows ended by an end
     token or their limit are not scanned), with its ids up to the stop. on_done(finished):
     called at syncs with [rows] bool, the rows ended so far. turns: a turns.TurnRows, rows going on in later
-    turns inside this decode (their rows appended to entries and row_keys)."""
+    turns inside this decode (their rows appended to entries and row_keys). closing: sampler.closing_tokens'
+    table for params.stop (rows that wrote none of its tokens are not decoded for stop strings)."""
     entries = [] if entries is None else entries
     T, N = params.max_new_tokens, logits.shape[0]
     if (compact or turns is not None or any(e[1] >= N for e in entries)) and not decoder.refills:
@@ -99,7 +100,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     if len(row_keys) != rows_wanted:  # a gather past the keys would read garbage, not fail
         raise ValueError(f"{len(row_keys)} row keys for {rows_wanted} rows: one key per row")
     sampler = make_sampler(params, mx.array(eos_ids or [-1], dtype=mx.int32))
-    stops = StopRows(tokenizer, params.stop)
+    stops = StopRows(tokenizer, params.stop, closing)
     n_rows = len(row_keys)
     all_keys = mx.vmap(lambda k: mx.random.split(k, T))(row_keys)  # every row's T step keys: [rows, T, 2]
     join = np.zeros(n_rows, dtype=np.int64)

@@ -56,12 +56,37 @@ def text_decoder(tokenizer):
     """ids (a list of ints) -> tokenizer.decode(ids), the `tokenizers` backend called directly where that is all
     decode does (a fast Hugging Face tokenizer, decode and _decode not overridden, no space clean-up): the
     wrapper converts every id on every call, ~5x the decode itself, and rollouts decode rows at every sync."""
+    backend = _decoding_backend(tokenizer)
+    if backend is None:
+        return tokenizer.decode
+    return lambda ids: backend.decode(ids, skip_special_tokens=False)
+
+
+def _decoding_backend(tokenizer):
+    """The `tokenizers` backend whose decode is tokenizer.decode's, or None (text_decoder's test)."""
     hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
     if not (isinstance(hf, PreTrainedTokenizerFast) and type(hf)._decode is PreTrainedTokenizerFast._decode
             and type(hf).decode is PreTrainedTokenizerBase.decode and not hf.clean_up_tokenization_spaces):
-        return tokenizer.decode
-    backend = hf.backend_tokenizer
-    return lambda ids: backend.decode(ids, skip_special_tokens=False)
+        return None
+    return hf.backend_tokenizer
+
+
+def closing_tokens(tokenizer, stops: tuple[str, ...]) -> np.ndarray | None:
+    """The ids that can complete one of `stops`, as a table [V + 2] of bool to index with ids: True for each id
+    whose own text holds a stop string's last character, and at V (ids past the vocabulary, clipped there); False
+    at the last entry (index -1: a column not yet written). A stop string's last character is written by one
+    token, so a row whose new tokens hold none of these cannot have completed a stop string (StopRows skips its
+    scan). None where that does not hold exactly: a stop string ending in a non-ASCII character (a byte-level
+    token may write part of it) or in white space (decoders strip or merge it), or a decode of its own."""
+    backend = _decoding_backend(tokenizer)
+    if not stops or not all(stops) or backend is None:
+        return None
+    lasts = {s[-1] for s in stops}
+    if not all(c.isascii() and not c.isspace() for c in lasts):
+        return None
+    V = backend.get_vocab_size(with_added_tokens=True)
+    texts = backend.decode_batch([[i] for i in range(V)], skip_special_tokens=False)  # ~35 ms for 49k ids
+    return np.array([any(c in t for c in lasts) for t in texts] + [True, False])
 
 
 def text_encoder(tokenizer):
@@ -120,6 +145,10 @@ class StopScanner:
 
     def _has_stop(self, ids: list[int]) -> bool:
         return any(s in self.decode(ids) for s in self.stops)
+
+    def mark_clean(self, row: int, n: int) -> None:
+        """Row's first n tokens are known to hold no stop string (StopRows' closing-token test)."""
+        self._clean[row] = n
 
     def stopped(self, row: int, ids: list[int]) -> bool:
         """Whether row's text (ids, its tokens so far) holds a stop string."""
