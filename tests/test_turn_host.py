@@ -123,6 +123,24 @@ def test_closing_tokens_are_the_ids_writing_a_stops_last_character(tiny):
     assert closing_tokens(Own(tokenizer_object=tok._tokenizer.backend_tokenizer), ("</calc>",)) is None
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_stop_cut_with_the_table_is_the_search(tiny, seed):
+    """stop_cut and completion_end with closing_tokens' table cut where the binary search over prefixes cuts,
+    on rows of random pieces (stops split across tokens, several per row, none, specials, end tokens)."""
+    from mlx_grpo.rollout.sampler import completion_end
+
+    _, tok = tiny
+    rng = np.random.default_rng(seed)
+    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    for stops in [s for s in STOP_SETS if closing_tokens(tok, s) is not None] + [("<|im_end|>",)]:
+        table = closing_tokens(tok, stops)
+        for _ in range(60):
+            text = "".join(PIECES[int(i)] for i in rng.integers(len(PIECES), size=int(rng.integers(0, 30))))
+            ids = tok.encode(text, add_special_tokens=False)
+            assert stop_cut(tok, ids, stops, table) == stop_cut(tok, ids, stops), (stops, text)
+            assert completion_end(tok, ids, eos, stops, table) == completion_end(tok, ids, eos, stops), (stops, text)
+
+
 def test_stop_rows_with_the_table_decode_only_rows_that_wrote_a_closing_token(tiny):
     """With closing_tokens' table, a row that never writes ">" is never decoded, however long it grows; the row
     that closes its call is decoded once it does, and found."""

@@ -209,7 +209,8 @@ class RolloutEngine:
             self._steps[cache_key] = mx.compile(step)
         return self._steps[cache_key]
 
-    def _closing_tokens(self, stops: tuple[str, ...]):
+    def closing_tokens(self, stops: tuple[str, ...]):
+        """sampler.closing_tokens(tokenizer, stops), computed once per stop set."""
         if stops not in self._closing:
             self._closing[stops] = closing_tokens(self.tokenizer, stops)
         return self._closing[stops]
@@ -237,7 +238,7 @@ class RolloutEngine:
         out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,
                           pad_id, self.sync_every, entries=entries, compact=self.compact, limits=limits,
                           on_stop=on_stop, on_done=None if on_done is None else partial(on_done, 0), turns=state,
-                          closing=self._closing_tokens(params.stop))
+                          closing=self.closing_tokens(params.stop))
         self.row_steps, self.steps, self.prefilled_tokens = out.row_steps, out.steps, copy.prefilled_tokens
         if turns is not None:
             return None

@@ -51,11 +51,13 @@ TOOL_THREADS = 8
 
 @dataclass(frozen=True)
 class _Ends:
-    """Where a turn ends: after an end token (eos) or a stop string; budget: a completion's tokens."""
+    """Where a turn ends: after an end token (eos) or a stop string; budget: a completion's tokens. closing:
+    sampler.closing_tokens' table for the stop strings, or None."""
 
     eos: frozenset
     stops: tuple[str, ...]
     budget: int
+    closing: np.ndarray | None = None
 
 
 @dataclass
@@ -123,7 +125,8 @@ class MultiTurn:
         # every turn splits its row key into T step keys, whatever its budget: a row's tokens never depend
         # on the other rows of its batch
         turn_params = replace(params, stop=tuple(params.stop) + self.stop_strings)
-        ends = _Ends(frozenset(end_ids(self.tokenizer, params)[0]), turn_params.stop, T)
+        ends = _Ends(frozenset(end_ids(self.tokenizer, params)[0]), turn_params.stop, T,
+                     engine.closing_tokens(turn_params.stop))
         pool = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="mlx-grpo-tool")
         try:
             if engine.uses_copy:  # later turns join the running batch in freed slots
@@ -187,7 +190,7 @@ class MultiTurn:
             row.turn += 1
             return
         eos, room = ends.eos, ends.budget - len(row.ids)
-        end = completion_end(self.tokenizer, ids, eos, ends.stops)
+        end = completion_end(self.tokenizer, ids, eos, ends.stops, ends.closing)
         if end is None or end > room:  # the budget ran out inside the turn
             n, how = min(len(ids), room), "length"
         else:

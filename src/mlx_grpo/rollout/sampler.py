@@ -109,11 +109,18 @@ def text_encoder(tokenizer):
     return encode
 
 
-def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
-    """Number of tokens up to and including the one that completes the first stop string, if any."""
+def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...], closing: np.ndarray | None = None) -> int | None:
+    """Number of tokens up to and including the one that completes the first stop string, if any. closing:
+    closing_tokens' table for stops, whose ids are the only ones that can complete a stop string: the cut is the
+    first of them after which the text holds one (a decode or two, where the search decodes ~log2(len) times)."""
     decode = text_decoder(tokenizer)
     if not stops or not any(s in decode(ids) for s in stops):
         return None
+    if closing is not None:
+        last = len(closing) - 2
+        for n in (i + 1 for i, t in enumerate(ids) if closing[min(t, last)]):
+            if any(s in decode(ids[:n]) for s in stops):
+                return n
     return _first_stop(decode, ids, stops)
 
 
@@ -180,11 +187,12 @@ def make_sampler(params: SamplingParams, eos: mx.array):
     return mx.compile(step)
 
 
-def completion_end(tokenizer, ids: list[int], eos: set[int], stops: tuple[str, ...]) -> int | None:
+def completion_end(tokenizer, ids: list[int], eos: set[int], stops: tuple[str, ...],
+                   closing: np.ndarray | None = None) -> int | None:
     """Tokens of a completion up to and including its first end token, or the token that completes its
-    first stop string before that; None when it has neither (it ran to its length)."""
+    first stop string before that; None when it has neither (it ran to its length). closing: as stop_cut's."""
     end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
-    cut = stop_cut(tokenizer, ids[:end] if end else ids, stops)
+    cut = stop_cut(tokenizer, ids[:end] if end else ids, stops, closing)
     return cut if cut is not None else end
 
 
