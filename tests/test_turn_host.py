@@ -121,6 +121,50 @@ def test_closing_tokens_are_the_ids_writing_a_stops_last_character(tiny):
         def decode(self, ids, **kwargs):
             return super().decode(ids, **kwargs).upper()
     assert closing_tokens(Own(tokenizer_object=tok._tokenizer.backend_tokenizer), ("</calc>",)) is None
+    assert closing_tokens(byte_fallback_tokenizer(), ("</calc>",)) is None  # not byte-level: no table
+
+
+def byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2, Mistral, Gemma): BPE with byte fallback, whose decoder writes a
+    '>' byte followed by a lead byte as two replacement characters until the bytes after it arrive."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "</", "calc", ">", "x", "</calc"]:
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    byte = lambda b: 3 + b  # noqa: E731
+    # the reason: '>' then a lead byte shows no '>' until the continuation bytes come (a later token 'writes' it)
+    ids = [vocab["x"], vocab["</calc"], byte(0x3E), byte(0xE2)]
+    assert ">" not in tok.decode(ids) and "</calc>" in tok.decode(ids + [byte(0x82), byte(0xAC)])
+    return tok
+
+
+def test_a_stop_is_completed_by_a_token_of_the_table(tiny):
+    """The property closing_tokens rests on, checked on sequences of any ids (partial UTF-8 bytes, specials, ids
+    no encode writes): wherever a prefix's text first holds a stop string, its last token is in the table; and
+    stop_cut with the table cuts there."""
+    tok = tiny[1]
+    V = len(tok.get_vocab())
+    rng = np.random.default_rng(3)
+    stop_ids = tok.encode("</calc>", add_special_tokens=False)
+    for stops in [("</calc>",), ("</calc>", "é>", "<|im_end|>x")]:
+        table, found = closing_tokens(tok, stops), 0
+        for _ in range(400):
+            ids = [int(i) for i in rng.integers(0, V, size=int(rng.integers(1, 24)))]
+            at = int(rng.integers(0, len(ids) + 1))
+            ids[at:at] = stop_ids if rng.random() < 0.5 else []
+            cut = stop_cut(tok, ids, stops)
+            if cut is not None:
+                found += 1
+                assert table[ids[cut - 1]], ids
+            assert stop_cut(tok, ids, stops, table) == cut, ids
+        assert found > 100
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -158,6 +202,25 @@ def test_stop_rows_with_the_table_decode_only_rows_that_wrote_a_closing_token(ti
         got = rows_.stopped(ids, filled, np.array([0, 1]))
         assert got.tolist() == [False, sync >= 3]
     assert tok.decoded and all(n <= len(end) for n in tok.decoded)  # row 1 alone, never row 0
+
+
+def test_stop_rows_with_the_table_decode_a_cleared_row_from_where_it_was_cleared(tiny):
+    """A row that writes a closing token without a stop is decoded at that sync, not at the syncs after that add
+    none, and when it writes one again, only its new tail is decoded (the table's clearing moved its clean mark)."""
+    tok = _Counting(tiny[1])
+    rows_ = StopRows(tok, ("</calc>",), closing_tokens(tiny[1], ("</calc>",)))
+    ids, filled = np.full((1, 600), -1, np.int64), np.zeros(1, np.int64)
+    x, gt = (tok.encode(c, add_special_tokens=False)[0] for c in ("x", ">"))
+    decoded_at = []
+    for sync in range(60):
+        piece = [gt] + [x] * 7 if sync in (2, 50) else [x] * 8
+        ids[0, filled[0]:filled[0] + 8] = piece
+        filled[0] += 8
+        before = len(tok.decoded)
+        assert not rows_.stopped(ids, filled, np.array([0]))[0]
+        decoded_at += [sync] * (len(tok.decoded) - before)
+    assert sorted(set(decoded_at)) == [2, 50] and len(decoded_at) == 2
+    assert tok.decoded[-1] <= rows_.scanner.margin + 8  # the tail since sync 49, not the row's 400 tokens
 
 
 class _Counting:
@@ -393,6 +456,16 @@ def test_text_encoder_is_the_tokenizers_encode(tiny):
     texts += ["".join(rng.choice(alphabet, size=n)) for n in [1, 3, 10, 40] * 10]
     for text in texts:
         assert encode(text) == list(tok.encode(text, add_special_tokens=False)), text
+
+    hf = tok._tokenizer
+    hf.split_special_tokens = True  # set after the encoder was made: it follows
+    try:
+        split = encode("<|im_end|>")
+        assert split == list(tok.encode("<|im_end|>", add_special_tokens=False)) and len(split) > 1
+    finally:
+        hf.split_special_tokens = False
+    whole = encode("<|im_end|>")
+    assert whole == list(tok.encode("<|im_end|>", add_special_tokens=False)) and len(whole) == 1
 
     class Shouting(PreTrainedTokenizerFast):
         def encode(self, text, **kwargs):

@@ -71,7 +71,8 @@ class StopRows:
     on Written's rows (a row with no new token is not decoded again, a row already ended is not decoded at all),
     and a row seen stopped stays stopped (its text only grows). The cut (StopScanner.first_stop) is looked
     for only for on_stop, once per row: the first stop string of a row that only grows does not move. With a
-    closing-token table (sampler.closing_tokens), only rows that wrote one of its tokens are decoded at all."""
+    closing-token table (sampler.closing_tokens), only rows that wrote one of its tokens since they were last
+    cleared (or have a gap: a column never written) are decoded at all."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...], closing: np.ndarray | None = None):
         self.scanner = StopScanner(tokenizer, stops)

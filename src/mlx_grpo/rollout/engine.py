@@ -211,6 +211,7 @@ class RolloutEngine:
 
     def closing_tokens(self, stops: tuple[str, ...]):
         """sampler.closing_tokens(tokenizer, stops), computed once per stop set."""
+        stops = tuple(stops)
         if stops not in self._closing:
             self._closing[stops] = closing_tokens(self.tokenizer, stops)
         return self._closing[stops]

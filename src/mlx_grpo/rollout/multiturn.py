@@ -57,7 +57,7 @@ class _Ends:
     eos: frozenset
     stops: tuple[str, ...]
     budget: int
-    closing: np.ndarray | None = None
+    closing: np.ndarray | None = field(default=None, compare=False)  # an array: not in == or hash
 
 
 @dataclass

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from tokenizers import decoders
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -74,12 +75,15 @@ def _decoding_backend(tokenizer):
 def closing_tokens(tokenizer, stops: tuple[str, ...]) -> np.ndarray | None:
     """The ids that can complete one of `stops`, as a table [V + 2] of bool to index with ids: True for each id
     whose own text holds a stop string's last character, and at V (ids past the vocabulary, clipped there); False
-    at the last entry (index -1: a column not yet written). A stop string's last character is written by one
-    token, so a row whose new tokens hold none of these cannot have completed a stop string (StopRows skips its
-    scan). None where that does not hold exactly: a stop string ending in a non-ASCII character (a byte-level
-    token may write part of it) or in white space (decoders strip or merge it), or a decode of its own."""
+    at the last entry (index -1: a column not yet written). With a byte-level decoder (GPT-2's: Llama 3, Qwen,
+    SmolLM) an ASCII character is its byte, which decodes to itself whatever surrounds it, so a stop string ending
+    in one is completed by a token holding that byte, and a prefix's text that holds a stop string keeps it as
+    tokens follow: a row whose new tokens hold none of these has not completed one (StopRows skips its scan).
+    None where that is not known to hold: other decoders (SentencePiece's byte fallback writes a '>' byte before
+    a lead byte as two replacement characters, the '>' appearing only with the bytes after it), stop strings
+    ending in a non-ASCII or white-space character or empty, a decode of its own."""
     backend = _decoding_backend(tokenizer)
-    if not stops or not all(stops) or backend is None:
+    if not stops or not all(stops) or backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
         return None
     lasts = {s[-1] for s in stops}
     if not all(c.isascii() and not c.isspace() for c in lasts):
@@ -100,10 +104,10 @@ def text_encoder(tokenizer):
             and type(hf)._encode_plus is PreTrainedTokenizerFast._encode_plus):
         return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
     backend = hf.backend_tokenizer
-    split = bool(getattr(hf, "split_special_tokens", False))
 
     def encode(text: str) -> list[int]:
-        if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens != split:
+        if (backend.truncation is not None or backend.padding is not None
+                or backend.encode_special_tokens != bool(getattr(hf, "split_special_tokens", False))):
             return list(hf.encode(text, add_special_tokens=False))  # what the wrapper would set first
         return backend.encode(text, add_special_tokens=False).ids
     return encode
@@ -111,25 +115,31 @@ def text_encoder(tokenizer):
 
 def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...], closing: np.ndarray | None = None) -> int | None:
     """Number of tokens up to and including the one that completes the first stop string, if any. closing:
-    closing_tokens' table for stops, whose ids are the only ones that can complete a stop string: the cut is the
-    first of them after which the text holds one (a decode or two, where the search decodes ~log2(len) times)."""
+    closing_tokens' table for stops, whose ids are the only ones that can complete a stop string: the same search
+    over the positions after them only (a decode or two for a tool call's turn, where all positions take
+    ~log2(len))."""
     decode = text_decoder(tokenizer)
     if not stops or not any(s in decode(ids) for s in stops):
         return None
-    if closing is not None:
-        last = len(closing) - 2
-        for n in (i + 1 for i, t in enumerate(ids) if closing[min(t, last)]):
-            if any(s in decode(ids[:n]) for s in stops):
-                return n
-    return _first_stop(decode, ids, stops)
+    if closing is None:
+        return _first_stop(decode, ids, stops)
+    last = len(closing) - 2
+    ends = [i + 1 for i, t in enumerate(ids) if closing[min(t, last)]]
+    return ends[_first_holding(lambda k: decode(ids[:ends[k - 1]]), len(ends), stops) - 1]
 
 
 def _first_stop(decode, ids: list[int], stops: tuple[str, ...]) -> int:
     """stop_cut of ids whose text (decode: text_decoder's) is known to hold a stop string."""
-    lo, hi = 1, len(ids)  # the shortest prefix whose text contains a stop string
+    return _first_holding(lambda n: decode(ids[:n]), len(ids), stops)
+
+
+def _first_holding(text, n: int, stops: tuple[str, ...]) -> int:
+    """The least k in 1..n whose text(k) holds a stop string, text(n) known to: a binary search (a prefix whose text
+    holds a stop string keeps it as tokens follow)."""
+    lo, hi = 1, n
     while lo < hi:
         mid = (lo + hi) // 2
-        if any(s in decode(ids[:mid]) for s in stops):
+        if any(s in text(mid) for s in stops):
             hi = mid
         else:
             lo = mid + 1
