@@ -19,6 +19,10 @@ tests/caller_model.py, writing longer turns; its steps cost little) this is the 
 
 --phases then runs one more batch of each preset on the copy with the loop's parts timed to the device's end
 (phase_times): where a GPU rollout's seconds go (refill copies, admissions, turns handed over, sync waits).
+--unsynced times the same parts on the host alone (no synchronization around them): where the one thread of an
+unprofiled pass spends its time, waits for the device included. --answers inline takes the environment's steps on
+the loop's thread instead of the tool pool (an experiment: the pool's threads share the interpreter with the loop
+that dispatches the decode steps); --switch-interval S sets the interpreter's thread switch interval.
 --cold starts each pass as a trainer's update leaves the engine (its copy rebuilt, MLX's buffer cache emptied).
 --train-minutes M instead trains the tools preset for M minutes (`mlx-grpo train`, the --set items applied) with
 every rollout's loop parts timed as --phases times them: the trainer's passes against the bench's.
@@ -55,7 +59,7 @@ def batches(cfg, n: int) -> list[list]:
 
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False, sync_every: int = 8,
-        draws: int = 1, cold: bool = False) -> dict:
+        draws: int = 1, cold: bool = False, unsynced: bool = False) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26);
     # copy-outside: the loop writing each step's keys/values outside the step (before session 30: a cache copy a step)
     # copy-rebuild: refills rebuilding the batch (compaction gather + concatenation), as before admit_into
@@ -93,7 +97,7 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = F
                     "decode_steps": engine.steps, "row_steps": engine.row_steps,
                     "prefilled_tokens": getattr(engine, "prefilled_tokens", None)})
     if phases:  # one more batch with each part of the loop timed to the device's end (phase_times)
-        with phase_times() as timer:
+        with phase_times(synchronize=not unsynced) as timer:
             t0 = time.perf_counter()
             one(0, drawn[:draws])
             timer["total_s"] = time.perf_counter() - t0
@@ -141,13 +145,14 @@ PHASES = {"decode loop (all)": ("loop", None, "decode_rows"), "first prefill": (
 
 
 @contextmanager
-def phase_times():
+def phase_times(synchronize: bool = True):
     """Within: each of PHASES timed from the device's idle to its end (mx.synchronize on both sides); the loop's
     wait at a sync (its mx.eval: the device finishing the steps queued since the last sync), the decode step's
     dispatch and its mx.async_eval timed on the host alone (on a GPU their device time lands in the next sync's
     wait; on a CPU async_eval computes the step), and each refill's batch, admitted rows and cache capacity. The
     synchronizations take away some overlap: the total is not an unprofiled run's. Yields the record, filled as the
-    loop runs: {label: [seconds, calls]}, "admits": [(batch rows, admitted rows, capacity, in place)]."""
+    loop runs: {label: [seconds, calls]}, "admits": [(batch rows, admitted rows, capacity, in place)].
+    synchronize=False: each part on the host alone, the device's work left to overlap it as unprofiled."""
     import importlib
 
     import mlx_grpo.rollout.loop as loop
@@ -175,7 +180,7 @@ def phase_times():
         if cls is None:  # a module function: patched where the engine imported it
             import mlx_grpo.rollout.engine as owner
         undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, timed_call(label, getattr(owner, name)))
+        setattr(owner, name, timed_call(label, getattr(owner, name), synchronize))
     decoder_cls = importlib.import_module("mlx_grpo.rollout.copy_decoder").CopyDecoder
     undo.append((decoder_cls, "step", decoder_cls.step))
     decoder_cls.step = timed_call("step dispatch", decoder_cls.step, synchronize=False)
@@ -203,6 +208,27 @@ def phase_times():
     finally:
         for owner, name, fn in reversed(undo):
             setattr(owner, name, fn)
+
+
+class InlineExecutor:
+    """--answers inline: multiturn's tool pool replaced by steps taken on the calling thread, each one's Future
+    already done (its result or its exception)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, *args, **kwargs):
+        pass
 
 
 # The decode loop's host parts (--host): label -> the functions (file, name) whose cumulative seconds add up to it
@@ -307,6 +333,10 @@ def main(argv=None) -> None:
     ap.add_argument("--set", dest="items", action="append", default=[], help="config key=value for both presets")
     ap.add_argument("--stop-scan", action="store_true", help="only time the stop-string checks (host work)")
     ap.add_argument("--phases", action="store_true", help="then time the decode loop's parts over one more batch")
+    ap.add_argument("--unsynced", action="store_true", help="with --phases: the parts timed on the host alone")
+    ap.add_argument("--answers", choices=("pool", "inline"), default="pool",
+                    help="inline: environments' steps on the loop's thread (an experiment)")
+    ap.add_argument("--switch-interval", type=float, default=0, help="sys.setswitchinterval (seconds; 0: Python's)")
     ap.add_argument("--host", action="store_true", help="only profile one tools batch's host work on the copy")
     ap.add_argument("--caller", action="store_true", help="the model: the tests' tiny tool caller (for --host)")
     ap.add_argument("--sync-every", type=int, default=8,
@@ -325,6 +355,11 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"--presets: unknown {sorted(unknown)}; choose from plain, prompt, tools")
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    if args.answers == "inline":
+        import mlx_grpo.rollout.multiturn as multiturn_module
+        multiturn_module.ThreadPoolExecutor = InlineExecutor
     if args.caller:
         import tempfile
 
@@ -366,7 +401,7 @@ def main(argv=None) -> None:
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
                                                    args.phases and mode.startswith("copy"), args.sync_every,
-                                                   args.draws, args.cold)
+                                                   args.draws, args.cold, args.unsynced)
             r = result["runs"][f"{name}/{mode}"]
             print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
                   f"{r['tokens_per_s']:.0f} tok/s  "

@@ -442,6 +442,28 @@ def test_tools_bench_times_rollouts_with_and_without_tools(tmp_path):
     assert result["runs"]["plain/copy"]["batches"][0]["tool_call_rate"] == 0
 
 
+def test_tools_bench_inline_answers_decode_the_same_rows_and_unsynced_parts_are_timed(tmp_path):
+    """--answers inline (the environment's steps on the loop's thread) decodes what the pool does: the same
+    steps, calls and lengths; --unsynced times the loop's parts without synchronizing (each part timed, none over
+    the loop)."""
+    runs = {}
+    for answers in ("pool", "inline"):
+        out = tmp_path / f"{answers}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--caller", "--presets", "tools",
+                               "--modes", "copy", "--set", "batch_size=4", "--set", "num_generations=4",
+                               "--set", "max_new_tokens=64", "--batches", "1", "--repeats", "1", "--phases",
+                               "--unsynced", "--answers", answers, "--out", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[answers] = json.loads(out.read_text())["runs"]["tools/copy"]
+    (pool,), (inline,) = runs["pool"]["batches"], runs["inline"]["batches"]
+    for key in ("decode_steps", "row_steps", "tool_calls_mean", "length_mean"):
+        assert pool[key] == inline[key], key
+    assert pool["tool_calls_mean"] > 0
+    phases = runs["inline"]["phases"]
+    assert phases["turns: report"][1] > 0 and 0 < phases["turns: report"][0] < phases["decode loop (all)"][0]
+
+
 def test_tools_bench_profiles_the_host_work_of_a_tool_calling_rollout(tmp_path):
     """--host --caller: one tools batch of the tiny caller on the sampling copy under cProfile, its seconds split
     into the decode loop's refills, stop checks, rows at syncs and turns handed over."""
