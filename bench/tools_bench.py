@@ -223,7 +223,7 @@ class InlineExecutor:
         future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except Exception as e:
+        except BaseException as e:  # as the pool's worker: the future holds whatever the step raised
             future.set_exception(e)
         return future
 
@@ -274,12 +274,12 @@ def host_profile(cfg, model, tokenizer, repeats: int) -> dict:
             "refill_ms": 1e3 * parts["refills"][0] / max(refills, 1)}
 
 
-def train_phases(cfg) -> dict:
+def train_phases(cfg, synchronize: bool = True) -> dict:
     """`mlx-grpo train` of cfg with the decode loop's parts timed (phase_times) in each of its rollouts (decode
     passes): per pass, its seconds, rows, decode steps and each part's seconds and calls; and the run's metrics.
     What a trainer's pass spends beside what the bench's (profiled) pass does. Times the engine of the trainer's
-    own process: in-run evaluation's passes would count among them (eval_every_updates = 0 keeps them out), and
-    rollout_worker = process decodes elsewhere (nothing recorded)."""
+    own process (synchronize: as phase_times'): in-run evaluation's passes would count among them
+    (eval_every_updates = 0 keeps them out), and rollout_worker = process decodes elsewhere (nothing recorded)."""
     from mlx_grpo.commands.train import train
     from mlx_grpo.rollout.engine import RolloutEngine
 
@@ -299,7 +299,7 @@ def train_phases(cfg) -> dict:
 
     RolloutEngine._generate_fused = timed_pass
     try:
-        with phase_times() as timer:
+        with phase_times(synchronize) as timer:
             run_dir = train(cfg)
     finally:
         RolloutEngine._generate_fused = fused
@@ -355,6 +355,8 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"--presets: unknown {sorted(unknown)}; choose from plain, prompt, tools")
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
+    if args.unsynced and not (args.phases or args.train_minutes):
+        ap.error("--unsynced times the parts of --phases or --train-minutes: give one of them")
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     if args.answers == "inline":
@@ -366,7 +368,7 @@ def main(argv=None) -> None:
         args.items.append(f"model_name={write_caller(Path(tempfile.mkdtemp()) / 'caller')}")
     if args.train_minutes:
         result["train"] = train_phases(build_config("train", args.tools, parse_set(
-            args.items + [f"max_minutes={args.train_minutes}", "save_steps=0"])))
+            args.items + [f"max_minutes={args.train_minutes}", "save_steps=0"])), not args.unsynced)
         print(json.dumps(result["train"]))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))

@@ -122,6 +122,11 @@ def test_closing_tokens_are_the_ids_writing_a_stops_last_character(tiny):
             return super().decode(ids, **kwargs).upper()
     assert closing_tokens(Own(tokenizer_object=tok._tokenizer.backend_tokenizer), ("</calc>",)) is None
     assert closing_tokens(byte_fallback_tokenizer(), ("</calc>",)) is None  # not byte-level: no table
+    from tokenizers import Tokenizer, decoders
+    backend = Tokenizer.from_str(tok._tokenizer.backend_tokenizer.to_str())
+    backend.decoder = decoders.Sequence([decoders.ByteLevel()])  # LFM2's tokenizer.json writes it so
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert (closing_tokens(wrapped, ("</calc>", "ab")) == table).all()
 
 
 def byte_fallback_tokenizer():
@@ -202,6 +207,29 @@ def test_stop_rows_with_the_table_decode_only_rows_that_wrote_a_closing_token(ti
         got = rows_.stopped(ids, filled, np.array([0, 1]))
         assert got.tolist() == [False, sync >= 3]
     assert tok.decoded and all(n <= len(end) for n in tok.decoded)  # row 1 alone, never row 0
+
+
+def test_stop_rows_with_the_table_scan_a_row_with_a_gap_as_before(tiny):
+    """A row with a column never written inside its filled ones (which Written does not make today) is scanned as
+    without the table, at every sync from the one that first shows the gap: the same answers, the same cut."""
+    _, tok = tiny
+    stops = ("</calc>",)
+    plain, tabled = StopRows(tok, stops), StopRows(tok, stops, closing_tokens(tok, stops))
+    ids, filled = np.full((2, 200), -1, np.int64), np.zeros(2, np.int64)
+    x = tok.encode("x", add_special_tokens=False)[0]
+    # the stop string's last token alone at sync 8 (a row with a gap decoded after its table clearing would lose it)
+    opening, gt = tok.encode("</calc", add_special_tokens=False), tok.encode(">", add_special_tokens=False)
+    heard = {"plain": [], "tabled": []}
+    for sync in range(12):
+        for r in range(2):
+            piece = {(0, 2): [x, -1, x, x], (0, 7): opening, (0, 8): gt}.get((r, sync), [x] * 4)  # (0, 2): the gap
+            ids[r, filled[r]:filled[r] + len(piece)] = piece
+            filled[r] += len(piece)
+        got = {name: rows_.stopped(ids, filled, np.array([0, 1]), lambda r, row, k=name: heard[k].append((r, row)))
+               for name, rows_ in (("plain", plain), ("tabled", tabled))}
+        np.testing.assert_array_equal(got["plain"], got["tabled"])
+        assert got["tabled"].tolist() == [sync >= 8, False]
+    assert heard["plain"] == heard["tabled"] and len(heard["tabled"]) == 1
 
 
 def test_stop_rows_with_the_table_decode_a_cleared_row_from_where_it_was_cleared(tiny):

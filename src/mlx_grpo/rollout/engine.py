@@ -209,7 +209,7 @@ class RolloutEngine:
             self._steps[cache_key] = mx.compile(step)
         return self._steps[cache_key]
 
-    def closing_tokens(self, stops: tuple[str, ...]):
+    def closing_tokens(self, stops: tuple[str, ...]) -> np.ndarray | None:
         """sampler.closing_tokens(tokenizer, stops), computed once per stop set."""
         stops = tuple(stops)
         if stops not in self._closing:

@@ -1,15 +1,16 @@
 """Sampling one token per row with the row's own key (temperature, top-k / top-p / min-p), the compiled
 per-step sampler of the decode loop (loop.py), where a row ends (end tokens, stop strings found as tokens
-arrive), the text of a row's ids and the ids of a text (text_decoder, text_encoder), and finish_rollout: the
-sampled ids [N, T] cut at each row's end into a Rollout."""
+arrive; closing_tokens: the ids that can complete one), the text of a row's ids and the ids of a text
+(text_decoder, text_encoder), and finish_rollout: the sampled ids [N, T] cut at each row's end into a Rollout."""
 
 from __future__ import annotations
+
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-from tokenizers import decoders
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -72,18 +73,27 @@ def _decoding_backend(tokenizer):
     return hf.backend_tokenizer
 
 
+def _byte_level(backend) -> bool:
+    """Whether the backend's decoder is byte-level: GPT-2's ByteLevel, alone or as a sequence's only decoder."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    if decoder.get("type") == "Sequence" and len(decoder.get("decoders", [])) == 1:
+        decoder = decoder["decoders"][0]
+    return decoder.get("type") == "ByteLevel"
+
+
 def closing_tokens(tokenizer, stops: tuple[str, ...]) -> np.ndarray | None:
     """The ids that can complete one of `stops`, as a table [V + 2] of bool to index with ids: True for each id
     whose own text holds a stop string's last character, and at V (ids past the vocabulary, clipped there); False
     at the last entry (index -1: a column not yet written). With a byte-level decoder (GPT-2's: Llama 3, Qwen,
-    SmolLM) an ASCII character is its byte, which decodes to itself whatever surrounds it, so a stop string ending
-    in one is completed by a token holding that byte, and a prefix's text that holds a stop string keeps it as
-    tokens follow: a row whose new tokens hold none of these has not completed one (StopRows skips its scan).
-    None where that is not known to hold: other decoders (SentencePiece's byte fallback writes a '>' byte before
-    a lead byte as two replacement characters, the '>' appearing only with the bytes after it), stop strings
-    ending in a non-ASCII or white-space character or empty, a decode of its own."""
+    SmolLM; LFM2's, alone in a sequence) an ASCII character is its byte, which decodes to itself whatever
+    surrounds it, so a stop string ending in one is completed by a token holding that byte, and a prefix's text
+    that holds a stop string keeps it as tokens follow: a row whose new tokens hold none of these has not
+    completed one (StopRows skips its scan). None where that is not known to hold: other decoders
+    (SentencePiece's byte fallback writes a '>' byte before a lead byte as two replacement characters, the '>'
+    appearing only with the bytes after it), stop strings ending in a non-ASCII or white-space character or
+    empty, a decode of its own."""
     backend = _decoding_backend(tokenizer)
-    if not stops or not all(stops) or backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+    if not stops or not all(stops) or backend is None or not _byte_level(backend):
         return None
     lasts = {s[-1] for s in stops}
     if not all(c.isascii() and not c.isspace() for c in lasts):
