@@ -75,7 +75,9 @@ def _decoding_backend(tokenizer):
 
 def _byte_level(backend) -> bool:
     """Whether the backend's decoder is byte-level: GPT-2's ByteLevel, alone or as a sequence's only decoder."""
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    if backend.decoder is None:
+        return False
+    decoder = json.loads(backend.decoder.__getstate__())  # the decoder's own JSON, not the whole tokenizer's
     if decoder.get("type") == "Sequence" and len(decoder.get("decoders", [])) == 1:
         decoder = decoder["decoders"][0]
     return decoder.get("type") == "ByteLevel"
