@@ -219,7 +219,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
                      params: SamplingParams, key: mx.array, prefill_text: str = "",
                      sync_every: int = 8, static_cache: bool | None = None,
                      attention_kernel: bool = True, on_stop=None, limits: np.ndarray | None = None,
-                     on_done=None) -> Rollout:
+                     on_done=None, closing: np.ndarray | None = None) -> Rollout:
     """Sample G completions for each of the B prompts; decoding stops once every row has ended. key is
     one key (split into the N = B*G row keys) or the row keys themselves, [N, 2].
 
@@ -229,7 +229,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     on_stop(row, ids): called at the loop's stop-string checks with each row seen stopped and its ids up
     to the stop (multiturn.py starts the row's tool call then). limits [N]: a row counts as done after
     that many tokens (the loop ends sooner; the caller cuts the row there). on_done(done): called at the
-    loop's syncs with [N] bool, the rows ended so far (evaluation's progress bar)."""
+    loop's syncs with [N] bool, the rows ended so far (evaluation's progress bar). closing: sampler.closing_tokens'
+    table for params.stop (the engine's), so that the stop checks decode only rows that can have stopped."""
     eos_ids, pad_id = end_ids(tokenizer, params)
     logits, caches = _prefill(model, prompts, pad_id)
     logits = mx.repeat(logits, group_size, axis=0)  # [N, V]
@@ -244,7 +245,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
         _repeat_caches(caches, group_size)
     forward = partial(decode_step, model) if use_kernel else model
     decoded = decode_rows(ModelDecoder(forward, caches), logits, row_keys, params, tokenizer, eos_ids, pad_id,
-                          sync_every, limits=limits, on_stop=on_stop, on_done=on_done)
+                          sync_every, limits=limits, on_stop=on_stop, on_done=on_done, closing=closing)
     return finish_rows(tokenizer, [prompts], group_size, decoded, eos_ids, pad_id, params, prefill_text)[0]
 
 

@@ -177,7 +177,7 @@ class RolloutEngine:
                 out.append(generate_rollout(self.model, self.tokenizer, prompts, group_size, params, keys,
                                             prefill_text, sync_every=self.sync_every, on_stop=watch,
                                             limits=None if limits is None else limits[first:first + n],
-                                            on_done=progress))
+                                            on_done=progress, closing=self.closing_tokens(params.stop)))
                 first += n
             return out
         return self._generate_fused(jobs, group_size, params, prefill_text, on_stop, turns, limits, on_done)
