@@ -151,7 +151,8 @@ def phase_times(synchronize: bool = True):
     dispatch and its mx.async_eval timed on the host alone (on a GPU their device time lands in the next sync's
     wait; on a CPU async_eval computes the step), and each refill's batch, admitted rows and cache capacity. The
     synchronizations take away some overlap: the total is not an unprofiled run's. Yields the record, filled as the
-    loop runs: {label: [seconds, calls]}, "admits": [(batch rows, admitted rows, capacity, in place)].
+    loop runs: {label: [seconds, calls]}, "admits": [(batch rows, admitted rows, capacity, in place, rows resuming
+    a turn, seconds)].
     synchronize=False: each part on the host alone, the device's work left to overlap it as unprofiled."""
     import importlib
 
@@ -186,13 +187,18 @@ def phase_times(synchronize: bool = True):
     decoder_cls.step = timed_call("step dispatch", decoder_cls.step, synchronize=False)
     admit, admit_into = decoder_cls.admit, decoder_cls.admit_into
 
-    def recorded_admit(self, entries, T):  # the batch after compaction, before the rows are appended
-        timer["admits"].append((int(self.keys.shape[1]), sum(e[2] for e in entries), int(self.keys.shape[3]), False))
-        return admit(self, entries, T)
+    def record(self, entries, in_place: bool, call):  # the batch (after compaction), its rows, the seconds
+        batch, capacity, t0 = int(self.keys.shape[1]), int(self.keys.shape[3]), time.perf_counter()
+        out = call()
+        timer["admits"].append((batch, sum(e[2] for e in entries), capacity, in_place,
+                                sum(e[2] for e in entries if e[3] is not None), time.perf_counter() - t0))
+        return out
 
-    def recorded_admit_into(self, slots, entries):  # the batch, which keeps its size
-        timer["admits"].append((int(self.keys.shape[1]), sum(e[2] for e in entries), int(self.keys.shape[3]), True))
-        return admit_into(self, slots, entries)
+    def recorded_admit(self, entries, T):  # rows appended to the batch
+        return record(self, entries, False, lambda: admit(self, entries, T))
+
+    def recorded_admit_into(self, slots, entries):  # rows written into done rows' slots
+        return record(self, entries, True, lambda: admit_into(self, slots, entries))
     decoder_cls.admit, decoder_cls.admit_into = recorded_admit, recorded_admit_into
 
     class LoopMx:  # the loop's mx with its sync's eval timed (the device finishing the steps queued since the last)
