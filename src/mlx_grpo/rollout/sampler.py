@@ -137,6 +137,8 @@ def stop_cut(tokenizer, ids: list[int], stops: tuple[str, ...], closing: np.ndar
         return _first_stop(decode, ids, stops)
     last = len(closing) - 2
     ends = [i + 1 for i, t in enumerate(ids) if closing[min(t, last)]]
+    if not ends:  # a table not made for these stops: the search over every position
+        return _first_stop(decode, ids, stops)
     return ends[_first_holding(lambda k: decode(ids[:ends[k - 1]]), len(ends), stops) - 1]
 
 
