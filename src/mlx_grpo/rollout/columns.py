@@ -119,7 +119,8 @@ class StopRows:
             self.checked = np.concatenate([self.checked, np.zeros(grow, np.int64)])
             self.gapped = np.concatenate([self.gapped, np.zeros(grow, bool)])
         r, n = rows[slots], filled[rows[slots]]
-        lo, hi = int(self.checked[r].min()), max(int(n.max()), int(self.checked[r].min()))
+        lo = int(self.checked[r].min())
+        hi = max(int(n.max()), lo)
         sub = ids[r, lo:hi]  # the columns new to some row: what a sync reads does not grow with the rows' lengths
         cols = np.arange(lo, hi)[None, :]
         new = (cols >= self.checked[r][:, None]) & (cols < n[:, None])

@@ -64,9 +64,14 @@ def text_decoder(tokenizer):
     return lambda ids: backend.decode(ids, skip_special_tokens=False)
 
 
+def _hugging_face(tokenizer):
+    """The Hugging Face tokenizer itself: mlx-lm's TokenizerWrapper's, or tokenizer."""
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
 def _decoding_backend(tokenizer):
     """The `tokenizers` backend whose decode is tokenizer.decode's, or None (text_decoder's test)."""
-    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    hf = _hugging_face(tokenizer)
     if not (isinstance(hf, PreTrainedTokenizerFast) and type(hf)._decode is PreTrainedTokenizerFast._decode
             and type(hf).decode is PreTrainedTokenizerBase.decode and not hf.clean_up_tokenization_spaces):
         return None
@@ -111,7 +116,7 @@ def text_encoder(tokenizer):
     whose encode is not overridden, no truncation or padding set on the backend, special tokens split as the
     wrapper would): the wrapper builds a batch and its encodings for each call, ~3x the encode of a tool's
     short output, which multi-turn rollouts encode for every call."""
-    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    hf = _hugging_face(tokenizer)
     if not (isinstance(hf, PreTrainedTokenizerFast) and type(hf).encode is PreTrainedTokenizerBase.encode
             and type(hf)._encode_plus is PreTrainedTokenizerFast._encode_plus):
         return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
