@@ -59,14 +59,14 @@ def batches(cfg, n: int) -> list[list]:
 
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False, sync_every: int = 8,
-        draws: int = 1, cold: bool = False, unsynced: bool = False) -> dict:
+        draws: int = 1, cold: bool = False, unsynced: bool = False, turn_wait: int = 8) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26);
     # copy-outside: the loop writing each step's keys/values outside the step (before session 30: a cache copy a step)
     # copy-rebuild: refills rebuilding the batch (compaction gather + concatenation), as before admit_into
     engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute",
                            graph=cfg.rollout.decode_graph, write_in_step=mode not in ("copy-outside", "copy-before"),
                            admit_in_place=mode not in ("copy-rebuild", "copy-before"),
-                           sync_every=sync_every, rows=cfg.rollout.running_rows).refresh(model)
+                           sync_every=sync_every, rows=cfg.rollout.running_rows, turn_wait=turn_wait).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, out = cfg.rollout.num_generations, []
@@ -246,13 +246,13 @@ HOST_PARTS = {"refills": [("rollout/engine.py", "_refill"), ("rollout/copy_decod
               "turns handed over": [("rollout/turns.py", "report"), ("rollout/turns.py", "take")]}
 
 
-def host_profile(cfg, model, tokenizer, repeats: int) -> dict:
+def host_profile(cfg, model, tokenizer, repeats: int, sync_every: int = 8, turn_wait: int = 8) -> dict:
     """One tools batch on the sampling copy: wall seconds (median of `repeats` after a warm-up), then the same
     batch under cProfile: seconds in each of HOST_PARTS, their calls, and the loop's syncs (Written.update calls)."""
     import cProfile
     import pstats
 
-    engine = RolloutEngine(tokenizer, mode="copy").refresh(model)
+    engine = RolloutEngine(tokenizer, mode="copy", sync_every=sync_every, turn_wait=turn_wait).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, examples = cfg.rollout.num_generations, batches(cfg, 1)[0]
@@ -347,6 +347,8 @@ def main(argv=None) -> None:
     ap.add_argument("--caller", action="store_true", help="the model: the tests' tiny tool caller (for --host)")
     ap.add_argument("--sync-every", type=int, default=8,
                     help="decode steps between the loop's syncs (the engine's 8; not --host or --stop-scan)")
+    ap.add_argument("--turn-wait", type=int, default=8,
+                    help="next turns join once 1/N of the running batch is free (the engine's turn_wait)")
     ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
     ap.add_argument("--draws", type=int, default=1, help="batch steps decoded together in each timed pass (the "
                     "trainer's draws_per_pass), in a running batch of --set running_rows=N rows")
@@ -382,7 +384,7 @@ def main(argv=None) -> None:
     if args.host:
         cfg = build_config("train", args.tools, parse_set(args.items))
         model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
-        result["host"] = host_profile(cfg, model, tokenizer, args.repeats)
+        result["host"] = host_profile(cfg, model, tokenizer, args.repeats, args.sync_every, args.turn_wait)
         print(json.dumps(result["host"], indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
@@ -409,7 +411,7 @@ def main(argv=None) -> None:
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
                                                    args.phases and mode.startswith("copy"), args.sync_every,
-                                                   args.draws, args.cold, args.unsynced)
+                                                   args.draws, args.cold, args.unsynced, args.turn_wait)
             r = result["runs"][f"{name}/{mode}"]
             print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
                   f"{r['tokens_per_s']:.0f} tok/s  "

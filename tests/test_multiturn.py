@@ -176,6 +176,27 @@ def test_the_sampling_copy_runs_the_same_episodes(caller_dir, T, sync_every):
     assert sum(calls) >= 4 and len(set(calls)) >= 2  # rows call the tool, a different number of times
 
 
+def test_when_next_turns_join_changes_admissions_not_episodes(caller_dir):
+    """turn_wait (next turns join once 1/turn_wait of the batch is free) moves the copy's admissions, never a
+    row's tokens: each row samples with its own key per step whatever slot and batch it decodes in."""
+    model, tok = load_model(str(caller_dir), "float32")
+    multiturn = _multiturn(tok, max_turns=4, fmt=NanochatFormat(tok))
+    rows = [{"prompt": "k=0", "answer": "5"}] * 3
+    prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
+    keys = mx.random.split(mx.random.key(7), 12)
+    outs, row_steps = {}, {}
+    for wait in (1, 8, 64):
+        engine = RolloutEngine(tok, mode="copy", sync_every=2, turn_wait=wait).refresh(model)
+        outs[wait] = multiturn.generate_many(engine, [(prompts, keys, rows)], 4, SamplingParams(40, 1.0), "")[0]
+        row_steps[wait] = engine.row_steps
+    for wait in (1, 64):
+        assert outs[wait].texts == outs[8].texts and outs[wait].mask.tolist() == outs[8].mask.tolist()
+        assert outs[wait].completion_ids.tolist() == outs[8].completion_ids.tolist()
+        assert np.allclose(np.array(outs[wait].sampler_logprobs), np.array(outs[8].sampler_logprobs), atol=1e-5)
+    assert len(set(row_steps.values())) > 1, row_steps  # the admissions did move
+    assert sum(sum(t.origin == "tool" for t in tr.turns) for tr in outs[8].transcripts) >= 4
+
+
 class Guess(Environment):
     """A guessing game: the secret is the row's answer; the model guesses by its digits."""
 

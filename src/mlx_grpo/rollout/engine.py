@@ -79,17 +79,19 @@ class RolloutEngine:
     the fused CUDA kernel serves, it writes each token's keys/values into the cache in place; False: the loop
     writes them outside the step, which copies the cache every step (for comparisons). admit_in_place: a refill
     writes the rows it admits into done rows' slots where the batch keeps its size; False: it rebuilds the batch
-    (a copy of the cache, for comparisons).
+    (a copy of the cache, for comparisons). turn_wait: rows' next turns join once 1/turn_wait of the running batch
+    is free (loop.decode_rows; the same tokens, other admissions).
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
                  graph: bool = False, keep_turn_cache: bool = True, write_in_step: bool = True,
-                 admit_in_place: bool = True, rows: int = 0):
+                 admit_in_place: bool = True, rows: int = 0, turn_wait: int = 8):
         self.tokenizer = tokenizer
         self.rows = rows
         self.mode = mode
         self.compact = compact
         self.sync_every = sync_every
+        self.turn_wait = turn_wait
         self.graph = graph
         self.keep_turn_cache = keep_turn_cache
         self.write_in_step = write_in_step
@@ -239,7 +241,7 @@ class RolloutEngine:
         out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,
                           pad_id, self.sync_every, entries=entries, compact=self.compact, limits=limits,
                           on_stop=on_stop, on_done=None if on_done is None else partial(on_done, 0), turns=state,
-                          closing=self.closing_tokens(params.stop))
+                          closing=self.closing_tokens(params.stop), turn_wait=self.turn_wait)
         self.row_steps, self.steps, self.prefilled_tokens = out.row_steps, out.steps, copy.prefilled_tokens
         if turns is not None:
             return None

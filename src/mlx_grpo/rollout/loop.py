@@ -82,7 +82,7 @@ class Decoded:
 def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingParams, tokenizer,
                 eos_ids: list[int], pad_id: int, sync_every: int, *, entries: list | None = None,
                 compact: bool = False, limits: np.ndarray | None = None, on_stop=None, on_done=None,
-                turns=None, closing: np.ndarray | None = None) -> Decoded:
+                turns=None, closing: np.ndarray | None = None, turn_wait: int = 8) -> Decoded:
     """Decode rows 0..N-1 from their prefill logits [N, V] (a batch's first rows) to their end; row_keys [rows, 2]
     are every row's key, rows N.. waiting as `entries`. entries: (context, first row, rows, kept turn block or
     None) per context, in row order, those past the first N admitted in freed slots (refill). compact: drop
@@ -91,7 +91,8 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     token or their limit are not scanned), with its ids up to the stop. on_done(finished):
     called at syncs with [rows] bool, the rows ended so far. turns: a turns.TurnRows, rows going on in later
     turns inside this decode (their rows appended to entries and row_keys). closing: sampler.closing_tokens'
-    table for params.stop (rows that wrote none of its tokens are not decoded for stop strings)."""
+    table for params.stop (rows that wrote none of its tokens are not decoded for stop strings). turn_wait: next
+    turns wait until 1/turn_wait of the batch is free (fewer, larger admissions against rows idle longer)."""
     entries = [] if entries is None else entries
     T, N = params.max_new_tokens, logits.shape[0]
     if (compact or turns is not None or any(e[1] >= N for e in entries)) and not decoder.refills:
@@ -148,9 +149,9 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
             admit = []  # refill once enough of the batch is free (a rebuilt batch copies the cache once)
             if queue and not len(live):
                 decoder.make_room(len(entries[queue[0]][0]))  # nothing live: skip ahead to where it fits
-            # a prompt's group waits for a quarter of the batch; a row's next turn for an eighth
+            # a prompt's group waits for a quarter of the batch; a row's next turn for 1/turn_wait of it (an eighth)
             wanted = max(entries[queue[0]][2], target // 4) if queue and entries[queue[0]][2] > 1 \
-                else max(1, target // 8)
+                else max(1, target // turn_wait)
             if queue and (target - len(live) >= wanted or not len(live)):
                 free = target - len(live)
                 while queue and entries[queue[0]][2] <= free and decoder.fits(len(entries[queue[0]][0])):
