@@ -327,6 +327,14 @@ def write_caller(path: Path) -> Path:
         "5": {END: 1.0}})
 
 
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plain", default="configs/arith.toml")
@@ -345,10 +353,11 @@ def main(argv=None) -> None:
     ap.add_argument("--switch-interval", type=float, default=0, help="sys.setswitchinterval (seconds; 0: Python's)")
     ap.add_argument("--host", action="store_true", help="only profile one tools batch's host work on the copy")
     ap.add_argument("--caller", action="store_true", help="the model: the tests' tiny tool caller (for --host)")
-    ap.add_argument("--sync-every", type=int, default=8,
-                    help="decode steps between the loop's syncs (the engine's 8; not --host or --stop-scan)")
-    ap.add_argument("--turn-wait", type=int, default=8,
-                    help="next turns join once 1/N of the running batch is free (the engine's turn_wait)")
+    ap.add_argument("--sync-every", type=positive, default=8,
+                    help="decode steps between the loop's syncs (the engine's 8; not with --train-minutes)")
+    ap.add_argument("--turn-wait", type=positive, default=8,
+                    help="the copy's next turns join once 1/N of the running batch is free (the engine's turn_wait, "
+                         "8; the model mode decodes turns in waves; not with --train-minutes or --stop-scan)")
     ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
     ap.add_argument("--draws", type=int, default=1, help="batch steps decoded together in each timed pass (the "
                     "trainer's draws_per_pass), in a running batch of --set running_rows=N rows")
@@ -363,6 +372,10 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"--presets: unknown {sorted(unknown)}; choose from plain, prompt, tools")
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
+    if args.train_minutes and (args.sync_every != 8 or args.turn_wait != 8):
+        ap.error("--sync-every and --turn-wait set the bench's own engine, not the trainer's (--train-minutes)")
+    if args.stop_scan and args.turn_wait != 8:
+        ap.error("--turn-wait moves admissions: --stop-scan times stop checks alone")
     if args.unsynced and not (args.phases or args.train_minutes):
         ap.error("--unsynced times the parts of --phases or --train-minutes: give one of them")
     if args.switch_interval:
@@ -394,7 +407,7 @@ def main(argv=None) -> None:
         _, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
         stops = multiturn_for(cfg, tokenizer).stop_strings
         result["stop_scan"] = stop_scan_cost(tokenizer, cfg.training.batch_size * cfg.rollout.num_generations,
-                                             cfg.rollout.max_new_tokens, 8, stops)
+                                             cfg.rollout.max_new_tokens, args.sync_every, stops)
         print(json.dumps(result["stop_scan"]))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))

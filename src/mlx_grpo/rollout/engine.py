@@ -79,8 +79,9 @@ class RolloutEngine:
     the fused CUDA kernel serves, it writes each token's keys/values into the cache in place; False: the loop
     writes them outside the step, which copies the cache every step (for comparisons). admit_in_place: a refill
     writes the rows it admits into done rows' slots where the batch keeps its size; False: it rebuilds the batch
-    (a copy of the cache, for comparisons). turn_wait: rows' next turns join once 1/turn_wait of the running batch
-    is free (loop.decode_rows; the same tokens, other admissions).
+    (a copy of the cache, for comparisons). turn_wait: one-row entries (rows' next turns; prompts of one sample)
+    join once target // turn_wait slots of the running batch are free, at least one (loop.decode_rows; the same
+    tokens, other admissions).
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
@@ -90,6 +91,8 @@ class RolloutEngine:
         self.rows = rows
         self.mode = mode
         self.compact = compact
+        if sync_every < 1 or turn_wait < 1:
+            raise ValueError(f"sync_every {sync_every}, turn_wait {turn_wait}: each must be at least 1")
         self.sync_every = sync_every
         self.turn_wait = turn_wait
         self.graph = graph

@@ -91,8 +91,9 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     token or their limit are not scanned), with its ids up to the stop. on_done(finished):
     called at syncs with [rows] bool, the rows ended so far. turns: a turns.TurnRows, rows going on in later
     turns inside this decode (their rows appended to entries and row_keys). closing: sampler.closing_tokens'
-    table for params.stop (rows that wrote none of its tokens are not decoded for stop strings). turn_wait: next
-    turns wait until 1/turn_wait of the batch is free (fewer, larger admissions against rows idle longer)."""
+    table for params.stop (rows that wrote none of its tokens are not decoded for stop strings). turn_wait: one-row
+    entries (next turns, prompts of one sample) wait until target // turn_wait slots are free, at least one (the
+    batch's first size: fewer, larger admissions against rows idle longer)."""
     entries = [] if entries is None else entries
     T, N = params.max_new_tokens, logits.shape[0]
     if (compact or turns is not None or any(e[1] >= N for e in entries)) and not decoder.refills:
@@ -149,7 +150,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
             admit = []  # refill once enough of the batch is free (a rebuilt batch copies the cache once)
             if queue and not len(live):
                 decoder.make_room(len(entries[queue[0]][0]))  # nothing live: skip ahead to where it fits
-            # a prompt's group waits for a quarter of the batch; a row's next turn for 1/turn_wait of it (an eighth)
+            # a prompt's group waits for a quarter of the batch; a single row (a next turn) for 1/turn_wait of it
             wanted = max(entries[queue[0]][2], target // 4) if queue and entries[queue[0]][2] > 1 \
                 else max(1, target // turn_wait)
             if queue and (target - len(live) >= wanted or not len(live)):
