@@ -1,0 +1,104 @@
+"""What a step that feeds k+1 tokens per row costs against the one-token decode step (issue 47, deliver 3:
+drafting pays only if verifying a draft of k tokens costs little more than sampling one): mlx-lm's forward of a
+model of SmolLM2-135M's shape (the embedded default, random weights) on KV caches already holding `--past`
+tokens per row, for T = 1 and the other token counts, at each row count. Both run the same code path (mlx-lm's
+attention on its caches, cuDNN's on CUDA for T > 1), so the ratio, not the seconds, is the measurement: the
+engine's own one-token step is faster (its fused kernel), and a verify step built for it would be too.
+
+With draft_acceptance.py's 1.62 tokens a step (k = 4 from a group's siblings, session 38's completions), drafting
+shortens a pass only if the T = 5 step costs well under 1.62x the T = 1 step.
+
+usage: python bench/verify_step.py [--rows 256,1024] [--past 384] [--tokens 1,3,5,9] [--repeats 5] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import device_name  # noqa: E402
+
+
+def smollm2_shaped(layers: int, dtype) -> llama.Model:
+    """Random weights in SmolLM2-135M's shape: 9 query / 3 KV heads of 64, 576 wide, 49,152 tokens."""
+    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=layers, intermediate_size=1536,
+                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
+                           rope_theta=100000.0, tie_word_embeddings=True)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def filled_caches(model: llama.Model, rows: int, past: int, room: int, dtype) -> list[KVCache]:
+    """One KVCache per layer holding `past` random tokens per row, with room for `room` more (no growth when timed)."""
+    caches = []
+    for _ in model.layers:
+        cache = KVCache()
+        shape = (rows, model.args.num_key_value_heads, past + room, model.args.hidden_size // model.args.num_attention_heads)
+        cache.keys = (mx.random.normal(shape) * 0.1).astype(dtype)
+        cache.values = (mx.random.normal(shape) * 0.1).astype(dtype)
+        cache.offset = past
+        caches.append(cache)
+    mx.eval([c.keys for c in caches] + [c.values for c in caches])
+    return caches
+
+
+def step_seconds(model, caches, rows: int, T: int, past: int, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of one forward of T tokens per row (logits evaluated), the caches rewound after each."""
+    tokens = mx.random.randint(0, model.args.vocab_size, (rows, T))
+    times = []
+    for i in range(warmup + repeats):
+        for c in caches:
+            c.offset = past
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(model(tokens, cache=caches))
+        mx.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="256,1024")
+    ap.add_argument("--past", type=int, default=384, help="tokens already in each row's cache")
+    ap.add_argument("--tokens", default="1,3,5,9", help="tokens fed per row in one step (1: the decode step)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=30, help="fewer for a quick run (the default model has 30)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    rows_list, tokens = [int(r) for r in args.rows.split(",")], [int(t) for t in args.tokens.split(",")]
+    if 1 not in tokens or min(tokens + rows_list) < 1 or args.past < 1:
+        ap.error("--tokens must include 1 (the decode step the others are measured against); counts at least 1")
+    mx.random.seed(args.seed)
+    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    model = smollm2_shaped(args.layers, dtype)
+    out = {"device": device_name(), "command": " ".join(sys.argv), "dtype": str(dtype), "layers": args.layers,
+           "past": args.past, "runs": []}
+    for rows in rows_list:
+        caches = filled_caches(model, rows, args.past, max(tokens), dtype)
+        seconds = {T: step_seconds(model, caches, rows, T, args.past, args.repeats) for T in sorted(tokens)}
+        for T in sorted(tokens):
+            run = {"rows": rows, "tokens": T, "seconds": seconds[T], "vs_one": seconds[T] / seconds[1]}
+            out["runs"].append(run)
+            print(f"{rows} rows, {T} token(s) a row: {seconds[T] * 1e3:.2f} ms, {run['vs_one']:.2f}x the one-token step",
+                  flush=True)
+        del caches
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
