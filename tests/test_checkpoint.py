@@ -286,7 +286,8 @@ def test_the_running_rows_count_up_front_where_a_decode_holds_them(tiny_model_di
     model = load_model(str(tiny_model_dir), "float32")[0]
 
     def room(rows: int) -> None:  # the machine holds `rows` rows of the tests' prompts and completions, no more
-        need = rollout_memory_bytes(model, rows, 96 + 8) + decoder.copy_bytes(model, mx.float32)
+        # (a batch that only shrinks: its compaction holds 1.25x the cache)
+        need = rollout_memory_bytes(model, rows, 96 + 8, 1.25) + decoder.copy_bytes(model, mx.float32)
         monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: need)
 
     room(8)
@@ -319,6 +320,39 @@ def test_the_running_rows_count_up_front_where_a_decode_holds_them(tiny_model_di
         assembly.build_job(_cfg(*ranked))
 
 
+def test_the_copy_s_refills_count_the_cache_copies_they_hold(tiny_model_dir, tmp_path, monkeypatch):
+    """The sampling copy's batch holds more than one cache for a moment: a compaction gathers the kept keys
+    before the values (1.25x), a refill that rebuilds the batch for waiting rows (here next turns) holds the old
+    values beside the new keys and values (1.5x); the model path keeps one."""
+    import mlx.core as mx
+
+    from mlx_grpo.commands import assembly
+    from mlx_grpo.models import decoder
+    from mlx_grpo.models.model_loading import load_model
+    from mlx_grpo.rollout.decode import rollout_memory_bytes
+
+    model = load_model(str(tiny_model_dir), "float32")[0]
+
+    def room(copies: float, engine_copy: bool = True) -> None:  # 8 rows of the tests' prompts and completions
+        need = rollout_memory_bytes(model, 8, 96 + 8, copies) + (decoder.copy_bytes(model, mx.float32)
+                                                                 if engine_copy else 0)
+        monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: need)
+
+    plain = _items(tiny_model_dir, tmp_path, "rollout_engine=copy")  # 2 prompts x 4 samples
+    turns = plain + ["tools=[\"calculator\"]", "max_tool_turns=2"]
+    room(1.0)
+    with pytest.raises(UserError, match=r"^8 rollout rows .* their KV cache \(1.25x while the batch refills\) and "):
+        assembly.build_job(_cfg(*plain))
+    room(1.25)
+    assembly.build_job(_cfg(*plain))
+    with pytest.raises(UserError, match=r"^8 rollout rows .* their KV cache \(1.5x while the batch refills\) and "):
+        assembly.build_job(_cfg(*turns))
+    room(1.5)
+    assembly.build_job(_cfg(*turns))
+    room(1.0, engine_copy=False)
+    assembly.build_job(_cfg(*_items(tiny_model_dir, tmp_path, "rollout_engine=model", *turns[-2:])))
+
+
 def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir, tmp_path, monkeypatch):
     """rollout_worker = process: the worker's copy of the model is part of what the machine must hold."""
     from mlx.utils import tree_flatten
@@ -335,9 +369,15 @@ def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir,
                    "max_prompt_length=96", "rollout_engine=model", "async_rollouts=1",
                    "rollout_correction=token_truncate")
     assert assembly.build_job(_cfg(*items)).source.process is None  # the thread: it fits
-    # the thread's engine decodes as the trainer's would (running_rows)
+    # the thread's engine decodes as the trainer's would (running_rows), on a machine with room for the copy
+    import mlx.core as mx
+
+    from mlx_grpo.models import decoder
+    copy_need = rollout_memory_bytes(model, 8, 96 + 8, 1.25) + decoder.copy_bytes(model, mx.float32)
+    monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: copy_need)
     copy_items = [i for i in items if i != "rollout_engine=model"] + ["rollout_engine=copy", "running_rows=8"]
     assert assembly.build_job(_cfg(*copy_items)).source.engine.rows == 8
+    monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: need + weights // 2)
     with pytest.raises(UserError, match=r"plus 0.0 GB for the rollout process's copy of the model, more than this "
                                         r"machine's .* or rollout_worker = thread"):
         assembly.build_job(_cfg(*items, "rollout_worker=process"))

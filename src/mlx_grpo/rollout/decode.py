@@ -249,11 +249,12 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
     return finish_rows(tokenizer, [prompts], group_size, decoded, eos_ids, pad_id, params, prefill_text)[0]
 
 
-def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None:
+def rollout_memory_bytes(model: nn.Module, rows: int, length: int, kv_copies: float = 1.0) -> int | None:
     """Bytes a rollout of `rows` rows of up to `length` tokens needs at least: its KV caches (the keys and
     values of the layers that keep them, in the compute dtype; a sliding-window layer keeps its window, a
-    recurrent or KV-shared layer none) plus the float32 logits of one decode step, three times over
-    (softmax, sampling). None for a model whose shape the config does not give."""
+    recurrent or KV-shared layer none), kv_copies of them alive at once (the sampling copy's refills), plus the
+    float32 logits of one decode step, three times over (softmax, sampling). None for a model whose shape the
+    config does not give."""
     args = getattr(model, "args", None)
     text = getattr(args, "text_config", None)  # a wrapped language model's (qwen3_5) settings
     arg = text.get if isinstance(text, dict) else (lambda name: getattr(args, name, None))
@@ -266,7 +267,7 @@ def rollout_memory_bytes(model: nn.Module, rows: int, length: int) -> int | None
     itemsize = model.model.embed_tokens.weight.dtype.size if hasattr(model, "model") else 2
     tokens = sum(length if type(c) is KVCache else min(length, c.max_size) if type(c) is RotatingKVCache else 0
                  for c in _leaves(_prompt_caches(model)))
-    return rows * tokens * 2 * kv_heads * head_dim * itemsize + 3 * rows * vocab * 4
+    return int(kv_copies * rows * tokens * 2 * kv_heads * head_dim * itemsize) + 3 * rows * vocab * 4
 
 
 def machine_memory_bytes() -> int | None:
