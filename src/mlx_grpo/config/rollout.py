@@ -47,8 +47,8 @@ class RolloutConfig:
                                   "(default: the first draw's rows), the later ones taking the slots of rows that "
                                   "end, so a pass costs less than its draws one after another where decode is "
                                   "host-bound (a GPU); "
-                                  "configs/prod_tools.toml with 4 (and running_rows = 1024): 36.6 GB at the peak on "
-                                  "an H200.",
+                                  "configs/prod_tools.toml with 4 (and running_rows = 1024): 40.8-45.4 GB at the "
+                                  "peak in its chains on one H200 (sessions 38-40).",
                                   TRAIN, range=">= 1")
     carry_surplus: bool = setting(False, "With dynamic_sampling: up to batch_size - 1 varied groups a batch step drew "
                                   "beyond its batch_size are trained by the next batch step, ahead of its new "
