@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import statistics
 import subprocess
@@ -39,6 +40,14 @@ def peak_during(fn) -> tuple[float, float, object]:
 
 def nbytes(tree) -> int:
     return sum(a.nbytes for _, a in tree_flatten(tree))
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
 
 
 def device_name() -> str:

@@ -48,7 +48,7 @@ from mlx_grpo.rollout.engine import RolloutEngine  # noqa: E402
 from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts, tool_use  # noqa: E402
 from mlx_grpo.rollout.rollout_records import SamplingParams  # noqa: E402
 
-from bench_util import device_name, timed  # noqa: E402
+from bench_util import device_name, positive, timed  # noqa: E402
 
 
 def batches(cfg, n: int) -> list[list]:
@@ -325,14 +325,6 @@ def write_caller(path: Path) -> Path:
         "\n": {"x": 1.0}, "x": {"x": 0.97, "<|python_start|>": 0.02, "5": 0.01}, "<|python_start|>": {"2": 1.0},
         "2": {"+": 1.0}, "+": {"3": 1.0}, "3": {"<|python_end|>": 0.7, "+": 0.3}, "<|output_end|>": {"x": 1.0},
         "5": {END: 1.0}})
-
-
-def positive(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
-    return value
 
 
 def main(argv=None) -> None:

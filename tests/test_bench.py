@@ -523,24 +523,34 @@ def test_sampler_check_forward_is_the_prefix_by_prefix_log_prob(tiny_model_dir):
     np.testing.assert_allclose(forward_logprobs(model, prompt, completion, 0.7), naive, atol=1e-5)
 
 
-def test_verify_step_times_k_plus_one_tokens_on_filled_caches_without_growing_them(tmp_path):
+def test_verify_step_times_k_plus_one_tokens_on_filled_caches_without_growing_them(tmp_path, monkeypatch):
     """bench/verify_step.py: each timed step feeds T tokens per row onto caches holding `past` tokens, rewound
-    after each (the caches never grow: a growth would time a copy); the JSON has a ratio per rows and T."""
+    after each, the caches' buffers a multiple of 256 slots with room for the largest T (a growth would time a
+    copy); the JSON has a ratio and the milliseconds added per rows and T."""
     sys.path.insert(0, str(ROOT / "bench"))
     import mlx.core as mx
     import verify_step
 
     model = verify_step.smollm2_shaped(1, mx.float32)
     caches = verify_step.filled_caches(model, rows=3, past=5, room=4, dtype=mx.float32)
-    buffers = [c.keys for c in caches]
+    assert caches[0].keys.shape == (3, 3, 256, 64) and caches[0].offset == 5
     verify_step.step_seconds(model, caches, rows=3, T=4, past=5, repeats=2, warmup=1)
-    assert [c.offset for c in caches] == [9] and caches[0].keys.shape == buffers[0].shape == (3, 3, 9, 64)
+    assert [c.offset for c in caches] == [9] and caches[0].keys.shape[2] == 256  # rewound before each step
+    with pytest.raises(ValueError, match="do not fit"):
+        verify_step.step_seconds(model, caches, rows=3, T=252, past=5, repeats=1, warmup=0)
+    seen = []
+    filled = verify_step.filled_caches
+    monkeypatch.setattr(verify_step, "filled_caches", lambda *a: seen.append(a) or filled(*a))
     out = tmp_path / "v.json"
-    verify_step.main(["--rows", "2", "--past", "4", "--tokens", "1,3", "--layers", "1", "--repeats", "1",
+    verify_step.main(["--rows", "2", "--past", "254", "--tokens", "1,3", "--layers", "1", "--repeats", "1",
                       "--out", str(out)])
-    runs = json.loads(out.read_text())["runs"]
-    assert [(r["rows"], r["tokens"]) for r in runs] == [(2, 1), (2, 3)] and runs[0]["vs_one"] == 1.0
-    assert all(r["seconds"] > 0 for r in runs)
-    with pytest.raises(SystemExit) as bad:
-        verify_step.main(["--tokens", "3,5"])
-    assert bad.value.code == 2
+    assert [a[1:4] for a in seen] == [(2, 254, 3)]  # room for the largest T
+    result = json.loads(out.read_text())
+    assert result["command"].endswith("--past 254 --tokens 1,3 --layers 1 --repeats 1 --out " + str(out))
+    runs = result["runs"]
+    assert [(r["rows"], r["tokens"], r["slots"]) for r in runs] == [(2, 1, 512), (2, 3, 512)]
+    assert runs[0]["vs_one"] == 1.0 and runs[0]["added_ms"] == 0 and all(r["seconds"] > 0 for r in runs)
+    for bad in (["--tokens", "3,5"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            verify_step.main(bad)
+        assert exit_.value.code == 2

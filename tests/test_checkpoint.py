@@ -286,8 +286,8 @@ def test_the_running_rows_count_up_front_where_a_decode_holds_them(tiny_model_di
     model = load_model(str(tiny_model_dir), "float32")[0]
 
     def room(rows: int) -> None:  # the machine holds `rows` rows of the tests' prompts and completions, no more
-        # (a batch that only shrinks: its compaction holds 1.25x the cache)
-        need = rollout_memory_bytes(model, rows, 96 + 8, 1.25) + decoder.copy_bytes(model, mx.float32)
+        # (on a CPU the copy's step writes a new cache each step: 2x; copy_decoder.cache_copies)
+        need = rollout_memory_bytes(model, rows, 96 + 8, 2.0) + decoder.copy_bytes(model, mx.float32)
         monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: need)
 
     room(8)
@@ -320,10 +320,12 @@ def test_the_running_rows_count_up_front_where_a_decode_holds_them(tiny_model_di
         assembly.build_job(_cfg(*ranked))
 
 
-def test_the_copy_s_refills_count_the_cache_copies_they_hold(tiny_model_dir, tmp_path, monkeypatch):
-    """The sampling copy's batch holds more than one cache for a moment: a compaction gathers the kept keys
-    before the values (1.25x), a refill that rebuilds the batch for waiting rows (here next turns) holds the old
-    values beside the new keys and values (1.5x); the model path keeps one."""
+def test_the_copy_s_cache_copies_count_up_front(tiny_model_dir, tmp_path, monkeypatch):
+    """The sampling copy holds more than one KV cache for a moment: each step, where no fused kernel writes the
+    cache in place (a CPU here), writes a new one while the last step reads the old (2x); with the kernel, a
+    refill that rebuilds the batch for waiting rows (here next turns) holds the old values beside the new keys
+    (1.5x), a compaction the kept rows' keys beside the cache (1.25x at 16 rows, 1.33x at 24: a power of two
+    of rows kept), nothing at 8 rows (never compacted). The model path keeps one."""
     import mlx.core as mx
 
     from mlx_grpo.commands import assembly
@@ -333,23 +335,34 @@ def test_the_copy_s_refills_count_the_cache_copies_they_hold(tiny_model_dir, tmp
 
     model = load_model(str(tiny_model_dir), "float32")[0]
 
-    def room(copies: float, engine_copy: bool = True) -> None:  # 8 rows of the tests' prompts and completions
-        need = rollout_memory_bytes(model, 8, 96 + 8, copies) + (decoder.copy_bytes(model, mx.float32)
-                                                                 if engine_copy else 0)
+    def room(rows: int, copies: float, engine_copy: bool = True) -> None:  # the tests' prompts and completions
+        need = rollout_memory_bytes(model, rows, 96 + 8, copies) + (decoder.copy_bytes(model, mx.float32)
+                                                                    if engine_copy else 0)
         monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: need)
+
+    def refused(items, why):
+        with pytest.raises(UserError, match=r"^\d+ rollout rows .* their KV cache \(" + why + r"\) and logits"):
+            assembly.build_job(_cfg(*items))
 
     plain = _items(tiny_model_dir, tmp_path, "rollout_engine=copy")  # 2 prompts x 4 samples
     turns = plain + ["tools=[\"calculator\"]", "max_tool_turns=2"]
-    room(1.0)
-    with pytest.raises(UserError, match=r"^8 rollout rows .* their KV cache \(1.25x while the batch refills\) and "):
-        assembly.build_job(_cfg(*plain))
-    room(1.25)
+    assert not decoder.steps_write_cache(model)  # no CUDA kernel here
+    room(8, 1.5)
+    refused(plain, r"2x as each step writes it anew")
+    room(8, 2.0)
     assembly.build_job(_cfg(*plain))
-    with pytest.raises(UserError, match=r"^8 rollout rows .* their KV cache \(1.5x while the batch refills\) and "):
-        assembly.build_job(_cfg(*turns))
-    room(1.5)
+    monkeypatch.setattr(decoder, "steps_write_cache", lambda m: True)  # as where the fused kernel serves
+    room(8, 1.0)
+    assembly.build_job(_cfg(*plain))  # 8 rows: never compacted
+    refused(turns, r"1.5x while a refill rebuilds the batch")
+    room(8, 1.5)
     assembly.build_job(_cfg(*turns))
-    room(1.0, engine_copy=False)
+    for batch, copies in ((4, "1.25"), (6, "1.33")):  # 16 rows keep 8 at most; 24 keep 16
+        room(batch * 4, 1.0)
+        refused(plain + [f"batch_size={batch}", "max_train_samples=24"], copies + r"x while the batch is compacted")
+        room(batch * 4, float(copies) + 0.01)
+        assembly.build_job(_cfg(*plain, f"batch_size={batch}", "max_train_samples=24"))
+    room(8, 1.0, engine_copy=False)
     assembly.build_job(_cfg(*_items(tiny_model_dir, tmp_path, "rollout_engine=model", *turns[-2:])))
 
 
@@ -373,7 +386,7 @@ def test_the_rollout_process_s_copy_of_the_model_counts_up_front(tiny_model_dir,
     import mlx.core as mx
 
     from mlx_grpo.models import decoder
-    copy_need = rollout_memory_bytes(model, 8, 96 + 8, 1.25) + decoder.copy_bytes(model, mx.float32)
+    copy_need = rollout_memory_bytes(model, 8, 96 + 8, 2.0) + decoder.copy_bytes(model, mx.float32)
     monkeypatch.setattr(assembly, "machine_memory_bytes", lambda: copy_need)
     copy_items = [i for i in items if i != "rollout_engine=model"] + ["rollout_engine=copy", "running_rows=8"]
     assert assembly.build_job(_cfg(*copy_items)).source.engine.rows == 8

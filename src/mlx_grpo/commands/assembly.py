@@ -29,6 +29,7 @@ from mlx_grpo.models.forward import supports_layer_checkpointing
 from mlx_grpo.models.model_loading import load_model, resolve_model_path
 from mlx_grpo.models.precision import cast_floats, check_rounding, compute_dtype, dtype_name
 from mlx_grpo.rewards.workers import build_reward_set
+from mlx_grpo.rollout.copy_decoder import cache_copies
 from mlx_grpo.rollout.decode import machine_memory_bytes, rollout_memory_bytes
 from mlx_grpo.rollout.engine import RolloutEngine, check_rollout_model, first_prompts, uses_copy
 from mlx_grpo.rollout.loop import MIN_ROWS, rebuilt_rows
@@ -146,7 +147,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     rows = step_rows = cfg.training.batch_size // (world.size if world else 1) * G
     what = f"batch_size {cfg.training.batch_size} x num_generations {G}{per_rank}"
     lower = "num_generations, batch_size or max_new_tokens"
-    first, copies = rows, 1.0
+    first, copies, why = rows, 1.0, ""
     if sampled_by_copy:
         # the batch steps one decode holds (dynamic sampling's pass of draws, else an update's accumulated steps):
         # the copy starts running_rows of them (engine.first_prompts); while rows wait (later prompts, or turns), a
@@ -161,9 +162,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
         if waiting and rebuilt_rows(first) != first:
             what += f", {first} padded to a power of two, at least {MIN_ROWS}, by a refill"
         rows = rebuilt_rows(first) if waiting else first
-        # the cache's copies alive at once (copy_decoder.select, admit): a compaction gathers the kept keys before
-        # the values (1.25x); a refill that rebuilds the batch holds the old values beside the new keys (1.5x)
-        copies = 1.5 if waiting else 1.25
+        copies, why = cache_copies(first, waiting, decoder.steps_write_cache(model))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     need, have = rollout_memory_bytes(model, rows, longest, copies), machine_memory_bytes()
     copy = decoder.copy_bytes(model, dtype) if need and sampled_by_copy else 0
@@ -173,8 +172,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     if need and have and need + copy + worker > have:  # found up front, not by the OOM killer a minute in
         raise UserError(f"{rows} rollout rows ({what}) of up to "
                         f"{longest} tokens need at least {need / 1e9:.1f} GB for "
-                        f"their KV cache" + (f" ({copies:g}x while the batch refills)" if copies > 1 else "")
-                        + " and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
+                        f"their KV cache" + (f" ({copies:.3g}x {why})" if copies > 1 else "") + " and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
                                                        "of the weights" if copy else "")
                         + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model"
                            if worker else "")

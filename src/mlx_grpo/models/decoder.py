@@ -95,15 +95,28 @@ def copy_bytes(model: nn.Module, dtype) -> int:
     return total
 
 
-def build(model: nn.Module, dtype) -> tuple[Spec, dict]:
-    """The sampling copy of `model`'s current weights: (spec, weights), weights a tree of arrays."""
+def spec_of(model: nn.Module) -> Spec:
+    """The copy's shape of `model` (a model `supports` accepts): heads, head size, norms and RoPE."""
     inner = model.model
     attn0 = inner.layers[0].self_attn
     heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
     rows = _dense(attn0.q_proj)[0].shape[0]  # heads x head_dim (qwen2's modules keep no head_dim)
-    spec = Spec(heads=heads, kv_heads=kv_heads, head_dim=rows // heads, scale=attn0.scale,
+    return Spec(heads=heads, kv_heads=kv_heads, head_dim=rows // heads, scale=attn0.scale,
                 eps=inner.layers[0].input_layernorm.eps, rope=attn0.rope, qk_norm=hasattr(attn0, "q_norm"),
                 theta=rope_angles(attn0.rope, rows // heads))
+
+
+def steps_write_cache(model: nn.Module) -> bool:
+    """Whether the copy's decode step writes each token's keys and values into the cache in place (the fused
+    CUDA kernel serves it); otherwise each step writes a new cache while the last step still reads the old."""
+    spec = spec_of(model)
+    return fused_serves(spec, kernel_serves(spec))
+
+
+def build(model: nn.Module, dtype) -> tuple[Spec, dict]:
+    """The sampling copy of `model`'s current weights: (spec, weights), weights a tree of arrays."""
+    inner = model.model
+    spec = spec_of(model)
     layers = []
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp

@@ -5,7 +5,8 @@ fused CUDA kernel serves it writes the token's keys and values into the cache it
 otherwise they are written outside the graph (a copy of the cache while the last step still runs). Between steps
 the batch can change (refills): some slots kept (compaction, a gather), new rows' contexts prefilled into done
 rows' slots in place (admit_into) or appended to the batch (admit, a new cache: `placed`), a row's next turn
-prefilled on its kept KV block (rollout/turns.py), and the cache's blocks handed to the turns.
+prefilled on its kept KV block (rollout/turns.py), and the cache's blocks handed to the turns. cache_copies: how
+many caches those moves hold at once, for the memory check before a run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from mlx_grpo.kernels.cache_write import write_rows
 from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.models.forward import bucket, rows_to_bucket
+from mlx_grpo.rollout.loop import MIN_ROWS, rebuilt_rows
 from mlx_grpo.rollout.turns import prefill_resumed
 
 
@@ -191,3 +193,19 @@ def placed(shape: tuple, blocks: list) -> mx.array:
     for block, row, slot in blocks:
         out[:, row:row + block.shape[1], :, slot:slot + block.shape[3]] = block
     return out
+
+
+def cache_copies(first: int, waiting: bool, writes: bool) -> tuple[float, str]:
+    """The most copies of the sampling copy's KV cache alive at once, at least, for a running batch of `first`
+    rows (rows waiting to join it: later prompts, next turns), and why. writes: its step writes the cache in
+    place (decoder.steps_write_cache); otherwise each step writes a new cache while the last step reads the old
+    (2x). A refill that rebuilds the batch holds the old values beside the new keys (1.5x, CopyDecoder.admit, its
+    admitted rows' blocks besides); a compaction, the kept rows' keys beside the whole cache (CopyDecoder.select:
+    rebuilt_rows(first // 2) kept rows at most; no compaction at MIN_ROWS rows or fewer)."""
+    if not writes:
+        return 2.0, "as each step writes it anew"
+    if waiting:
+        return 1.5, "while a refill rebuilds the batch"
+    if first <= MIN_ROWS:
+        return 1.0, ""
+    return 1 + rebuilt_rows(first // 2) / (2 * first), "while the batch is compacted"

@@ -252,7 +252,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts: list[list[int]], grou
 def rollout_memory_bytes(model: nn.Module, rows: int, length: int, kv_copies: float = 1.0) -> int | None:
     """Bytes a rollout of `rows` rows of up to `length` tokens needs at least: its KV caches (the keys and
     values of the layers that keep them, in the compute dtype; a sliding-window layer keeps its window, a
-    recurrent or KV-shared layer none), kv_copies of them alive at once (the sampling copy's refills), plus the
+    recurrent or KV-shared layer none), kv_copies of them alive at once (copy_decoder.cache_copies), plus the
     float32 logits of one decode step, three times over (softmax, sampling). None for a model whose shape the
     config does not give."""
     args = getattr(model, "args", None)
