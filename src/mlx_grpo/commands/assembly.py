@@ -172,8 +172,8 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     if need and have and need + copy + worker > have:  # found up front, not by the OOM killer a minute in
         raise UserError(f"{rows} rollout rows ({what}) of up to "
                         f"{longest} tokens need at least {need / 1e9:.1f} GB for "
-                        f"their KV cache" + (f" ({copies:.3g}x {why})" if copies > 1 else "") + " and logits" + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy "
-                                                       "of the weights" if copy else "")
+                        f"their KV cache" + (f" ({copies:.3g}x {why})" if copies > 1 else "") + " and logits"
+                        + (f", plus {copy / 1e9:.1f} GB for the rollout engine's copy of the weights" if copy else "")
                         + (f", plus {worker / 1e9:.1f} GB for the rollout process's copy of the model"
                            if worker else "")
                         + f", more than this machine's {have / 1e9:.1f} GB: lower {lower}"
