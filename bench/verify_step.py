@@ -2,8 +2,8 @@
 drafting pays only if verifying a draft of k tokens costs little more than sampling one): mlx-lm's forward of a
 model of SmolLM2-135M's shape (the embedded default, random weights) on KV caches already holding `--past`
 tokens per row, for T = 1 and the other token counts, at each row count. Every T runs on the same caches, whose
-buffers are a multiple of 256 slots as mlx-lm's own are (on CUDA, MLX then runs cuDNN's attention for one-token
-queries too: the same kernel for every T), so the ratio and the milliseconds added, not the seconds, are the
+buffers are a multiple of 256 slots as mlx-lm's own are (on CUDA in bfloat16, MLX then runs cuDNN's attention for
+one-token queries too, once past + 1 >= 256: the same kernel for every T), so the ratio and the milliseconds added, not the seconds, are the
 measurement: the engine's own one-token step is faster (its fused kernel), and a verify step built for it would
 be too; mlx-lm's host work (~10 ms a step on an H200 whatever T) pulls the ratio towards 1. Session 40's records
 came from the first version, whose buffers were past + max(T) slots (T = 1 on MLX's own attention there).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -80,7 +81,8 @@ def step_seconds(model, caches, rows: int, T: int, past: int, repeats: int, warm
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="256,1024")
-    ap.add_argument("--past", type=int, default=384, help="tokens already in each row's cache")
+    ap.add_argument("--past", type=positive, default=384, help="tokens already in each row's cache (255 or more: "
+                    "the one-token step on cuDNN's attention as the others, on CUDA)")
     ap.add_argument("--tokens", default="1,3,5,9", help="tokens fed per row in one step (1: the decode step)")
     ap.add_argument("--repeats", type=positive, default=5)
     ap.add_argument("--layers", type=positive, default=30, help="fewer for a quick run (the default model has 30)")
@@ -88,12 +90,12 @@ def main(argv=None) -> None:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     rows_list, tokens = [int(r) for r in args.rows.split(",")], [int(t) for t in args.tokens.split(",")]
-    if 1 not in tokens or min(tokens + rows_list) < 1 or args.past < 1:
+    if 1 not in tokens or min(tokens + rows_list) < 1:
         ap.error("--tokens must include 1 (the decode step the others are measured against); counts at least 1")
     mx.random.seed(args.seed)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     model = smollm2_shaped(args.layers, dtype)
-    command = " ".join(["bench/verify_step.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    command = shlex.join(["python", "bench/verify_step.py"] + (sys.argv[1:] if argv is None else list(argv)))
     out = {"device": device_name(), "command": command, "mlx": mx.__version__, "dtype": str(dtype),
            "layers": args.layers, "past": args.past, "runs": []}
     for rows in rows_list:

@@ -546,7 +546,8 @@ def test_verify_step_times_k_plus_one_tokens_on_filled_caches_without_growing_th
                       "--out", str(out)])
     assert [a[1:4] for a in seen] == [(2, 254, 3)]  # room for the largest T
     result = json.loads(out.read_text())
-    assert result["command"].endswith("--past 254 --tokens 1,3 --layers 1 --repeats 1 --out " + str(out))
+    assert result["command"] == "python bench/verify_step.py --rows 2 --past 254 --tokens 1,3 --layers 1 --repeats 1 " \
+        f"--out {out}"
     runs = result["runs"]
     assert [(r["rows"], r["tokens"], r["slots"]) for r in runs] == [(2, 1, 512), (2, 3, 512)]
     assert runs[0]["vs_one"] == 1.0 and runs[0]["added_ms"] == 0 and all(r["seconds"] > 0 for r in runs)

@@ -346,9 +346,15 @@ def test_the_copy_s_cache_copies_count_up_front(tiny_model_dir, tmp_path, monkey
 
     plain = _items(tiny_model_dir, tmp_path, "rollout_engine=copy")  # 2 prompts x 4 samples
     turns = plain + ["tools=[\"calculator\"]", "max_tool_turns=2"]
-    assert not decoder.steps_write_cache(model)  # no CUDA kernel here
+    assert not decoder.steps_write_cache(model)  # no CUDA kernel here (nor one for its head size of 16)
     room(8, 1.5)
     refused(plain, r"2x as each step writes it anew")
+    refused(turns, r"2x as each step writes it anew")  # the step's copy, not the refill's, bounds it
+    with monkeypatch.context() as m:  # the fused kernel: served, and not for a RoPE it cannot take by angles
+        m.setattr(decoder, "kernel_serves", lambda spec: True)
+        assert decoder.steps_write_cache(model)
+        m.setattr(decoder, "rope_angles", lambda rope, dim: None)
+        assert not decoder.steps_write_cache(model)
     room(8, 2.0)
     assembly.build_job(_cfg(*plain))
     monkeypatch.setattr(decoder, "steps_write_cache", lambda m: True)  # as where the fused kernel serves

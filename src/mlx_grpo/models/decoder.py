@@ -106,11 +106,16 @@ def spec_of(model: nn.Module) -> Spec:
                 theta=rope_angles(attn0.rope, rows // heads))
 
 
-def steps_write_cache(model: nn.Module) -> bool:
-    """Whether the copy's decode step writes each token's keys and values into the cache in place (the fused
-    CUDA kernel serves it); otherwise each step writes a new cache while the last step still reads the old."""
-    spec = spec_of(model)
+def writes_in_place(spec: Spec) -> bool:
+    """Whether the copy's decode step can write each token's keys and values into the cache in place: the fused
+    CUDA kernel serves it (the engine's write_in_step, its default, then does); otherwise each step writes a new
+    cache while the last step still reads the old."""
     return fused_serves(spec, kernel_serves(spec))
+
+
+def steps_write_cache(model: nn.Module) -> bool:
+    """writes_in_place for `model`'s copy, before any copy is built (the memory check)."""
+    return writes_in_place(spec_of(model))
 
 
 def build(model: nn.Module, dtype) -> tuple[Spec, dict]:

@@ -120,7 +120,7 @@ class CopyDecoder:
     def select(self, pick: mx.array) -> None:
         """Keep the slots `pick` (in that order)."""
         self.keys = self.keys[:, pick]
-        mx.eval(self.keys)  # the old keys go before the values are gathered: at most 1.25x the cache
+        mx.eval(self.keys)  # the old keys go before the values are gathered: 1 + kept / (2 rows) caches (cache_copies)
         self.values = self.values[:, pick]
         self.start = self.start[pick]
 
@@ -196,12 +196,13 @@ def placed(shape: tuple, blocks: list) -> mx.array:
 
 
 def cache_copies(first: int, waiting: bool, writes: bool) -> tuple[float, str]:
-    """The most copies of the sampling copy's KV cache alive at once, at least, for a running batch of `first`
-    rows (rows waiting to join it: later prompts, next turns), and why. writes: its step writes the cache in
-    place (decoder.steps_write_cache); otherwise each step writes a new cache while the last step reads the old
-    (2x). A refill that rebuilds the batch holds the old values beside the new keys (1.5x, CopyDecoder.admit, its
-    admitted rows' blocks besides); a compaction, the kept rows' keys beside the whole cache (CopyDecoder.select:
-    rebuilt_rows(first // 2) kept rows at most; no compaction at MIN_ROWS rows or fewer)."""
+    """A lower bound on the peak number of the sampling copy's KV caches alive at once, and why, for a running
+    batch of `first` rows; waiting: rows wait to join it (later prompts, next turns). writes: its step writes the
+    cache in place (decoder.steps_write_cache); otherwise each step writes a new cache while the last step reads
+    the old (2x). A refill that rebuilds the batch holds the old values beside the new keys (1.5x, CopyDecoder.admit,
+    plus its admitted rows' blocks); a compaction, the kept rows' keys beside the whole cache (CopyDecoder.select:
+    rebuilt_rows(first // 2) kept rows at most; no compaction at MIN_ROWS rows or fewer, where only begin's
+    gather of each prompt's block into its rows adds a little)."""
     if not writes:
         return 2.0, "as each step writes it anew"
     if waiting:

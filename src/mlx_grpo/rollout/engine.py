@@ -230,7 +230,7 @@ class RolloutEngine:
         spec, weights = self._current()
         eos_ids, pad_id = end_ids(self.tokenizer, params)
         kernel = decoder.kernel_serves(spec)
-        writes = self.write_in_step and decoder.fused_serves(spec, kernel)  # in place: no cache copy per step
+        writes = self.write_in_step and decoder.writes_in_place(spec)  # in place: no cache copy per step
         copy = CopyDecoder(spec, weights, self.step_fn(params, tuple(eos_ids), kernel, writes), self.graph, pad_id,
                            writes, self.admit_in_place)
         # An entry is a context, the rows it starts and its kept cache: a prompt's G rows, or (turns) one row's
