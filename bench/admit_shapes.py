@@ -28,20 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from mlx_grpo.models import decoder  # noqa: E402
 
-from bench_util import device_name  # noqa: E402
-
-
-def smollm2_shaped(dtype):
-    """A random-weight model of SmolLM2-135M's shape (the embedded default): 30 layers, 9 query / 3 KV heads of 64."""
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
-                           rope_theta=100000.0, tie_word_embeddings=True)
-    model = llama.Model(args)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return decoder.build(model, dtype)
+from bench_util import device_name, smollm2_shaped  # noqa: E402
 
 
 def matmul_attention(q, k, v, scale, mask):
@@ -63,7 +50,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-    spec, w = smollm2_shaped(dtype)
+    spec, w = decoder.build(smollm2_shaped(30, dtype), dtype)
     L, Hkv, Dh = len(w["layers"]), spec.kv_heads, spec.head_dim
     rng = np.random.default_rng(args.seed)
     # as session 36's refills: 1-240 rows, chunks bucketed, timelines of 512-768 slots

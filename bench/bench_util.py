@@ -50,6 +50,20 @@ def positive(text: str) -> int:
     return value
 
 
+def smollm2_shaped(layers: int, dtype):
+    """A random-weight mlx-lm llama of SmolLM2-135M's shape (the embedded default, 30 layers): 9 query / 3 KV heads
+    of 64, 576 wide, 49,152 tokens."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=layers, intermediate_size=1536,
+                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
+                           rope_theta=100000.0, tie_word_embeddings=True)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
 def device_name() -> str:
     if mx.default_device() == mx.gpu:
         try:

@@ -29,18 +29,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_util import device_name, positive  # noqa: E402
-
-
-def smollm2_shaped(layers: int, dtype) -> llama.Model:
-    """Random weights in SmolLM2-135M's shape: 9 query / 3 KV heads of 64, 576 wide, 49,152 tokens."""
-    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=layers, intermediate_size=1536,
-                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
-                           rope_theta=100000.0, tie_word_embeddings=True)
-    model = llama.Model(args)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
+from bench_util import device_name, positive, smollm2_shaped  # noqa: E402
 
 
 def filled_caches(model: llama.Model, rows: int, past: int, room: int, dtype) -> list[KVCache]:
