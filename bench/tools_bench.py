@@ -23,6 +23,9 @@ tests/caller_model.py, writing longer turns; its steps cost little) this is the 
 unprofiled pass spends its time, waits for the device included. --answers inline takes the environment's steps on
 the loop's thread instead of the tool pool (an experiment: the pool's threads share the interpreter with the loop
 that dispatches the decode steps); --switch-interval S sets the interpreter's thread switch interval.
+--lookahead N makes the copy's syncs read the rows as of N steps before them (the engine's lookahead), their
+host work running while those steps are still on the device; with MLX's CUDA settings that let the host queue
+whole steps (MLX_MAX_MB_PER_BUFFER, MLX_MAX_OPS_PER_BUFFER in the environment) this tests how much of it overlaps.
 --cold starts each pass as a trainer's update leaves the engine (its copy rebuilt, MLX's buffer cache emptied).
 --train-minutes M instead trains the tools preset for M minutes (`mlx-grpo train`, the --set items applied) with
 every rollout's loop parts timed as --phases times them: the trainer's passes against the bench's.
@@ -59,14 +62,15 @@ def batches(cfg, n: int) -> list[list]:
 
 
 def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = False, sync_every: int = 8,
-        draws: int = 1, cold: bool = False, unsynced: bool = False, turn_wait: int = 8) -> dict:
+        draws: int = 1, cold: bool = False, unsynced: bool = False, turn_wait: int = 8, lookahead: int = 0) -> dict:
     # copy-recompute: the sampling copy re-prefilling each later turn's whole context (before session 26);
     # copy-outside: the loop writing each step's keys/values outside the step (before session 30: a cache copy a step)
     # copy-rebuild: refills rebuilding the batch (compaction gather + concatenation), as before admit_into
     engine = RolloutEngine(tokenizer, mode=mode.split("-")[0], keep_turn_cache=mode != "copy-recompute",
                            graph=cfg.rollout.decode_graph, write_in_step=mode not in ("copy-outside", "copy-before"),
                            admit_in_place=mode not in ("copy-rebuild", "copy-before"),
-                           sync_every=sync_every, rows=cfg.rollout.running_rows, turn_wait=turn_wait).refresh(model)
+                           sync_every=sync_every, rows=cfg.rollout.running_rows, turn_wait=turn_wait,
+                           lookahead=lookahead).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, out = cfg.rollout.num_generations, []
@@ -246,13 +250,15 @@ HOST_PARTS = {"refills": [("rollout/engine.py", "_refill"), ("rollout/copy_decod
               "turns handed over": [("rollout/turns.py", "report"), ("rollout/turns.py", "take")]}
 
 
-def host_profile(cfg, model, tokenizer, repeats: int, sync_every: int = 8, turn_wait: int = 8) -> dict:
+def host_profile(cfg, model, tokenizer, repeats: int, sync_every: int = 8, turn_wait: int = 8,
+                 lookahead: int = 0) -> dict:
     """One tools batch on the sampling copy: wall seconds (median of `repeats` after a warm-up), then the same
     batch under cProfile: seconds in each of HOST_PARTS, their calls, and the loop's syncs (Written.update calls)."""
     import cProfile
     import pstats
 
-    engine = RolloutEngine(tokenizer, mode="copy", sync_every=sync_every, turn_wait=turn_wait).refresh(model)
+    engine = RolloutEngine(tokenizer, mode="copy", sync_every=sync_every, turn_wait=turn_wait,
+                           lookahead=lookahead).refresh(model)
     multiturn = multiturn_for(cfg, tokenizer, getattr(getattr(model, "args", None), "model_type", None))
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, stop=tuple(cfg.rollout.stop))
     G, examples = cfg.rollout.num_generations, batches(cfg, 1)[0]
@@ -350,6 +356,10 @@ def main(argv=None) -> None:
     ap.add_argument("--turn-wait", type=positive, default=8,
                     help="the copy's next turns join once 1/N of the running batch is free (the engine's turn_wait, "
                          "8; the model mode decodes turns in waves; not with --train-minutes or --stop-scan)")
+    ap.add_argument("--lookahead", type=int, default=0,
+                    help="the copy's syncs read the rows as of N steps before, their host work beside those steps "
+                         "on the device (the engine's lookahead, 0; below --sync-every; not with --train-minutes "
+                         "or --stop-scan)")
     ap.add_argument("--presets", default="plain,prompt,tools", help="which of plain, prompt, tools to run")
     ap.add_argument("--draws", type=int, default=1, help="batch steps decoded together in each timed pass (the "
                     "trainer's draws_per_pass), in a running batch of --set running_rows=N rows")
@@ -364,10 +374,13 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"--presets: unknown {sorted(unknown)}; choose from plain, prompt, tools")
     result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
-    if args.train_minutes and (args.sync_every != 8 or args.turn_wait != 8):
-        ap.error("--sync-every and --turn-wait set the bench's own engine, not the trainer's (--train-minutes)")
-    if args.stop_scan and args.turn_wait != 8:
-        ap.error("--turn-wait moves admissions: --stop-scan times stop checks alone")
+    if args.train_minutes and (args.sync_every != 8 or args.turn_wait != 8 or args.lookahead):
+        ap.error("--sync-every, --turn-wait and --lookahead set the bench's own engine, not the trainer's "
+                 "(--train-minutes)")
+    if args.stop_scan and (args.turn_wait != 8 or args.lookahead):
+        ap.error("--turn-wait and --lookahead move admissions: --stop-scan times stop checks alone")
+    if not 0 <= args.lookahead < args.sync_every:
+        ap.error(f"--lookahead {args.lookahead}: from 0 to --sync-every - 1 ({args.sync_every - 1})")
     if args.unsynced and not (args.phases or args.train_minutes):
         ap.error("--unsynced times the parts of --phases or --train-minutes: give one of them")
     if args.switch_interval:
@@ -389,7 +402,8 @@ def main(argv=None) -> None:
     if args.host:
         cfg = build_config("train", args.tools, parse_set(args.items))
         model, tokenizer = load_model(cfg.model.model_name, cfg.model.model_dtype)
-        result["host"] = host_profile(cfg, model, tokenizer, args.repeats, args.sync_every, args.turn_wait)
+        result["host"] = host_profile(cfg, model, tokenizer, args.repeats, args.sync_every, args.turn_wait,
+                                      args.lookahead)
         print(json.dumps(result["host"], indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
@@ -416,7 +430,8 @@ def main(argv=None) -> None:
         for mode in args.modes.split(","):
             result["runs"][f"{name}/{mode}"] = run(cfg, model, tokenizer, mode, args.batches, args.repeats,
                                                    args.phases and mode.startswith("copy"), args.sync_every,
-                                                   args.draws, args.cold, args.unsynced, args.turn_wait)
+                                                   args.draws, args.cold, args.unsynced, args.turn_wait,
+                                                   args.lookahead)
             r = result["runs"][f"{name}/{mode}"]
             print(f"{name:5s} {mode:5s} copy={r['uses_copy']} {r['seconds_mean']:.3f} s/batch "
                   f"{r['tokens_per_s']:.0f} tok/s  "

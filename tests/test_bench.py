@@ -446,22 +446,27 @@ def test_tools_bench_times_rollouts_with_and_without_tools(tmp_path):
 
 def test_tools_bench_inline_answers_decode_the_same_rows_and_unsynced_parts_are_timed(tmp_path):
     """--answers inline (the environment's steps on the loop's thread) decodes what the pool does: the same
-    steps, calls and lengths; --unsynced times the loop's parts without synchronizing (each part timed, none over
-    the loop)."""
+    steps, calls and lengths; --lookahead 3 the same calls and lengths in more steps; --unsynced times the loop's
+    parts without synchronizing (each part timed, none over the loop)."""
     runs = {}
-    for answers in ("pool", "inline"):
-        out = tmp_path / f"{answers}.json"
+    for name, extra in (("pool", []), ("inline", ["--answers", "inline"]), ("ahead", ["--lookahead", "3"])):
+        out = tmp_path / f"{name}.json"
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--caller", "--presets", "tools",
                                "--modes", "copy", "--set", "batch_size=4", "--set", "num_generations=4",
                                "--set", "max_new_tokens=64", "--batches", "1", "--repeats", "1", "--phases",
-                               "--unsynced", "--answers", answers, "--out", str(out)],
+                               "--unsynced", *extra, "--out", str(out)],
                               capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[answers] = json.loads(out.read_text())["runs"]["tools/copy"]
-    (pool,), (inline,) = runs["pool"]["batches"], runs["inline"]["batches"]
+        runs[name] = json.loads(out.read_text())["runs"]["tools/copy"]
+    (pool,), (inline,), (ahead,) = (runs[name]["batches"] for name in ("pool", "inline", "ahead"))
     for key in ("decode_steps", "row_steps", "tool_calls_mean", "length_mean"):
         assert pool[key] == inline[key], key
+    assert (ahead["tool_calls_mean"], ahead["length_mean"]) == (pool["tool_calls_mean"], pool["length_mean"])
+    assert ahead["decode_steps"] > pool["decode_steps"]  # ended turns seen 3 steps later
     assert pool["tool_calls_mean"] > 0
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--caller", "--lookahead", "8"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert bad.returncode == 2 and "--lookahead 8: from 0 to --sync-every - 1 (7)" in bad.stderr
     phases = runs["inline"]["phases"]
     assert phases["turns: report"][1] > 0 and 0 < phases["turns: report"][0] < phases["decode loop (all)"][0]
 

@@ -291,6 +291,27 @@ def test_copy_bytes_counts_the_fused_and_merged_matrices(tiny):
     assert decoder.copy_bytes(model, mx.float32) == everything * 4
 
 
+@pytest.mark.parametrize("stop", [(), ("a",)])
+def test_a_sync_that_looks_back_decodes_the_same_rows(tiny, stop):
+    """lookahead: syncs read the rows as of 3 steps before them, so ended rows are dropped and later batch
+    steps' rows admitted later (more steps), each row's tokens and log-probs unchanged (stop strings found later
+    cut where they were)."""
+    model, tok = tiny
+    ends = _many_ends(tok, model.args.vocab_size)
+    params = SamplingParams(40, 1.0, stop=stop)
+    jobs = [(PROMPTS * 2, mx.random.split(mx.random.key(10 + j), 24)) for j in range(3)]
+    outs, steps = {}, {}
+    for ahead in (0, 3):
+        engine = RolloutEngine(ends, mode="copy", sync_every=4, rows=8, lookahead=ahead).refresh(model)
+        outs[ahead], steps[ahead] = engine.generate_many(jobs, 4, params), engine.steps
+    assert steps[3] > steps[0]
+    for a, b in zip(outs[0], outs[3]):
+        assert a.lengths.tolist() == b.lengths.tolist() and a.texts == b.texts
+        assert a.truncated.tolist() == b.truncated.tolist()
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        np.testing.assert_allclose(np.array(a.sampler_logprobs), np.array(b.sampler_logprobs), atol=2e-5)
+
+
 @pytest.mark.parametrize("stop,ignore_eos,rows", [((), False, 0), (("a",), False, 0), ((), True, 0), ((), False, 8),
                                                   ((), False, 40), (("a",), False, 1000), ((), True, 1000)])
 def test_refill_decodes_later_batch_steps_in_freed_slots_with_the_same_tokens(tiny, stop, ignore_eos, rows,

@@ -198,6 +198,32 @@ def test_when_next_turns_join_changes_admissions_not_episodes(caller_dir):
     assert sum(sum(t.origin == "tool" for t in tr.turns) for tr in outs[8].transcripts) >= 4
 
 
+@pytest.mark.parametrize("T,seed", [(40, 7), (14, 6)])
+def test_a_sync_that_looks_back_changes_admissions_not_episodes(caller_dir, T, seed):
+    """lookahead (a sync reads the rows as of a few steps before it, its host work beside the last steps) finds
+    ended turns later and so moves admissions, never a row's tokens or log-probs (T = 14: rows run out of budget
+    inside a turn, which a sync must see as of the step it reads)."""
+    model, tok = load_model(str(caller_dir), "float32")
+    multiturn = _multiturn(tok, max_turns=4, fmt=NanochatFormat(tok))
+    rows = [{"prompt": "k=0", "answer": "5"}] * 3
+    prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
+    keys = mx.random.split(mx.random.key(seed), 12)
+    outs, steps = {}, {}
+    for ahead in (0, 3):
+        engine = RolloutEngine(tok, mode="copy", sync_every=4, turn_wait=1, lookahead=ahead).refresh(model)
+        outs[ahead] = multiturn.generate_many(engine, [(prompts, keys, rows)], 4, SamplingParams(T, 1.0), "")[0]
+        steps[ahead] = engine.steps
+    assert outs[0].texts == outs[3].texts and outs[0].mask.tolist() == outs[3].mask.tolist()
+    assert outs[0].completion_ids.tolist() == outs[3].completion_ids.tolist()
+    assert outs[0].truncated.tolist() == outs[3].truncated.tolist()
+    assert np.allclose(np.array(outs[0].sampler_logprobs), np.array(outs[3].sampler_logprobs), atol=1e-5)
+    assert steps[3] > steps[0], steps  # ended turns were seen later
+    assert sum(sum(t.origin == "tool" for t in tr.turns) for tr in outs[3].transcripts) >= 4
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="lookahead"):
+            RolloutEngine(tok, mode="copy", sync_every=4, lookahead=bad)
+
+
 class Guess(Environment):
     """A guessing game: the secret is the row's answer; the model guesses by its digits."""
 

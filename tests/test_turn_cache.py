@@ -50,9 +50,9 @@ def attending(tmp_path_factory):
 
 
 def _episodes(model, tok, keep: bool, n_prompts: int = 6, G: int = 4, sync_every: int = 4, graph: bool = False,
-              T: int = 64, jobs_of: int = 3, running: int = 0):
+              T: int = 64, jobs_of: int = 3, running: int = 0, lookahead: int = 0):
     """Two (or more) batch steps of n_prompts prompts x G rows: the later steps' prompts refill freed slots
-    (running: running_rows, the batch's first rows). -> (rollouts, the engine)."""
+    (running: running_rows, the batch's first rows; lookahead: the engine's). -> (rollouts, the engine)."""
     fmt = NanochatFormat(tok)
     multiturn = MultiTurn(ToolEnvironment(["calculator"], fmt, max_turns=4), fmt, tok)
     rows = [{"prompt": f"q{i}", "answer": "5"} for i in range(n_prompts)]
@@ -61,7 +61,7 @@ def _episodes(model, tok, keep: bool, n_prompts: int = 6, G: int = 4, sync_every
     jobs = [(prompts[j:j + jobs_of], keys[j * G:(j + jobs_of) * G], rows[j:j + jobs_of])
             for j in range(0, n_prompts, jobs_of)]
     engine = RolloutEngine(tok, mode="copy", sync_every=sync_every, graph=graph, keep_turn_cache=keep,
-                           rows=running).refresh(model)
+                           rows=running, lookahead=lookahead).refresh(model)
     return multiturn.generate_many(engine, jobs, G, SamplingParams(T, 1.0)), engine
 
 
@@ -272,25 +272,30 @@ def test_no_kept_block_outlives_its_admission(attending, monkeypatch):
     assert worst[0] == 0
 
 
-def test_rows_kept_between_syncs_equal_a_whole_assembly(attending, monkeypatch):
+@pytest.mark.parametrize("sync_every,lookahead", [(2, 0), (4, 3)])
+def test_rows_kept_between_syncs_equal_a_whole_assembly(attending, monkeypatch, sync_every, lookahead):
     """columns.Written converts only the columns decoded since the last sync; at every sync of a tool-calling
     decode (rows added by later turns, batches rebuilt by refill and compaction) its rows equal assembling
-    every segment again, and the rollouts equal the re-prefill path's."""
+    every segment again, the open one without the columns a lookahead holds back, and the rollouts equal the
+    re-prefill path's."""
     from mlx_grpo.rollout import columns
 
     checked, update = [], columns.Written.update
 
-    def compared(self, segments, join, n_rows):
-        got = update(self, segments, join, n_rows)
-        want = columns.assemble(segments, join, n_rows, self.T, -1)
+    def compared(self, segments, join, n_rows, hold=0):
+        got = update(self, segments, join, n_rows, hold)
+        *closed, (rows, first, parts) = segments
+        seen = closed + [(rows, first, tuple(p[:len(p) - hold] for p in parts))]
+        want = columns.assemble(seen, join, n_rows, self.T, -1)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
-        checked.append(n_rows)
+        checked.append((n_rows, hold))
         return got
 
     monkeypatch.setattr(columns.Written, "update", compared)
-    outs, _ = _episodes(*attending, True, sync_every=2)
-    assert len(checked) > 10 and checked[-1] > checked[0]  # many syncs, rows added by later turns
+    outs, _ = _episodes(*attending, True, sync_every=sync_every, lookahead=lookahead)
+    assert len(checked) > 10 and checked[-1][0] > checked[0][0]  # many syncs, rows added by later turns
+    assert lookahead in {hold for _, hold in checked} <= {0, lookahead}  # the syncs held columns back
     assert max(_calls(outs)) >= 2
 
 

@@ -53,17 +53,19 @@ class Written:
         self.out = assemble([], np.zeros(0, np.int64), 0, T, -1)
         self.seen: dict[int, int] = {}  # id of a segment's token list -> columns scattered (the lists stay alive)
 
-    def update(self, segments, join: np.ndarray, n_rows: int):
-        """-> assemble(segments, join, n_rows, T, -1): the rows as numpy arrays, owned by this object."""
+    def update(self, segments, join: np.ndarray, n_rows: int, hold: int = 0):
+        """-> assemble(segments, join, n_rows, T, -1): the rows as numpy arrays, owned by this object. hold: the
+        last segment's last `hold` columns are left out (still on the device: the loop's lookahead), taken at a
+        later update."""
         grow = n_rows - len(self.out[3])
         if grow > 0:  # rows the turns added since the last sync
             self.out = tuple(np.concatenate([a, np.full((grow,) + a.shape[1:], -1 if i == 0 else 0, a.dtype)])
                              for i, a in enumerate(self.out))
-        for rows, first, parts in segments:
-            done = self.seen.get(id(parts[0]), 0)
-            if done < len(parts[0]):
-                _scatter(self.out, first, rows, join, tuple(p[done:] for p in parts), done, self.T)
-                self.seen[id(parts[0])] = len(parts[0])
+        for i, (rows, first, parts) in enumerate(segments):
+            done, end = self.seen.get(id(parts[0]), 0), len(parts[0]) - (hold if i == len(segments) - 1 else 0)
+            if done < end:
+                _scatter(self.out, first, rows, join, tuple(p[done:end] for p in parts), done, self.T)
+                self.seen[id(parts[0])] = end
         return self.out
 
 

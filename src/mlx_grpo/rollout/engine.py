@@ -81,20 +81,23 @@ class RolloutEngine:
     writes the rows it admits into done rows' slots where the batch keeps its size; False: it rebuilds the batch
     (a copy of the cache, for comparisons). turn_wait: one-row entries (rows' next turns; prompts of one sample)
     join once target // turn_wait slots of the running batch are free, at least one (loop.decode_rows; the same
-    tokens, other admissions).
+    tokens, other admissions). lookahead: each sync reads the rows as they were that many steps before it, its
+    host work running while those steps are on the device (loop.decode_rows; the same tokens, later admissions).
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,
                  graph: bool = False, keep_turn_cache: bool = True, write_in_step: bool = True,
-                 admit_in_place: bool = True, rows: int = 0, turn_wait: int = 8):
+                 admit_in_place: bool = True, rows: int = 0, turn_wait: int = 8, lookahead: int = 0):
         self.tokenizer = tokenizer
         self.rows = rows
         self.mode = mode
         self.compact = compact
         if sync_every < 1 or turn_wait < 1:
             raise ValueError(f"sync_every {sync_every}, turn_wait {turn_wait}: each must be at least 1")
+        if not 0 <= lookahead < sync_every:
+            raise ValueError(f"lookahead {lookahead}: from 0 to sync_every - 1 ({sync_every - 1})")
         self.sync_every = sync_every
-        self.turn_wait = turn_wait
+        self.turn_wait, self.lookahead = turn_wait, lookahead
         self.graph = graph
         self.keep_turn_cache = keep_turn_cache
         self.write_in_step = write_in_step
@@ -244,7 +247,8 @@ class RolloutEngine:
         out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,
                           pad_id, self.sync_every, entries=entries, compact=self.compact, limits=limits,
                           on_stop=on_stop, on_done=None if on_done is None else partial(on_done, 0), turns=state,
-                          closing=self.closing_tokens(params.stop), turn_wait=self.turn_wait)
+                          closing=self.closing_tokens(params.stop), turn_wait=self.turn_wait,
+                          lookahead=self.lookahead)
         self.row_steps, self.steps, self.prefilled_tokens = out.row_steps, out.steps, copy.prefilled_tokens
         if turns is not None:
             return None

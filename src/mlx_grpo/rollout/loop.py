@@ -20,6 +20,7 @@ its batch; a row that joins later writes its step s's token to column s - join[r
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -82,7 +83,7 @@ class Decoded:
 def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingParams, tokenizer,
                 eos_ids: list[int], pad_id: int, sync_every: int, *, entries: list | None = None,
                 compact: bool = False, limits: np.ndarray | None = None, on_stop=None, on_done=None,
-                turns=None, closing: np.ndarray | None = None, turn_wait: int = 8) -> Decoded:
+                turns=None, closing: np.ndarray | None = None, turn_wait: int = 8, lookahead: int = 0) -> Decoded:
     """Decode rows 0..N-1 from their prefill logits [N, V] (a batch's first rows) to their end; row_keys [rows, 2]
     are every row's key, rows N.. waiting as `entries`. entries: (context, first row, rows, kept turn block or
     None) per context, in row order, those past the first N admitted in freed slots (refill). compact: drop
@@ -93,8 +94,13 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     turns inside this decode (their rows appended to entries and row_keys). closing: sampler.closing_tokens'
     table for params.stop (rows that wrote none of its tokens are not decoded for stop strings). turn_wait: one-row
     entries (next turns, prompts of one sample) wait until target // turn_wait slots are free, at least one (the
-    batch's first size: fewer, larger admissions against rows idle longer)."""
+    batch's first size: fewer, larger admissions against rows idle longer). lookahead (below sync_every): a sync
+    reads the rows as they were that many steps before it, so that its host work (stop checks, turns, refill)
+    runs while the last steps are still on the device; rows that ended in them are seen at the next sync (the
+    same tokens, later admissions)."""
     entries = [] if entries is None else entries
+    if not 0 <= lookahead < sync_every:
+        raise ValueError(f"lookahead {lookahead}: from 0 to sync_every - 1 ({sync_every - 1})")
     T, N = params.max_new_tokens, logits.shape[0]
     if (compact or turns is not None or any(e[1] >= N for e in entries)) and not decoder.refills:
         raise ValueError(f"{type(decoder).__name__} cannot compact, refill or take turns")
@@ -115,6 +121,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     target = N  # refills fill the batch back up to its first size
     token, logprob, entropy, ended = sampler(logits, all_keys[mx.array(rows), 0], mx.zeros((N,), mx.bool_))
     del logits  # the prefill's [N, V]: not held through the decode
+    history = deque([ended], maxlen=lookahead + 1)  # `ended` after each of the last steps since the batch changed
     kstep = mx.ones((N,), dtype=mx.int32)  # each slot's next step key
     segments, columns, opened = [], ([token], [logprob], [entropy]), 0
     rows_so_far = Written(T)  # the rows' tokens at each sync, for the stop strings and the turns
@@ -124,13 +131,16 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     # with turns, the loop also goes on to the sync that hands the last rows to turns.ended
     while s < last or queue or (turns is not None and (turns.pending() or not reported.all())):
         if s % sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
-            mx.eval(ended)
+            # the rows as of `lag` steps ago (history[0]) while the last steps run; all of them at the end
+            lag = lookahead if s < last and len(history) > lookahead else 0
+            seen = history[0] if lag else ended
+            mx.eval(seen)
             if turns is not None:  # next turns of the rows that ended at an earlier sync
                 n_rows, all_keys, join, limit, reported = turns.take(entries, queue, n_rows, T, all_keys, join,
                                                                      limit, reported)
-            done = np.array(ended) | (rows < 0) | (s - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
+            done = np.array(seen) | (rows < 0) | (s - lag - join[np.maximum(rows, 0)] >= limit[np.maximum(rows, 0)])
             # the tokens so far as rows (one host copy per sync, for the stop strings and the turns)
-            written = rows_so_far.update(segments + [(rows, opened, columns)], join, n_rows) \
+            written = rows_so_far.update(segments + [(rows, opened, columns)], join, n_rows, lag) \
                 if params.stop or turns is not None else None
             if params.stop:
                 done |= stops.stopped(written[0], written[3], rows, on_stop, ended=done)
@@ -201,10 +211,12 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                         entries[e] = (*entries[e][:3], None)
                     last = max(last, s - 1 + T)
                 slot_rows = None
+                history = deque([ended], maxlen=lookahead + 1)
         if slot_rows is None or len(slot_rows) != len(rows):  # after a rebuild: the slots' rows on the device
             slot_rows = mx.array(np.maximum(rows, 0))
         row_keys = all_keys[slot_rows, mx.minimum(kstep, T - 1)]
         token, logprob, entropy, ended, kstep = decoder.step(token, row_keys, kstep, ended, sampler)
+        history.append(ended)
         s += 1
         row_steps += len(rows)
         steps += 1
