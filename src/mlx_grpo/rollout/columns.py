@@ -11,7 +11,6 @@ and with sampler.closing_tokens' table decodes only rows whose new tokens can ha
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.rollout.sampler import StopScanner
@@ -27,7 +26,8 @@ def _scatter(out: tuple, first: int, rows: np.ndarray, join: np.ndarray, parts: 
     ok = (cols >= 0) & (cols < T)
     rr = np.broadcast_to(r[:, None], cols.shape)
     for target, part in zip((ids, lps, ents), parts):
-        target[rr[ok], cols[ok]] = np.array(mx.stack(part, axis=1))[real][ok]
+        # stacked on the host: a stack on the device would wait for every step queued after these columns
+        target[rr[ok], cols[ok]] = np.stack([np.array(c) for c in part], axis=1)[real][ok]
     np.maximum.at(filled, rr[ok], cols[ok] + 1)
 
 

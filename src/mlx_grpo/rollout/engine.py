@@ -81,8 +81,9 @@ class RolloutEngine:
     writes the rows it admits into done rows' slots where the batch keeps its size; False: it rebuilds the batch
     (a copy of the cache, for comparisons). turn_wait: one-row entries (rows' next turns; prompts of one sample)
     join once target // turn_wait slots of the running batch are free, at least one (loop.decode_rows; the same
-    tokens, other admissions). lookahead: each sync reads the rows as they were that many steps before it, its
-    host work running while those steps are on the device (loop.decode_rows; the same tokens, later admissions).
+    tokens, other admissions). lookahead: the copy's syncs read the rows as they were that many steps before them,
+    their host work able to run while those steps are on the device (loop.decode_rows; the same tokens, later
+    admissions). turn_wait and lookahead shape the sampling copy's loop; the model path ignores them.
     """
 
     def __init__(self, tokenizer, *, mode: str = "auto", compact: bool = True, sync_every: int = 8,

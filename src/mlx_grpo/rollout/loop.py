@@ -95,9 +95,10 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     table for params.stop (rows that wrote none of its tokens are not decoded for stop strings). turn_wait: one-row
     entries (next turns, prompts of one sample) wait until target // turn_wait slots are free, at least one (the
     batch's first size: fewer, larger admissions against rows idle longer). lookahead (below sync_every): a sync
-    reads the rows as they were that many steps before it, so that its host work (stop checks, turns, refill)
-    runs while the last steps are still on the device; rows that ended in them are seen at the next sync (the
-    same tokens, later admissions)."""
+    before `last` reads the rows as they were that many steps before it, so that its host work (stop checks,
+    turns, refill) can run while the last steps are still on the device; rows that ended in them are seen at the
+    next sync (the same tokens, later admissions; the columns a row writes past its limit, which callers cut,
+    depend on when it is dropped, as they do on sync_every)."""
     entries = [] if entries is None else entries
     if not 0 <= lookahead < sync_every:
         raise ValueError(f"lookahead {lookahead}: from 0 to sync_every - 1 ({sync_every - 1})")
@@ -131,7 +132,8 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     # with turns, the loop also goes on to the sync that hands the last rows to turns.ended
     while s < last or queue or (turns is not None and (turns.pending() or not reported.all())):
         if s % sync_every == 0 or s >= last:  # past `last` every row is done: the queue goes in
-            # the rows as of `lag` steps ago (history[0]) while the last steps run; all of them at the end
+            # the rows as of `lag` steps ago (history[0]) while the last steps run; all of them past `last`, and at
+            # the first sync after a batch change fewer than lookahead steps before (a refill past `last`)
             lag = lookahead if s < last and len(history) > lookahead else 0
             seen = history[0] if lag else ended
             mx.eval(seen)
