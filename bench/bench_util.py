@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import subprocess
@@ -81,3 +82,9 @@ def versions() -> dict:
     import mlx_lm
 
     return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version()}
+
+
+def mlx_settings() -> dict:
+    """MLX's settings from the environment (MLX_*: its CUDA graph limits, cuDNN attention, ...), which a record's
+    command line does not show."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}

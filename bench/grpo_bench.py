@@ -97,7 +97,7 @@ import rollout_bench
 import shapes
 import short_answers
 import train_split
-from bench_util import GB, device_name, nbytes, peak_during, timed, versions
+from bench_util import GB, device_name, mlx_settings, nbytes, peak_during, timed, versions
 
 SECTIONS = ("rollout", "short", "refill", "overlap", "logprob", "train", "split", "chunking", "memory", "step")
 # The options that set a config field: option -> (field, the bench's default). Without --config an option not
@@ -518,6 +518,7 @@ def run_model(args: argparse.Namespace, sections: list[str], argv: list[str] | N
     prompts = encode_prompts(tokenizer, examples[:n_prompts], cfg)
 
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
+              "mlx_settings": mlx_settings(),
               "command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
               "workload": {"model": args.shape or cfg.model.model_name, "random_weights": bool(args.shape),
                            "layers": args.layers or None, "vocab_size": vocab_size(model) if args.shape else None,

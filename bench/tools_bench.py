@@ -51,7 +51,7 @@ from mlx_grpo.rollout.engine import RolloutEngine  # noqa: E402
 from mlx_grpo.rollout.multiturn import encode_prompts, multiturn_for, rollouts, tool_use  # noqa: E402
 from mlx_grpo.rollout.rollout_records import SamplingParams  # noqa: E402
 
-from bench_util import device_name, positive, timed  # noqa: E402
+from bench_util import device_name, mlx_settings, positive, timed  # noqa: E402
 
 
 def batches(cfg, n: int) -> list[list]:
@@ -373,7 +373,7 @@ def main(argv=None) -> None:
     unknown = set(presets) - {"plain", "prompt", "tools"}
     if unknown:
         ap.error(f"--presets: unknown {sorted(unknown)}; choose from plain, prompt, tools")
-    result = {"device": device_name(), "command": " ".join(sys.argv), "runs": {}}
+    result = {"device": device_name(), "command": " ".join(sys.argv), "mlx_settings": mlx_settings(), "runs": {}}
     if args.train_minutes and (args.sync_every != 8 or args.turn_wait != 8 or args.lookahead):
         ap.error("--sync-every, --turn-wait and --lookahead set the bench's own engine, not the trainer's "
                  "(--train-minutes)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ def test_grpo_bench_runs_every_section_on_a_tiny_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(next(out.glob("grpo_bench-*.json")).read_text())
     assert set(record) >= {"rollout", "short", "refill", "overlap", "logprob", "train", "memory", "step", "device", "versions",
-                           "date"}
+                           "date", "mlx_settings"}
+    assert record["mlx_settings"] == {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
     assert record["overlap"]["sequential_s"] > 0 and ("overlapped_s" in record["overlap"]
                                                        or "error" in record["overlap"])
     refill = record["refill"]
@@ -449,15 +451,21 @@ def test_tools_bench_inline_answers_decode_the_same_rows_and_unsynced_parts_are_
     steps, calls and lengths; --lookahead 3 the same calls and lengths in more steps; --unsynced times the loop's
     parts without synchronizing (each part timed, none over the loop)."""
     runs = {}
+    settings = {}
     for name, extra in (("pool", []), ("inline", ["--answers", "inline"]), ("ahead", ["--lookahead", "3"])):
         out = tmp_path / f"{name}.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+        if name == "ahead":  # MLX's settings in the environment go into the record (harmless on a CPU)
+            env["MLX_MAX_OPS_PER_BUFFER"] = "400"
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--caller", "--presets", "tools",
                                "--modes", "copy", "--set", "batch_size=4", "--set", "num_generations=4",
                                "--set", "max_new_tokens=64", "--batches", "1", "--repeats", "1", "--phases",
                                "--unsynced", *extra, "--out", str(out)],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+                              capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[name] = json.loads(out.read_text())["runs"]["tools/copy"]
+        record = json.loads(out.read_text())
+        runs[name], settings[name] = record["runs"]["tools/copy"], record["mlx_settings"]
+    assert settings == {"pool": {}, "inline": {}, "ahead": {"MLX_MAX_OPS_PER_BUFFER": "400"}}
     (pool,), (inline,), (ahead,) = (runs[name]["batches"] for name in ("pool", "inline", "ahead"))
     for key in ("decode_steps", "row_steps", "tool_calls_mean", "length_mean"):
         assert pool[key] == inline[key], key
