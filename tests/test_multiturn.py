@@ -19,6 +19,7 @@ from mlx_grpo.commands import train as run_mod
 from mlx_grpo.config import build_config, parse_set
 from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.model_loading import load_model
+from mlx_grpo.rollout import turns as turns_module
 from mlx_grpo.rollout.engine import RolloutEngine
 from mlx_grpo.rollout.multiturn import MultiTurn
 from mlx_grpo.rollout.rollout_records import SamplingParams
@@ -199,7 +200,7 @@ def test_when_next_turns_join_changes_admissions_not_episodes(caller_dir):
 
 
 @pytest.mark.parametrize("T,seed", [(40, 7), (14, 6)])
-def test_a_sync_that_looks_back_changes_admissions_not_episodes(caller_dir, T, seed):
+def test_a_sync_that_looks_back_changes_admissions_not_episodes(caller_dir, T, seed, monkeypatch):
     """lookahead (a sync reads the rows as of a few steps before it, its host work beside the last steps) finds
     ended turns later and so moves admissions, never a row's tokens or log-probs (T = 14: rows run out of budget
     inside a turn, which a sync must see as of the step it reads)."""
@@ -208,7 +209,14 @@ def test_a_sync_that_looks_back_changes_admissions_not_episodes(caller_dir, T, s
     rows = [{"prompt": "k=0", "answer": "5"}] * 3
     prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
     keys = mx.random.split(mx.random.key(seed), 12)
-    outs, steps = {}, {}
+    outs, steps, waits = {}, {}, []
+    init = turns_module.TurnRows.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        waits.append(self.wait)
+
+    monkeypatch.setattr(turns_module.TurnRows, "__init__", spy)
     for ahead in (0, 3):
         engine = RolloutEngine(tok, mode="copy", sync_every=4, turn_wait=1, lookahead=ahead).refresh(model)
         outs[ahead] = multiturn.generate_many(engine, [(prompts, keys, rows)], 4, SamplingParams(T, 1.0), "")[0]
@@ -218,6 +226,7 @@ def test_a_sync_that_looks_back_changes_admissions_not_episodes(caller_dir, T, s
     assert outs[0].truncated.tolist() == outs[3].truncated.tolist()
     assert np.allclose(np.array(outs[0].sampler_logprobs), np.array(outs[3].sampler_logprobs), atol=1e-5)
     assert steps[3] > steps[0], steps  # ended turns were seen later
+    assert waits == [True, False]  # with lookahead the turns' gathers are queued, not waited for
     assert sum(sum(t.origin == "tool" for t in tr.turns) for tr in outs[3].transcripts) >= 4
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="lookahead"):

@@ -7,7 +7,9 @@ alive until it ends on the GPU, so right after a sync the scatter may still copy
 writes into the cache's own buffer instead: MLX does not see the write, so it is only for a cache no other array
 shares, and no lazily built read of the cache may be pending across it (MLX orders kernels by the buffers they
 output, so it would not order such a read before the write): write_rows evaluates its flag before it returns, and
-the decode loop evaluates every read of the cache (the sync, the turns' blocks) before a refill.
+the decode loop evaluates every read of the cache (the sync, the turns' blocks) before a refill, or at least queues
+it (the turns' blocks with its lookahead): each eval or async_eval ends by committing what it queued, and the one
+stream runs that before anything queued later.
 """
 
 from __future__ import annotations

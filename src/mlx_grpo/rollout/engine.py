@@ -242,7 +242,8 @@ class RolloutEngine:
         # wait for freed slots.
         prompts = [p for job, _ in jobs for p in job]
         entries = [(p, g * G, G, None) for g, p in enumerate(prompts)]
-        state = None if turns is None else TurnRows(turns, self.keep_turn_cache, [len(e[0]) for e in entries], G)
+        state = None if turns is None else TurnRows(turns, self.keep_turn_cache, [len(e[0]) for e in entries], G,
+                                                    wait=not self.lookahead)
         first = first_prompts(len(prompts), len(jobs[0][0]), G, self.rows)
         logits = copy.begin(prompts[:first], [G] * first, params.max_new_tokens)
         out = decode_rows(copy, logits, mx.concatenate([keys for _, keys in jobs]), params, self.tokenizer, eos_ids,

@@ -12,7 +12,7 @@ new rows into the batch (refill, next turns on their kept blocks), `admits_in_pl
 prefill them into the slots of done rows instead (the batch keeps its size; no copy of the cache), `fits` /
 `make_room` place a context in the cache, and `cache` hands the turns their KV blocks. Compaction, refill and
 turns need a decoder that refills. The copy's cache is written behind MLX's back (kernels/cache_write.py): every
-read of it here is evaluated before a refill writes it (the sync's mx.eval, the turns' blocks).
+read of it here is evaluated, or at least queued (the turns' blocks with lookahead), before a refill writes it.
 
 A row's step-t key is its row key split T ways, entry t, whichever slot it decodes in and whatever rows share
 its batch; a row that joins later writes its step s's token to column s - join[row].

@@ -42,10 +42,12 @@ class Kept:
 
 class TurnRows:
     """turns: multiturn's hooks (ended / take / pending). keep: keep each row's cache for its next turn.
-    prompts: the prompts' lengths, each starting G rows."""
+    prompts: the prompts' lengths, each starting G rows. wait: report waits for its sync's gather of kept blocks;
+    False (the loop's lookahead): it only queues it, so the host goes on while the device runs the steps before it
+    (the gather is queued ahead of whatever later writes the cache, on the one stream)."""
 
-    def __init__(self, turns, keep: bool, prompts: list[int], G: int):
-        self.turns, self.keep = turns, keep
+    def __init__(self, turns, keep: bool, prompts: list[int], G: int, wait: bool = True):
+        self.turns, self.keep, self.wait = turns, keep, wait
         self.context_len = [n for n in prompts for _ in range(G)]  # engine row -> its context's length
         self.blocks: dict[int, Kept] = {}  # engine row -> its kept keys and values
 
@@ -81,7 +83,7 @@ class TurnRows:
             # a gather: a block of its own, so the cache's buffer stays free to be written in place
             pick = (mx.array(np.repeat(slots, kept)), mx.array(at))
             block_k, block_v = keys[:, pick[0], :, pick[1]], values[:, pick[0], :, pick[1]]  # [sum kept, layers, Hkv, Dh]
-            mx.eval(block_k, block_v)
+            (mx.eval if self.wait else mx.async_eval)(block_k, block_v)
             offsets = np.concatenate([[0], np.cumsum(kept)[:-1]])
             for (_, r, n), offset in zip(spans, offsets):
                 self.blocks[r] = Kept(block_k, block_v, int(offset), int(n))
