@@ -85,6 +85,6 @@ def versions() -> dict:
 
 
 def mlx_settings() -> dict:
-    """MLX's settings from the environment (MLX_*: its CUDA graph limits, cuDNN attention, ...), which a record's
-    command line does not show."""
+    """The MLX_* variables of the environment (MLX's settings such as its CUDA graph limits and cuDNN attention;
+    this project's MLX_GRPO_* and the distributed launch's too), which a record's command line does not show."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}

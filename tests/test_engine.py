@@ -291,12 +291,13 @@ def test_copy_bytes_counts_the_fused_and_merged_matrices(tiny):
     assert decoder.copy_bytes(model, mx.float32) == everything * 4
 
 
-@pytest.mark.parametrize("stop,ignore_eos,T", [((), False, 40), (("a",), False, 40), ((), True, 41)])
+@pytest.mark.parametrize("stop,ignore_eos,T", [((), False, 40), (("a",), False, 40), ((), True, 42)])
 def test_a_sync_that_looks_back_decodes_the_same_rows(tiny, stop, ignore_eos, T):
     """lookahead: syncs read the rows as of 3 steps before them, so ended rows are dropped and later batch
     steps' rows admitted later (more steps), each row's tokens and log-probs unchanged (stop strings found later
-    cut where they were). ignore_eos, T = 41: every row runs to T, so the waiting rows join at step 41, a sync
-    past `last`, 3 steps before the next regular sync (which then reads the rows without looking back)."""
+    cut where they were). ignore_eos, T = 42: every row runs to T, so the waiting rows join at step 42, a sync
+    past `last`, 2 steps before the next regular sync, which then reads the rows as they are (its history since
+    the refill is shorter than the lookahead); nothing is seen later there (every row ends at T)."""
     model, tok = tiny
     ends = _many_ends(tok, model.args.vocab_size)
     params = SamplingParams(T, 1.0, stop=stop, ignore_eos=ignore_eos)

@@ -11,14 +11,18 @@ and with sampler.closing_tokens' table decodes only rows whose new tokens can ha
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_grpo.rollout.sampler import StopScanner
 
 
-def _scatter(out: tuple, first: int, rows: np.ndarray, join: np.ndarray, parts: tuple, offset: int, T: int) -> None:
+def _scatter(out: tuple, first: int, rows: np.ndarray, join: np.ndarray, parts: tuple, offset: int, T: int,
+             on_host: bool = False) -> None:
     """Write columns offset, offset + 1, ... of one segment (parts: token, log-prob, entropy columns, each a
-    list of [slots] arrays) into out = (ids, log-probs, entropies, filled)."""
+    list of [slots] arrays) into out = (ids, log-probs, entropies, filled). on_host: stack the columns on the
+    host (a stack on the device would wait for every step queued after them: the loop's lookahead); otherwise
+    on the device, one host copy per part (a host copy of each column costs a copy into host memory each)."""
     ids, lps, ents, filled = out
     real = np.flatnonzero(rows >= 0)
     r = rows[real]
@@ -26,8 +30,8 @@ def _scatter(out: tuple, first: int, rows: np.ndarray, join: np.ndarray, parts: 
     ok = (cols >= 0) & (cols < T)
     rr = np.broadcast_to(r[:, None], cols.shape)
     for target, part in zip((ids, lps, ents), parts):
-        # stacked on the host: a stack on the device would wait for every step queued after these columns
-        target[rr[ok], cols[ok]] = np.stack([np.array(c) for c in part], axis=1)[real][ok]
+        stacked = np.stack([np.array(c) for c in part], axis=1) if on_host else np.array(mx.stack(part, axis=1))
+        target[rr[ok], cols[ok]] = stacked[real][ok]
     np.maximum.at(filled, rr[ok], cols[ok] + 1)
 
 
@@ -64,7 +68,7 @@ class Written:
         for i, (rows, first, parts) in enumerate(segments):
             done, end = self.seen.get(id(parts[0]), 0), len(parts[0]) - (hold if i == len(segments) - 1 else 0)
             if done < end:
-                _scatter(self.out, first, rows, join, tuple(p[done:end] for p in parts), done, self.T)
+                _scatter(self.out, first, rows, join, tuple(p[done:end] for p in parts), done, self.T, hold > 0)
                 self.seen[id(parts[0])] = end
         return self.out
 
