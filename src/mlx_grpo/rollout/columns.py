@@ -22,7 +22,8 @@ def _scatter(out: tuple, first: int, rows: np.ndarray, join: np.ndarray, parts: 
     """Write columns offset, offset + 1, ... of one segment (parts: token, log-prob, entropy columns, each a
     list of [slots] arrays) into out = (ids, log-probs, entropies, filled). on_host: stack the columns on the
     host (a stack on the device would wait for every step queued after them: the loop's lookahead); otherwise
-    on the device, one host copy per part (a host copy of each column costs a copy into host memory each)."""
+    on the device, one host copy per part (on CUDA each array read on the host is first moved to host-visible
+    memory: one move per part, not per column)."""
     ids, lps, ents, filled = out
     real = np.flatnonzero(rows >= 0)
     r = rows[real]
