@@ -1,14 +1,17 @@
 """The tables of docs/learning.md from what bench/learning_run.sh wrote: greedy accuracy of the base and the
-trained model with 95% Wilson intervals, and the collapse figures at the end of training (mean completion
-length, share of completions with empty reasoning, entropy).
+trained model with 95% Wilson intervals; each run's trained model against the model it started from (its warm
+start, else the base), paired on the questions with an exact McNemar test, and pooled over the runs given; and
+the collapse figures at the end of training (mean completion length, share of completions with empty
+reasoning, entropy).
 
-usage: python bench/learning_report.py OUT_DIR    (OUT_DIR as given to learning_run.sh, or a bench/records folder,
-whose per-question evaluations are kept as .csv: one row per question, no completions)
+usage: python bench/learning_report.py OUT_DIR [OUT_DIR ...]    (OUT_DIR as given to learning_run.sh, or a
+bench/records folder, whose per-question evaluations are kept as .csv: one row per question, no completions)
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import sys
@@ -37,14 +40,55 @@ def eval_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def question(row: dict) -> str:
+    """A question's key: a record's `q`, else the first 12 hex digits of the SHA-1 of its prompt (what the records'
+    .csv files keep in `q`)."""
+    return row["q"] if "q" in row else hashlib.sha1(row["prompt"].encode()).hexdigest()[:12]
+
+
+def mcnemar(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value of b questions only the second model solves and c only the first: under
+    no difference each of the b + c is either way with probability 1/2; twice the smaller tail, at most 1."""
+    n = b + c
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n)
+
+
+def paired(before: list[dict], after: list[dict]) -> tuple[int, int, int, int, int]:
+    """Two evaluations of the same questions in the same order -> (questions, solved before, solved after, solved
+    only after, solved only before)."""
+    if [question(r) for r in before] != [question(r) for r in after]:
+        raise ValueError("the two evaluations are not of the same questions in the same order")
+    pairs = [(bool(x["correct"]), bool(y["correct"])) for x, y in zip(before, after)]
+    return (len(pairs), sum(x for x, _ in pairs), sum(y for _, y in pairs), sum(y and not x for x, y in pairs),
+            sum(x and not y for x, y in pairs))
+
+
+def p_text(p: float) -> str:
+    """0.39, 0.004, 4e-7: two significant digits down to 0.001, one below."""
+    if p >= 0.001:
+        return f"{float(f'{p:.2g}'):g}"
+    mantissa, exponent = f"{p:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def rate(k: int, n: int) -> str:
+    """k/n = x% [95% Wilson interval]."""
+    lo, hi = wilson(k, n)
+    return f"{k}/{n} = {100 * k / n:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def paired_row(name: str, counts: tuple[int, int, int, int, int]) -> str:
+    n, before, after, only_after, only_before = counts
+    return (f"| {name} | {rate(before, n)} -> {rate(after, n)} | {100 * (after - before) / n:+.1f} | "
+            f"{only_after} / {only_before}, p = {p_text(mcnemar(only_after, only_before))} |")
+
+
 def accuracy_row(name: str, path: Path) -> str:
     rows = eval_rows(path)
     n = len(rows)
     cells = []
     for key in ("correct", "lenient", "formatted"):
-        k = sum(bool(r[key]) for r in rows)
-        lo, hi = wilson(k, n)
-        cells.append(f"{k}/{n} = {100 * k / n:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]")
+        cells.append(rate(sum(bool(r[key]) for r in rows), n))
     # runs with tools record each answer's calls; "-" where the run had none to call
     calls = sum(bool(r.get("tool_calls")) for r in rows)
     cells.append(f"{100 * calls / n:.1f}%" if any("tool_calls" in r for r in rows) else "-")
@@ -80,19 +124,36 @@ def collapse_row(name: str, run: Path) -> str:
             f"{sum(m['time_step_s'] for m in metrics) / 60:.1f} min, median {times[len(times) // 2]:.1f} s |")
 
 
-def main(out: Path) -> None:
-    """One accuracy row per evaluation bench/learning_run.sh wrote (<recipe>-s<seed>-<stage>.jsonl, or .csv)."""
+def main(outs: list[Path]) -> None:
+    """One accuracy row per evaluation bench/learning_run.sh wrote (<recipe>-s<seed>-<stage>.jsonl, or .csv) in
+    each folder; then each trained model paired with the model it started from, pooled when there are several."""
     print("| recipe, seed | model | exact match (<answer>) [95% CI] | lenient (last number) | formatted | "
           "called a tool |")
     print("|---|---|---|---|---|---|")
     stages = ("base", "sft", "trained")
-    found = [*out.glob("*-s*-*.jsonl"), *out.glob("*-s*-*.csv")]
-    for path in sorted(found, key=lambda p: (p.name.rsplit("-", 1)[0], stages.index(
-            p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1] in stages else 9)):
-        tag, stage = path.stem.rsplit("-", 1)
-        if stage in stages:
-            print(accuracy_row(f"{tag} | {stage}", path))
+    runs: dict[str, dict[str, Path]] = {}  # recipe-seed (and its folder, if several) -> stage -> evaluation
+    for out in outs:
+        found = [*out.glob("*-s*-*.jsonl"), *out.glob("*-s*-*.csv")]
+        for path in sorted(found, key=lambda p: (p.name.rsplit("-", 1)[0], stages.index(
+                p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1] in stages else 9)):
+            tag, stage = path.stem.rsplit("-", 1)
+            if stage in stages:
+                print(accuracy_row(f"{tag} | {stage}", path))
+                runs.setdefault(tag if len(outs) == 1 else f"{tag} ({out})", {})[stage] = path
+    rows = [(tag, stage, paired(eval_rows(found[stage]), eval_rows(found["trained"])))
+            for tag, found in runs.items() if "trained" in found
+            for stage in [s for s in ("sft", "base") if s in found][:1]]
+    if rows:
+        print("\n| recipe, seed | from -> trained, exact match | gain (points) | paired: only trained / only "
+              "before |")
+        print("|---|---|---|---|")
+        for tag, stage, counts in rows:
+            print(paired_row(f"{tag}, {stage} -> trained", counts))
+        if len(rows) > 1:
+            print(paired_row("pooled", tuple(sum(c[i] for _, _, c in rows) for i in range(5))))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if len(sys.argv) < 2:
+        sys.exit("usage: python bench/learning_report.py OUT_DIR [OUT_DIR ...]")
+    main([Path(a) for a in sys.argv[1:]])

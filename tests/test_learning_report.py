@@ -1,0 +1,65 @@
+"""bench/learning_report.py's paired comparison, against references written from the formulas: the exact McNemar
+test (the binomial outcomes at least as far from an even split as the one observed), the pairing of two
+evaluations of the same questions, and the published figures of the calculator chains recomputed from their
+records' per-question files."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("learning_report", ROOT / "bench" / "learning_report.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+def mcnemar_reference(b: int, c: int) -> float:
+    """P(X as far or farther from (b + c) / 2 than b) for X ~ Binomial(b + c, 1/2), capped at 1."""
+    n = b + c
+    far = abs(b - n / 2)
+    return min(1.0, sum(math.comb(n, i) / 2 ** n for i in range(n + 1) if abs(i - n / 2) >= far))
+
+
+@pytest.mark.parametrize("b,c", [(0, 0), (1, 0), (0, 5), (3, 3), (7, 2), (78, 34), (84, 30), (162, 64), (56, 50)])
+def test_mcnemar_is_the_binomial_tail_of_the_discordant_pairs(report, b, c):
+    assert report.mcnemar(b, c) == pytest.approx(mcnemar_reference(b, c), rel=1e-12, abs=1e-300)
+    assert report.mcnemar(b, c) == report.mcnemar(c, b)
+
+
+def test_p_values_are_written_as_the_docs_write_them(report):
+    assert [report.p_text(p) for p in (1.0, 0.39, 0.0799, 0.004, 0.0012, 4.25e-7, 5.52e-11, 3.9e-5)] == \
+        ["1", "0.39", "0.08", "0.004", "0.0012", "4e-7", "6e-11", "4e-5"]
+
+
+def test_pairs_are_the_same_questions_in_order(report):
+    before = [{"prompt": p, "correct": c} for p, c in (("a", 1), ("b", 0), ("c", 0), ("d", 1))]
+    after = [{"q": hashlib.sha1(p.encode()).hexdigest()[:12], "correct": c}
+             for p, c in (("a", 0), ("b", 1), ("c", 1), ("d", 1))]  # a record's .csv keys its questions by q
+    assert report.paired(before, after) == (4, 2, 3, 2, 1)
+    with pytest.raises(ValueError, match="same questions in the same order"):
+        report.paired(before, after[::-1])
+
+
+def test_the_published_calculator_chains_come_out_of_their_records():
+    """docs/learning.md's seed-42 and seed-7 rows as shipped and their pooled row, from the records' .csv files."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "learning_report.py"),
+                          "bench/records/h200-session38-20261129/chain", "bench/records/h200-session41-20261129/chain"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
+    assert "| +3.3 | 78 / 34, p = 4e-5 |" in out and "| +4.1 | 84 / 30, p = 4e-7 |" in out
+    assert "| pooled | 161/2638 = 6.1% [5.3, 7.1] -> 259/2638 = 9.8% [8.7, 11.0] | +3.7 | 162 / 64, p = 6e-11 |" in out
