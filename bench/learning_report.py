@@ -42,8 +42,11 @@ def eval_rows(path: Path) -> list[dict]:
 
 def question(row: dict) -> str:
     """A question's key: a record's `q`, else the first 12 hex digits of the SHA-1 of its prompt (what the records'
-    .csv files keep in `q`)."""
-    return row["q"] if "q" in row else hashlib.sha1(row["prompt"].encode()).hexdigest()[:12]
+    .csv files keep in `q`; a prompt of chat messages as its JSON)."""
+    if "q" in row:
+        return row["q"]
+    prompt = row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"])
+    return hashlib.sha1(prompt.encode()).hexdigest()[:12]
 
 
 def mcnemar(b: int, c: int) -> float:
@@ -53,19 +56,22 @@ def mcnemar(b: int, c: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n)
 
 
-def paired(before: list[dict], after: list[dict]) -> tuple[int, int, int, int, int]:
+def paired(before: list[dict], after: list[dict], name: str = "") -> tuple[int, int, int, int, int]:
     """Two evaluations of the same questions in the same order -> (questions, solved before, solved after, solved
     only after, solved only before)."""
     if [question(r) for r in before] != [question(r) for r in after]:
-        raise ValueError("the two evaluations are not of the same questions in the same order")
+        raise ValueError(f"{name or 'two evaluations'}: not the same questions in the same order")
     pairs = [(bool(x["correct"]), bool(y["correct"])) for x, y in zip(before, after)]
     return (len(pairs), sum(x for x, _ in pairs), sum(y for _, y in pairs), sum(y and not x for x, y in pairs),
             sum(x and not y for x, y in pairs))
 
 
 def p_text(p: float) -> str:
-    """0.39, 0.004, 4e-7: two significant digits down to 0.001, one below."""
-    if p >= 0.001:
+    """0.39, 0.004, 0.00097, 4e-7: two significant digits down to 0.001 (as rounded), one below; under 1e-300
+    (a float's floor, where the tail underflows to 0) as such."""
+    if p < 1e-300:
+        return "< 1e-300"
+    if p >= 0.00095:
         return f"{float(f'{p:.2g}'):g}"
     mantissa, exponent = f"{p:.0e}".split("e")
     return f"{mantissa}e{int(exponent)}"
@@ -126,31 +132,46 @@ def collapse_row(name: str, run: Path) -> str:
 
 def main(outs: list[Path]) -> None:
     """One accuracy row per evaluation bench/learning_run.sh wrote (<recipe>-s<seed>-<stage>.jsonl, or .csv) in
-    each folder; then each trained model paired with the model it started from, pooled when there are several."""
+    each folder; then each trained model paired with the model it started from (its warm start, else the base),
+    and per recipe over several seeds a pooled row: the discordant questions summed, an exact test of these
+    trained models on these questions (each counted once per seed), not of the seed-to-seed spread of training."""
+    given = {}  # each folder once (however spelled), as first given
+    for out in outs:
+        given.setdefault(out.resolve(), out)
+    outs = list(given.values())
+    stages = ("base", "sft", "trained")
+    runs: dict[tuple[str, str], dict[str, Path]] = {}  # (recipe-seed, its folder) -> stage -> one evaluation
+    for out in outs:
+        found = [*out.glob("*-s*-*.jsonl"), *out.glob("*-s*-*.csv")]  # a stage's .jsonl wins over its .csv
+        for path in found:
+            tag, stage = path.stem.rsplit("-", 1)
+            if stage in stages:
+                runs.setdefault((tag, str(out)), {}).setdefault(stage, path)
     print("| recipe, seed | model | exact match (<answer>) [95% CI] | lenient (last number) | formatted | "
           "called a tool |")
     print("|---|---|---|---|---|---|")
-    stages = ("base", "sft", "trained")
-    runs: dict[str, dict[str, Path]] = {}  # recipe-seed (and its folder, if several) -> stage -> evaluation
-    for out in outs:
-        found = [*out.glob("*-s*-*.jsonl"), *out.glob("*-s*-*.csv")]
-        for path in sorted(found, key=lambda p: (p.name.rsplit("-", 1)[0], stages.index(
-                p.stem.rsplit("-", 1)[1]) if p.stem.rsplit("-", 1)[1] in stages else 9)):
-            tag, stage = path.stem.rsplit("-", 1)
-            if stage in stages:
-                print(accuracy_row(f"{tag} | {stage}", path))
-                runs.setdefault(tag if len(outs) == 1 else f"{tag} ({out})", {})[stage] = path
-    rows = [(tag, stage, paired(eval_rows(found[stage]), eval_rows(found["trained"])))
-            for tag, found in runs.items() if "trained" in found
-            for stage in [s for s in ("sft", "base") if s in found][:1]]
-    if rows:
+    name = {run: run[0] if len(outs) == 1 else f"{run[0]} ({run[1]})" for run in runs}
+    for run in sorted(runs):
+        for stage in (s for s in stages if s in runs[run]):
+            print(accuracy_row(f"{name[run]} | {stage}", runs[run][stage]))
+    pools: dict[tuple[str, str], list] = {}  # (recipe, the stage trained from) -> [(run, questions, counts)]
+    for run in sorted(runs):
+        found = runs[run]
+        start = next((s for s in ("sft", "base") if s in found), None)
+        if "trained" in found and start:
+            before, after = eval_rows(found[start]), eval_rows(found["trained"])
+            counts = paired(before, after, f"{name[run]}, {start} -> trained")
+            pools.setdefault((run[0].rsplit("-s", 1)[0], start), []).append((run, [question(r) for r in after], counts))
+    if pools:
         print("\n| recipe, seed | from -> trained, exact match | gain (points) | paired: only trained / only "
               "before |")
         print("|---|---|---|---|")
-        for tag, stage, counts in rows:
-            print(paired_row(f"{tag}, {stage} -> trained", counts))
-        if len(rows) > 1:
-            print(paired_row("pooled", tuple(sum(c[i] for _, _, c in rows) for i in range(5))))
+        for (recipe, start), members in pools.items():
+            for run, _, counts in members:
+                print(paired_row(f"{name[run]}, {start} -> trained", counts))
+            if len(members) > 1 and all(q == members[0][1] for _, q, _ in members):  # same questions: poolable
+                print(paired_row(f"{recipe} pooled over {len(members)}, {start} -> trained",
+                                 tuple(sum(c[i] for _, _, c in members) for i in range(5))))
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ def test_mcnemar_is_the_binomial_tail_of_the_discordant_pairs(report, b, c):
 
 
 def test_p_values_are_written_as_the_docs_write_them(report):
-    assert [report.p_text(p) for p in (1.0, 0.39, 0.0799, 0.004, 0.0012, 4.25e-7, 5.52e-11, 3.9e-5)] == \
-        ["1", "0.39", "0.08", "0.004", "0.0012", "4e-7", "6e-11", "4e-5"]
+    assert [report.p_text(p) for p in (1.0, 0.39, 0.0799, 0.004, 0.0012, 0.00097, 4.25e-7, 5.52e-11, 3.9e-5)] == \
+        ["1", "0.39", "0.08", "0.004", "0.0012", "0.00097", "4e-7", "6e-11", "4e-5"]
+    assert report.p_text(report.mcnemar(3000, 0)) == "< 1e-300"  # the tail underflows a float
 
 
 def test_pairs_are_the_same_questions_in_order(report):
@@ -52,8 +53,35 @@ def test_pairs_are_the_same_questions_in_order(report):
     after = [{"q": hashlib.sha1(p.encode()).hexdigest()[:12], "correct": c}
              for p, c in (("a", 0), ("b", 1), ("c", 1), ("d", 1))]  # a record's .csv keys its questions by q
     assert report.paired(before, after) == (4, 2, 3, 2, 1)
-    with pytest.raises(ValueError, match="same questions in the same order"):
-        report.paired(before, after[::-1])
+    with pytest.raises(ValueError, match="seed 3: not the same questions in the same order"):
+        report.paired(before, after[::-1], "seed 3")
+
+
+def test_runs_pool_per_recipe_over_the_same_questions(report, tmp_path, capsys):
+    """Seeds of one recipe pool; another recipe, or a run on other questions, does not join its pool."""
+    def write(name, correct, prompts="abcd"):
+        (tmp_path / name).write_text("".join(f'{{"prompt": "{p}", "correct": {c}, "lenient": {c}, "formatted": 1}}\n'
+                                             for p, c in zip(prompts, correct)))
+
+    write("math-s1-sft.jsonl", [0, 0, 1, 0])
+    write("math-s1-trained.jsonl", [1, 1, 1, 0])
+    write("math-s2-sft.jsonl", [0, 1, 0, 0])
+    write("math-s2-trained.jsonl", [1, 1, 0, 1])
+    write("code-s1-base.jsonl", [0, 0, 0, 0])
+    write("code-s1-trained.jsonl", [1, 1, 1, 1])
+    write("math-s3-sft.jsonl", [0, 0, 0, 0], "wxyz")
+    write("math-s3-trained.jsonl", [1, 0, 0, 0], "wxyz")
+    report.main([tmp_path, tmp_path / "."])  # the same folder twice counts once
+    out = capsys.readouterr().out
+    assert out.count("| math-s1 | sft |") == 1
+    assert "| code-s1, base -> trained | 0/4 = 0.0% [0.0, 49.0] -> 4/4 = 100.0% [51.0, 100.0] | +100.0 | 4 / 0," in out
+    assert "pooled" not in out  # math's seed 3 has other questions: no pool of math, none of code with math
+    (tmp_path / "math-s3-sft.jsonl").unlink()
+    (tmp_path / "math-s3-trained.jsonl").unlink()
+    report.main([tmp_path])
+    out = capsys.readouterr().out
+    assert "| math pooled over 2, sft -> trained | 2/8 = 25.0%" in out and "-> 6/8 = 75.0%" in out
+    assert "| +50.0 | 4 / 0, p = 0.12 |" in out and "code pooled" not in out  # 2 / 0 and 2 / 0: 2 * 2^-4
 
 
 def test_the_published_calculator_chains_come_out_of_their_records():
@@ -62,4 +90,6 @@ def test_the_published_calculator_chains_come_out_of_their_records():
                           "bench/records/h200-session38-20261129/chain", "bench/records/h200-session41-20261129/chain"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
     assert "| +3.3 | 78 / 34, p = 4e-5 |" in out and "| +4.1 | 84 / 30, p = 4e-7 |" in out
-    assert "| pooled | 161/2638 = 6.1% [5.3, 7.1] -> 259/2638 = 9.8% [8.7, 11.0] | +3.7 | 162 / 64, p = 6e-11 |" in out
+    pooled = ("| gsm8k_tools pooled over 2, sft -> trained | 161/2638 = 6.1% [5.3, 7.1] -> 259/2638 = 9.8% "
+              "[8.7, 11.0] | +3.7 | 162 / 64, p = 6e-11 |")
+    assert pooled in out
