@@ -34,7 +34,7 @@ from mlx_grpo.models import compiled_decode, decoder
 from mlx_grpo.kernels import available as kernel_available
 from mlx_grpo.rollout.copy_decoder import CopyDecoder
 from mlx_grpo.rollout.decode import check_batch_caches, generate_rollout
-from mlx_grpo.rollout.loop import decode_rows, finish_rows
+from mlx_grpo.rollout.loop import check_lookahead, decode_rows, finish_rows
 from mlx_grpo.rollout.rollout_records import Rollout, SamplingParams
 from mlx_grpo.rollout.sampler import closing_tokens, end_ids, sample
 from mlx_grpo.rollout.turns import TurnRows
@@ -95,8 +95,7 @@ class RolloutEngine:
         self.compact = compact
         if sync_every < 1 or turn_wait < 1:
             raise ValueError(f"sync_every {sync_every}, turn_wait {turn_wait}: each must be at least 1")
-        if not 0 <= lookahead < sync_every:
-            raise ValueError(f"lookahead {lookahead}: from 0 to sync_every - 1 ({sync_every - 1})")
+        check_lookahead(lookahead, sync_every)
         self.sync_every = sync_every
         self.turn_wait, self.lookahead = turn_wait, lookahead
         self.graph = graph

@@ -35,6 +35,12 @@ from mlx_grpo.rollout.sampler import finish_rollout, make_sampler
 MIN_ROWS = 8
 
 
+def check_lookahead(lookahead: int, sync_every: int) -> None:
+    """A sync looks back at most to the one before it: lookahead from 0 to sync_every - 1 (decode_rows)."""
+    if not 0 <= lookahead < sync_every:
+        raise ValueError(f"lookahead {lookahead}: from 0 to sync_every - 1 ({sync_every - 1})")
+
+
 def rebuilt_rows(rows: int) -> int:
     """The rows a rebuilt batch of `rows` live and admitted rows is padded to: the next power of two, at least
     MIN_ROWS (few shapes are ever compiled). A batch never outgrows rebuilt_rows of its first rows: refills
@@ -100,8 +106,7 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
     next sync (the same tokens, later admissions; the columns a row writes past its limit, which callers cut,
     depend on when it is dropped, as they do on sync_every)."""
     entries = [] if entries is None else entries
-    if not 0 <= lookahead < sync_every:
-        raise ValueError(f"lookahead {lookahead}: from 0 to sync_every - 1 ({sync_every - 1})")
+    check_lookahead(lookahead, sync_every)
     T, N = params.max_new_tokens, logits.shape[0]
     if (compact or turns is not None or any(e[1] >= N for e in entries)) and not decoder.refills:
         raise ValueError(f"{type(decoder).__name__} cannot compact, refill or take turns")
