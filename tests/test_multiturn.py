@@ -177,26 +177,39 @@ def test_the_sampling_copy_runs_the_same_episodes(caller_dir, T, sync_every):
     assert sum(calls) >= 4 and len(set(calls)) >= 2  # rows call the tool, a different number of times
 
 
-def test_when_next_turns_join_changes_admissions_not_episodes(caller_dir):
-    """turn_wait (next turns join once 1/turn_wait of the batch is free) moves the copy's admissions, never a
-    row's tokens: each row samples with its own key per step whatever slot and batch it decodes in."""
+def _caller_episodes(caller_dir, seed: int, T: int, settings: list[dict]):
+    """The tiny caller's 3 prompts x 4 rows (up to 4 turns) decoded on the sampling copy once per engine setting
+    (RolloutEngine keywords). -> ([(episodes, engine)] in that order, the tokenizer)."""
     model, tok = load_model(str(caller_dir), "float32")
     multiturn = _multiturn(tok, max_turns=4, fmt=NanochatFormat(tok))
     rows = [{"prompt": "k=0", "answer": "5"}] * 3
     prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
-    keys = mx.random.split(mx.random.key(7), 12)
-    outs, row_steps = {}, {}
-    for wait in (1, 8):  # 12 rows: 1 admits next turns only into an empty batch, 8 at every freed row
-        engine = RolloutEngine(tok, mode="copy", sync_every=2, turn_wait=wait).refresh(model)
-        outs[wait] = multiturn.generate_many(engine, [(prompts, keys, rows)], 4, SamplingParams(40, 1.0), "")[0]
-        row_steps[wait] = engine.row_steps
-    assert outs[1].texts == outs[8].texts and outs[1].mask.tolist() == outs[8].mask.tolist()
-    assert outs[1].completion_ids.tolist() == outs[8].completion_ids.tolist()
-    assert np.allclose(np.array(outs[1].sampler_logprobs), np.array(outs[8].sampler_logprobs), atol=1e-5)
-    assert row_steps[1] != row_steps[8], row_steps  # the admissions did move
+    keys = mx.random.split(mx.random.key(seed), 12)
+    runs = []
+    for setting in settings:
+        engine = RolloutEngine(tok, mode="copy", **setting).refresh(model)
+        runs.append((multiturn.generate_many(engine, [(prompts, keys, rows)], 4, SamplingParams(T, 1.0), "")[0],
+                     engine))
+    return runs, tok
+
+
+def _assert_same_episodes(a, b) -> None:
+    assert a.texts == b.texts and a.mask.tolist() == b.mask.tolist()
+    assert a.completion_ids.tolist() == b.completion_ids.tolist() and a.truncated.tolist() == b.truncated.tolist()
+    assert np.allclose(np.array(a.sampler_logprobs), np.array(b.sampler_logprobs), atol=1e-5)
+    assert sum(sum(t.origin == "tool" for t in tr.turns) for tr in b.transcripts) >= 4
+
+
+def test_when_next_turns_join_changes_admissions_not_episodes(caller_dir):
+    """turn_wait (next turns join once 1/turn_wait of the batch is free) moves the copy's admissions, never a
+    row's tokens: each row samples with its own key per step whatever slot and batch it decodes in."""
+    # 12 rows: 1 admits next turns only into an empty batch, 8 at every freed row
+    ((one, one_engine), (eight, eight_engine)), tok = _caller_episodes(
+        caller_dir, 7, 40, [{"sync_every": 2, "turn_wait": wait} for wait in (1, 8)])
+    _assert_same_episodes(one, eight)
+    assert one_engine.row_steps != eight_engine.row_steps  # the admissions did move
     with pytest.raises(ValueError, match="at least 1"):
         RolloutEngine(tok, mode="copy", turn_wait=0)
-    assert sum(sum(t.origin == "tool" for t in tr.turns) for tr in outs[8].transcripts) >= 4
 
 
 @pytest.mark.parametrize("T,seed", [(40, 7), (14, 6)])
@@ -204,30 +217,18 @@ def test_a_sync_that_looks_back_changes_admissions_not_episodes(caller_dir, T, s
     """lookahead (a sync reads the rows as of a few steps before it, its host work beside the last steps) finds
     ended turns later and so moves admissions, never a row's tokens or log-probs (T = 14: rows run out of budget
     inside a turn, which a sync must see as of the step it reads)."""
-    model, tok = load_model(str(caller_dir), "float32")
-    multiturn = _multiturn(tok, max_turns=4, fmt=NanochatFormat(tok))
-    rows = [{"prompt": "k=0", "answer": "5"}] * 3
-    prompts = [multiturn.encode(r, "", "", 256)[0] for r in rows]
-    keys = mx.random.split(mx.random.key(seed), 12)
-    outs, steps, waits = {}, {}, []
-    init = turns_module.TurnRows.__init__
+    waits, init = [], turns_module.TurnRows.__init__
 
     def spy(self, *args, **kwargs):
         init(self, *args, **kwargs)
         waits.append(self.wait)
 
     monkeypatch.setattr(turns_module.TurnRows, "__init__", spy)
-    for ahead in (0, 3):
-        engine = RolloutEngine(tok, mode="copy", sync_every=4, turn_wait=1, lookahead=ahead).refresh(model)
-        outs[ahead] = multiturn.generate_many(engine, [(prompts, keys, rows)], 4, SamplingParams(T, 1.0), "")[0]
-        steps[ahead] = engine.steps
-    assert outs[0].texts == outs[3].texts and outs[0].mask.tolist() == outs[3].mask.tolist()
-    assert outs[0].completion_ids.tolist() == outs[3].completion_ids.tolist()
-    assert outs[0].truncated.tolist() == outs[3].truncated.tolist()
-    assert np.allclose(np.array(outs[0].sampler_logprobs), np.array(outs[3].sampler_logprobs), atol=1e-5)
-    assert steps[3] > steps[0], steps  # ended turns were seen later
+    ((now, now_engine), (back, back_engine)), tok = _caller_episodes(
+        caller_dir, seed, T, [{"sync_every": 4, "turn_wait": 1, "lookahead": ahead} for ahead in (0, 3)])
+    _assert_same_episodes(now, back)
+    assert back_engine.steps > now_engine.steps  # ended turns were seen later
     assert waits == [True, False]  # with lookahead the turns' gathers are queued, not waited for
-    assert sum(sum(t.origin == "tool" for t in tr.turns) for tr in outs[3].transcripts) >= 4
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="lookahead"):
             RolloutEngine(tok, mode="copy", sync_every=4, lookahead=bad)
