@@ -85,11 +85,14 @@ def test_runs_pool_per_recipe_over_the_same_questions(report, tmp_path, capsys):
 
 
 def test_the_published_calculator_chains_come_out_of_their_records():
-    """docs/learning.md's seed-42 and seed-7 rows as shipped and their pooled row, from the records' .csv files."""
+    """docs/learning.md's seed-42, seed-7 and seed-1234 rows as shipped and their pooled row, from the records' .csv
+    files."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "learning_report.py"),
-                          "bench/records/h200-session38-20261129/chain", "bench/records/h200-session41-20261129/chain"],
+                          "bench/records/h200-session38-20261129/chain", "bench/records/h200-session41-20261129/chain",
+                          "bench/records/h200-session42-20261129/chain"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
     assert "| +3.3 | 78 / 34, p = 4e-5 |" in out and "| +4.1 | 84 / 30, p = 4e-7 |" in out
-    pooled = ("| gsm8k_tools pooled over 2, sft -> trained | 161/2638 = 6.1% [5.3, 7.1] -> 259/2638 = 9.8% "
-              "[8.7, 11.0] | +3.7 | 162 / 64, p = 6e-11 |")
+    assert "| +3.6 | 84 / 36, p = 1e-5 |" in out
+    pooled = ("| gsm8k_tools pooled over 3, sft -> trained | 249/3957 = 6.3% [5.6, 7.1] -> 395/3957 = 10.0% "
+              "[9.1, 11.0] | +3.7 | 246 / 100, p = 2e-15 |")
     assert pooled in out
