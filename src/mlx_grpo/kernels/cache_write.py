@@ -17,6 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_grpo.kernels import available
 
@@ -45,21 +46,22 @@ def _kernel():
                                output_names=["done"], source=_SOURCE)
 
 
-def write_rows(keys: mx.array, values: mx.array, block_keys: mx.array, block_values: mx.array, slots: mx.array,
+def write_rows(keys: mx.array, values: mx.array, block_keys: mx.array, block_values: mx.array, slots: np.ndarray,
                at: int) -> tuple[mx.array, mx.array]:
-    """keys, values [layers, R, Hkv, S, D] with rows `slots` [n] int32, cache slots at .. at + W - 1, set to
-    block_keys, block_values [layers, n, Hkv, W, D]. -> the same two arrays, so written: on a CUDA device in
+    """keys, values [layers, R, Hkv, S, D] with rows `slots` [n] (integers, on the host), cache slots at .. at + W - 1,
+    set to block_keys, block_values [layers, n, Hkv, W, D]. -> the same two arrays, so written: on a CUDA device in
     place by the kernel (done once this returns), elsewhere by write_rows_reference."""
     if not available():
         return write_rows_reference(keys, values, block_keys, block_values, slots, at)
     L, R, H, S, D = keys.shape
     n, W = block_keys.shape[1], block_keys.shape[3]
-    # the kernel writes where these say: a wrong shape would write out of bounds, not fail
+    # the kernel writes where these say: a wrong shape would write out of bounds, not fail. The slots are checked on
+    # the host: a reduction of a device array read back would wait for every decode step queued before it
     assert values.shape == keys.shape and values.dtype == keys.dtype and slots.shape == (n,)
     assert block_keys.shape == block_values.shape == (L, n, H, W, D) and block_keys.dtype == block_values.dtype \
         == keys.dtype and 0 <= at and at + W <= S and int(slots.max()) < R and int(slots.min()) >= 0
     total = L * n * H * W * D
-    done = _kernel()(inputs=[keys, values, block_keys, block_values, slots.astype(mx.int32),
+    done = _kernel()(inputs=[keys, values, block_keys, block_values, mx.array(slots, dtype=mx.int32),
                              mx.array([at], dtype=mx.int32), mx.array([L, R, H, S, D, n, W], dtype=mx.int32)],
                      template=[("T", keys.dtype)], grid=(min(-(-total // 256), 8192) * 256, 1, 1),
                      threadgroup=(256, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
@@ -68,9 +70,9 @@ def write_rows(keys: mx.array, values: mx.array, block_keys: mx.array, block_val
 
 
 def write_rows_reference(keys: mx.array, values: mx.array, block_keys: mx.array, block_values: mx.array,
-                         slots: mx.array, at: int) -> tuple[mx.array, mx.array]:
+                         slots: np.ndarray, at: int) -> tuple[mx.array, mx.array]:
     """What write_rows computes, in plain MLX: a scatter (the arrays take its result; in place where MLX donates)."""
-    W = block_keys.shape[3]
+    W, slots = block_keys.shape[3], mx.array(slots, dtype=mx.int32)
     keys[:, slots, :, at:at + W, :] = block_keys
     values[:, slots, :, at:at + W, :] = block_values
     return keys, values

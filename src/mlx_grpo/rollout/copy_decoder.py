@@ -151,11 +151,11 @@ class CopyDecoder:
         parts, rows = self.prefill_entries(entries)
         taken, used = 0, []
         for block_k, block_v, start, _ in parts:
-            part_slots = mx.array(slots[taken:taken + block_k.shape[1]].astype(np.int32))
+            part_slots = np.asarray(slots[taken:taken + block_k.shape[1]])
             self.keys, self.values = write_rows(self.keys, self.values, block_k, block_v, part_slots,
                                                 self.idx - block_k.shape[3])
-            self.start[part_slots] = start
-            used.append(np.asarray(slots[taken:taken + block_k.shape[1]]))
+            self.start[mx.array(part_slots.astype(np.int32))] = start
+            used.append(part_slots)
             taken += block_k.shape[1]
         return mx.concatenate([p[3] for p in parts]), rows, np.concatenate(used)
 
