@@ -498,6 +498,21 @@ def test_rewards_in_workers_give_the_same_run_as_inline(tiny_model_dir, tmp_path
         (pooled / "metrics.jsonl").read_text().splitlines()) + "]"))
 
 
+def test_lookahead_gives_the_same_run(tiny_model_dir, tmp_path):
+    """rollout.lookahead reaches the trainer's engine, and its syncs reading the rows as of 3 steps before change when
+    rows leave and join the running batch, not what they sample: the same metrics, completions and weights."""
+    base = ["rollout_engine=copy", "max_new_tokens=40", "running_rows=4", "save_steps=0", "log_completions_steps=1",
+            "learning_rate=1e-2", "gradient_accumulation_steps=2"]
+    assert assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path, *base, "lookahead=3")).sampling.policies.engine \
+        .lookahead == 3
+    at_once = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=at_once", *base))
+    ahead = run_mod.train(make_cfg(tiny_model_dir, tmp_path, "run_name=ahead", *base, "lookahead=3"))
+    assert metrics(ahead) == metrics(at_once)
+    assert (ahead / "completions.jsonl").read_text() == (at_once / "completions.jsonl").read_text()
+    last = max(int(p.name.split("-")[1]) for p in at_once.glob("checkpoint-*"))
+    assert_same_weights(weights(at_once / f"checkpoint-{last}"), weights(ahead / f"checkpoint-{last}"))
+
+
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_reward_workers_really_score_off_the_main_thread(tiny_model_dir, tmp_path, executor):
     rewards = f"reward_funcs={FIXTURES / 'toy_rewards.py'}:off_main"

@@ -181,7 +181,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
                         + (", or rollout_worker = thread" if worker else ""))
     teacher, teacher_source = load_teacher(cfg, tokenizer, say) if cfg.objective.distill_coeff > 0 else (None, None)
     engine = RolloutEngine(tokenizer, mode=cfg.rollout.rollout_engine, graph=cfg.rollout.decode_graph,
-                           rows=cfg.rollout.running_rows)
+                           rows=cfg.rollout.running_rows, lookahead=cfg.rollout.lookahead)
     policies = Policies(cfg, model, reference, engine, adapters=adapter_config is not None, teacher=teacher,
                         teacher_source=teacher_source,
                         tokens=vocabulary_size(tokenizer))
