@@ -167,8 +167,9 @@ class RolloutEngine:
         of the loop's syncs the engine calls turns.ended(row, ids, logprobs, entropies) for every row that
         is done (its end token, a stop string or its limit; the tokens it wrote, which may run past that),
         -> how many of ids its context keeps, or None when its episode ended; and turns.take(n) for the next
-        turns of the rows ended at earlier syncs: [(context ids, row key, limit, the row it continues)], rows
-        numbered n, n + 1, ..., decoded in freed slots ahead of later prompts (rollout/turns.py). turns.pending()
+        turns of the rows ended at earlier syncs: ([(context ids, limit, the row it continues)], their keys
+        [turns, 2] or None), rows numbered n, n + 1, ..., decoded in freed slots ahead of later prompts
+        (rollout/turns.py). turns.pending()
         says whether any ended row may still go on. Returns None: the turns hold the results.
         on_done(first, done) (not with turns): called at the loop's syncs with done [n] bool, whether rows
         first, ..., first + n - 1 (numbered over all jobs) have ended so far (evaluation's progress bar)."""

@@ -62,11 +62,11 @@ class _Ends:
 
 @dataclass
 class _Row:
-    """One episode's tokens so far: the completion is every turn's tokens, sampled or forced."""
+    """One episode's tokens so far: the completion is every turn's tokens, sampled or forced. Its key is the
+    rollout's row key at its index among the rows (turn_keys)."""
 
     prompt: list[int]
     episode: Episode
-    key: mx.array  # [2]
     ids: list[int] = field(default_factory=list)
     mask: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -120,8 +120,9 @@ class MultiTurn:
         """The episodes of several batch steps, jobs = [(prompts, row keys [B*G, 2], data rows [B])]: one
         Rollout per job, as engine.generate_many returns them, with `transcripts` and `ends` set."""
         G, T = group_size, params.max_new_tokens
-        rows = [_Row(prompts[i // G], Episode(self.env, data[i // G]), keys[i])
-                for prompts, keys, data in jobs for i in range(len(prompts) * G)]
+        rows = [_Row(prompts[i // G], Episode(self.env, data[i // G]))
+                for prompts, _, data in jobs for i in range(len(prompts) * G)]
+        keys = jobs[0][1] if len(jobs) == 1 else mx.concatenate([k for _, k, _ in jobs])  # rows' keys [rows, 2]
         # every turn splits its row key into T step keys, whatever its budget: a row's tokens never depend
         # on the other rows of its batch
         turn_params = replace(params, stop=tuple(params.stop) + self.stop_strings)
@@ -131,17 +132,17 @@ class MultiTurn:
         try:
             if engine.uses_copy:  # later turns join the running batch in freed slots
                 engine.generate_many([(p, k) for p, k, _ in jobs], G, turn_params, prefill_text,
-                                     turns=_Turns(self, rows, ends, pool))
+                                     turns=_Turns(self, rows, keys, ends, pool))
             else:
-                self._waves(engine, jobs, rows, G, turn_params, prefill_text, ends, pool)
+                self._waves(engine, jobs, rows, keys, G, turn_params, prefill_text, ends, pool)
         except BaseException:  # Ctrl-C or an error: do not wait for tools still running
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown()
         return self._records(jobs, rows, G, params, prefill_text)
 
-    def _waves(self, engine, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str,
-               ends: "_Ends", pool) -> None:
+    def _waves(self, engine, jobs, rows: list[_Row], keys: mx.array, G: int, params: SamplingParams,
+               prefill_text: str, ends: "_Ends", pool) -> None:
         """The model path (decode.generate_rollout): every row's turn w decodes in batch w; the rows that go
         on are prefilled with their contexts for the next batch."""
         T = params.max_new_tokens
@@ -159,8 +160,9 @@ class MultiTurn:
                     break
                 nxt = [n for n in nxt if n is not None]
                 watch = self._watcher(rows, live, pool, ends)
-                out = engine.generate([c for c, _, _ in nxt], 1, params, mx.stack([k for _, k, _ in nxt]),
-                                      on_stop=watch, limits=np.array([b for _, _, b in nxt]))
+                out = engine.generate([c for c, _ in nxt], 1, params,
+                                      turn_keys(keys, live, [rows[r].turn for r in live]), on_stop=watch,
+                                      limits=np.array([b for _, b in nxt]))
             ids, lps, ents = out.completion_ids.tolist(), out.sampler_logprobs.tolist(), out.entropies.tolist()
             for slot, r in enumerate(live):
                 n = int(out.lengths[slot])
@@ -205,9 +207,9 @@ class MultiTurn:
         else:
             row.answer = pool.submit(row.episode.step, text, ended=how)
 
-    def _next_turn(self, row: _Row, T: int) -> tuple[list[int], mx.array, int] | None:
-        """Wait for the environment's answer to a row's last turn and feed it in. -> (the row's context, the
-        key of its next turn, its budget), or None when the episode has ended."""
+    def _next_turn(self, row: _Row, T: int) -> tuple[list[int], int] | None:
+        """Wait for the environment's answer to a row's last turn and feed it in. -> (the row's context, its
+        next turn's budget), or None when the episode has ended; the next turn's key is turn_keys'."""
         try:
             result = row.answer.result()
         except Exception as e:  # the environment's own code (a tool's errors come back as text instead)
@@ -229,7 +231,7 @@ class MultiTurn:
             row.episode.transcript.done = True
             row.done = row.truncated = True
             return None
-        return row.prompt + row.ids, mx.random.split(row.key, row.turn + 1)[row.turn], T - len(row.ids)
+        return row.prompt + row.ids, T - len(row.ids)
 
     def _records(self, jobs, rows: list[_Row], G: int, params: SamplingParams, prefill_text: str) -> list[Rollout]:
         eos_ids, pad_id = end_ids(self.tokenizer, params)
@@ -259,8 +261,8 @@ class _Turns:
     """The engine's turns hooks (engine.generate_many): engine row -> episode, and the engine rows waiting for
     their environment's answer."""
 
-    def __init__(self, multiturn: MultiTurn, rows: list[_Row], ends: "_Ends", pool):
-        self.multiturn, self.rows, self.ends, self.pool = multiturn, rows, ends, pool
+    def __init__(self, multiturn: MultiTurn, rows: list[_Row], keys: mx.array, ends: "_Ends", pool):
+        self.multiturn, self.rows, self.keys, self.ends, self.pool = multiturn, rows, keys, ends, pool
         self.episode = list(range(len(rows)))  # engine row -> index in rows
         self.waiting: list[int] = []
         # take the answers at the sync that started them (an environment that is no Environment subclass: never)
@@ -282,17 +284,36 @@ class _Turns:
     def pending(self) -> bool:
         return bool(self.waiting)
 
-    def take(self, first_row: int) -> list[tuple[list[int], mx.array, int, int]]:
-        """-> the next turns of the rows waiting: (context, key, budget, the engine row it continues)."""
+    def take(self, first_row: int) -> tuple[list[tuple[list[int], int, int]], mx.array | None]:
+        """-> the next turns of the rows waiting: [(context, budget, the engine row it continues)], and their
+        keys [turns, 2] (None when there are none)."""
         assert first_row == len(self.episode)
-        out = []
+        out, episodes = [], []
         for row in self.waiting:
             nxt = self.multiturn._next_turn(self.rows[self.episode[row]], self.ends.budget)
             if nxt is not None:
-                self.episode.append(self.episode[row])
+                episodes.append(self.episode[row])
                 out.append((*nxt, row))
+        self.episode += episodes
         self.waiting = []
-        return out
+        if not out:
+            return out, None
+        return out, turn_keys(self.keys, episodes, [self.rows[e].turn for e in episodes])
+
+
+def turn_keys(keys: mx.array, rows: list[int], turns: list[int]) -> mx.array:
+    """The key of turn w = turns[i] of row rows[i] (keys [rows, 2]: the rows' keys): the row key split w + 1
+    ways, entry w (w >= 1; the first turn samples with the row key itself). -> [len(rows), 2]. One vmapped
+    split per distinct turn, where splitting row by row dispatched two operations per row at every sync."""
+    rows, turns = np.asarray(rows), np.asarray(turns)
+    parts, order = [], []
+    for w in np.unique(turns).tolist():
+        at = np.flatnonzero(turns == w)
+        parts.append(mx.vmap(lambda k, n=w + 1: mx.random.split(k, n))(keys[mx.array(rows[at])])[:, w])
+        order.append(at)
+    if len(parts) == 1:
+        return parts[0]
+    return mx.concatenate(parts)[mx.array(np.argsort(np.concatenate(order)))]
 
 
 def load_environment(spec: str, fmt: ToolFormat | None = None) -> Environment:

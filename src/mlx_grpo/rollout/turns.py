@@ -89,26 +89,25 @@ class TurnRows:
                 self.blocks[r] = Kept(block_k, block_v, int(offset), int(n))
 
     def take(self, entries: list, queue: list, n_rows: int, T: int, all_keys, join, limit, reported):
-        """Queue the next turns turns.take() hands back (waiting for their environment steps), ahead of the
-        prompts still waiting: each a row numbered after the n_rows so far, its entry (context, row, 1, kept
-        block or None). -> the per-row state (n_rows, step keys, join, limit, reported) with those rows
-        appended."""
-        added = []
-        for context, key, budget, prior in self.turns.take(n_rows):
+        """Queue the next turns turns.take() hands back (waiting for their environment steps; their keys [turns, 2]
+        in one array), ahead of the prompts still waiting: each a row numbered after the n_rows so far, its entry
+        (context, row, 1, kept block or None). -> the per-row state (n_rows, step keys, join, limit, reported)
+        with those rows appended."""
+        added, turn_keys = self.turns.take(n_rows)
+        for i, (context, _, prior) in enumerate(added):
             kept = self.blocks.pop(prior, None)
             if kept is not None and kept.length >= len(context):
                 raise RuntimeError(f"row {prior}'s kept cache covers its whole next context")
-            entries.append((context, n_rows + len(added), 1, kept))
+            entries.append((context, n_rows + i, 1, kept))
             self.context_len.append(len(context))
-            added.append((key, budget))
         self.blocks.clear()  # take answers every row reported so far: the rest's episodes ended
         if not added:
             return n_rows, all_keys, join, limit, reported
         queue[:0] = range(len(entries) - len(added), len(entries))  # an episode ends sooner than a new one
-        keys = mx.vmap(lambda k: mx.random.split(k, T))(mx.stack([k for k, _ in added]))
+        keys = mx.vmap(lambda k: mx.random.split(k, T))(turn_keys)
         return (n_rows + len(added), mx.concatenate([all_keys, keys]),
                 np.concatenate([join, np.zeros(len(added), np.int64)]),
-                np.concatenate([limit, np.array([b for _, b in added], np.int64)]),
+                np.concatenate([limit, np.array([b for _, b, _ in added], np.int64)]),
                 np.concatenate([reported, np.zeros(len(added), bool)]))
 
 
