@@ -166,9 +166,29 @@ def rope_angles(rope, head_dim: int) -> mx.array | None:
     return theta
 
 
+def prefill_layout(weights: dict) -> dict:
+    """weights (build's tree, or compiled_decode.model_layout's) with each matrix's transpose beside it, as
+    name + ".T", evaluated once: strided views of the same memory (no copy), which prefill and prefill_after
+    read instead of dispatching a transpose per matrix per call (5 per layer, at every refill). The matmuls see
+    the same strides either way: the same results."""
+    def with_t(w: dict, names) -> dict:
+        return {**w, **{name + ".T": w[name].T for name in names if name in w}}
+
+    out = with_t({**weights, "layers": [with_t(lw, ("qkv", "o", "gate_up", "down")) for lw in weights["layers"]]},
+                 ("head",) if "head" in weights else ("embed",))
+    mx.eval(out)
+    return out
+
+
+def _t(w: dict, name: str) -> mx.array:
+    """w[name].T: prefill_layout's view where the tree has one."""
+    t = w.get(name + ".T")
+    return w[name].T if t is None else t
+
+
 def _linear(x: mx.array, w: dict, name: str) -> mx.array:
     bias = w.get(name + "_b")
-    return x @ w[name].T if bias is None else mx.addmm(bias, x, w[name].T)
+    return x @ _t(w, name) if bias is None else mx.addmm(bias, x, _t(w, name))
 
 
 def _qkv(spec: Spec, w: dict, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
@@ -189,7 +209,7 @@ def _plus_linear(x: mx.array, inputs: mx.array, w: dict, name: str) -> mx.array:
     """x + linear(inputs): the residual add rides in the matmul (addmm) when there is no bias."""
     if name + "_b" in w:
         return x + _linear(inputs, w, name)
-    return mx.addmm(x, inputs, w[name].T)
+    return mx.addmm(x, inputs, _t(w, name))
 
 
 def _finish_layer(w: dict, x: mx.array, attended: mx.array, eps: float) -> mx.array:
@@ -204,7 +224,7 @@ def _finish_layer(w: dict, x: mx.array, attended: mx.array, eps: float) -> mx.ar
 
 def _logits(w: dict, spec: Spec, x: mx.array) -> mx.array:
     x = mx.fast.rms_norm(x, w["norm"], spec.eps)
-    return x @ w.get("head", w["embed"]).T
+    return x @ _t(w, "head" if "head" in w else "embed")
 
 
 def prefill(spec: Spec, w: dict, tokens: mx.array, left_padding: mx.array):
