@@ -84,11 +84,11 @@ def test_refills_prefill_and_sample_a_power_of_two_of_rows(attending, monkeypatc
             return original(spec, w, tokens, *rest)
         monkeypatch.setattr(decoder, name, spy)
 
-    def sample_rows(sampler, logits, keys, original=loop.sample_rows):
+    def sample_rows(sampler, logits, *rest, original=loop.sample_rows):
         def recorded(lg, *rest):
             sampled.append((logits.shape[0], lg.shape[0]))
             return sampler(lg, *rest)
-        return original(recorded, logits, keys)
+        return original(recorded, logits, *rest)
     monkeypatch.setattr(loop, "sample_rows", sample_rows)
     _episodes(model, tok, True, n_prompts=6, G=3, jobs_of=3)
     assert any(n & (n - 1) for n, _ in sampled)  # admissions of other sizes than a power of two happened

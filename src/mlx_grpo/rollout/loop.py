@@ -63,14 +63,13 @@ class ModelDecoder:
         return token, logprob, entropy, ended, kstep + 1
 
 
-def sample_rows(sampler, logits: mx.array, keys: mx.array):
-    """sampler's first tokens of n admitted rows (logits [n, V], keys [n, 2]), its compiled graph run on
-    row_bucket(n) rows (the first row repeated; each row samples alone) so that refills trace few shapes."""
-    n = logits.shape[0]
-    rows = row_bucket(n)
-    pad = mx.zeros((rows - n,), mx.int32)
-    out = sampler(mx.concatenate([logits, logits[pad]]), mx.concatenate([keys, keys[pad]]), mx.zeros((rows,), mx.bool_))
-    return tuple(a[:n] for a in out)
+def sample_rows(sampler, logits: mx.array, all_keys: mx.array, added: np.ndarray):
+    """sampler's first tokens of the admitted rows `added` (logits [n, V]; all_keys [rows, T, 2]: each row's step
+    keys), its compiled graph run on row_bucket(n) rows (the first row repeated; each row samples alone) so that
+    refills trace few shapes. -> (token, logprob, entropy, ended) [row_bucket(n)]: the first n are the rows'
+    (the padding taken in one gather each, not sliced off after: fewer operations per admission)."""
+    pad = np.concatenate([np.arange(len(added)), np.zeros(row_bucket(len(added)) - len(added), np.int64)])
+    return sampler(logits[mx.array(pad)], all_keys[mx.array(added[pad]), 0], mx.zeros((len(pad),), mx.bool_))
 
 
 @dataclass(frozen=True)
@@ -198,19 +197,22 @@ def decode_rows(decoder, logits: mx.array, row_keys: mx.array, params: SamplingP
                     if admit:
                         logits, added = decoder.admit([entries[e] for e in admit], T)
                 if admit:
-                    first_token, logprob, entropy, first_ended = sample_rows(sampler, logits,
-                                                                             all_keys[mx.array(added), 0])
+                    first_token, logprob, entropy, first_ended = sample_rows(sampler, logits, all_keys, added)
                     del logits  # [admitted rows, V]: not held till the next refill
                     join[added] = s - 1  # their first token sits in the column before this step's
-                    segments.append((added, s - 1, ([first_token], [logprob], [entropy])))
-                    if in_place:  # functional updates: the columns hold the old token arrays
-                        at = np.zeros(len(rows), np.int64)
-                        at[taken] = np.arange(len(taken))
-                        new = mx.array(np.isin(np.arange(len(rows)), taken))
-                        token = mx.where(new, first_token[mx.array(at)], token)
-                        ended = mx.where(new, first_ended[mx.array(at)], mx.where(mx.array(rows >= 0), ended, True))
-                        kstep = mx.where(new, 1, kstep)
+                    padded = np.concatenate([added, np.full(len(first_token) - len(added), -1)])  # -1: fillers
+                    segments.append((padded, s - 1, ([first_token], [logprob], [entropy])))
+                    if in_place:  # functional updates (the columns hold the old token arrays): one gather each
+                        width, new = len(rows), np.isin(np.arange(len(rows)), taken)
+                        src = np.arange(width)  # a slot's own entry, or its admitted row's after the old ones
+                        src[taken] = width + np.arange(len(taken))
+                        token = mx.concatenate([token, first_token])[mx.array(src)]
+                        # a slot left without a row has ended (the last entry)
+                        src[rows < 0] = width + len(first_token)
+                        ended = mx.concatenate([ended, first_ended, mx.ones((1,), mx.bool_)])[mx.array(src)]
+                        kstep = mx.where(mx.array(new), 1, kstep)
                     else:
+                        first_token, first_ended = first_token[:len(added)], first_ended[:len(added)]
                         token, ended = mx.concatenate([token, first_token]), mx.concatenate([ended, first_ended])
                         kstep = mx.concatenate([kstep, mx.ones((len(added),), mx.int32)])
                         rows = np.concatenate([rows, added])
