@@ -377,7 +377,7 @@ def main(argv=None) -> None:
     result = {"device": device_name(), "command": " ".join(sys.argv), "mlx_settings": mlx_settings(), "runs": {}}
     if args.train_minutes and (args.sync_every != 8 or args.turn_wait != 8 or args.lookahead):
         ap.error("--sync-every, --turn-wait and --lookahead set the bench's own engine, not the trainer's "
-                 "(--train-minutes)")
+                 "(--train-minutes; the trainer's lookahead: --set lookahead=N)")
     if args.stop_scan and (args.turn_wait != 8 or args.lookahead):
         ap.error("--turn-wait and --lookahead move admissions: --stop-scan times stop checks alone")
     if not 0 <= args.lookahead < args.sync_every:

@@ -21,7 +21,7 @@ from mlx_grpo.loss import group_advantages
 from mlx_grpo.models.model_loading import load_model
 from mlx_grpo.rollout import turns as turns_module
 from mlx_grpo.rollout.engine import RolloutEngine
-from mlx_grpo.rollout.multiturn import MultiTurn
+from mlx_grpo.rollout.multiturn import MultiTurn, turn_keys
 from mlx_grpo.rollout.rollout_records import SamplingParams
 from mlx_grpo.tools.calls import NanochatFormat, PlainFormat
 from mlx_grpo.tools.environments import Environment, StepResult, ToolEnvironment
@@ -398,3 +398,17 @@ def test_an_environment_with_tools_gets_the_models_syntax(tmp_path, tiny):
     multiturn = multiturn_for(cfg, tok, "llama")
     assert multiturn.env.fmt is multiturn.fmt and multiturn.stop_strings == ("</calc>", "</tool>")
     assert "<calc>expression</calc>" in multiturn.prompt_text({"prompt": "2+2?"}, "")
+
+
+def test_turn_keys_are_each_row_keys_split_as_the_formula_says():
+    """Turn w of row r samples with split(key_r, w + 1)[w], rows in any order and turns mixed; taken one vmapped
+    split per distinct turn."""
+    keys = mx.random.split(mx.random.key(3), 6)
+    rows, turns = [4, 0, 4, 2, 5, 1], [1, 3, 2, 1, 3, 7]
+    got = turn_keys(keys, rows, turns)
+    want = mx.stack([mx.random.split(keys[r], w + 1)[w] for r, w in zip(rows, turns)])
+    assert np.array_equal(np.array(got), np.array(want))
+    assert not np.array_equal(np.array(got), np.array(mx.stack([mx.random.split(keys[r], w + 1)[0]
+                                                                 for r, w in zip(rows, turns)])))
+    with pytest.raises(AssertionError, match="first turn"):
+        turn_keys(keys, [0], [0])

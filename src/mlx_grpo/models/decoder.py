@@ -169,8 +169,8 @@ def rope_angles(rope, head_dim: int) -> mx.array | None:
 def prefill_layout(weights: dict) -> dict:
     """weights (build's tree, or compiled_decode.model_layout's) with each matrix's transpose beside it, as
     name + ".T", evaluated once: strided views of the same memory (no copy), which prefill and prefill_after
-    read instead of dispatching a transpose per matrix per call (5 per layer, at every refill). The matmuls see
-    the same strides either way: the same results."""
+    read instead of dispatching a transpose per matrix per call (4 per layer and 1 for the head, at every refill).
+    The matmuls see the same strides either way: the same results."""
     def with_t(w: dict, names) -> dict:
         return {**w, **{name + ".T": w[name].T for name in names if name in w}}
 

@@ -169,8 +169,8 @@ class RolloutEngine:
         -> how many of ids its context keeps, or None when its episode ended; and turns.take(n) for the next
         turns of the rows ended at earlier syncs: ([(context ids, limit, the row it continues)], their keys
         [turns, 2] or None), rows numbered n, n + 1, ..., decoded in freed slots ahead of later prompts
-        (rollout/turns.py). turns.pending()
-        says whether any ended row may still go on. Returns None: the turns hold the results.
+        (rollout/turns.py). turns.pending() says whether any ended row may still go on. Returns None: the turns
+        hold the results.
         on_done(first, done) (not with turns): called at the loop's syncs with done [n] bool, whether rows
         first, ..., first + n - 1 (numbered over all jobs) have ended so far (evaluation's progress bar)."""
         if self.model is None:

@@ -306,6 +306,7 @@ def turn_keys(keys: mx.array, rows: list[int], turns: list[int]) -> mx.array:
     ways, entry w (w >= 1; the first turn samples with the row key itself). -> [len(rows), 2]. One vmapped
     split per distinct turn, where splitting row by row dispatched two operations per row at every sync."""
     rows, turns = np.asarray(rows), np.asarray(turns)
+    assert turns.min() >= 1, "a first turn samples with its row key"
     parts, order = [], []
     for w in np.unique(turns).tolist():
         at = np.flatnonzero(turns == w)
