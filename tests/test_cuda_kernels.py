@@ -196,3 +196,9 @@ def test_the_cache_write_kernel_writes_the_reference_in_place():
     got_k, got_v = write_rows(keys, values, block_k, block_v, slots, at)
     assert got_k is keys and got_v is values  # the same arrays, their buffers written
     assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()
+    # the write is only queued: with its inputs still lazy (computed in its own graph) a read queued right after it
+    # sees it, on the one stream
+    keys, values, block_k, block_v, slots, at = cache_write_case()
+    lazy_k, lazy_v = mx.contiguous(keys * 1), mx.contiguous(values * 1)
+    got_k, got_v = write_rows(lazy_k, lazy_v, block_k + 0, block_v + 0, slots, at)
+    assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()

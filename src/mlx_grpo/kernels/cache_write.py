@@ -6,10 +6,11 @@ MLX's scatter would write in place only if nothing else held the cache's buffer,
 alive until it ends on the GPU, so right after a sync the scatter may still copy the whole cache. The kernel
 writes into the cache's own buffer instead: MLX does not see the write, so it is only for a cache no other array
 shares, and no lazily built read of the cache may be pending across it (MLX orders kernels by the buffers they
-output, so it would not order such a read before the write): write_rows evaluates its flag before it returns, and
-the decode loop evaluates every read of the cache (the sync, the turns' blocks) before a refill, or at least queues
-it (the turns' blocks with its lookahead): each eval or async_eval ends by committing what it queued, and the one
-stream runs that before anything queued later.
+output, so it would not order such a read before the write): write_rows commits its flag (async_eval, without
+waiting for it) before it returns, and the decode loop evaluates every read of the cache (the sync, the turns'
+blocks) before a refill, or at least queues it (the turns' blocks with its lookahead): each eval or async_eval ends
+by committing what it queued, and the one stream runs that before anything queued later (a read queued after the
+write sees it).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def write_rows(keys: mx.array, values: mx.array, block_keys: mx.array, block_val
                at: int) -> tuple[mx.array, mx.array]:
     """keys, values [layers, R, Hkv, S, D] with rows `slots` [n] (integers, on the host), cache slots at .. at + W - 1,
     set to block_keys, block_values [layers, n, Hkv, W, D]. -> the same two arrays, so written: on a CUDA device in
-    place by the kernel (done once this returns), elsewhere by write_rows_reference."""
+    place by the kernel (queued, not waited for: MLX does not know the arrays change, but everything that reads them
+    later is queued behind it on the one stream), elsewhere by write_rows_reference."""
     if not available():
         return write_rows_reference(keys, values, block_keys, block_values, slots, at)
     L, R, H, S, D = keys.shape
@@ -65,7 +67,7 @@ def write_rows(keys: mx.array, values: mx.array, block_keys: mx.array, block_val
                              mx.array([at], dtype=mx.int32), mx.array([L, R, H, S, D, n, W], dtype=mx.int32)],
                      template=[("T", keys.dtype)], grid=(min(-(-total // 256), 8192) * 256, 1, 1),
                      threadgroup=(256, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
-    mx.eval(done)
+    mx.async_eval(done)  # committed now (nothing reads `done`); the host goes on while the device writes
     return keys, values
 
 

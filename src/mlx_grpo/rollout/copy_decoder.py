@@ -64,7 +64,7 @@ class CopyDecoder:
         keys, values, start, logits = self.prefill_contexts(contexts, at)
         repeat = context_rows(counts)
         keys, values = keys[:, repeat], values[:, repeat]
-        mx.eval(keys, values)
+        mx.async_eval(keys, values)  # queued: the host goes on to the refill's write while the device prefills
         return keys, values, start[repeat], logits[repeat]
 
     def begin(self, contexts: list[list[int]], counts: list[int], T: int) -> mx.array:

@@ -144,5 +144,5 @@ def prefill_resumed(spec, weights: dict, admitted: list, at: int, pad_id: int):
     cut = max(0, width - at)
     # the real rows only
     keys, values = mx.contiguous(keys[:, :real, :, cut:]), mx.contiguous(values[:, :real, :, cut:])
-    mx.eval(keys, values)
+    mx.async_eval(keys, values)  # queued (the gathered pasts freed once it runs); the host goes on to the write
     return keys, values, (start + (at - width))[:real], logits[:real], sum(len(c) for c in chunks[:real])
