@@ -64,7 +64,7 @@ class CopyDecoder:
         keys, values, start, logits = self.prefill_contexts(contexts, at)
         repeat = context_rows(counts)
         keys, values = keys[:, repeat], values[:, repeat]
-        mx.async_eval(keys, values)  # queued: the host goes on to the refill's write while the device prefills
+        mx.async_eval(keys, values)  # queued: an admission in place goes on to its write while the device prefills
         return keys, values, start[repeat], logits[repeat]
 
     def begin(self, contexts: list[list[int]], counts: list[int], T: int) -> mx.array:
@@ -136,6 +136,8 @@ class CopyDecoder:
         fresh, resumed = [e for e in entries if e[3] is None], [e for e in entries if e[3] is not None]
         parts = [self.prefill([e[0] for e in fresh], [e[2] for e in fresh], self.idx)] if fresh else []
         if resumed:
+            if parts:  # one prefill's transients at a time: the fresh blocks are done before the next starts
+                mx.eval(parts[0][0], parts[0][1])
             *part, n = prefill_resumed(self.spec, self.prefill_weights, [(e[0], e[3]) for e in resumed], self.idx,
                                        self.pad_id)
             parts.append(part)
@@ -167,6 +169,7 @@ class CopyDecoder:
         rows go back: an entry holds its kept block, which holds every row reported at its sync."""
         layers, R, Hkv, S, Dh = self.keys.shape
         parts, rows = self.prefill_entries(entries)
+        mx.eval([p[0] for p in parts] + [p[1] for p in parts])  # the prefills' transients go before the new cache comes
         firsts = R + np.concatenate([[0], np.cumsum([p[0].shape[1] for p in parts])])
         shape = (layers, int(firsts[-1]), Hkv, max(S, bucket(self.idx + T)), Dh)
         # the refill's one copy of the cache: the keys go before the values are copied (at most 1.5x the cache, not 2x)
