@@ -89,6 +89,7 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = F
     drawn = batches(cfg, n * draws)
     for i in range(n):
         began = time.time()  # wall clock: where the batch's passes (warm-up included) fall in a utilization trace
+        mx.reset_peak_memory()
         seconds, outs = timed(lambda: one(i, drawn[i * draws:(i + 1) * draws]), repeats)
         calls = np.concatenate([np.zeros(len(r.texts)) if r.transcripts is None else tool_use(r.transcripts)[0]
                                 for r in outs])
@@ -100,7 +101,8 @@ def run(cfg, model, tokenizer, mode: str, n: int, repeats: int, phases: bool = F
                     # sampled tokens (tool output excluded) per second: the throughput the target compares
                     "tokens_per_s": float(lengths.sum()) / seconds,
                     "decode_steps": engine.steps, "row_steps": engine.row_steps,
-                    "prefilled_tokens": getattr(engine, "prefilled_tokens", None), "wall": [began, time.time()]})
+                    "prefilled_tokens": getattr(engine, "prefilled_tokens", None), "wall": [began, time.time()],
+                    "peak_memory_gb": mx.get_peak_memory() / 1e9})  # the model's weights included
     if phases:  # one more batch with each part of the loop timed to the device's end (phase_times)
         with phase_times(synchronize=not unsynced) as timer:
             t0 = time.perf_counter()

@@ -471,6 +471,7 @@ def test_tools_bench_inline_answers_decode_the_same_rows_and_unsynced_parts_are_
         assert pool[key] == inline[key], key
     assert (ahead["tool_calls_mean"], ahead["length_mean"]) == (pool["tool_calls_mean"], pool["length_mean"])
     assert pool["wall"][0] < pool["wall"][1] <= inline["wall"][0] < inline["wall"][1]  # the batch's wall-clock span
+    assert pool["peak_memory_gb"] > 0 and inline["peak_memory_gb"] > 0
     assert ahead["decode_steps"] > pool["decode_steps"]  # ended turns seen 3 steps later
     assert pool["tool_calls_mean"] > 0
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--caller", "--lookahead", "8"],
