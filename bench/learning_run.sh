@@ -14,7 +14,8 @@
 # usage: bash bench/learning_run.sh OUT_DIR GSM8K_DIR RECIPE...   (GSM8K_DIR holds train.jsonl and test.jsonl)
 # On a machine of several GPUs, one invocation per GPU, each with CUDA_VISIBLE_DEVICES and its own
 # MLX_GRPO_CACHE (its own kernel cache: processes writing one cache at once crashed).
-# Each stage's wall time goes to OUT_DIR/<recipe>-s<seed>.<stage>.seconds.
+# Each stage's wall time goes to OUT_DIR/<recipe>-s<seed>.<stage>.seconds. GRPO_SET="key=value ..." adds --set items
+# to the GSM8K chains' GRPO stage only (e.g. GRPO_SET=lookahead=4: a rollout timing setting).
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); D=$(cd "$2" && pwd); shift 2
 # Each process's buffer cache is capped (bench/with_cache_limit.py): uncapped, runs side by side ran out of memory.
@@ -36,14 +37,16 @@ simple() {  # simple PRESET TAG SEED: base eval, train, trained eval on the pres
 }
 gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its eval, GRPO from it, trained eval
   local tag=$4-s$1 runs=$OUT/runs/$4-s$1 sft=configs/$2.toml grpo=configs/$3.toml
-  local data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed="$1")
+  local data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed="$1") extra=()
+  for item in ${GRPO_SET:-}; do extra+=(--set "$item"); done
   # BASE=0 skips the base model's evaluation (~2 GPU minutes) when a hold is short
   [ "${BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
   timed "$tag.sft" $M sft --config "$sft" "${data[@]}" --set output_dir="$runs" || return
   local warm; warm=$(latest "$runs/$(run_name "$sft")")
   # the warm start's evaluation runs beside the GRPO stage, off the chain's critical path (~1.5 GPU minutes)
   timed "$tag.sfteval" $M eval --config "$grpo" "${data[@]}" --model "$warm" --samples 1319 -o "$OUT/$tag-sft.jsonl" &
-  timed "$tag.train" $M train --config "$grpo" "${data[@]}" --set model_name="$warm" --set output_dir="$runs" || return
+  timed "$tag.train" $M train --config "$grpo" "${data[@]}" ${extra[@]+"${extra[@]}"} --set model_name="$warm" \
+    --set output_dir="$runs" || return
   timed "$tag.eval" $M eval --config "$grpo" "${data[@]}" --model "$(latest "$runs/$(run_name "$grpo")")" \
     --samples 1319 -o "$OUT/$tag-trained.jsonl"
   wait
