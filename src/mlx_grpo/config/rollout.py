@@ -106,9 +106,9 @@ class RolloutConfig:
                              "many steps before them, so their host work (stop checks, tool turns handed over, "
                              "refills) can run while those steps are still on the device (rollout/loop.py). The "
                              "same tokens and log-probs; rows join and leave the running batch up to this many "
-                             "steps later. 0 = the sync reads the step it follows. Measured on one H200 (session "
-                             "42): the calculator's 4-draw pass of 1,024 rows took 5.38 s with 4, against 5.56-5.93 "
-                             "s at 0 in session 41 on another H200 (not the same sitting). Needs the copy "
+                             "steps later. 0 = the sync reads the step it follows. Not yet measured against 0 in one "
+                             "sitting: one H200 read the calculator's 4-draw pass of 1,024 rows at 5.38 s with 4 "
+                             "(bench/records/h200-session42-20261129/), other machines 5.26-5.93 s at 0. Needs the copy "
                              "(rollout_engine = copy, or auto on NVIDIA GPUs) and async_rollouts = 0.", TRAIN,
                              range="[0, 7]", resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
