@@ -148,6 +148,8 @@ PHASES = {"decode loop (all)": ("loop", None, "decode_rows"), "first prefill": (
           "refill: admit": ("copy_decoder", "CopyDecoder", "admit"),
           "refill: admit in place": ("copy_decoder", "CopyDecoder", "admit_into"),
           "turns: report": ("turns", "TurnRows", "report"), "turns: take": ("turns", "TurnRows", "take"),
+          # within report: the gather of the kept blocks (the rest of report is host work)
+          "turns: keep blocks": ("turns", "TurnRows", "keep_blocks"),
           "rows at syncs": ("columns", "Written", "update"), "stop checks": ("columns", "StopRows", "stopped")}
 
 

@@ -439,6 +439,8 @@ def test_tools_bench_times_rollouts_with_and_without_tools(tmp_path):
     assert all(0 <= a[4] <= a[1] and a[5] > 0 for a in tools["admits"]) and sum(a[4] for a in tools["admits"]) > 0
     assert abs(sum(a[5] for a in tools["admits"] if a[3]) - tools["refill: admit in place"][0]) < 0.05
     assert tools["turns: report"][1] > 0 and tools["decode_steps"] > 0
+    assert 0 < tools["turns: keep blocks"][1] <= tools["turns: report"][1]  # the gather, timed within report
+    assert tools["turns: keep blocks"][0] <= tools["turns: report"][0]
     assert 0 < tools["sync wait"][0] + tools["refill: admit"][0] < tools["decode loop (all)"][0] <= tools["total_s"]
     assert result["runs"]["tools/copy"]["uses_copy"] and not result["runs"]["tools/model"]["uses_copy"]
     # the caller model writes calls in nanochat's syntax, which its tokenizer's special tokens make "auto"

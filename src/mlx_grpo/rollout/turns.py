@@ -76,17 +76,22 @@ class TurnRows:
             if self.keep and accepted is not None:
                 spans.append((slot, r, self.context_len[r] + accepted - 1))
         if spans:
-            first = np.array(start)
-            slots = np.array([slot for slot, _, _ in spans])
-            kept = np.array([n for _, _, n in spans])
-            at = np.concatenate([first[slot] + np.arange(n) for slot, _, n in spans])
-            # a gather: a block of its own, so the cache's buffer stays free to be written in place
-            pick = (mx.array(np.repeat(slots, kept)), mx.array(at))
-            block_k, block_v = keys[:, pick[0], :, pick[1]], values[:, pick[0], :, pick[1]]  # [sum kept, layers, Hkv, Dh]
-            (mx.eval if self.wait else mx.async_eval)(block_k, block_v)
-            offsets = np.concatenate([[0], np.cumsum(kept)[:-1]])
-            for (_, r, n), offset in zip(spans, offsets):
-                self.blocks[r] = Kept(block_k, block_v, int(offset), int(n))
+            self.keep_blocks(spans, keys, values, start)
+
+    def keep_blocks(self, spans: list, keys: mx.array, values: mx.array, start: mx.array) -> None:
+        """Copy each span's (slot, row, tokens kept) KV block out of the batch's cache in one gather: report's
+        device work, apart from its host work (tools_bench --phases times them apart)."""
+        first = np.array(start)
+        slots = np.array([slot for slot, _, _ in spans])
+        kept = np.array([n for _, _, n in spans])
+        at = np.concatenate([first[slot] + np.arange(n) for slot, _, n in spans])
+        # a gather: a block of its own, so the cache's buffer stays free to be written in place
+        pick = (mx.array(np.repeat(slots, kept)), mx.array(at))
+        block_k, block_v = keys[:, pick[0], :, pick[1]], values[:, pick[0], :, pick[1]]  # [sum kept, layers, Hkv, Dh]
+        (mx.eval if self.wait else mx.async_eval)(block_k, block_v)
+        offsets = np.concatenate([[0], np.cumsum(kept)[:-1]])
+        for (_, r, n), offset in zip(spans, offsets):
+            self.blocks[r] = Kept(block_k, block_v, int(offset), int(n))
 
     def take(self, entries: list, queue: list, n_rows: int, T: int, all_keys, join, limit, reported):
         """Queue the next turns turns.take() hands back (waiting for their environment steps; their keys [turns, 2]
