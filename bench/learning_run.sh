@@ -15,7 +15,8 @@
 # On a machine of several GPUs, one invocation per GPU, each with CUDA_VISIBLE_DEVICES and its own
 # MLX_GRPO_CACHE (its own kernel cache: processes writing one cache at once crashed).
 # Each stage's wall time goes to OUT_DIR/<recipe>-s<seed>.<stage>.seconds. GRPO_SET="key=value ..." adds --set items
-# to the GSM8K chains' GRPO stage only (e.g. GRPO_SET=lookahead=4: a rollout timing setting).
+# to the GSM8K chains' GRPO stage only (e.g. GRPO_SET=lookahead=4: a rollout timing setting); items are split on
+# spaces (a value cannot hold one) and never globbed.
 set -u
 OUT=$(mkdir -p "$1" && cd "$1" && pwd); D=$(cd "$2" && pwd); shift 2
 # Each process's buffer cache is capped (bench/with_cache_limit.py): uncapped, runs side by side ran out of memory.
@@ -38,7 +39,8 @@ simple() {  # simple PRESET TAG SEED: base eval, train, trained eval on the pres
 gsm8k() {  # gsm8k SEED SFT_PRESET GRPO_PRESET TAG: base eval, warm start, its eval, GRPO from it, trained eval
   local tag=$4-s$1 runs=$OUT/runs/$4-s$1 sft=configs/$2.toml grpo=configs/$3.toml
   local data=(--set dataset_path="$D/train.jsonl" --set eval_dataset_path="$D/test.jsonl" --set seed="$1") extra=()
-  for item in ${GRPO_SET:-}; do extra+=(--set "$item"); done
+  local items; read -ra items <<< "${GRPO_SET:-}"
+  for item in ${items[@]+"${items[@]}"}; do extra+=(--set "$item"); done
   # BASE=0 skips the base model's evaluation (~2 GPU minutes) when a hold is short
   [ "${BASE:-1}" = 1 ] && timed "$tag.base" $M eval --config "$grpo" "${data[@]}" --samples 1319 -o "$OUT/$tag-base.jsonl"
   timed "$tag.sft" $M sft --config "$sft" "${data[@]}" --set output_dir="$runs" || return

@@ -154,3 +154,7 @@ def test_unsupported_settings_are_refused(tiny_vlm_dir, tmp_path):
 
     with pytest.raises(UserError, match="update_every"):
         vlm_cfg(tiny_vlm_dir, tmp_path, update_every=2)
+    # the image rollouts sample through vlm/image_rollout.py, not the engine's running batch and its syncs
+    for name, value in (("lookahead", 2), ("running_rows", 16)):
+        with pytest.raises(UserError, match=f"image_column .* does not support {name}"):
+            vlm_cfg(tiny_vlm_dir, tmp_path, **{name: value})

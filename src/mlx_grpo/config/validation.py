@@ -80,7 +80,8 @@ def _validate_images(c: Config) -> None:
         bad = [name for flag, name in [(o.update_every > 1, "update_every > 1"), (r.quantize_for_rollouts,
                "quantize_for_rollouts"), (bool(r.stop), "stop"), (o.demonstrations != "off", "demonstrations"),
                (c.training.use_compile, "use_compile"), (bool(r.tools or r.environment), "tools/environment"),
-               (bool(c.data.prefill), "prefill"), (r.decode_graph, "decode_graph")] if flag]
+               (bool(c.data.prefill), "prefill"), (r.decode_graph, "decode_graph"),
+               (r.lookahead > 0, "lookahead"), (r.running_rows > 0, "running_rows")] if flag]
         _require(not bad, f"image_column (GRPO on images) does not support {', '.join(bad)}: drop them")
     _require(c.data.image_column or not c.training.train_vision,
              "train_vision needs image_column (a GRPO run on images)")
