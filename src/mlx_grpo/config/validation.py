@@ -191,10 +191,9 @@ def _validate_objective(c: Config) -> None:
     _unused_unless(c, "max_resample_batches", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "draws_per_pass", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "rollout_worker", r.async_rollouts > 0, "async_rollouts = 1")
-    _unused_unless(c, "running_rows", r.rollout_engine != "model" and not r.quantize_for_rollouts,
-                   "the sampling copy (rollout_engine = copy or auto, without quantize_for_rollouts)")
-    _unused_unless(c, "lookahead", r.rollout_engine != "model" and not r.quantize_for_rollouts,
-                   "the sampling copy (rollout_engine = copy or auto, without quantize_for_rollouts)")
+    for name in ("running_rows", "lookahead"):  # the sampling copy's running batch and its loop's syncs
+        _unused_unless(c, name, r.rollout_engine != "model" and not r.quantize_for_rollouts,
+                       "the sampling copy (rollout_engine = copy or auto, without quantize_for_rollouts)")
     _unused_unless(c, "carry_surplus", r.dynamic_sampling, "dynamic_sampling = true")
     if r.carry_surplus:
         _require(o.rollout_correction != "none", "carry_surplus trains groups sampled by the weights of an earlier "
@@ -222,8 +221,9 @@ def _validate_async(c: Config) -> None:
         return
     bad = [name for flag, name in [(r.dynamic_sampling, "dynamic_sampling"), (o.num_iterations > 1, "num_iterations > 1"),
            (o.update_every > 1, "update_every > 1"), (r.quantize_for_rollouts, "quantize_for_rollouts"),
-           (o.demonstrations != "off", "demonstrations"), (bool(c.data.image_column), "image_column")] if flag]
-    bad += ["lookahead"] * (r.lookahead > 0)  # its gathers queued ahead of the loop: checked on the one stream only
+           (o.demonstrations != "off", "demonstrations"), (bool(c.data.image_column), "image_column"),
+           # its gathers queued ahead of the loop: checked on the one stream only
+           (r.lookahead > 0, "lookahead")] if flag]
     _require(not bad, f"async_rollouts = 1 does not support {', '.join(bad)}: drop them, or set async_rollouts = 0")
     _require(r.rollout_worker == "thread" or not (r.tools or r.environment), "rollout_worker = process decodes "
              "single-turn rollouts only (the episodes' tools run in the training process): set rollout_worker = thread")
