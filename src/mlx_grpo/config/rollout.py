@@ -109,9 +109,9 @@ class RolloutConfig:
                              "same tokens (on a CPU in float32; log-probs up to the rounding of rows batched "
                              "differently); rows join and leave the running batch up to this many steps later. "
                              "In-run evaluation on the same engine too. 0 = the sync reads the step it follows. "
-                             "Not yet measured against 0 in one sitting: one H200 read the calculator's 4-draw "
-                             "pass of 1,024 rows at 5.38 s with 4 (bench/records/h200-session42-20261129/), other "
-                             "machines 5.26-5.93 s at 0. Needs the copy (rollout_engine = copy, or auto on NVIDIA "
+                             "Measured on one H200 (bench/records/h200-session43-20261129/): the calculator's "
+                             "4-draw pass of 1,024 rows 5.45-5.59 s with 4, 5.61-5.88 s with 0; prod_tools' "
+                             "updates 8.51 s with 4, 8.45 s with 0: the presets keep 0. Needs the copy (rollout_engine = copy, or auto on NVIDIA "
                              "GPUs, without quantize_for_rollouts), async_rollouts = 0 and no image_column.", TRAIN,
                              range="[0, 7]", resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
