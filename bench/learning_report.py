@@ -89,8 +89,8 @@ def paired_row(name: str, counts: tuple[int, int, int, int, int]) -> str:
             f"{only_after} / {only_before}, p = {p_text(mcnemar(only_after, only_before))} |")
 
 
-def accuracy_row(name: str, path: Path) -> str:
-    rows = eval_rows(path)
+def accuracy_row(name: str, rows: list[dict]) -> str:
+    """One evaluation's row of the accuracy table (rows: eval_rows')."""
     n = len(rows)
     cells = []
     for key in ("correct", "lenient", "formatted"):
@@ -151,15 +151,16 @@ def main(outs: list[Path]) -> None:
           "called a tool |")
     print("|---|---|---|---|---|---|")
     name = {run: run[0] if len(outs) == 1 else f"{run[0]} ({run[1]})" for run in runs}
+    read = {path: eval_rows(path) for found in runs.values() for path in found.values()}  # each file read once
     for run in sorted(runs):
         for stage in (s for s in stages if s in runs[run]):
-            print(accuracy_row(f"{name[run]} | {stage}", runs[run][stage]))
+            print(accuracy_row(f"{name[run]} | {stage}", read[runs[run][stage]]))
     pools: dict[tuple[str, str], list] = {}  # (recipe, the stage trained from) -> [(run, questions, counts)]
     for run in sorted(runs):
         found = runs[run]
         start = next((s for s in ("sft", "base") if s in found), None)
         if "trained" in found and start:
-            before, after = eval_rows(found[start]), eval_rows(found["trained"])
+            before, after = read[found[start]], read[found["trained"]]
             counts = paired(before, after, f"{name[run]}, {start} -> trained")
             pools.setdefault((run[0].rsplit("-s", 1)[0], start), []).append((run, [question(r) for r in after], counts))
     if pools:

@@ -7,23 +7,17 @@ usage: python bench/tools_report.py OUT_DIR    (OUT_DIR as given to tools_run.sh
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_report import accuracy_row, wilson  # noqa: E402
+from learning_report import accuracy_row, eval_rows, wilson  # noqa: E402
 
 RUNS = {"arith": "arith", "arith_tools": "arith-tools"}  # preset -> run_name
 
 
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def calls_cell(path: Path) -> str:
-    rows = read(path)
+def calls_cell(rows: list[dict]) -> str:
     if "tool_calls" not in rows[0]:
         return "-"
     k, n = sum(r["tool_calls"] > 0 for r in rows), len(rows)
@@ -33,7 +27,7 @@ def calls_cell(path: Path) -> str:
 
 def training_row(preset: str, out: Path) -> str:
     run = out / "runs" / RUNS[preset]
-    metrics = read((run if run.is_dir() else out / RUNS[preset]) / "metrics.jsonl")  # a results copy: no runs/
+    metrics = eval_rows((run if run.is_dir() else out / RUNS[preset]) / "metrics.jsonl")  # one JSON object a line  # a results copy: no runs/
     minutes = sum(m["time_step_s"] for m in metrics) / 60
 
     def mean(key: str, part: list[dict]) -> str:
@@ -69,7 +63,9 @@ def main(out: Path) -> None:
         for stage in ("base", "trained"):
             path = out / f"{preset}-{stage}.jsonl"
             if path.is_file():
-                print(accuracy_row(f"{preset} {stage}", path)[:-2] + f" | {calls_cell(path)} |")
+                rows = eval_rows(path)
+                # accuracy_row's last cell (the share that called a tool) with its interval instead
+                print(accuracy_row(f"{preset} {stage}", rows).rsplit(" | ", 1)[0] + f" | {calls_cell(rows)} |")
             else:
                 print(summary_row(f"{preset} {stage}", out / f"{preset}-{stage}.log"))
     print()

@@ -483,6 +483,24 @@ def test_tools_bench_inline_answers_decode_the_same_rows_and_unsynced_parts_are_
     assert phases["turns: report"][1] > 0 and 0 < phases["turns: report"][0] < phases["decode loop (all)"][0]
 
 
+def test_tools_bench_times_the_loop_parts_of_a_trainer_run(tmp_path):
+    """--train-minutes (bench/loop_phases.train_phases): `mlx-grpo train` of the tools preset on the tiny caller,
+    each rollout's decode loop timed by parts, one pass per update, beside the run's own metrics."""
+    out = tmp_path / "train.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_bench.py"), "--caller", "--train-minutes",
+                           "0.01", "--set", "batch_size=2", "--set", "num_generations=4", "--set", "max_new_tokens=32",
+                           "--set", "max_train_samples=8", "--set", "worked_examples=0", "--set", "rollout_engine=copy",
+                           "--set", f"output_dir={tmp_path / 'runs'}", "--unsynced", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    train = json.loads(out.read_text())["train"]
+    assert train["updates"] == len(train["metrics"]) == len(train["passes"]) >= 1
+    for p in train["passes"]:
+        assert p["rows"] == 8 and p["decode_steps"] > 0 and p["calls"]["step dispatch"] == p["decode_steps"]
+        assert 0 < p["parts"]["decode loop (all)"] <= p["seconds"] and p["calls"]["turns: report"] > 0
+    assert all(m["time_rollout_s"] > 0 for m in train["metrics"])
+
+
 def test_tools_bench_profiles_the_host_work_of_a_tool_calling_rollout(tmp_path):
     """--host --caller: one tools batch of the tiny caller on the sampling copy under cProfile, its seconds split
     into the decode loop's refills, stop checks, rows at syncs and turns handed over."""

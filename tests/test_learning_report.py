@@ -96,3 +96,26 @@ def test_the_published_calculator_chains_come_out_of_their_records():
     pooled = ("| gsm8k_tools pooled over 3, sft -> trained | 249/3957 = 6.3% [5.6, 7.1] -> 395/3957 = 10.0% "
               "[9.1, 11.0] | +3.7 | 246 / 100, p = 2e-15 |")
     assert pooled in out
+
+
+def test_tools_report_rows_match_its_header(tmp_path):
+    """bench/tools_report.py: each evaluation's row has the header's five columns, its last the share of answers
+    that called the calculator with its interval (in place of accuracy_row's bare share), read from the file once."""
+    import json
+
+    rows = [{"prompt": f"q{i}", "correct": i % 2, "lenient": i % 2, "formatted": 1, "tool_calls": i % 3}
+            for i in range(10)]
+    for preset, run in (("arith", "arith"), ("arith_tools", "arith-tools")):
+        for stage in ("base", "trained"):
+            (tmp_path / f"{preset}-{stage}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "metrics.jsonl").write_text("\n".join(json.dumps(
+            {"time_step_s": 1.0, "reward_mean": 0.5, "tool_call_rate": 0.3, "completion_length_mean": 40})
+            for _ in range(6)))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools_report.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("\n\n")[0].splitlines()
+    assert len(table) == 6 and {line.count("|") for line in table} == {6}
+    assert table[2] == ("| arith base | 5/10 = 50.0% [23.7, 76.3] | 5/10 = 50.0% [23.7, 76.3] | "
+                        "10/10 = 100.0% [72.2, 100.0] | 6/10 = 60.0% [31.3, 83.2] |")

@@ -281,6 +281,21 @@ def test_grad_checkpoint_without_effect_is_reported(tiny_model_dir, tmp_path, mo
     assert "grad_checkpoint has no effect for model type 'llama'" in capsys.readouterr().out
 
 
+def test_copy_settings_off_the_copy_are_reported(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """running_rows and lookahead shape the sampling copy's loop: where auto picks the model path (a CPU here),
+    the run says they are ignored; where the copy samples, nothing is said."""
+    monkeypatch.setattr(assembly_mod, "uses_copy", lambda mode, model: False)
+    assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path, "running_rows=8", "lookahead=2"))
+    assert "warning: running_rows and lookahead shape the sampling copy's decode, and rollouts decode on the model " \
+           "itself here (rollout_engine = auto): ignored" in capsys.readouterr().out
+    monkeypatch.setattr(assembly_mod, "uses_copy", lambda mode, model: True)
+    assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path, "running_rows=8", "lookahead=2"))
+    assert "sampling copy's decode" not in capsys.readouterr().out
+    monkeypatch.setattr(assembly_mod, "uses_copy", lambda mode, model: False)
+    assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path))  # the defaults: nothing to say
+    assert "sampling copy's decode" not in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- objective options, adapters
 
 def test_lora_trains_only_adapters_and_its_reference_is_the_base(tiny_model_dir, tmp_path):

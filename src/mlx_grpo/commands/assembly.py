@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands.evaluate import answer_records
-from mlx_grpo.config import Config
+from mlx_grpo.config import Config, command_default
 from mlx_grpo.data.demonstrations import check_references
 from mlx_grpo.data.examples import subset
 from mlx_grpo.data.prompts import select_worked_examples
@@ -143,6 +143,12 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     reference = load_model(cfg.model.model_name, cfg.model.model_dtype)[0] \
         if cfg.objective.kl_coeff > 0 and adapter_config is None else None
     r, G, sampled_by_copy = cfg.rollout, cfg.rollout.num_generations, uses_copy(cfg.rollout.rollout_engine, model)
+    # the copy's settings where rollouts decode on the model itself (auto off NVIDIA GPUs, or a model the copy does
+    # not serve): validation cannot know the device or the model, and presets travel between machines, so a warning
+    ignored = [n for n in ("running_rows", "lookahead", "decode_graph") if getattr(r, n) != command_default("train", n)]
+    if ignored and not sampled_by_copy:
+        say(f"[mlx-grpo] warning: {' and '.join(ignored)} shape{'s' * (len(ignored) == 1)} the sampling copy's decode, "
+            f"and rollouts decode on the model itself here (rollout_engine = {r.rollout_engine}): ignored")
     per_rank = " per rank" if world and world.size > 1 else ""
     rows = step_rows = cfg.training.batch_size // (world.size if world else 1) * G
     what = f"batch_size {cfg.training.batch_size} x num_generations {G}{per_rank}"
