@@ -357,6 +357,35 @@ def test_decode_profile_runs_on_tiny_sizes(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == "decode_profile: error: --rows 6 is not a multiple of --group 4"
 
 
+def test_queue_depth_times_steps_queued_ahead_of_host_work(tmp_path):
+    """bench/queue_depth.py on a tiny random model: per row count the engine's step time, per K the host's dispatch
+    of K steps and the steps still queued at its return, and per host work X the wall time to the end, never below
+    X, with the hidden share computed from its formula; too few cache slots for the measurements is one line, 2."""
+    out = tmp_path / "queue.json"
+    script = str(ROOT / "bench" / "queue_depth.py")
+    proc = subprocess.run([sys.executable, script, "--shape", "tiny-qwen2", "--dtype", "float32", "--rows", "4,8",
+                           "--group", "4", "--ahead", "1,3", "--host-ms", "2,6", "--warmup", "1", "--repeats", "1",
+                           "--max-new-tokens", "48", "--prompt-len", "16", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["workload"]["host_ms"] == [2.0, 6.0] and [r["rows"] for r in record["results"]] == [4, 8]
+    for r in record["results"]:
+        assert r["step_ms"] > 0 and [q["ahead_steps"] for q in r["ahead"]] == [1, 3]
+        for q in r["ahead"]:
+            assert q["dispatch_ms"] > 0
+            assert q["queued_at_return"] == pytest.approx(q["ahead_steps"] - q["dispatch_ms"] / r["step_ms"])
+            for h in q["hosts"]:
+                assert h["total_ms"] >= h["host_ms"]
+                assert h["hidden"] == pytest.approx(
+                    (q["ahead_steps"] * r["step_ms"] + h["host_ms"] - h["total_ms"]) / h["host_ms"])
+    assert "| engine | 8 |" in proc.stdout and "X = 6 ms: total, hidden" in proc.stdout
+    bad = subprocess.run([sys.executable, script, "--shape", "tiny-qwen2", "--rows", "4", "--group", "4",
+                          "--ahead", "8", "--max-new-tokens", "16", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--max-new-tokens 16: the measurements take" in bad.stderr
+
+
 def test_short_answers_picks_one_full_row_and_the_mean(tiny_model_dir):
     """The short-answers batch: exactly one row that reached the limit, the rest a window of the pool
     whose total brings the batch's mean closest to the target; lengths read off tokens at the first end;
