@@ -6,13 +6,16 @@ queued steps when the host gets there. MLX's backends commit a graph every so ma
 (MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER) and `async_eval` waits while too many commits are pending, so a step
 of a few hundred operations may let the host run only a step or two ahead, whatever the lookahead.
 
-For each row count, with the engine's own step (decode_profile's builders, "engine" by default), after --warmup steps:
-  step ms        the device's time per step: K steps dispatched back to back, then waited for, over K
+For each row count, with a decode step of decode_profile's builders (by default "engine_inplace": the engine's
+compiled step writing each token's keys/values into the cache in place where the fused CUDA kernel serves, as the
+engine's loop does; elsewhere the same as "engine"), after --warmup steps:
+  step ms        wall time per step with the largest K dispatched back to back, then waited for: the device's
+                 time per step where the device is the bound, the host's where it is (dispatch ms / K near it)
   dispatch ms    host time to dispatch K steps with async_eval (it returns before the device ends)
-  ahead          steps still queued when the host is done dispatching: K - dispatch / step
+  queued         steps still queued when the host is done dispatching: K - dispatch / step
   then, for each host work X (a busy loop on the host after the K steps are dispatched, as a sync's work):
   total ms       from the first dispatch to the device's end
-  hidden         the share of X the queued steps hid: (K x step + X - total) / X, 1 = all of it
+  hidden         the share of X the queued steps hid: (total without X + X - total) / X, 1 = all of it
 
 Run it under the MLX settings to compare (each process reads them once):
     python bench/queue_depth.py --rows 256,1024 --ahead 1,2,4,8 --host-ms 25,75
@@ -69,26 +72,28 @@ def measure(decoder, warmup: int, aheads: list[int], hosts: list[float], repeats
     step = statistics.median(queue(decoder, longest, 0)[1] / longest for _ in range(repeats))
     found = []
     for k in aheads:
-        dispatch = statistics.median(queue(decoder, k, 0)[0] for _ in range(repeats))
-        row = {"ahead_steps": k, "dispatch_ms": 1e3 * dispatch, "queued_at_return": k - dispatch / step, "hosts": []}
+        plain = [queue(decoder, k, 0) for _ in range(repeats)]  # K steps and no host work: the baseline of each X
+        dispatch, alone = statistics.median(p[0] for p in plain), statistics.median(p[1] for p in plain)
+        row = {"ahead_steps": k, "dispatch_ms": 1e3 * dispatch, "alone_ms": 1e3 * alone,
+               "queued_at_return": k - dispatch / step, "hosts": []}
         for x in hosts:
             total = statistics.median(queue(decoder, k, x)[1] for _ in range(repeats))
-            row["hosts"].append({"host_ms": x, "total_ms": 1e3 * total,
-                                 "hidden": (k * step + x / 1e3 - total) / (x / 1e3) if x else None})
+            row["hosts"].append({"host_ms": x, "total_ms": 1e3 * total, "hidden": (alone + x / 1e3 - total) / (x / 1e3)})
         found.append(row)
     return {"step_ms": 1e3 * step, "ahead": found}
 
 
 def markdown(result: dict) -> str:
     hosts = result["workload"]["host_ms"]
-    lines = ["| step | rows | step ms | K | dispatch ms | queued at return | "
+    lines = ["| step | rows | step ms | K | dispatch ms | queued at return | alone ms | "
              + " | ".join(f"X = {x:g} ms: total, hidden" for x in hosts) + " |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in hosts) + " |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in hosts) + " |"]
     for r in result["results"]:
         for q in r["ahead"]:
             cells = [f"{h['total_ms']:.1f} ms, {h['hidden']:.0%}" for h in q["hosts"]]
             lines.append(f"| {r['builder']} | {r['rows']} | {r['step_ms']:.2f} | {q['ahead_steps']} | "
-                         f"{q['dispatch_ms']:.2f} | {q['queued_at_return']:.1f} | " + " | ".join(cells) + " |")
+                         f"{q['dispatch_ms']:.2f} | {q['queued_at_return']:.1f} | {q['alone_ms']:.1f} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-ms", default="25,75", help="host work X after them (milliseconds), comma-separated")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="medians over this many measurements")
-    ap.add_argument("--builder", default="engine", choices=sorted(dp.STEP_BUILDERS))
+    ap.add_argument("--builder", default="engine_inplace", choices=sorted(dp.STEP_BUILDERS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-results", help="JSON file (*.json) or directory for the record")
     args = ap.parse_args(argv)
@@ -125,10 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     hosts = [float(x) for x in ints(args.host_ms, "--host-ms", ap)]
     if args.repeats < 1 or args.warmup < 0 or args.group < 1:
         ap.error("--repeats and --group must be positive, --warmup not negative")
-    # every measurement runs one more step than it times, each step takes a cache slot
-    needed = args.warmup + args.repeats * (1 + max(aheads) + sum(k + 1 for k in aheads) * (1 + len(hosts)))
+    # every measurement runs one more step than it times; each step takes a cache slot and one of the
+    # max_new_tokens step keys, of which the prefill's token took the first
+    needed = 1 + args.warmup + args.repeats * (1 + max(aheads) + sum(k + 1 for k in aheads) * (1 + len(hosts)))
     if args.max_new_tokens < needed:
-        ap.error(f"--max-new-tokens {args.max_new_tokens}: the measurements take {needed} steps")
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: the measurements take {needed - 1} steps after the "
+                 f"prefill's token ({needed} needed)")
+    bad = [n for n in rows if n % min(args.group, n)]
+    if bad:
+        ap.error(f"--rows {bad[0]} is not a multiple of --group {args.group}")
+    try:
+        return run(args, rows, aheads, hosts, argv)
+    except dp.UserError as exc:  # e.g. a model the sampling copy does not serve
+        print(f"queue_depth: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args, rows: list[int], aheads: list[int], hosts: list[float], argv) -> int:
     model, name = dp.load(args)
     result = {"date": dt.date.today().isoformat(), "device": device_name(), "versions": versions(),
               "mlx_settings": mlx_settings(), "command": " ".join([Path(sys.argv[0]).as_posix()] + (
@@ -138,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
               "results": []}
     for n in rows:
         g = min(args.group, n)
-        if n % g:
-            ap.error(f"--rows {n} is not a multiple of --group {g}")
         prompts = dp.make_prompts(n // g, args.prompt_len, min(model.args.vocab_size, 49152), args.seed)
         with dp.STEP_BUILDERS[args.builder](model, prompts, g, args.max_new_tokens, args.seed) as decoder:
             r = {"builder": args.builder, "rows": n, **measure(decoder, args.warmup, aheads, hosts, args.repeats)}

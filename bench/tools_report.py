@@ -27,7 +27,8 @@ def calls_cell(rows: list[dict]) -> str:
 
 def training_row(preset: str, out: Path) -> str:
     run = out / "runs" / RUNS[preset]
-    metrics = eval_rows((run if run.is_dir() else out / RUNS[preset]) / "metrics.jsonl")  # one JSON object a line  # a results copy: no runs/
+    # a results copy has no runs/; metrics.jsonl is one JSON object a line, as an evaluation's file
+    metrics = eval_rows((run if run.is_dir() else out / RUNS[preset]) / "metrics.jsonl")
     minutes = sum(m["time_step_s"] for m in metrics) / 60
 
     def mean(key: str, part: list[dict]) -> str:

@@ -87,6 +87,11 @@ CASES = {
     "lookahead off the copy": (TRAIN + ["--set", "rollout_engine=model", "--set", "lookahead=2"],
                                r"lookahead only applies with the sampling copy \(rollout_engine = copy or auto"),
     "lookahead past a sync": (TRAIN + ["--set", "lookahead=8"], r"lookahead must be 0-7"),
+    "decode graph off the copy": (TRAIN + ["--set", "rollout_engine=model", "--set", "decode_graph=true"],
+                                  r"decode_graph only applies with the sampling copy \(rollout_engine = copy or auto"),
+    "decode graph on a quantized copy": (TRAIN + ["--set", "quantize_for_rollouts=true", "--set", "decode_graph=true"],
+                                         r"decode_graph only applies with the sampling copy .*without "
+                                         r"quantize_for_rollouts"),
     "lookahead with async": (TRAIN + ["--set", "async_rollouts=1", "--set", "rollout_correction=token_mask",
                                       "--set", "lookahead=2"], r"async_rollouts = 1 does not support lookahead"),
     "arith steps": (TRAIN + ["--set", "arith_max_steps=9"], r"arith_max_steps must be 1-4"),

@@ -377,13 +377,20 @@ def test_queue_depth_times_steps_queued_ahead_of_host_work(tmp_path):
             assert q["queued_at_return"] == pytest.approx(q["ahead_steps"] - q["dispatch_ms"] / r["step_ms"])
             for h in q["hosts"]:
                 assert h["total_ms"] >= h["host_ms"]
-                assert h["hidden"] == pytest.approx(
-                    (q["ahead_steps"] * r["step_ms"] + h["host_ms"] - h["total_ms"]) / h["host_ms"])
-    assert "| engine | 8 |" in proc.stdout and "X = 6 ms: total, hidden" in proc.stdout
-    bad = subprocess.run([sys.executable, script, "--shape", "tiny-qwen2", "--rows", "4", "--group", "4",
-                          "--ahead", "8", "--max-new-tokens", "16", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "--max-new-tokens 16: the measurements take" in bad.stderr
+                assert h["hidden"] == pytest.approx((q["alone_ms"] + h["host_ms"] - h["total_ms"]) / h["host_ms"])
+    assert "| engine_inplace | 8 |" in proc.stdout and "X = 6 ms: total, hidden" in proc.stdout
+    # one warm-up-free repeat of K = 1 with one X: 2 + 2 x 2 steps after the prefill's token, whose key is the
+    # first of max_new_tokens: 7 keys are enough, 6 are refused (a step past the keys would read garbage)
+    small = [sys.executable, script, "--shape", "tiny-qwen2", "--dtype", "float32", "--rows", "4", "--group", "4",
+             "--ahead", "1", "--host-ms", "1", "--warmup", "0", "--repeats", "1", "--prompt-len", "8",
+             "--out", str(tmp_path)]
+    bad = subprocess.run(small + ["--max-new-tokens", "6"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--max-new-tokens 6: the measurements take 6 steps after the prefill's token " \
+        "(7 needed)" in bad.stderr
+    assert subprocess.run(small + ["--max-new-tokens", "7"], capture_output=True, timeout=600).returncode == 0
+    bad = subprocess.run(small + ["--max-new-tokens", "64", "--rows", "4,6"], capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode == 2 and "--rows 6 is not a multiple of --group 4" in bad.stderr
 
 
 def test_short_answers_picks_one_full_row_and_the_mean(tiny_model_dir):

@@ -294,6 +294,11 @@ def test_copy_settings_off_the_copy_are_reported(tiny_model_dir, tmp_path, monke
     monkeypatch.setattr(assembly_mod, "uses_copy", lambda mode, model: False)
     assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path))  # the defaults: nothing to say
     assert "sampling copy's decode" not in capsys.readouterr().out
+    assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path, "lookahead=3"))
+    assert "warning: lookahead shapes the sampling copy's decode" in capsys.readouterr().out
+    assembly_mod.build_job(make_cfg(tiny_model_dir, tmp_path, "running_rows=8", "lookahead=3", "decode_graph=true"))
+    assert "warning: running_rows, lookahead and decode_graph shape the sampling copy's decode" \
+        in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- objective options, adapters

@@ -147,7 +147,8 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     # not serve): validation cannot know the device or the model, and presets travel between machines, so a warning
     ignored = [n for n in ("running_rows", "lookahead", "decode_graph") if getattr(r, n) != command_default("train", n)]
     if ignored and not sampled_by_copy:
-        say(f"[mlx-grpo] warning: {' and '.join(ignored)} shape{'s' * (len(ignored) == 1)} the sampling copy's decode, "
+        names = ", ".join(ignored[:-1]) + " and " * (len(ignored) > 1) + ignored[-1]
+        say(f"[mlx-grpo] warning: {names} shape{'s' * (len(ignored) == 1)} the sampling copy's decode, "
             f"and rollouts decode on the model itself here (rollout_engine = {r.rollout_engine}): ignored")
     per_rank = " per rank" if world and world.size > 1 else ""
     rows = step_rows = cfg.training.batch_size // (world.size if world else 1) * G

@@ -83,12 +83,13 @@ class RolloutConfig:
                                   "GPUs, model elsewhere (off CUDA the copy has no fused attention kernel yet).", TUNE,
                                   choices=("auto", "copy", "model"), resume_may_change=True)
     decode_graph: bool = setting(False, "The sampling copy's decode step with fewer primitives per step "
-                                 "(models/compiled_decode.py: 2-D hidden state, transposed matrices, the cache slot a "
-                                 "device array; one trace per cache capacity). Same tokens and log-probs as without it "
-                                 "on CPU in float32 (tests); costs a copy of o_proj/down_proj. Off by default: on an "
-                                 "H100 its step is 1.3x faster at 256 rows but slower at 1,024, and the standard "
-                                 "GRPO step's rollout did not move (docs/benchmarks-history.md, issue 25, third sitting). Needs "
-                                 "the copy (rollout_engine = copy, or auto on NVIDIA GPUs).", TRAIN, resume_may_change=True)
+                                 "(models/compiled_decode.py: 2-D hidden state, transposed matrices, the cache slot "
+                                 "a device array; one trace per cache capacity). Same tokens and log-probs as "
+                                 "without it on CPU in float32 (tests); costs a copy of o_proj/down_proj. Off by "
+                                 "default: on an H100 its step is 1.3x faster at 256 rows but slower at 1,024, and "
+                                 "the standard GRPO step's rollout did not move (docs/benchmarks-history.md, issue "
+                                 "25, third sitting). Needs the copy (rollout_engine = copy, or auto on NVIDIA GPUs) "
+                                 "without quantize_for_rollouts.", TRAIN, resume_may_change=True)
     running_rows: int = setting(0, "Rows the sampling copy starts its running batch with (as vLLM's max_num_seqs; "
                                 "per rank), of the batch steps one decode holds (dynamic sampling's draws in a pass, "
                                 "draws_per_pass, else an update's gradient_accumulation_steps), the rest taking the "
@@ -105,14 +106,15 @@ class RolloutConfig:
                                 resume_may_change=True)
     lookahead: int = setting(0, "The sampling copy's syncs (every 8 decode steps) read whether rows ended as of this "
                              "many steps before them, so their host work (stop checks, tool turns handed over, "
-                             "refills) can run while those steps are still on the device (rollout/loop.py). The "
-                             "same tokens (on a CPU in float32; log-probs up to the rounding of rows batched "
+                             "refills) can run while those steps are still on the device (rollout/loop.py). The same "
+                             "tokens (on a CPU in float32; log-probs up to the rounding of rows batched "
                              "differently); rows join and leave the running batch up to this many steps later. "
                              "In-run evaluation on the same engine too. 0 = the sync reads the step it follows. "
-                             "Measured on one H200 (bench/records/h200-session43-20261129/): the calculator's "
-                             "4-draw pass of 1,024 rows 5.45-5.59 s with 4, 5.61-5.88 s with 0; prod_tools' "
-                             "updates 8.51 s with 4, 8.45 s with 0: the presets keep 0. Needs the copy (rollout_engine = copy, or auto on NVIDIA "
-                             "GPUs, without quantize_for_rollouts), async_rollouts = 0 and no image_column.", TRAIN,
+                             "Measured on one H200 (bench/records/h200-session43-20261129/): the calculator's 4-draw "
+                             "pass of 1,024 rows 5.45-5.59 s with 4, 5.61-5.88 s with 0 (not interleaved); "
+                             "prod_tools' updates 8.51 s with 4, 8.45 s with 0 (within their noise): not settled, "
+                             "the presets keep 0. Needs the copy (rollout_engine = copy, or auto on NVIDIA GPUs, "
+                             "without quantize_for_rollouts), async_rollouts = 0 and no image_column.", TRAIN,
                              range="[0, 7]", resume_may_change=True)
     async_rollouts: int = setting(0, "1: the next update's rollouts decode in a background thread, from the weights "
                                   "this update starts from, while this update trains (training/prefetch.py): every "

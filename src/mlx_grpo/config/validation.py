@@ -171,8 +171,6 @@ def _validate_objective(c: Config) -> None:
     for name in dict.fromkeys(f for fields in own.values() for f in fields):  # a loss type's own settings
         _unused_unless(c, name, name in own.get(o.loss_type, ()),
                        "loss_type " + " or ".join(k for k, fields in own.items() if name in fields))
-    _require(not (r.decode_graph and r.rollout_engine == "model"),
-             "decode_graph = true needs the sampling copy: set rollout_engine = copy or auto")
     off_policy = o.num_iterations > 1 or o.update_every > 1 or r.quantize_for_rollouts
     for name, active in (("clip_eps_high", o.clip_eps_high > 0), ("delta", o.delta > 0),
                          ("importance_sampling_level", o.importance_sampling_level == "sequence"),
@@ -191,7 +189,7 @@ def _validate_objective(c: Config) -> None:
     _unused_unless(c, "max_resample_batches", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "draws_per_pass", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "rollout_worker", r.async_rollouts > 0, "async_rollouts = 1")
-    for name in ("running_rows", "lookahead"):  # the sampling copy's running batch and its loop's syncs
+    for name in ("running_rows", "lookahead", "decode_graph"):  # the sampling copy's running batch, syncs and step
         _unused_unless(c, name, r.rollout_engine != "model" and not r.quantize_for_rollouts,
                        "the sampling copy (rollout_engine = copy or auto, without quantize_for_rollouts)")
     _unused_unless(c, "carry_surplus", r.dynamic_sampling, "dynamic_sampling = true")
