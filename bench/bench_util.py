@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -88,3 +89,16 @@ def mlx_settings() -> dict:
     """The MLX_* variables of the environment (MLX's settings such as its CUDA graph limits and cuDNN attention;
     this project's MLX_GRPO_* and the distributed launch's too), which a record's command line does not show."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
+
+
+def write_record(out, name: str, record: dict) -> Path:
+    """record as JSON to `out`: a .json file, else a folder (made) where it is <name>-<date>-<time>.json. -> its path."""
+    import datetime as dt
+    import json
+
+    path = Path(out)
+    if path.suffix != ".json":
+        path = path / f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=float) + "\n")
+    return path

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 from pathlib import Path
 
@@ -67,7 +66,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import shapes  # noqa: E402
-from bench_util import device_name, versions  # noqa: E402
+from bench_util import device_name, versions, write_record  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -413,11 +412,7 @@ def run(args, rows: list[int], builders: list[str], argv) -> int:
                   flush=True)
             result["rows"].append(r)
             mx.clear_cache()
-    out = Path(args.out)
-    if out.suffix != ".json":
-        out = out / f"decode_profile-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    out = write_record(args.out, "decode_profile", result)
     print()
     print(markdown(result))
     for r in result["rows"]:

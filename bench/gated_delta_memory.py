@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_util import device_name, versions  # noqa: E402
+from bench_util import device_name, versions, write_record  # noqa: E402
 
 GIB = 1024 ** 3
 QWEN3_5_0_8B = {
@@ -160,13 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"bench": "gated_delta_memory", "config": QWEN3_5_0_8B, "rows": rows, "device": device_name(),
               "versions": versions(), "date": dt.datetime.now().isoformat(timespec="seconds")}
     if args.out:
-        out = Path(args.out)
-        if out.suffix != ".json":
-            out.mkdir(parents=True, exist_ok=True)
-            out = out / f"gated_delta_memory-{dt.date.today():%Y%m%d}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"\nJSON: {out}")
+        print(f"\nJSON: {write_record(args.out, 'gated_delta_memory', record)}")
     return 0
 
 

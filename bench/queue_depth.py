@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import decode_profile as dp  # first: it loads the optimized BLAS before mlx.cor
 import mlx.core as mx  # noqa: E402
 
 import shapes  # noqa: E402
-from bench_util import device_name, mlx_settings, versions  # noqa: E402
+from bench_util import device_name, mlx_settings, versions, write_record  # noqa: E402
 
 
 def busy(ms: float) -> None:
@@ -161,11 +160,7 @@ def run(args, rows: list[int], aheads: list[int], hosts: list[float], argv) -> i
             r = {"builder": args.builder, "rows": n, **measure(decoder, args.warmup, aheads, hosts, args.repeats)}
         result["results"].append(r)
         mx.clear_cache()
-    out = Path(args.out)
-    if out.suffix != ".json":
-        out = out / f"queue_depth-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_record(args.out, "queue_depth", result)
     print(markdown(result))
     print(f"\nJSON: {out}")
     return 0
