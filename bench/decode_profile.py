@@ -9,7 +9,9 @@ G times, then the fixed-capacity StaticBatchCache with the CUDA decode-attention
 models/kernel_forward.decode_step) where the kernel serves the model, mlx-lm's BatchKVCache elsewhere, the
 compiled sampler. "engine" is mlx_grpo.rollout.engine.RolloutEngine's step, what the trainer now samples
 with: the fused sampling copy, one compiled graph per step (model + sampler; it reads the cache), the token's
-keys/values written into the cache outside it. "graph" is the engine's step under decode_graph (models/compiled_decode.py), "graph_split"
+keys/values written into the cache outside it (the engine's way where the fused CUDA kernel does not serve:
+a cache copy a step); "engine_inplace" the same with the kernel writing them in place (write_in_step), the
+engine's way where it serves (the same as "engine" elsewhere). "graph" is the engine's step under decode_graph (models/compiled_decode.py), "graph_split"
 the same without its fused RoPE + attention launch (the same as "graph" where the CUDA kernel does not serve).
 All run with no EOS (every row decodes). Another decode step plugs in as another entry of STEP_BUILDERS.
 
