@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo.base.errors import UserError
 from mlx_grpo.commands.evaluate import answer_records
-from mlx_grpo.config import Config, command_default
+from mlx_grpo.config import COPY_SETTINGS, Config, command_default
 from mlx_grpo.data.demonstrations import check_references
 from mlx_grpo.data.examples import subset
 from mlx_grpo.data.prompts import select_worked_examples
@@ -145,7 +145,7 @@ def build_job(cfg: Config, world: World | None = None) -> Job:
     r, G, sampled_by_copy = cfg.rollout, cfg.rollout.num_generations, uses_copy(cfg.rollout.rollout_engine, model)
     # the copy's settings where rollouts decode on the model itself (auto off NVIDIA GPUs, or a model the copy does
     # not serve): validation cannot know the device or the model, and presets travel between machines, so a warning
-    ignored = [n for n in ("running_rows", "lookahead", "decode_graph") if getattr(r, n) != command_default("train", n)]
+    ignored = [n for n in COPY_SETTINGS if getattr(r, n) != command_default("train", n)]
     if ignored and not sampled_by_copy:
         names = ", ".join(ignored[:-1]) + " and " * (len(ignored) > 1) + ignored[-1]
         say(f"[mlx-grpo] warning: {names} shape{'s' * (len(ignored) == 1)} the sampling copy's decode, "

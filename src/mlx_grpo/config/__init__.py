@@ -18,14 +18,14 @@ from mlx_grpo.config.loading import (RENAMED, build_config, check_key, from_json
 from mlx_grpo.config.model import ModelConfig
 from mlx_grpo.config.objective import ObjectiveConfig
 from mlx_grpo.config.rewards import RewardsConfig
-from mlx_grpo.config.rollout import RolloutConfig
+from mlx_grpo.config.rollout import COPY_SETTINGS, RolloutConfig
 from mlx_grpo.config.root import (COMMAND_DEFAULTS, FIELD_GROUP, FIELDS, GROUPS, RESUME_MAY_CHANGE, Config,
                                   command_default, fields_for)
 from mlx_grpo.config.run import EvalConfig, HealthConfig, RunConfig
 from mlx_grpo.config.training import OptimizerConfig, TrainingConfig
 
 __all__ = [
-    "ANSWER_COLUMNS", "BUILTIN_DATASETS", "BUILTIN_REWARD_NAMES", "COMMANDS", "COMMAND_DEFAULTS", "Config",
+    "ANSWER_COLUMNS", "BUILTIN_DATASETS", "BUILTIN_REWARD_NAMES", "COMMANDS", "COMMAND_DEFAULTS", "COPY_SETTINGS", "Config",
     "DATA", "DEFAULT_MODEL", "DataConfig", "EPISODE_REWARD_NAMES", "EvalConfig", "FIELDS", "FIELD_GROUP", "GROUPS",
     "HealthConfig", "ModelConfig", "ObjectiveConfig", "OptimizerConfig", "PROMPT_COLUMNS", "REASONED_REWARD_NAMES",
     "REASONING_REWARD_NAMES", "RENAMED", "RESUME_MAY_CHANGE", "RewardsConfig", "RolloutConfig", "RunConfig",

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from mlx_grpo.config.fields import DATA, INFER, SAMPLING, TRAIN, TUNE, setting
 
+# The sampling copy's own settings (its running batch, its loop's syncs, its step): they act only where the copy
+# samples, which validation refuses where it cannot (rollout_engine = model, quantize_for_rollouts) and a run says
+# where the device or the model rules it out (commands/assembly.build_job).
+COPY_SETTINGS = ("running_rows", "lookahead", "decode_graph")
+
 
 @dataclass(frozen=True)
 class RolloutConfig:

@@ -9,6 +9,7 @@ import difflib
 from mlx_grpo.config.data import dataset_kind, unknown_dataset
 from mlx_grpo.config.fields import DATA, choices_of, in_range, range_words
 from mlx_grpo.config.objective import loss_own_fields
+from mlx_grpo.config.rollout import COPY_SETTINGS
 from mlx_grpo.config.root import FIELD_GROUP, FIELDS, Config, command_default, fields_for
 from mlx_grpo.base.errors import UserError
 
@@ -189,7 +190,7 @@ def _validate_objective(c: Config) -> None:
     _unused_unless(c, "max_resample_batches", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "draws_per_pass", r.dynamic_sampling, "dynamic_sampling = true")
     _unused_unless(c, "rollout_worker", r.async_rollouts > 0, "async_rollouts = 1")
-    for name in ("running_rows", "lookahead", "decode_graph"):  # the sampling copy's running batch, syncs and step
+    for name in COPY_SETTINGS:
         _unused_unless(c, name, r.rollout_engine != "model" and not r.quantize_for_rollouts,
                        "the sampling copy (rollout_engine = copy or auto, without quantize_for_rollouts)")
     _unused_unless(c, "carry_surplus", r.dynamic_sampling, "dynamic_sampling = true")
